@@ -1,0 +1,49 @@
+"""tune_hydra: Hydra's shard parallelism for Ray Tune.
+
+The engine (``ModelTask``, ``train_models``, ...) needs only torch; the Ray Tune front end
+(``run``, ``HydraExecutor``) is imported on first use, so ``import tune_hydra`` works
+where Ray is not installed.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from tune_hydra import exceptions
+from tune_hydra.engine import Engine, History, ModelTask, train_models, train_plain
+from tune_hydra.exceptions import TuneHydraError
+
+if TYPE_CHECKING:
+    from tune_hydra.tune import HydraExecutor, run
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "run": "tune_hydra.tune",
+    "HydraExecutor": "tune_hydra.tune",
+    "save_trace": "tune_hydra.engine.trace",
+    "plot_timeline": "tune_hydra.engine.trace",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'tune_hydra' has no attribute {name!r}")
+
+
+__all__ = [
+    "Engine",
+    "History",
+    "HydraExecutor",
+    "ModelTask",
+    "TuneHydraError",
+    "exceptions",
+    "plot_timeline",
+    "run",
+    "save_trace",
+    "train_models",
+    "train_plain",
+]

@@ -1,0 +1,47 @@
+"""The shard engine: partition, spill, execute and multiplex. Never imports Ray."""
+
+from __future__ import annotations
+
+from tune_hydra.engine.engine import Engine
+from tune_hydra.engine.ops import Op, OpKind
+from tune_hydra.engine.partition import LayerCost, ShardPlan, ShardSpec, plan_shards
+from tune_hydra.engine.policies import (
+    BasePolicy,
+    Candidate,
+    FIFOPolicy,
+    LRTFPolicy,
+    RoundRobinPolicy,
+    get_policy,
+)
+from tune_hydra.engine.reference import train_plain
+from tune_hydra.engine.spill import ShardStore
+from tune_hydra.engine.task import ModelTask, model_layers
+from tune_hydra.engine.trace import Trace, TraceEvent
+from tune_hydra.engine.train import History, train_models
+from tune_hydra.engine.units import parse_bytes, resolve_devices
+
+__all__ = [
+    "BasePolicy",
+    "Candidate",
+    "Engine",
+    "FIFOPolicy",
+    "History",
+    "LRTFPolicy",
+    "LayerCost",
+    "ModelTask",
+    "Op",
+    "OpKind",
+    "RoundRobinPolicy",
+    "ShardPlan",
+    "ShardSpec",
+    "ShardStore",
+    "Trace",
+    "TraceEvent",
+    "get_policy",
+    "model_layers",
+    "parse_bytes",
+    "plan_shards",
+    "resolve_devices",
+    "train_models",
+    "train_plain",
+]

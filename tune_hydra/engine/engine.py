@@ -1,0 +1,490 @@
+"""The engine: tasks, device workers and the dispatcher that multiplexes their shards.
+
+:class:`Engine` is thread-safe and Ray-free. ``train_models`` drives it for a fixed number
+of epochs; the Ray Tune front end drives it one iteration per trial step.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from tune_hydra.engine.ops import Op
+from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
+from tune_hydra.engine.policies import BasePolicy, Candidate, get_policy
+from tune_hydra.engine.runner import TaskRunner, TrainOptions, _split_batch
+from tune_hydra.engine.task import ModelTask, model_layers
+from tune_hydra.engine.trace import Trace
+from tune_hydra.engine.units import device_capacity, parse_bytes, resolve_devices
+from tune_hydra.engine.workers import _POLL_S, Assignment, DeviceWorker, default_clock
+from tune_hydra.exceptions import (
+    EmptyDataError,
+    InvalidTaskError,
+    ScheduleError,
+    TaskFailedError,
+    TuneHydraError,
+)
+
+_EMA = 0.3  # weight of the newest measurement in per-op time estimates
+
+
+@dataclass
+class _Pending:
+    future: concurrent.futures.Future[list[dict[str, Any]]]
+    count: int
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Entry:
+    name: str
+    task: ModelTask
+    plan: ShardPlan
+    options: TrainOptions
+    order: int
+    runner: TaskRunner
+    pending: list[_Pending] = field(default_factory=list)
+    assigned: DeviceWorker | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    hint: int = 0  # iterations still to come after the granted ones
+    ready_since: float = 0.0
+    op_time: dict[tuple[str, int], float] = field(default_factory=dict)
+    batches_per_iter: float = 0.0
+
+    def remaining_s(self) -> float:
+        n = len(self.plan)
+        per_batch = 0.0
+        known = [v for v in self.op_time.values()]
+        fallback = sum(known) / len(known) if known else 1.0
+        kinds = [("F", i) for i in range(n - 1)] + [("L", n - 1)] + [("B", i) for i in range(n - 1)]
+        for key in kinds:
+            per_batch += self.op_time.get(key, fallback)
+        iters = self.runner.granted + self.hint
+        per_iter = self.batches_per_iter or 1.0
+        done = self.runner.batch_in_epoch if self.options.iteration_batches is None else 0
+        return per_batch * max(iters * per_iter - done, 1.0)
+
+
+class Engine:
+    """Trains many :class:`~tune_hydra.ModelTask` s at once, shard by shard, on shared devices.
+
+    Args:
+        devices: ``"auto"``, ``"cpu"``, or a list such as ``["cuda:0", "cuda:1"]``;
+            ``"cpu"`` may repeat (each is an emulated device with its own worker thread,
+            and torch's intra-op threads are divided among them).
+        device_memory: per-device budget (bytes, or ``"512MiB"``); ``None`` is the whole
+            device (on the CPU: no limit, one shard).
+        policy: ``"lrtf"`` (default), ``"fifo"``, ``"round_robin"`` or a ``BasePolicy``.
+        prefetch: double-buffer: promote the next assigned shard while one computes.
+        recompute: re-run forward in backward instead of keeping activations; default
+            ``True`` on GPUs (activations would occupy device memory) and ``False`` on the
+            CPU (where the "device" is host memory and recomputing only costs time).
+        copy_on_cpu: really copy shard state on CPU "devices" (exercises the spill path).
+        max_layers_per_shard: cut finer than the budget requires.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import tune_hydra as th
+        >>> from tune_hydra.engine import Engine
+        >>> task = th.ModelTask(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), nn.MSELoss(),
+        ...                     lambda p: torch.optim.SGD(p, lr=0.1),
+        ...                     [(torch.randn(2, 4), torch.randn(2, 1))])
+        >>> with Engine(devices="cpu") as engine:
+        ...     shards = engine.add_task("a", task, seed=0)
+        ...     results = engine.train("a", iterations=2).result(timeout=60)
+        >>> [r["iteration"] for r in results]
+        [1, 2]
+    """
+
+    def __init__(
+        self,
+        devices: Any = "auto",
+        device_memory: int | str | None = None,
+        policy: str | BasePolicy = "lrtf",
+        *,
+        prefetch: bool = True,
+        recompute: bool | None = None,
+        copy_on_cpu: bool = False,
+        max_layers_per_shard: int | None = None,
+    ) -> None:
+        self.devices = resolve_devices(devices)
+        self.budget = parse_bytes(device_memory)
+        self.policy = get_policy(policy)
+        self.prefetch = prefetch
+        gpu = any(d.type == "cuda" for d in self.devices)
+        self.recompute = gpu if recompute is None else recompute
+        self.copy_on_cpu = copy_on_cpu
+        self.max_layers_per_shard = max_layers_per_shard
+        n_cpu = sum(d.type == "cpu" for d in self.devices)
+        labels = [
+            f"cpu#{i}" if d.type == "cpu" and n_cpu > 1 else str(d)
+            for i, d in enumerate(self.devices)
+        ]
+        self.trace = Trace(labels)
+        self.clock = default_clock()
+        threads = max(1, torch.get_num_threads() // n_cpu) if n_cpu > 1 else None
+        self.workers = [
+            DeviceWorker(i, d, labels[i], self.trace, self.clock, prefetch=prefetch,
+                         copy=copy_on_cpu, intra_threads=threads)
+            for i, d in enumerate(self.devices)
+        ]
+        self._cv = threading.Condition(threading.RLock())
+        self._tasks: dict[str, _Entry] = {}
+        self._order = 0
+        self._closed = False
+        self._broken: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="hydra-dispatch", daemon=True)
+        self._thread.start()
+
+    # -- context manager ------------------------------------------------------------------
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- tasks ------------------------------------------------------------------------------
+
+    def add_task(
+        self,
+        name: str,
+        task: ModelTask,
+        *,
+        seed: int | None = None,
+        max_grad_norm: float | None = None,
+        accumulate_steps: int = 1,
+        precision: str | None = None,
+        iteration_batches: int | None = None,
+    ) -> int:
+        """Partition ``task``'s model and register it; returns the number of shards.
+
+        Raises:
+            ShardTooLargeError: a layer does not fit ``device_memory``.
+            InvalidTaskError: a bad option or an empty ``train_data``.
+        """
+        if not isinstance(task, ModelTask):
+            raise InvalidTaskError(f"task {name!r} must be a tune_hydra.ModelTask, not "
+                                   f"{type(task).__name__}")
+        options = _options(name, task, seed, max_grad_norm, accumulate_steps, precision,
+                           iteration_batches, self.recompute)
+        layers = model_layers(task.model)  # type: ignore[arg-type]
+        task.model.to("cpu")  # type: ignore[union-attr]
+        with torch.random.fork_rng(devices=[]):  # peeking at the data must not draw
+            try:
+                sample = next(iter(task.train_data))
+            except StopIteration:
+                raise EmptyDataError(
+                    f"task {name!r}: train_data yielded no batch; give it at least one "
+                    f"(inputs, targets) pair"
+                ) from None
+        x, _ = _split_batch(sample, name)
+        dtype = torch.bfloat16 if options.precision == "bf16" else None
+        costs = layer_costs(layers, task.optimizer, x, dtype)
+        budget = self.budget
+        if budget is None and self.devices[0].type == "cuda":
+            budget = int(device_capacity(self.devices[0]) * 0.9)
+        plan = plan_shards(costs, budget, prefetch=self.prefetch,
+                           max_layers_per_shard=self.max_layers_per_shard)
+        pin = any(d.type == "cuda" for d in self.devices)
+        with self._cv:
+            if name in self._tasks:
+                raise InvalidTaskError(f"a task named {name!r} is already registered; "
+                                       f"remove it first or pick another name")
+            runner = TaskRunner(name, task, plan, layers, options, order=self._order, pin=pin)
+            entry = _Entry(name, task, plan, options, self._order, runner)
+            entry.batches_per_iter = _batches_per_iter(task, options)
+            runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
+            self._tasks[name] = entry
+            self._order += 1
+        return len(plan)
+
+    def plan(self, name: str) -> ShardPlan:
+        """The shard plan of a registered task."""
+        return self._entry(name).plan
+
+    def tasks(self) -> list[str]:
+        with self._cv:
+            return list(self._tasks)
+
+    def train(self, name: str, iterations: int = 1) -> concurrent.futures.Future[list[dict[str, Any]]]:
+        """Grant ``iterations`` more iterations to a task; the future gets their results."""
+        if iterations < 1:
+            raise InvalidTaskError(f"iterations must be >= 1, got {iterations}")
+        fut: concurrent.futures.Future[list[dict[str, Any]]] = concurrent.futures.Future()
+        with self._cv:
+            entry = self._entry(name)
+            if self._broken is not None:
+                fut.set_exception(self._broken)
+                return fut
+            if entry.error is not None or entry.cancelled:
+                fut.set_exception(entry.error or TaskFailedError(
+                    name, "it was cancelled; remove it, or restore it with set_state()"))
+                return fut
+            entry.pending.append(_Pending(fut, iterations))
+            entry.runner.granted += iterations
+            if entry.runner.current is None and entry.assigned is None:
+                self._advance(entry)
+            entry.ready_since = self.clock()
+            self._cv.notify_all()
+        return fut
+
+    def set_remaining(self, name: str, iterations: int) -> None:
+        """Tell the scheduler how many iterations this task will still be granted."""
+        with self._cv:
+            self._entry(name).hint = max(0, int(iterations))
+
+    def cancel(self, name: str) -> None:
+        """Drop the task's queued work; its futures are cancelled once its running op ends."""
+        with self._cv:
+            entry = self._tasks.get(name)
+            if entry is None:
+                return
+            entry.cancelled = True
+            if entry.assigned is None:
+                self._cancel_futures(entry)
+            self._cv.notify_all()
+
+    def remove_task(self, name: str) -> None:
+        """Cancel the task and forget it (its model keeps its current weights, on the CPU)."""
+        with self._cv:
+            entry = self._tasks.get(name)
+            if entry is None:
+                return
+            self.cancel(name)
+            while entry.assigned is not None and not self._closed:
+                self._cv.wait(_POLL_S)
+            self._offload(entry)
+            del self._tasks[name]
+            self.policy.forget(name)
+
+    def get_state(self, name: str) -> dict[str, Any]:
+        """A checkpoint of a task between iterations: everything needed to resume exactly."""
+        with self._cv:
+            entry = self._entry(name)
+            if entry.assigned is not None or entry.runner.granted:
+                raise TuneHydraError(f"task {name!r} is training; get_state() needs it idle "
+                                     f"(wait for its train() future)")
+            self._offload(entry)
+            return entry.runner.get_state()
+
+    def set_state(self, name: str, state: dict[str, Any]) -> None:
+        """Restore a task from :meth:`get_state` (rebuilds its runner; clears errors)."""
+        with self._cv:
+            entry = self._entry(name)
+            if entry.assigned is not None:
+                raise TuneHydraError(f"task {name!r} is training; cancel it first")
+            self._offload(entry)
+            layers = model_layers(entry.task.model)  # type: ignore[arg-type]
+            pin = any(d.type == "cuda" for d in self.devices)
+            runner = TaskRunner(name, entry.task, entry.plan, layers, entry.options,
+                                order=entry.order, pin=pin)
+            runner.set_state(state)
+            runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
+            self._cancel_futures(entry)
+            entry.runner, entry.error, entry.cancelled = runner, None, False
+
+    def summary(self) -> dict[str, Any]:
+        """Per-device busy time and utilization, bytes moved, and per-task figures."""
+        wall = self.clock()
+        out: dict[str, Any] = {"wall_s": wall, "devices": {}, "tasks": {}}
+        for w in self.workers:
+            out["devices"][w.label] = {
+                "busy_s": w.busy_s,
+                "utilization": w.busy_s / wall if wall > 0 else 0.0,
+            }
+        with self._cv:
+            for name, e in self._tasks.items():
+                out["tasks"][name] = {
+                    "device_time_s": e.runner.device_time,
+                    "num_shards": len(e.plan),
+                    "iterations": e.runner.iteration,
+                }
+        return out
+
+    def close(self) -> None:
+        """Stop the threads and bring every model back to the CPU."""
+        with self._cv:
+            if self._closed:
+                return
+            self._closed = True
+            for entry in self._tasks.values():
+                entry.cancelled = True
+            self._cv.notify_all()
+        self._thread.join(5.0)
+        for w in self.workers:
+            w.close()
+        for w in self.workers:
+            w.join(30.0)
+        with self._cv:
+            for entry in self._tasks.values():
+                self._offload(entry)
+                self._cancel_futures(entry)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _entry(self, name: str) -> _Entry:
+        try:
+            return self._tasks[name]
+        except KeyError:
+            raise InvalidTaskError(f"no task named {name!r}; registered: {sorted(self._tasks)}") \
+                from None
+
+    def _offload(self, entry: _Entry) -> None:
+        for shard in entry.runner.shards:
+            for w in self.workers:
+                w.release(shard.store)
+            shard.store.demote()
+            shard.store.synchronize()
+
+    def _cancel_futures(self, entry: _Entry) -> None:
+        for p in entry.pending:
+            p.future.cancel()
+        entry.pending.clear()
+        entry.runner.granted = 0
+
+    def _advance(self, entry: _Entry) -> None:
+        try:
+            entry.runner.advance()
+        except BaseException as err:  # noqa: BLE001 - a task's error stays with the task
+            self._fail(entry, err)
+
+    def _on_iteration(self, entry: _Entry, result: dict[str, Any]) -> None:
+        if entry.options.iteration_batches is None and result["batches"]:
+            entry.batches_per_iter = float(result["batches"])
+        if entry.pending:
+            p = entry.pending[0]
+            p.results.append(result)
+            if len(p.results) == p.count:
+                entry.pending.pop(0)
+                p.future.set_result(p.results)
+
+    def _fail(self, entry: _Entry, err: BaseException) -> None:
+        if not isinstance(err, TuneHydraError):
+            wrapped = TaskFailedError(entry.name, f"{type(err).__name__}: {err}")
+            wrapped.__cause__ = err
+            err = wrapped
+        entry.error = err
+        entry.runner.current = None
+        for p in entry.pending:
+            p.future.set_exception(err)
+        entry.pending.clear()
+        entry.runner.granted = 0
+
+    def _on_done(self, entry: _Entry, a: Assignment, err: BaseException | None) -> None:
+        with self._cv:
+            worker = entry.assigned
+            if worker is not None and a in worker.assigned:
+                worker.assigned.remove(a)
+            entry.assigned = None
+            if err is None:
+                key = (a.op.kind.value, a.op.shard)
+                old = entry.op_time.get(key)
+                d = a.duration
+                entry.op_time[key] = d if old is None else (1 - _EMA) * old + _EMA * d
+            if err is not None:
+                self._fail(entry, err)
+            elif entry.cancelled:
+                self._cancel_futures(entry)
+            else:
+                self._advance(entry)
+                entry.ready_since = self.clock()
+            self._cv.notify_all()
+
+    def _loop(self) -> None:
+        try:
+            with self._cv:
+                while not self._closed:
+                    self._dispatch()
+                    self._cv.wait(_POLL_S)
+        except BaseException as err:  # noqa: BLE001 - surface to every waiting caller
+            with self._cv:
+                self._broken = err
+                for entry in self._tasks.values():
+                    if entry.pending:
+                        self._fail(entry, err)
+
+    def _dispatch(self) -> None:
+        for w in self.workers:
+            while w.free_slots > 0:
+                cands = [
+                    Candidate(
+                        op=e.runner.current,
+                        remaining_s=e.remaining_s(),
+                        resident=w.holds(e.runner.shards[e.runner.current.shard].store),
+                        ready_since=e.ready_since,
+                        order=e.order,
+                    )
+                    for e in self._tasks.values()
+                    if e.assigned is None and e.error is None and not e.cancelled
+                    and e.runner.current is not None
+                ]
+                if not cands:
+                    return
+                pick = self.policy.choose(w.index, cands)
+                if pick is None:
+                    break
+                if not any(pick is c for c in cands):
+                    raise ScheduleError(
+                        f"policy {self.policy!r} returned {pick!r}, which is not one of the "
+                        f"ready operations offered ({', '.join(str(c.op) for c in cands)}); "
+                        f"choose() must return one of its candidates or None"
+                    )
+                self._assign(w, self._tasks[pick.op.task], pick.op)
+
+    def _assign(self, w: DeviceWorker, entry: _Entry, op: Op) -> None:
+        store = entry.runner.shards[op.shard].store
+        for other in self.workers:
+            if other is not w:
+                other.release(store)
+        runner = entry.runner
+        a = Assignment(op, store, run=lambda dev: runner.execute(op, dev),
+                       done=lambda a, err: self._on_done(entry, a, err))
+        entry.assigned = w
+        w.submit(a)
+
+
+def _options(
+    name: str,
+    task: ModelTask,
+    seed: int | None,
+    max_grad_norm: float | None,
+    accumulate_steps: int,
+    precision: str | None,
+    iteration_batches: int | None,
+    recompute: bool,
+) -> TrainOptions:
+    if task.seed is not None:
+        seed = task.seed
+    if seed is None:
+        seed = torch.initial_seed()
+    if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
+        raise InvalidTaskError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise InvalidTaskError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
+    if precision in ("fp32", "float32"):
+        precision = None
+    if precision not in (None, "bf16"):
+        raise InvalidTaskError(f"precision must be None, 'fp32' or 'bf16', got {precision!r}")
+    if iteration_batches is not None and iteration_batches < 1:
+        raise InvalidTaskError(f"iteration_batches must be >= 1 or None, got {iteration_batches}")
+    return TrainOptions(int(seed), max_grad_norm, accumulate_steps, precision,
+                        iteration_batches, recompute)
+
+
+def _batches_per_iter(task: ModelTask, options: TrainOptions) -> float:
+    if options.iteration_batches is not None:
+        return float(options.iteration_batches)
+    try:
+        return float(len(task.train_data))  # type: ignore[arg-type]
+    except TypeError:
+        return 1.0
+
+
+__all__ = ["Engine"]

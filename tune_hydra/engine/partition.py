@@ -1,0 +1,303 @@
+"""Cut a sequential model into contiguous shards that fit a per-device memory budget.
+
+A shard's footprint on its device while it runs is its *state* (parameters, gradients,
+optimizer state, buffers) plus its *activations* for one batch (tensors autograd saves
+for backward, and its input and output). With prefetch the device also holds the next
+shard's state, so each shard must fit beside the largest state of any shard.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tune_hydra.engine.task import OptimizerFactory
+from tune_hydra.exceptions import ShardTooLargeError, format_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class LayerCost:
+    """Measured or estimated bytes of one layer."""
+
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    buffer_bytes: int
+    activation_bytes: int
+
+    @property
+    def state_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.buffer_bytes
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class ShardSpec:
+    """One shard of a plan: layers ``[start, stop)`` of the model."""
+
+    index: int
+    start: int
+    stop: int
+    layer_names: tuple[str, ...]
+    state_bytes: int
+    activation_bytes: int
+
+    @property
+    def total_bytes(self) -> int:
+        return self.state_bytes + self.activation_bytes
+
+    def __str__(self) -> str:
+        first, last = self.layer_names[0], self.layer_names[-1]
+        span = first if first == last else f"{first}..{last}"
+        return (
+            f"shard {self.index}: layers [{self.start}:{self.stop}] ({span}) "
+            f"state {format_bytes(self.state_bytes)}, "
+            f"activations {format_bytes(self.activation_bytes)}"
+        )
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    """How a model is cut: printable data, checked against the budget.
+
+    Attributes:
+        shards: the shards in execution order.
+        budget: per-device budget in bytes, or ``None`` for no limit.
+        prefetch: whether the plan leaves room for a second (prefetched) shard state.
+        layers: the per-layer costs the plan was built from.
+    """
+
+    shards: tuple[ShardSpec, ...]
+    budget: int | None
+    prefetch: bool
+    layers: tuple[LayerCost, ...]
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+    def peak_bytes(self) -> int:
+        """The most device memory one visit of any shard needs (plus the prefetched one)."""
+        room = max(s.state_bytes for s in self.shards) if self.prefetch and len(self) > 1 else 0
+        return max(s.total_bytes for s in self.shards) + room
+
+    def __str__(self) -> str:
+        budget = "unlimited" if self.budget is None else format_bytes(self.budget)
+        head = (
+            f"ShardPlan: {len(self.shards)} shard(s), budget {budget}, "
+            f"peak {format_bytes(self.peak_bytes())}{' (with prefetch)' if self.prefetch else ''}"
+        )
+        return "\n".join([head, *(f"  {s}" for s in self.shards)])
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor in a (nested) structure."""
+    leaves, _ = tree_flatten(obj)
+    return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
+
+
+def optimizer_state_factor(factory: OptimizerFactory, dtype: torch.dtype) -> float:
+    """Bytes of optimizer state per byte of parameter, measured on a dummy parameter.
+
+    Only state the size of a parameter counts; scalars such as Adam's step stay on the
+    host.
+    """
+    probe = nn.Parameter(torch.zeros(64, dtype=dtype))
+    opt = factory([probe])
+    probe.grad = torch.zeros_like(probe)
+    opt.step()
+    per_param = sum(
+        v.numel() * v.element_size()
+        for v in opt.state[probe].values()
+        if isinstance(v, torch.Tensor) and v.dim() > 0
+    )
+    return per_param / (probe.numel() * probe.element_size())
+
+
+@contextlib.contextmanager
+def _preserved(modules: list[nn.Module]) -> Iterator[None]:
+    """Run a probe without side effects: restore buffers (BatchNorm statistics) and RNG."""
+    saved = [[b.detach().clone() for b in m.buffers()] for m in modules]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for m, bufs in zip(modules, saved, strict=True):
+                    for b, s in zip(m.buffers(), bufs, strict=True):
+                        b.copy_(s)
+
+
+def _detach_grad(obj: Any) -> Any:
+    def f(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return t.detach().requires_grad_(True)
+        return t
+
+    return tree_map(f, obj)
+
+
+def probe_activations(
+    layers: list[tuple[str, nn.Module]],
+    sample: Any,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[int]:
+    """Activation bytes per layer for one batch, measured on the CPU.
+
+    Runs each layer forward with grad on and counts the distinct tensors autograd saves for
+    backward (parameters excluded) plus the layer's output. The model's buffers and the
+    global RNG are restored afterwards.
+    """
+    out: list[int] = []
+    mods = [m for _, m in layers]
+    params = {p.data_ptr() for m in mods for p in m.parameters()}
+    with _preserved(mods):
+        x = sample
+        for _, module in layers:
+            seen: dict[int, int] = {}
+
+            def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+                ptr = t.untyped_storage().data_ptr()
+                if ptr not in params:
+                    seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+                return t
+
+            inp = _detach_grad(x)
+            autocast = (
+                torch.autocast("cpu", dtype=autocast_dtype)
+                if autocast_dtype is not None
+                else contextlib.nullcontext()
+            )
+            with torch.enable_grad(), autocast, torch.autograd.graph.saved_tensors_hooks(
+                pack, lambda t: t
+            ):
+                y = module(inp)
+            out.append(sum(seen.values()) + tensor_bytes(y))
+            x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+    return out
+
+
+def layer_costs(
+    layers: list[tuple[str, nn.Module]],
+    optimizer: OptimizerFactory,
+    sample: Any,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[LayerCost]:
+    """Estimate every layer's bytes from tensor sizes and a probe forward on the CPU."""
+    acts = probe_activations(layers, sample, autocast_dtype)
+    factors: dict[torch.dtype, float] = {}
+    costs = []
+    for (name, module), act in zip(layers, acts, strict=True):
+        params = [p for p in module.parameters() if p.requires_grad]
+        pbytes = sum(p.numel() * p.element_size() for p in module.parameters())
+        gbytes = sum(p.numel() * p.element_size() for p in params)
+        obytes = 0
+        for p in params:
+            if p.dtype not in factors:
+                factors[p.dtype] = optimizer_state_factor(optimizer, p.dtype)
+            obytes += math.ceil(factors[p.dtype] * p.numel() * p.element_size())
+        bbytes = sum(b.numel() * b.element_size() for b in module.buffers())
+        costs.append(LayerCost(name, pbytes, gbytes, obytes, bbytes, act))
+    return costs
+
+
+def _pack(costs: list[LayerCost], state_cap: int, total_cap: int) -> list[tuple[int, int]] | None:
+    """Greedy contiguous packing (optimal in shard count for additive costs)."""
+    spans = []
+    start, state, act = 0, 0, 0
+    for i, c in enumerate(costs):
+        if c.state_bytes > state_cap or c.total_bytes > total_cap:
+            return None
+        if i > start and (state + c.state_bytes > state_cap or
+                          state + act + c.total_bytes > total_cap):
+            spans.append((start, i))
+            start, state, act = i, 0, 0
+        state += c.state_bytes
+        act += c.activation_bytes
+    spans.append((start, len(costs)))
+    return spans
+
+
+def plan_shards(
+    costs: list[LayerCost],
+    budget: int | None,
+    *,
+    prefetch: bool = True,
+    max_layers_per_shard: int | None = None,
+) -> ShardPlan:
+    """Cut layers into the fewest contiguous shards that fit ``budget``.
+
+    Each shard must satisfy ``state + activations (+ largest shard state, with prefetch)
+    <= budget``.
+
+    Raises:
+        ShardTooLargeError: one layer alone does not fit.
+    """
+    if budget is None:
+        step = max_layers_per_shard or len(costs)
+        spans = [(i, min(i + step, len(costs))) for i in range(0, len(costs), step)]
+    else:
+        for c in costs:
+            need = c.total_bytes + (c.state_bytes if prefetch and len(costs) > 1 else 0)
+            if need > budget:
+                detail = (
+                    f" (state {format_bytes(c.state_bytes)}, activations "
+                    f"{format_bytes(c.activation_bytes)}"
+                    + (", x2 state room for the prefetched shard" if prefetch else "")
+                    + ")"
+                )
+                raise ShardTooLargeError(c.name, need, budget, detail)
+        # The prefetch room depends on the largest shard state, which depends on the cut:
+        # try a ladder of caps on shard state and keep the cut with the fewest shards.
+        best: list[tuple[int, int]] | None = None
+        lo = max(c.state_bytes for c in costs)
+        caps = {lo, budget}
+        if prefetch:
+            caps |= {int(lo + (budget - lo) * k / 64) for k in range(65)}
+        for cap in sorted(caps):
+            total_cap = budget - cap if prefetch else budget
+            spans = _pack(costs, cap, total_cap)
+            if spans is not None and max_layers_per_shard is not None:
+                spans = _split_long(spans, max_layers_per_shard)
+            if spans is not None and (best is None or len(spans) < len(best)):
+                best = spans
+        if best is None:  # each layer fits alone, but not beside the largest layer's state
+            worst = max(costs, key=lambda c: c.total_bytes)
+            room = max(c.state_bytes for c in costs)
+            raise ShardTooLargeError(
+                worst.name,
+                worst.total_bytes + room,
+                budget,
+                f" (its {format_bytes(worst.total_bytes)} plus {format_bytes(room)} of room "
+                f"for the prefetched shard; or pass prefetch=False)",
+            )
+        spans = best
+    shards = tuple(
+        ShardSpec(
+            index=k,
+            start=a,
+            stop=b,
+            layer_names=tuple(c.name for c in costs[a:b]),
+            state_bytes=sum(c.state_bytes for c in costs[a:b]),
+            activation_bytes=sum(c.activation_bytes for c in costs[a:b]),
+        )
+        for k, (a, b) in enumerate(spans)
+    )
+    return ShardPlan(shards, budget, prefetch, tuple(costs))
+
+
+def _split_long(spans: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
+    out = []
+    for a, b in spans:
+        out.extend((i, min(i + limit, b)) for i in range(a, b, limit))
+    return out

@@ -1,0 +1,488 @@
+"""One task's life in the engine: the order of its shard operations and how each runs.
+
+:class:`TaskRunner` produces the task's operations one at a time (a generator resumed
+after each operation completes) and executes them on whatever device the scheduler
+picked. Training is arranged to equal plain PyTorch exactly:
+
+- forward keeps each shard's input (and the RNG state before it); the last shard's visit
+  computes the loss and its own backward; every other shard's backward re-runs its
+  forward from the saved input with the saved RNG state (same dropout masks) and its
+  buffers restored afterwards (BatchNorm statistics are updated once, as in plain
+  training) -- or, with ``recompute=False``, keeps the forward's graph instead;
+- with ``max_grad_norm`` the global norm over all shards is known only after the first
+  shard's backward, so the other shards' steps are deferred to their next visit;
+- the task's RNG stream is installed in torch's global generators around each operation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from collections.abc import Callable, Generator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tune_hydra.engine import rng
+from tune_hydra.engine.ops import Op, OpKind
+from tune_hydra.engine.partition import ShardPlan
+from tune_hydra.engine.spill import ShardStore
+from tune_hydra.engine.task import ModelTask
+from tune_hydra.exceptions import EmptyDataError, NonFiniteLossError
+
+
+@dataclass
+class TrainOptions:
+    """Per-task training options (see ``train_models``)."""
+
+    seed: int = 0
+    max_grad_norm: float | None = None
+    accumulate_steps: int = 1
+    precision: str | None = None
+    iteration_batches: int | None = None
+    recompute: bool = False
+
+
+@dataclass
+class ShardRuntime:
+    """A shard's live objects inside the engine."""
+
+    index: int
+    module: nn.Sequential
+    optimizer: torch.optim.Optimizer
+    store: ShardStore
+    uses_rng: bool | None = None  # None: not yet seen; False: never drew in a visit
+    pending_step: bool = False
+    grad_norms: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        return self.store.params
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
+
+
+def _detach(obj: Any, requires_grad: bool) -> Any:
+    def f(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach()
+        if requires_grad and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        return t
+
+    return tree_map(f, obj)
+
+
+def _grads_of(inputs: Any) -> Any:
+    return tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) else None, inputs)
+
+
+def _backward(outputs: Any, grads: Any) -> None:
+    outs, _ = tree_flatten(outputs)
+    gs, _ = tree_flatten(grads)
+    pairs = [
+        (o, g)
+        for o, g in zip(outs, gs, strict=True)
+        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+    ]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+class TaskRunner:
+    """Produces and executes one task's shard operations."""
+
+    def __init__(
+        self,
+        name: str,
+        task: ModelTask,
+        plan: ShardPlan,
+        layers: list[tuple[str, nn.Module]],
+        options: TrainOptions,
+        *,
+        order: int = 0,
+        pin: bool = False,
+    ) -> None:
+        self.name = name
+        self.task = task
+        self.plan = plan
+        self.options = options
+        self.order = order
+        self.shards: list[ShardRuntime] = []
+        seen: set[int] = set()
+        for spec in plan.shards:
+            module = nn.Sequential(*(m for _, m in layers[spec.start : spec.stop]))
+            params = [p for p in module.parameters()]
+            for p in params:
+                if id(p) in seen:
+                    raise _tied_error(spec.layer_names)
+            seen.update(id(p) for p in params)
+            opt = task.optimizer(params)
+            self.shards.append(
+                ShardRuntime(spec.index, module, opt, ShardStore([module], opt, pin=pin))
+            )
+        self.rng = rng.seeded_state(options.seed)
+        self.iteration = 0
+        self.epoch = 0
+        self.batch_in_epoch = 0
+        self.granted = 0
+        self.history: list[dict[str, Any]] = []
+        self.device_time = 0.0
+        self.bytes_moved = 0
+        self._autocast_dtype = torch.bfloat16 if options.precision == "bf16" else None
+        # Per-batch state.
+        self._train_iter: Iterator[Any] | None = None
+        self._eval_iter: Iterator[Any] | None = None
+        self._exhausted = False
+        self._target: Any = None
+        self._inputs: dict[int, Any] = {}
+        self._rng_at: dict[int, rng.RngState] = {}
+        self._outputs: dict[int, Any] = {}
+        self._carry: Any = None  # activation (forward) or gradient (backward) in flight
+        self._losses: list[float] = []
+        self._eval_losses: list[float] = []
+        self._epoch_rng = rng.RngState(self.rng.cpu.clone())
+        self._resume_epoch_rng = self._epoch_rng
+        self._skip = 0
+        self._gen: Generator[Op | None, None, None] = self._life()
+        self.current: Op | None = next(self._gen)
+        self.on_iteration: Callable[[dict[str, Any]], None] | None = None
+
+    # -- the operation sequence ---------------------------------------------------------
+
+    def advance(self) -> Op | None:
+        """Move to the next operation (after the current one completed, or a grant)."""
+        self.current = next(self._gen)
+        return self.current
+
+    @property
+    def finished(self) -> bool:
+        return self.current is None and self.granted == 0
+
+    def _life(self) -> Generator[Op | None, None, None]:
+        n = len(self.shards)
+        while True:
+            while self.granted == 0:
+                yield None
+            it = self.iteration
+            self._losses = []
+            done_batches = 0
+            epoch_ended = False
+            limit = self.options.iteration_batches
+            while limit is None or done_batches < limit:
+                b = self.batch_in_epoch
+                yield Op(self.name, OpKind.LAST if n == 1 else OpKind.FORWARD, 0, it, b)
+                if self._exhausted:
+                    if b == 0:
+                        raise EmptyDataError(
+                            f"task {self.name!r}: train_data yielded no batch in epoch "
+                            f"{self.epoch}; give it at least one (inputs, targets) pair"
+                        )
+                    epoch_ended = True
+                    self._end_epoch()
+                    if done_batches == 0:  # an iteration of N batches starts a new epoch
+                        continue
+                    break
+                for i in range(1, n - 1):
+                    yield Op(self.name, OpKind.FORWARD, i, it, b)
+                if n > 1:
+                    yield Op(self.name, OpKind.LAST, n - 1, it, b)
+                for i in range(n - 2, -1, -1):
+                    yield Op(self.name, OpKind.BACKWARD, i, it, b)
+                self.batch_in_epoch += 1
+                done_batches += 1
+            if self.task.eval_data is not None:
+                self._eval_losses = []
+                e = 0
+                while True:
+                    yield Op(self.name, OpKind.EVAL, 0, it, e)
+                    if self._eval_iter is None:
+                        break
+                    for i in range(1, n):
+                        yield Op(self.name, OpKind.EVAL, i, it, e)
+                    e += 1
+            for s in self.shards:
+                if s.pending_step:
+                    yield Op(self.name, OpKind.STEP, s.index, it, -1)
+            self._finish_iteration(epoch_ended)
+
+    def _end_epoch(self) -> None:
+        k = self.options.accumulate_steps
+        if self.batch_in_epoch % k != 0:  # a partial last group still steps
+            self._schedule_steps()
+        self._train_iter = None
+        self._exhausted = False
+        self.epoch += 1
+        self.batch_in_epoch = 0
+
+    def _finish_iteration(self, epoch_ended: bool) -> None:
+        result: dict[str, Any] = {
+            "loss": sum(self._losses) / len(self._losses) if self._losses else math.nan,
+            "num_shards": len(self.shards),
+            "iteration": self.iteration + 1,
+            "epoch": self.epoch,
+            "batches": len(self._losses),
+            "device_time_s": self.device_time,
+            "bytes_spilled": self.bytes_moved,
+        }
+        if self.task.eval_data is not None:
+            if not self._eval_losses:
+                raise EmptyDataError(f"task {self.name!r}: eval_data yielded no batch")
+            result["val_loss"] = sum(self._eval_losses) / len(self._eval_losses)
+        self.history.append(result)
+        self.iteration += 1
+        self.granted -= 1
+        if self.on_iteration is not None:
+            self.on_iteration(result)
+
+    # -- executing one operation ---------------------------------------------------------
+
+    def execute(self, op: Op, device: torch.device) -> None:
+        """Run ``op`` on ``device`` (the shard's state is already there)."""
+        shard = self.shards[op.shard]
+        t0 = time.perf_counter()
+        if shard.pending_step:
+            self._step(shard)
+        if op.kind is OpKind.FORWARD or op.kind is OpKind.LAST:
+            if op.shard == 0 and not self._fetch_train():
+                return
+            self._forward(shard, device, last=op.kind is OpKind.LAST, batch=op.batch)
+        elif op.kind is OpKind.BACKWARD:
+            self._backward_op(shard, device, op.batch)
+        elif op.kind is OpKind.EVAL:
+            self._eval(shard, device)
+        self.device_time += time.perf_counter() - t0
+
+    def _fetch_train(self) -> bool:
+        if self._train_iter is None:
+            self._epoch_rng = rng.RngState(self.rng.cpu.clone())
+            if self._skip:  # resuming mid-epoch: replay the epoch's data order, then skip
+                with rng.task_stream(self.rng, torch.device("cpu"), self.options.seed,
+                                     replay=self._resume_epoch_rng):
+                    self._train_iter = iter(self.task.train_data)
+                    for _ in range(self._skip):
+                        next(self._train_iter)
+                self._epoch_rng, self._skip = self._resume_epoch_rng, 0
+        with rng.task_stream(self.rng, torch.device("cpu"), self.options.seed):
+            if self._train_iter is None:
+                self._train_iter = iter(self.task.train_data)
+            try:
+                batch = next(self._train_iter)
+            except StopIteration:
+                self._exhausted = True
+                return False
+        self._carry, self._target = _split_batch(batch, self.name)
+        return True
+
+    @contextlib.contextmanager
+    def _stream(
+        self, shard: ShardRuntime, device: torch.device, replay: rng.RngState | None = None
+    ) -> Iterator[rng.RngState | None]:
+        """The task's RNG stream around a shard's compute; lock-free for shards that were
+        seen not to draw."""
+        if shard.uses_rng is False:
+            yield None
+            return
+        with rng.task_stream(self.rng, device, self.options.seed, replay=replay) as entry:
+            yield entry
+            if shard.uses_rng is None and replay is None:
+                shard.uses_rng = not rng.read_global(device).same_as(entry)
+
+    def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
+        if self._autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(device.type, dtype=self._autocast_dtype)
+
+    def _forward(self, shard: ShardRuntime, device: torch.device, last: bool, batch: int) -> None:
+        i = shard.index
+        x = _to(self._carry, device)
+        k = self.options.accumulate_steps
+        keep_graph = last or not self.options.recompute
+        inp = _detach(x, requires_grad=i > 0 and keep_graph)
+        with self._stream(shard, device) as entry:
+            if entry is not None:
+                self._rng_at[i] = entry
+            with torch.set_grad_enabled(keep_graph), self._autocast(device):
+                out = shard.module(inp)
+                if last:
+                    loss = self.task.loss_fn(out, _to(self._target, device))
+        if last:
+            value = float(loss.detach().float().item())
+            if not math.isfinite(value):
+                raise NonFiniteLossError(self.name, self.epoch, batch, value)
+            self._losses.append(value)
+            if batch % k == 0:
+                shard.optimizer.zero_grad()
+            (loss / k).backward()
+            self._carry = _grads_of(inp) if i > 0 else None
+            self._after_backward(shard, batch)
+            self._target = None
+            return
+        self._inputs[i] = inp if keep_graph else _to(inp, torch.device("cpu"))
+        if keep_graph:
+            self._outputs[i] = out
+            out = _detach(out, requires_grad=False)
+        self._carry = out
+
+    def _backward_op(self, shard: ShardRuntime, device: torch.device, batch: int) -> None:
+        i = shard.index
+        grad_out = _to(self._carry, device)
+        if batch % self.options.accumulate_steps == 0:
+            shard.optimizer.zero_grad()
+        if self.options.recompute:
+            inp = _detach(_to(self._inputs.pop(i), device), requires_grad=i > 0)
+            # The forward already updated buffers (BatchNorm statistics) once: recompute
+            # on throwaway copies, then put the real buffers back.
+            slots = shard.store.buffer_slots
+            real = [mod._buffers[name] for mod, name in slots]
+            for (mod, name), b in zip(slots, real, strict=True):
+                mod._buffers[name] = b.clone()  # type: ignore[union-attr]
+            try:
+                with self._stream(shard, device, replay=self._rng_at.pop(i, None)):
+                    with torch.enable_grad(), self._autocast(device):
+                        out = shard.module(inp)
+            finally:
+                for (mod, name), b in zip(slots, real, strict=True):
+                    mod._buffers[name] = b
+        else:
+            inp, out = self._inputs.pop(i), self._outputs.pop(i)
+        _backward(out, grad_out)
+        self._carry = _grads_of(inp) if i > 0 else None
+        self._after_backward(shard, batch)
+
+    def _after_backward(self, shard: ShardRuntime, batch: int) -> None:
+        clip = self.options.max_grad_norm is not None
+        if clip:
+            grads = [p.grad for p in shard.params if p.grad is not None]
+            shard.grad_norms = [torch.linalg.vector_norm(g, 2.0).cpu() for g in grads]
+        if (batch + 1) % self.options.accumulate_steps != 0:
+            return
+        if not clip:
+            self._step(shard)
+        elif shard.index == 0:  # the last backward of the batch: the global norm is known
+            self._schedule_steps()
+            self._step(shard)
+
+    def _schedule_steps(self) -> None:
+        for s in self.shards:
+            s.pending_step = True
+        if self.options.max_grad_norm is not None:
+            norms = [n for s in self.shards for n in s.grad_norms]
+            total = torch.linalg.vector_norm(torch.stack(norms), 2.0) if norms else None
+            self._total_norm = total
+
+    def _step(self, shard: ShardRuntime) -> None:
+        grads = [p for p in shard.params if p.grad is not None]
+        if self.options.max_grad_norm is not None and self._total_norm is not None and grads:
+            total = self._total_norm.to(grads[0].device)
+            torch.nn.utils.clip_grads_with_norm_(grads, self.options.max_grad_norm, total)
+        shard.optimizer.step()
+        shard.pending_step = False
+
+    def _eval(self, shard: ShardRuntime, device: torch.device) -> None:
+        i = shard.index
+        if i == 0:
+            assert self.task.eval_data is not None
+            with rng.task_stream(self.rng, torch.device("cpu"), self.options.seed):
+                if self._eval_iter is None:
+                    self._eval_iter = iter(self.task.eval_data)
+                try:
+                    batch = next(self._eval_iter)
+                except StopIteration:
+                    self._eval_iter = None
+                    return
+            self._carry, self._target = _split_batch(batch, self.name)
+        x = _to(self._carry, device)
+        shard.module.eval()
+        try:
+            with self._stream(shard, device), torch.no_grad(), self._autocast(device):
+                out = shard.module(x)
+                if i == len(self.shards) - 1:
+                    loss = self.task.loss_fn(out, _to(self._target, device))
+                    self._eval_losses.append(float(loss.float().item()))
+                    out = None
+        finally:
+            shard.module.train()
+        self._carry = out
+
+    _total_norm: torch.Tensor | None = None
+
+    # -- checkpoints -----------------------------------------------------------------------
+
+    def get_state(self) -> dict[str, Any]:
+        """Everything needed to resume exactly, between iterations (state on the host)."""
+        model = self.task.model
+        assert isinstance(model, nn.Module)
+        return {
+            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
+            "optimizers": [copy.deepcopy(s.optimizer.state_dict()) for s in self.shards],
+            "grads": [
+                [None if p.grad is None else p.grad.detach().clone() for p in s.params]
+                for s in self.shards
+            ],
+            "rng": {"cpu": self.rng.cpu.clone(), "cuda": _clone(self.rng.cuda)},
+            "epoch_rng": self._epoch_rng.cpu.clone(),
+            "seed": self.options.seed,
+            "iteration": self.iteration,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "num_shards": len(self.shards),
+        }
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Load :meth:`get_state`'s output into this (fresh) runner."""
+        from tune_hydra.exceptions import InvalidTaskError
+
+        if state.get("num_shards") != len(self.shards):
+            raise InvalidTaskError(
+                f"task {self.name!r}: the checkpoint was made with {state.get('num_shards')} "
+                f"shards but the model is now cut into {len(self.shards)}; restore with the "
+                f"same device_memory"
+            )
+        model = self.task.model
+        assert isinstance(model, nn.Module)
+        model.load_state_dict(state["model"])
+        for s, sd, grads in zip(self.shards, state["optimizers"], state["grads"], strict=True):
+            s.optimizer.load_state_dict(sd)
+            for p, g in zip(s.params, grads, strict=True):
+                p.grad = None if g is None else g.to(p.device, copy=True)
+        self.rng = rng.RngState(state["rng"]["cpu"].clone(), _clone(state["rng"]["cuda"]))
+        self.iteration = state["iteration"]
+        self.epoch = state["epoch"]
+        self.batch_in_epoch = state["batch_in_epoch"]
+        self._skip = self.batch_in_epoch
+        self._resume_epoch_rng = rng.RngState(state["epoch_rng"].clone())
+
+
+def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.clone()
+
+
+def _split_batch(batch: Any, name: str) -> tuple[Any, Any]:
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, dict) and {"inputs", "targets"} <= set(batch):
+        return batch["inputs"], batch["targets"]
+    from tune_hydra.exceptions import InvalidTaskError
+
+    raise InvalidTaskError(
+        f"task {name!r}: each batch must be an (inputs, targets) pair, got "
+        f"{type(batch).__name__}; make the data yield (x, y) tuples"
+    )
+
+
+def _tied_error(names: tuple[str, ...]) -> Exception:
+    from tune_hydra.exceptions import InvalidModelError
+
+    return InvalidModelError(
+        f"a parameter is shared between shards (layers {names}); tied weights across "
+        f"shards are not supported: raise device_memory so the tied layers share a shard"
+    )

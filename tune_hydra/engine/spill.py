@@ -1,0 +1,215 @@
+"""Spill store: a shard's state lives in host memory and visits a device to run.
+
+A :class:`ShardStore` owns one shard's parameters, gradients, buffers and optimizer
+state. ``promote(device)`` copies them onto the device and points the live
+``nn.Parameter`` objects at the copies (so the optimizer, keyed by parameter, keeps
+working); ``demote()`` copies them back into host buffers that were allocated once (and
+pinned, with CUDA) and are reused on every visit. Round trips are bitwise exact.
+
+With CUDA, copies run on a caller-supplied copy stream and are ordered against compute
+with events; on the CPU they are plain synchronous copies (or skipped entirely when the
+"device" is the host itself and ``copy=False``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import threading
+
+import torch
+from torch import nn
+
+
+def _param_shaped(value: Any) -> bool:
+    # Optimizer scalars (Adam's "step") stay on the host, as torch keeps them there unless
+    # the optimizer is capturable/fused.
+    return isinstance(value, torch.Tensor) and value.dim() > 0
+
+
+class ShardStore:
+    """Host home of one shard's tensors, with promote/demote to a device.
+
+    Args:
+        modules: the shard's modules (their parameters and buffers move).
+        optimizer: the shard's optimizer (its param-shaped state moves), may be set later.
+        pin: allocate pinned host buffers (CUDA only), once.
+    """
+
+    def __init__(
+        self,
+        modules: list[nn.Module],
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        pin: bool = False,
+    ) -> None:
+        seen: set[int] = set()
+        self.params: list[nn.Parameter] = []
+        for m in modules:
+            for p in m.parameters():
+                if id(p) not in seen:
+                    seen.add(id(p))
+                    self.params.append(p)
+        self.buffer_slots: list[tuple[nn.Module, str]] = [
+            (sub, name)
+            for m in modules
+            for sub in m.modules()
+            for name, b in sub._buffers.items()
+            if b is not None
+        ]
+        self.optimizer = optimizer
+        self.pin = pin and torch.cuda.is_available()
+        self.device: torch.device = torch.device("cpu")
+        self._host: dict[tuple[Any, ...], torch.Tensor] = {}
+        self._event: Any = None  # CUDA event after the last demote (host buffers valid)
+        self.copied = False  # the live tensors are device copies of the host buffers
+        self.lock = threading.RLock()  # promote/demote may come from two devices' threads
+        for key, t in list(self._live()):
+            if self.pin:
+                self._set(key, self._host_buffer(key, t).copy_(t))
+            else:
+                self._host[key] = t  # the user's own tensors are the host buffers
+
+    # -- the tensors, addressed by stable keys ------------------------------------------
+
+    def _live(self) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+        for i, p in enumerate(self.params):
+            yield ("p", i), p.data
+            if p.grad is not None:
+                yield ("g", i), p.grad
+        for j, (mod, name) in enumerate(self.buffer_slots):
+            yield ("b", j), mod._buffers[name]  # type: ignore[misc]
+        if self.optimizer is not None:
+            for i, p in enumerate(self.params):
+                for k, v in self.optimizer.state.get(p, {}).items():
+                    if _param_shaped(v):
+                        yield ("o", i, k), v
+
+    def _set(self, key: tuple[Any, ...], t: torch.Tensor) -> None:
+        kind = key[0]
+        if kind == "p":
+            p = self.params[key[1]]
+            grad = p.grad
+            p.grad = None  # the grad must follow the data to the new device
+            p.data = t
+            if grad is not None and grad.device == t.device:
+                p.grad = grad
+        elif kind == "g":
+            self.params[key[1]].grad = t
+        elif kind == "b":
+            mod, name = self.buffer_slots[key[1]]
+            mod._buffers[name] = t
+        else:
+            assert self.optimizer is not None
+            self.optimizer.state[self.params[key[1]]][key[2]] = t
+
+    def _host_buffer(self, key: tuple[Any, ...], like: torch.Tensor) -> torch.Tensor:
+        buf = self._host.get(key)
+        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
+            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)
+            self._host[key] = buf
+        return buf
+
+    def nbytes(self) -> int:
+        """Bytes this shard's state occupies now (parameters, grads, buffers, moments)."""
+        return sum(t.numel() * t.element_size() for _, t in self._live())
+
+    # -- moving -------------------------------------------------------------------------
+
+    def promote(self, device: torch.device, stream: Any = None, *, copy: bool = True) -> int:
+        """Copy the shard's state onto ``device``; returns the bytes moved.
+
+        Args:
+            device: the target device.
+            stream: a CUDA stream to issue the copies on (the caller orders compute after
+                it with an event); ``None`` copies on the current stream.
+            copy: for a CPU device, whether to really copy (``False``: the host buffers
+                are used in place, as the CPU "device" is host memory).
+        """
+        with self.lock:
+            return self._promote(device, stream, copy)
+
+    def _promote(self, device: torch.device, stream: Any, copy: bool) -> int:
+        if self.copied:
+            if device == self.device:
+                return 0
+            self._demote(stream)
+        if device.type == "cpu" and not copy:
+            self.device = device
+            return 0
+        if stream is None:
+            self.synchronize()
+        moved = 0
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
+        with ctx:
+            if self._event is not None and stream is not None:
+                stream.wait_event(self._event)
+            # Read every live tensor first: _set on a parameter detaches its grad.
+            live = list(self._live())
+            grads = {key: t for key, t in live if key[0] == "g"}
+            for key, host in live:
+                if key[0] == "g":
+                    continue
+                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+                dev.copy_(host, non_blocking=self.pin)
+                moved += host.numel() * host.element_size()
+                self._set(key, dev)
+            for key, host in grads.items():
+                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+                dev.copy_(host, non_blocking=self.pin)
+                moved += host.numel() * host.element_size()
+                self._set(key, dev)
+        self.device = device
+        self.copied = True
+        return moved
+
+    def demote(self, stream: Any = None, *, only_from: torch.device | None = None) -> int:
+        """Copy the shard's state back into its host buffers; returns the bytes moved.
+
+        Args:
+            stream: CUDA stream for the copies (``None``: the current stream).
+            only_from: demote only if the state is on this device (a worker evicting its
+                own copy must not demote one that another device took meanwhile).
+        """
+        with self.lock:
+            if only_from is not None and (not self.copied or self.device != only_from):
+                return 0
+            return self._demote(stream)
+
+    def _demote(self, stream: Any) -> int:
+        if not self.copied:
+            self.device = torch.device("cpu")
+            return 0
+        moved = 0
+        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
+        with ctx:
+            live = list(self._live())
+            for key, dev in live:
+                host = self._host_buffer(key, dev)
+                host.copy_(dev, non_blocking=self.pin)
+                moved += dev.numel() * dev.element_size()
+            for key, _ in [kv for kv in live if kv[0][0] != "g"]:
+                self._set(key, self._host[key])
+            for key, _ in [kv for kv in live if kv[0][0] == "g"]:
+                self._set(key, self._host[key])
+            if self.pin and stream is not None:
+                self._event = torch.cuda.Event()
+                self._event.record(stream)
+        self.device = torch.device("cpu")
+        self.copied = False
+        return moved
+
+    def synchronize(self) -> None:
+        """Wait until host buffers hold the demoted values (CUDA non-blocking copies)."""
+        if self._event is not None:
+            self._event.synchronize()
+            self._event = None
+
+
+class _nullctx:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None

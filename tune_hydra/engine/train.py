@@ -1,0 +1,115 @@
+"""``train_models``: the engine's one-call user API."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from tune_hydra.engine.engine import Engine
+from tune_hydra.engine.partition import ShardPlan
+from tune_hydra.engine.policies import BasePolicy
+from tune_hydra.engine.task import ModelTask
+from tune_hydra.engine.trace import Trace
+from tune_hydra.exceptions import InvalidTaskError, TrainingError
+
+
+class History(dict[str, list[dict[str, Any]]]):
+    """``{task name: [one dict per epoch]}``, plus the run's ``trace``, ``summary`` and
+    ``plans``."""
+
+    trace: Trace
+    summary: dict[str, Any]
+    plans: dict[str, ShardPlan]
+
+
+def train_models(
+    tasks: Mapping[str, ModelTask],
+    devices: str | Sequence[str | torch.device] = "auto",
+    device_memory: int | str | None = None,
+    epochs: int = 1,
+    *,
+    seed: int | None = None,
+    max_grad_norm: float | None = None,
+    accumulate_steps: int = 1,
+    precision: str | None = None,
+    policy: str | BasePolicy = "lrtf",
+    prefetch: bool = True,
+    recompute: bool | None = None,
+    copy_on_cpu: bool = False,
+    max_layers_per_shard: int | None = None,
+) -> History:
+    """Train many models at once, shard by shard, each exactly as plain PyTorch would.
+
+    Every task's model is cut into shards that fit ``device_memory``; shard state lives in
+    host memory between visits; shard operations of all tasks are multiplexed over
+    ``devices``. Each task equals its own plain training (see :func:`train_plain`), whatever
+    runs beside it.
+
+    Args:
+        tasks: ``{name: ModelTask}``.
+        devices: ``"auto"``, ``"cpu"``, or a list (``"cpu"`` may repeat: emulated devices).
+        device_memory: per-device budget: bytes, ``"512MiB"``, ``"8GiB"``; ``None`` = the
+            whole device.
+        epochs: epochs to train every task.
+        seed: each task's stream starts where ``torch.manual_seed(seed)`` would start it
+            (``ModelTask.seed`` overrides; default ``torch.initial_seed()``).
+        max_grad_norm: clip by the global norm over all shards, like ``clip_grad_norm_``.
+        accumulate_steps: gradient accumulation over this many batches.
+        precision: ``None`` / ``"fp32"`` or ``"bf16"`` (autocast).
+        policy: ``"lrtf"``, ``"fifo"``, ``"round_robin"`` or a ``BasePolicy`` instance.
+        prefetch: promote the next shard while the current one computes.
+        recompute: see :class:`~tune_hydra.engine.Engine`.
+        copy_on_cpu: really copy shard state on CPU devices (tests the spill path).
+        max_layers_per_shard: cut finer than the budget requires.
+
+    Returns:
+        A :class:`History`: ``history["a"]`` is a list with one dict per epoch holding
+        ``loss``, ``val_loss`` (with ``eval_data``), ``num_shards`` and engine figures.
+        After return every ``task.model`` holds its trained weights, on the CPU.
+
+    Raises:
+        TrainingError: some tasks failed; the others finished (see ``.errors`` and
+            ``.history``).
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import tune_hydra as th
+        >>> data = [(torch.randn(4, 3), torch.randn(4, 1)) for _ in range(2)]
+        >>> make = lambda: th.ModelTask(nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 1)),
+        ...     nn.MSELoss(), lambda p: torch.optim.Adam(p, lr=1e-2), data)
+        >>> h = th.train_models({"a": make(), "b": make()}, devices=["cpu"], epochs=2)
+        >>> len(h["a"]), h["a"][0]["num_shards"]
+        (2, 1)
+    """
+    if not isinstance(tasks, Mapping) or not tasks:
+        raise InvalidTaskError("tasks must be a non-empty dict {name: ModelTask}")
+    for name, task in tasks.items():
+        if not isinstance(task, ModelTask):
+            raise InvalidTaskError(
+                f"tasks[{name!r}] must be a tune_hydra.ModelTask, not {type(task).__name__}"
+            )
+    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
+        raise InvalidTaskError(f"epochs must be an int >= 1, got {epochs!r}")
+    history = History()
+    errors: dict[str, BaseException] = {}
+    with Engine(devices, device_memory, policy, prefetch=prefetch, recompute=recompute,
+                copy_on_cpu=copy_on_cpu, max_layers_per_shard=max_layers_per_shard) as engine:
+        for name, task in tasks.items():
+            engine.add_task(name, task, seed=seed, max_grad_norm=max_grad_norm,
+                            accumulate_steps=accumulate_steps, precision=precision)
+        futures = {name: engine.train(name, epochs) for name in tasks}
+        for name, fut in futures.items():
+            try:
+                history[name] = fut.result()
+            except Exception as err:  # noqa: BLE001 - one task's failure is reported, not fatal
+                errors[name] = err
+                history[name] = list(engine._tasks[name].runner.history)
+        history.plans = {name: engine.plan(name) for name in tasks}
+        history.summary = engine.summary()
+        history.trace = engine.trace
+    if errors:
+        raise TrainingError(errors, dict(history))
+    return history

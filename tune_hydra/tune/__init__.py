@@ -1,0 +1,33 @@
+"""Ray Tune front end: :func:`run` and :class:`HydraExecutor`.
+
+Importing this package imports Ray but never torch; the engine (and torch) load in the
+engine actors only.
+"""
+
+from __future__ import annotations
+
+from tune_hydra.tune.errors import (
+    EngineError,
+    EngineStartError,
+    EngineUnavailableError,
+    InvalidExecutorError,
+    MissingMetricError,
+    NotATaskFactoryError,
+    TaskFactoryError,
+    TrialNotRegisteredError,
+)
+from tune_hydra.tune.executor import HydraExecutor
+from tune_hydra.tune.run import run
+
+__all__ = [
+    "EngineError",
+    "EngineStartError",
+    "EngineUnavailableError",
+    "HydraExecutor",
+    "InvalidExecutorError",
+    "MissingMetricError",
+    "NotATaskFactoryError",
+    "TaskFactoryError",
+    "TrialNotRegisteredError",
+    "run",
+]

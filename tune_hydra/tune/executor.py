@@ -1,0 +1,431 @@
+""":class:`HydraExecutor`: configuration and lifecycle of the engine actors.
+
+It is **not** a Tune ``TrialExecutor``: Ray deprecated custom trial executors in 2.3 and
+removed ``RayTrialExecutor`` in 2.7, and ``tune.run(trial_executor=...)`` raises
+``TypeError`` in current Ray. The call form ``trial_executor=HydraExecutor(...)`` is honoured
+by :func:`tune_hydra.run`; for ``tune.Tuner`` use :meth:`HydraExecutor.trainable`,
+:meth:`HydraExecutor.scheduler` and :meth:`HydraExecutor.callbacks`.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import threading
+import uuid
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import ray
+from ray import tune
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from tune_hydra.exceptions import TuneHydraError, UnknownPolicyError
+from tune_hydra.tune.actor import (
+    CONTROL_GROUP,
+    DEFAULT_ENGINE_CLASS,
+    EngineActor,
+    engine_actor_name,
+)
+from tune_hydra.tune.errors import EngineStartError, NotATaskFactoryError
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SLOT_RESOURCE = "hydra_slot"
+DEFAULT_SLOTS_PER_NODE = 8
+_KNOWN_POLICIES = ("lrtf", "fifo", "round_robin")
+
+# Executors started in this driver process. The scheduler wrapper and the callback find the
+# engines through it (they are pickled by Tune/Tuner and must not hold actor handles).
+_ACTIVE: dict[str, HydraExecutor] = {}
+_ACTIVE_LOCK = threading.Lock()
+
+
+def broadcast(method: str, *args: Any) -> None:
+    """Fire-and-forget ``method(*args)`` on every engine actor of every active executor."""
+    with _ACTIVE_LOCK:
+        executors = list(_ACTIVE.values())
+    for ex in executors:
+        for handle in ex._handles.values():
+            try:
+                getattr(handle, method).remote(*args)
+            except Exception:  # a dead actor must not break Tune's event loop
+                logger.debug("tune_hydra: %s on an engine actor failed", method, exc_info=True)
+
+
+def _unwrap(err: BaseException) -> BaseException:
+    """The user-facing error inside a RayTaskError / ActorDiedError, if there is one."""
+    cause = getattr(err, "cause", None)
+    if isinstance(cause, BaseException):
+        return cause
+    return err
+
+
+def check_task_factory(make_task: Any) -> None:
+    """Raise :class:`NotATaskFactoryError` unless ``make_task`` looks like
+    ``make_task(config) -> ModelTask``."""
+    fix = (
+        "HydraExecutor needs a task factory: a function make_task(config) -> th.ModelTask "
+        "that builds the model, loss, optimizer and data for one config. To run an ordinary "
+        "Tune trainable, drop trial_executor (th.run then forwards to tune.run)."
+    )
+    if isinstance(make_task, str) or inspect.isclass(make_task) or not callable(make_task):
+        kind = (
+            f"the string {make_task!r}"
+            if isinstance(make_task, str)
+            else f"the class {make_task.__name__}"
+            if inspect.isclass(make_task)
+            else f"a {type(make_task).__name__}"
+        )
+        raise NotATaskFactoryError(f"got {kind}. {fix}")
+    try:
+        inspect.signature(make_task).bind({})
+    except TypeError:
+        raise NotATaskFactoryError(
+            f"{getattr(make_task, '__name__', make_task)!r} cannot be called with one "
+            f"argument (the config). {fix}"
+        ) from None
+    except ValueError:
+        pass  # no signature (a builtin): let the engine actor find out
+
+
+class HydraExecutor:
+    """Runs the trials of a Ray Tune experiment on shared tune_hydra engines.
+
+    One engine actor per node that carries the slot resource trains all trials placed on
+    that node, multiplexing their shards over the node's devices. Trials are light proxies
+    that ask for no CPU, only one slot (``{"CPU": 0, slot_resource: 1}``), so a node runs as
+    many trials at once as it has slots, and every trial runs next to its engine.
+
+    This is a configuration and lifecycle object, **not** a Tune ``TrialExecutor`` (Ray
+    removed those in 2.7). Pass it as ``tune_hydra.run(make_task, ...,
+    trial_executor=HydraExecutor(...))``, or build ``tune.Tuner`` arguments from it::
+
+        with th.HydraExecutor(device_memory="8GiB") as ex:
+            tuner = tune.Tuner(
+                ex.trainable(make_task),
+                param_space={...},
+                tune_config=tune.TuneConfig(
+                    metric="val_loss", mode="min", scheduler=ex.scheduler(ASHAScheduler()),
+                    max_concurrent_trials=ex.max_concurrent_trials,
+                ),
+                run_config=tune.RunConfig(callbacks=ex.callbacks()),
+            )
+            results = tuner.fit()
+
+    Args:
+        devices: ``"auto"`` (the node's GPUs, or its CPU with a warning), ``"cpu"``, or a
+            list such as ``["cuda:0", "cuda:1"]`` / ``["cpu", "cpu"]``; the same on each node.
+        device_memory: per-device memory budget for shards (bytes or ``"8GiB"``); None uses
+            the whole device.
+        policy: the engine's scheduling policy (``"lrtf"``, ``"fifo"``, ``"round_robin"`` or a
+            policy instance).
+        prefetch: copy the next shard in while the current one computes.
+        iteration_batches: None: one Tune iteration is one epoch; N: N batches.
+        seed, max_grad_norm, accumulate_steps, precision: per-task engine options
+            (``Engine.add_task``), the same for every trial.
+        slots_per_node: concurrent trials per node when tune_hydra starts Ray itself
+            (``ray.init(resources={slot_resource: slots_per_node})``). On an existing cluster,
+            start each node with ``--resources='{"hydra_slot": N}'``.
+        slot_resource: the custom resource that marks engine nodes and trial slots.
+        torch_threads: torch CPU threads in the engine actor (default: the node's CPUs).
+        start_timeout_s: how long to wait for the engine actors to come up.
+    """
+
+    def __init__(
+        self,
+        devices: str | Sequence[str] = "auto",
+        device_memory: int | str | None = None,
+        policy: Any = "lrtf",
+        *,
+        prefetch: bool = True,
+        iteration_batches: int | None = None,
+        seed: int | None = None,
+        max_grad_norm: float | None = None,
+        accumulate_steps: int = 1,
+        precision: Any = None,
+        slots_per_node: int | None = None,
+        slot_resource: str = DEFAULT_SLOT_RESOURCE,
+        torch_threads: int | None = None,
+        start_timeout_s: float = 180.0,
+        _engine_class: str = DEFAULT_ENGINE_CLASS,
+    ) -> None:
+        if isinstance(policy, str) and policy not in _KNOWN_POLICIES:
+            raise UnknownPolicyError(
+                f"unknown policy {policy!r}; use one of {list(_KNOWN_POLICIES)} or an instance "
+                f"of tune_hydra.engine.policies.BasePolicy"
+            )
+        if iteration_batches is not None and int(iteration_batches) < 1:
+            raise TuneHydraError(
+                f"iteration_batches must be None (one epoch) or a positive number of batches, "
+                f"not {iteration_batches!r}"
+            )
+        if slots_per_node is not None and int(slots_per_node) < 1:
+            raise TuneHydraError(f"slots_per_node must be >= 1, not {slots_per_node!r}")
+        if device_memory is not None:
+            from tune_hydra.engine.units import parse_bytes  # fails fast on "8 gigs"
+
+            parse_bytes(device_memory)
+        self.devices = devices
+        self.device_memory = device_memory
+        self.policy = policy
+        self.prefetch = prefetch
+        self.iteration_batches = iteration_batches
+        self.task_options: dict[str, Any] = {
+            "seed": seed,
+            "max_grad_norm": max_grad_norm,
+            "accumulate_steps": accumulate_steps,
+            "precision": precision,
+            "iteration_batches": iteration_batches,
+        }
+        self.slots_per_node = slots_per_node
+        self.slot_resource = slot_resource
+        self.torch_threads = torch_threads
+        self.start_timeout_s = start_timeout_s
+        self._engine_class = _engine_class
+        self.run_id = uuid.uuid4().hex[:10]
+        self._handles: dict[str, Any] = {}  # node id -> engine actor handle
+        self._slots = 0
+        self._fallback = False
+        self._last_trace: list[Any] = []
+        self._last_summary: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- lifecycle
+    @property
+    def started(self) -> bool:
+        """True while the engine actors are up."""
+        return bool(self._handles)
+
+    def start(self) -> HydraExecutor:
+        """Start Ray (if needed) and one engine actor per engine node. Idempotent."""
+        if self._handles:
+            return self
+        if not ray.is_initialized():
+            slots = self.slots_per_node or DEFAULT_SLOTS_PER_NODE
+            ray.init(resources={self.slot_resource: slots})
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        engine_nodes = [n for n in nodes if n["Resources"].get(self.slot_resource, 0) >= 1]
+        self._fallback = False
+        if not engine_nodes:
+            if len(nodes) != 1:
+                raise EngineStartError(
+                    f"no node of this Ray cluster has the {self.slot_resource!r} resource that "
+                    f"marks engine nodes; start each node that should train models with "
+                    f"ray start ... --resources='{{\"{self.slot_resource}\": 8}}'"
+                )
+            # A plain local ray.init(): trials ask for a sliver of CPU instead of a slot.
+            self._fallback = True
+            engine_nodes = nodes
+            warnings.warn(
+                f"Ray was started without the {self.slot_resource!r} resource; trials will "
+                f"each reserve 0.01 CPU. Call ray.init(resources={{'{self.slot_resource}': 8}}) "
+                f"(or let tune_hydra start Ray) to control concurrency with slots.",
+                stacklevel=2,
+            )
+        handles: dict[str, Any] = {}
+        slots = 0
+        for node in engine_nodes:
+            node_id = node["NodeID"]
+            res = node["Resources"]
+            slots += (
+                int(res[self.slot_resource])
+                if not self._fallback
+                else (self.slots_per_node or DEFAULT_SLOTS_PER_NODE)
+            )
+            handles[node_id] = self._create_actor(node_id, res, len(handles))
+        self._slots = slots
+        refs = {node: h.start.remote() for node, h in handles.items()}
+        try:
+            ray.get(list(refs.values()), timeout=self.start_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self._kill(handles)
+            raise EngineStartError(
+                f"the engine actors did not start within {self.start_timeout_s:.0f} s; check "
+                f"that the engine nodes have free memory and that tune_hydra is installed there"
+            ) from None
+        except Exception as err:
+            self._kill(handles)
+            cause = _unwrap(err)
+            if isinstance(cause, TuneHydraError):
+                raise cause from None
+            raise EngineStartError(f"the engine actors failed to start: {cause}") from err
+        self._handles = handles
+        with _ACTIVE_LOCK:
+            _ACTIVE[self.run_id] = self
+        return self
+
+    def _create_actor(self, node_id: str, res: dict[str, float], index: int) -> Any:
+        devices = self.devices
+        if isinstance(devices, str) and devices == "auto":
+            num_gpus = int(res.get("GPU", 0))
+            if num_gpus == 0:
+                warnings.warn(
+                    f"devices='auto': node {node_id[:8]} has no GPU; its engine trains on the "
+                    f"CPU",
+                    stacklevel=3,
+                )
+                devices = "cpu"  # say it here once rather than in every actor's log
+        else:
+            names = [devices] if isinstance(devices, str) else list(devices)
+            num_gpus = sum(1 for d in names if str(d).startswith("cuda"))
+        engine_kwargs = {
+            "devices": devices,
+            "device_memory": self.device_memory,
+            "policy": self.policy,
+            "prefetch": self.prefetch,
+        }
+        threads = self.torch_threads or max(1, int(res.get("CPU", 1)))
+        cls = ray.remote(EngineActor)
+        return cls.options(
+            name=engine_actor_name(self.run_id, node_id),
+            # No CPU: an engine that reserved its node's CPUs starved Tune's trials (hang).
+            num_cpus=0,
+            num_gpus=num_gpus,
+            max_restarts=-1,
+            max_task_retries=0,
+            max_concurrency=1000,
+            concurrency_groups={CONTROL_GROUP: 32},
+            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+        ).remote(
+            engine_kwargs,
+            self.task_options,
+            self._engine_class,
+            threads,
+            f"node{index}" if index or len(ray.nodes()) > 1 else "",
+        )
+
+    @staticmethod
+    def _kill(handles: dict[str, Any]) -> None:
+        for handle in handles.values():
+            try:
+                ray.kill(handle, no_restart=True)
+            except Exception:
+                pass
+
+    def shutdown(self) -> None:
+        """Collect the engines' trace and summary, then stop the engine actors.
+
+        Safe to call twice. :meth:`trace` and :meth:`summary` still answer afterwards.
+        """
+        if not self._handles:
+            return
+        with _ACTIVE_LOCK:
+            _ACTIVE.pop(self.run_id, None)
+        try:
+            self._last_trace = self._gather_trace()
+            self._last_summary = self._gather_summary()
+        except Exception:
+            logger.warning("tune_hydra: could not collect the engines' trace", exc_info=True)
+        try:
+            ray.get([h.close.remote() for h in self._handles.values()], timeout=30)
+        except Exception:
+            pass
+        self._kill(self._handles)
+        self._handles = {}
+
+    def __enter__(self) -> HydraExecutor:
+        return self.start()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    # ---------------------------------------------------------- Tune building blocks
+    @property
+    def trial_resources(self) -> dict[str, float]:
+        """What each trial reserves: no CPU, one slot (a CPU sliver without slots)."""
+        if self._fallback:
+            return {"cpu": 0.01}
+        return {"cpu": 0, self.slot_resource: 1}
+
+    @property
+    def max_concurrent_trials(self) -> int:
+        """The number of slots over all engine nodes (starts the engines if needed)."""
+        self.start()
+        return self._slots
+
+    def trainable(self, make_task: Callable[[dict[str, Any]], Any]) -> Any:
+        """A Tune trainable (for ``tune.Tuner`` or ``tune.run``) whose trials train
+        ``make_task(config)`` on this executor's engines. Starts the engines."""
+        check_task_factory(make_task)
+        from tune_hydra.tune.trainable import HydraTrainable
+
+        self.start()
+        name = getattr(make_task, "__name__", "make_task")
+        cls = type(
+            f"Hydra_{name}",
+            (HydraTrainable,),
+            {
+                "_factory_blob": ray.cloudpickle.dumps(make_task),
+                "_run_id": self.run_id,
+                "__module__": HydraTrainable.__module__,
+            },
+        )
+        return tune.with_resources(cls, self.trial_resources)
+
+    def scheduler(
+        self, base: Any = None, *, stop: Any = None, max_iterations: int | None = None
+    ) -> Any:
+        """Wrap the user's scheduler (or FIFO) so the engines learn each trial's remaining
+        budget and drop a stopped or paused trial's queued work.
+
+        Args:
+            base: a ``TrialScheduler``, a scheduler name Tune knows (``"asha"``), or None.
+            stop: the run's stopping condition (``{"training_iteration": N}`` gives the budget).
+            max_iterations: explicit per-trial budget (overrides ``stop`` and ``max_t``).
+        """
+        from tune_hydra.tune.scheduler import HydraScheduler
+
+        if isinstance(base, HydraScheduler):
+            return base
+        if isinstance(base, str):
+            from ray.tune.schedulers import create_scheduler
+
+            base = create_scheduler(base)
+        return HydraScheduler(base, stop=stop, max_iterations=max_iterations)
+
+    def callbacks(self) -> list[Any]:
+        """Driver-side callbacks to add to the run (they free trials that end abnormally)."""
+        from tune_hydra.tune.callback import HydraCallback
+
+        return [HydraCallback()]
+
+    # ------------------------------------------------------------- inspection
+    def engines(self) -> dict[str, Any]:
+        """Node id -> engine actor handle (empty when not started)."""
+        return dict(self._handles)
+
+    def registered_trials(self) -> dict[str, dict[str, list[str]]]:
+        """Per node: the trials the engine actor knows and the engine's task names."""
+        refs = {node: h.registered.remote() for node, h in self._handles.items()}
+        return {node: ray.get(ref, timeout=60) for node, ref in refs.items()}
+
+    def _gather_trace(self) -> list[Any]:
+        events: list[Any] = []
+        for ref in [h.trace.remote() for h in self._handles.values()]:
+            events.extend(ray.get(ref, timeout=60))
+        return events
+
+    def _gather_summary(self) -> dict[str, Any]:
+        refs = {node: h.summary.remote() for node, h in self._handles.items()}
+        return {node: ray.get(ref, timeout=60) for node, ref in refs.items()}
+
+    def trace(self) -> Any:
+        """The engines' timeline (a ``Trace``; devices are prefixed by node when several):
+        live while started, else the one collected at shutdown. Draw it with
+        ``th.plot_timeline(executor.trace(), "timeline.png")``."""
+        events = self._gather_trace() if self._handles else list(self._last_trace)
+        from tune_hydra.engine.trace import Trace
+
+        return Trace.from_events(events)
+
+    def summary(self) -> dict[str, Any]:
+        """Node id -> the engine's summary (live while started, else the last collected)."""
+        return self._gather_summary() if self._handles else dict(self._last_summary)
+
+    def __repr__(self) -> str:
+        state = f"{len(self._handles)} engine(s)" if self._handles else "not started"
+        return (
+            f"HydraExecutor(devices={self.devices!r}, device_memory={self.device_memory!r}, "
+            f"policy={self.policy!r}, {state})"
+        )

@@ -1,0 +1,148 @@
+""":func:`run`: ``tune.run`` with a ``trial_executor=`` argument that Ray no longer has.
+
+``th.run`` mirrors ``tune.run``'s whole signature (``inspect.signature(th.run)`` shows every
+``tune.run`` parameter plus ``trial_executor``) and returns what ``tune.run`` returns. With
+``trial_executor=None`` it forwards every argument to ``tune.run`` unchanged; with a
+:class:`~tune_hydra.HydraExecutor` the first argument is a task factory
+``make_task(config) -> th.ModelTask`` and the trials train on the executor's engines.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ray import tune
+from ray.tune.search import BasicVariantGenerator
+
+from tune_hydra.tune.errors import InvalidExecutorError, MissingMetricError
+from tune_hydra.tune.executor import HydraExecutor, check_task_factory
+
+_TUNE_RUN_SIGNATURE = inspect.signature(tune.run)
+_TUNE_RUN_PARAMS = set(_TUNE_RUN_SIGNATURE.parameters) - {"run_or_experiment"}
+
+
+def _metric_of(obj: Any) -> Any:
+    if obj is None or isinstance(obj, str):
+        return None
+    for attr in ("metric", "_metric"):
+        value = getattr(obj, attr, None)
+        if isinstance(value, str) and value != "_metric":  # Tune's anonymous default
+            return value
+    searcher = getattr(obj, "searcher", None)  # ConcurrencyLimiter, SearchGenerator
+    return _metric_of(searcher) if searcher is not None and searcher is not obj else None
+
+
+def _check_metric(kwargs: dict[str, Any]) -> None:
+    """Fail before any trial starts when a search algorithm or scheduler has nothing to
+    optimise, or ``mode`` is not ``"min"``/``"max"``."""
+    mode = kwargs.get("mode")
+    if mode is not None and mode not in ("min", "max"):
+        raise MissingMetricError(f"mode must be 'min' or 'max', not {mode!r}")
+    if kwargs.get("metric") is not None and mode is None:
+        raise MissingMetricError(
+            f"metric={kwargs['metric']!r} was given without mode; pass mode='min' or 'max'"
+        )
+    if kwargs.get("metric") is not None:
+        return
+    needs = []
+    search_alg = kwargs.get("search_alg")
+    if search_alg is not None and not isinstance(search_alg, (str, BasicVariantGenerator)):
+        if _metric_of(search_alg) is None:
+            needs.append(type(search_alg).__name__)
+    scheduler = kwargs.get("scheduler")
+    if scheduler is not None and type(scheduler).__name__ != "FIFOScheduler":
+        if _metric_of(scheduler) is None:
+            needs.append(scheduler if isinstance(scheduler, str) else type(scheduler).__name__)
+    if needs:
+        raise MissingMetricError(
+            f"{' and '.join(map(str, needs))} need(s) a metric to optimise; pass "
+            f"metric='val_loss' (or 'loss') and mode='min' to th.run (tune_hydra reports "
+            f"loss, val_loss when the task has eval_data, num_shards, device_time_s, "
+            f"bytes_spilled)"
+        )
+
+
+def run(
+    run_or_experiment: Any,
+    *,
+    trial_executor: HydraExecutor | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run a Tune experiment; with ``trial_executor=HydraExecutor(...)``, on shared engines.
+
+    Every ``tune.run`` argument is accepted and means what it means there (see
+    ``inspect.signature(th.run)``). With a :class:`~tune_hydra.HydraExecutor`:
+
+    * ``run_or_experiment`` is a task factory ``make_task(config) -> th.ModelTask``; it
+      runs inside the engine actor's process, once per trial (and per restore).
+    * each Tune iteration trains one epoch (or ``iteration_batches`` batches) and reports
+      ``loss``, ``val_loss`` (with eval data), ``num_shards``, ``epoch``,
+      ``device_time_s`` and ``bytes_spilled``;
+    * checkpoints hold ``model.pt`` (the whole model's ``state_dict``) and the state that
+      resumes training exactly;
+    * ``scheduler`` is wrapped so the engines learn each trial's remaining budget and drop
+      stopped or paused trials' queued work; ``max_concurrent_trials`` defaults to the number
+      of engine slots; trials must not ask for resources of their own
+      (``resources_per_trial``).
+
+    The executor's engine actors are started if needed and, if this call started them,
+    shut down at the end (their timeline stays available as ``trial_executor.trace()``).
+
+    Args:
+        run_or_experiment: a task factory (with an executor) or anything ``tune.run`` takes.
+        trial_executor: None (plain ``tune.run``) or a :class:`~tune_hydra.HydraExecutor`.
+        **kwargs: ``tune.run``'s keyword arguments.
+
+    Returns:
+        What ``tune.run`` returns: an ``ExperimentAnalysis``.
+
+    Raises:
+        InvalidExecutorError: ``trial_executor`` is not a HydraExecutor.
+        NotATaskFactoryError: ``run_or_experiment`` is not a task factory.
+        MissingMetricError: a search algorithm or scheduler has no metric/mode.
+    """
+    unknown = set(kwargs) - _TUNE_RUN_PARAMS
+    if unknown:
+        raise TypeError(f"run() got unexpected keyword argument(s) {sorted(unknown)}")
+    if trial_executor is None:
+        return tune.run(run_or_experiment, **kwargs)
+    if not isinstance(trial_executor, HydraExecutor):
+        raise InvalidExecutorError(
+            f"trial_executor must be a tune_hydra.HydraExecutor or None, not "
+            f"{type(trial_executor).__name__}: Ray removed custom Tune TrialExecutors in 2.7"
+        )
+    check_task_factory(run_or_experiment)
+    _check_metric(kwargs)
+    if kwargs.get("resources_per_trial") is not None:
+        raise InvalidExecutorError(
+            "resources_per_trial cannot be combined with a HydraExecutor: its trials are "
+            "proxies that reserve one engine slot each, and the models train on the engine's "
+            "devices. Size the engine with HydraExecutor(devices=..., device_memory=...)"
+        )
+    ex = trial_executor
+    owns = not ex.started
+    try:
+        trainable = ex.trainable(run_or_experiment)
+        kwargs["scheduler"] = ex.scheduler(kwargs.get("scheduler"), stop=kwargs.get("stop"))
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *ex.callbacks()]
+        if kwargs.get("max_concurrent_trials") is None:
+            kwargs["max_concurrent_trials"] = ex.max_concurrent_trials
+        return tune.run(trainable, **kwargs)
+    finally:
+        if owns:
+            ex.shutdown()
+
+
+def _signature() -> inspect.Signature:
+    params = list(_TUNE_RUN_SIGNATURE.parameters.values())
+    params.append(
+        inspect.Parameter(
+            "trial_executor", inspect.Parameter.KEYWORD_ONLY, default=None,
+            annotation="HydraExecutor | None",
+        )  # fmt: skip
+    )
+    return _TUNE_RUN_SIGNATURE.replace(parameters=params)
+
+
+run.__signature__ = _signature()  # type: ignore[attr-defined]
