@@ -18,8 +18,6 @@ import pytest
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-os.environ.setdefault("TUNE_DISABLE_AUTO_CALLBACK_LOGGERS", "1")
-os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
 
 ray = pytest.importorskip("ray")
 

@@ -411,32 +411,40 @@ class Engine:
                         self._fail(entry, err)
 
     def _dispatch(self) -> None:
-        for w in self.workers:
-            while w.free_slots > 0:
-                cands = [
+        # Idle devices first; only then queue a second (prefetched) op on busy ones.
+        for level in range(1, max(w.depth for w in self.workers) + 1):
+            for w in self.workers:
+                if len(w.assigned) < min(level, w.depth) and not self._fill(w):
+                    return
+
+    def _fill(self, w: DeviceWorker) -> bool:
+        """Give ``w`` one op if the policy picks one; False when no task is ready at all."""
+        cands = []
+        for e in self._tasks.values():
+            op = e.runner.current
+            if e.assigned is None and e.error is None and not e.cancelled and op is not None:
+                cands.append(
                     Candidate(
-                        op=e.runner.current,
+                        op=op,
                         remaining_s=e.remaining_s(),
-                        resident=w.holds(e.runner.shards[e.runner.current.shard].store),
+                        resident=w.holds(e.runner.shards[op.shard].store),
                         ready_since=e.ready_since,
                         order=e.order,
                     )
-                    for e in self._tasks.values()
-                    if e.assigned is None and e.error is None and not e.cancelled
-                    and e.runner.current is not None
-                ]
-                if not cands:
-                    return
-                pick = self.policy.choose(w.index, cands)
-                if pick is None:
-                    break
-                if not any(pick is c for c in cands):
-                    raise ScheduleError(
-                        f"policy {self.policy!r} returned {pick!r}, which is not one of the "
-                        f"ready operations offered ({', '.join(str(c.op) for c in cands)}); "
-                        f"choose() must return one of its candidates or None"
-                    )
-                self._assign(w, self._tasks[pick.op.task], pick.op)
+                )
+        if not cands:
+            return False
+        pick = self.policy.choose(w.index, cands)
+        if pick is None:
+            return True
+        if not any(pick is c for c in cands):
+            raise ScheduleError(
+                f"policy {self.policy!r} returned {pick!r}, which is not one of the ready "
+                f"operations offered ({', '.join(str(c.op) for c in cands)}); choose() must "
+                f"return one of its candidates or None"
+            )
+        self._assign(w, self._tasks[pick.op.task], pick.op)
+        return True
 
     def _assign(self, w: DeviceWorker, entry: _Entry, op: Op) -> None:
         store = entry.runner.shards[op.shard].store

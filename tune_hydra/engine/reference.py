@@ -80,7 +80,7 @@ def train_plain(
             model.eval()
             with torch.no_grad(), autocast():
                 vals = [
-                    task.loss_fn(model(_to(x, device)), _to(y, device)).float().item()
+                    task.loss_fn(model(_to(x, device)), _to(y, device)).item()
                     for x, y in task.eval_data
                 ]
             model.train()

@@ -315,7 +315,7 @@ class TaskRunner:
                 if last:
                     loss = self.task.loss_fn(out, _to(self._target, device))
         if last:
-            value = float(loss.detach().float().item())
+            value = float(loss.detach().item())
             if not math.isfinite(value):
                 raise NonFiniteLossError(self.name, self.epoch, batch, value)
             self._losses.append(value)
@@ -407,7 +407,7 @@ class TaskRunner:
                 out = shard.module(x)
                 if i == len(self.shards) - 1:
                     loss = self.task.loss_fn(out, _to(self._target, device))
-                    self._eval_losses.append(float(loss.float().item()))
+                    self._eval_losses.append(float(loss.item()))
                     out = None
         finally:
             shard.module.train()

@@ -276,7 +276,7 @@ class HydraExecutor:
             "prefetch": self.prefetch,
         }
         threads = self.torch_threads or max(1, int(res.get("CPU", 1)))
-        cls = ray.remote(EngineActor)
+        cls = ray.remote(concurrency_groups={CONTROL_GROUP: 32})(EngineActor)
         return cls.options(
             name=engine_actor_name(self.run_id, node_id),
             # No CPU: an engine that reserved its node's CPUs starved Tune's trials (hang).
@@ -285,7 +285,6 @@ class HydraExecutor:
             max_restarts=-1,
             max_task_retries=0,
             max_concurrency=1000,
-            concurrency_groups={CONTROL_GROUP: 32},
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(
             engine_kwargs,

@@ -1,0 +1,82 @@
+"""Shared test helpers: small models, data and the plain-training reference."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tune_hydra as th
+
+OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+}
+
+
+def mlp(dtype: torch.dtype = torch.float64, seed: int = 0, width: int = 16) -> nn.Sequential:
+    """Linear, ReLU, Dropout, BatchNorm1d stack: every tricky layer kind."""
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        nn.Linear(8, width),
+        nn.ReLU(),
+        nn.Dropout(0.2),
+        nn.BatchNorm1d(width),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Dropout(0.1),
+        nn.Linear(width, width),
+        nn.ReLU(),
+        nn.Linear(width, 4),
+    ).to(dtype)
+
+
+def batches(n: int = 5, dtype: torch.dtype = torch.float64, seed: int = 1) -> list[Any]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(6, 8, generator=g, dtype=dtype), torch.randint(0, 4, (6,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def make_task(model: nn.Module, opt: str = "adam", n: int = 5, eval_data: bool = True,
+              dtype: torch.dtype = torch.float64) -> th.ModelTask:
+    data = batches(n, dtype)
+    return th.ModelTask(model, nn.CrossEntropyLoss(), OPTIMIZERS[opt], data,
+                        eval_data=batches(2, dtype, seed=7) if eval_data else None)
+
+
+def plain_copy(task: th.ModelTask) -> th.ModelTask:
+    """The same task around a deepcopy of its (untrained) model."""
+    return th.ModelTask(copy.deepcopy(task.model), task.loss_fn, task.optimizer,
+                        task.train_data, eval_data=task.eval_data)
+
+
+def assert_same_model(a: nn.Module, b: nn.Module, atol: float = 1e-12, rtol: float = 0.0) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sa:
+        torch.testing.assert_close(sa[k], sb[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+    for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        if pb.grad is None:
+            assert pa.grad is None, name
+        else:
+            torch.testing.assert_close(pa.grad, pb.grad, atol=atol, rtol=rtol)
+
+
+def assert_same_history(h: list[dict[str, Any]], ref: list[dict[str, Any]], tol: float = 1e-12) -> None:
+    assert len(h) == len(ref)
+    for got, want in zip(h, ref, strict=True):
+        for key, value in want.items():
+            assert abs(got[key] - value) <= tol * max(1.0, abs(value)), (key, got[key], value)
+
+
+@pytest.fixture
+def budget_3_shards() -> int:
+    """A budget that cuts mlp() into at least 3 shards."""
+    return 24_000
