@@ -10,7 +10,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tune_hydra import exceptions
-from tune_hydra.engine import Engine, History, ModelTask, train_models, train_plain
+from tune_hydra.engine import (
+    Engine,
+    History,
+    ModelTask,
+    plot_timeline,
+    save_trace,
+    train_models,
+    train_plain,
+)
 from tune_hydra.exceptions import TuneHydraError
 
 if TYPE_CHECKING:
@@ -21,8 +29,6 @@ __version__ = "0.1.0"
 _LAZY = {
     "run": "tune_hydra.tune",
     "HydraExecutor": "tune_hydra.tune",
-    "save_trace": "tune_hydra.engine.trace",
-    "plot_timeline": "tune_hydra.engine.trace",
 }
 
 

@@ -98,6 +98,10 @@ class TrainingError(TuneHydraError, RuntimeError):
         )
 
 
+class MissingDependencyError(TuneHydraError, ImportError):
+    """An optional package (e.g. matplotlib for plots) is not installed."""
+
+
 class UnknownPolicyError(TuneHydraError, ValueError):
     """A scheduling policy name is not known."""
 

@@ -23,7 +23,7 @@ ray = pytest.importorskip("ray")
 
 from ray import cloudpickle  # noqa: E402
 
-import tune_tasks  # noqa: E402
+from tests.tune import tune_tasks  # noqa: E402
 
 # The engine actors unpickle the test factories; they cannot import the test package.
 cloudpickle.register_pickle_by_value(tune_tasks)

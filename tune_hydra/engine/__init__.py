@@ -16,7 +16,7 @@ from tune_hydra.engine.policies import (
 from tune_hydra.engine.reference import train_plain
 from tune_hydra.engine.spill import ShardStore
 from tune_hydra.engine.task import ModelTask, model_layers
-from tune_hydra.engine.trace import Trace, TraceEvent
+from tune_hydra.engine.trace import Trace, TraceEvent, plot_timeline, save_trace
 from tune_hydra.engine.train import History, train_models
 from tune_hydra.engine.units import parse_bytes, resolve_devices
 
@@ -39,6 +39,8 @@ __all__ = [
     "TraceEvent",
     "get_policy",
     "model_layers",
+    "plot_timeline",
+    "save_trace",
     "parse_bytes",
     "plan_shards",
     "resolve_devices",

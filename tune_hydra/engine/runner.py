@@ -188,7 +188,7 @@ class TaskRunner:
                         )
                     epoch_ended = True
                     self._end_epoch()
-                    if done_batches == 0:  # an iteration of N batches starts a new epoch
+                    if limit is not None:  # an iteration of N batches runs on into the next epoch
                         continue
                     break
                 for i in range(1, n - 1):

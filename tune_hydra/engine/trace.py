@@ -358,7 +358,7 @@ def plot_timeline(
         The path written.
 
     Raises:
-        ImportError: matplotlib is not installed.
+        MissingDependencyError: matplotlib is not installed (also an ``ImportError``).
     """
     try:
         import matplotlib
@@ -366,7 +366,9 @@ def plot_timeline(
         from matplotlib.figure import Figure
         from matplotlib.patches import Patch
     except ImportError as err:  # pragma: no cover - depends on the environment
-        raise ImportError(
+        from tune_hydra.exceptions import MissingDependencyError
+
+        raise MissingDependencyError(
             "plot_timeline needs matplotlib: pip install matplotlib (or use save_trace and "
             "open the JSON in https://ui.perfetto.dev)"
         ) from err

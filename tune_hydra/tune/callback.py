@@ -23,7 +23,5 @@ class HydraCallback(Callback):
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         _executor.broadcast("deregister", trial.trial_id)
 
-    def on_trial_complete(
-        self, iteration: int, trials: list[Any], trial: Any, **info: Any
-    ) -> None:
+    def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         _executor.broadcast("deregister", trial.trial_id)

@@ -261,8 +261,7 @@ class HydraExecutor:
             num_gpus = int(res.get("GPU", 0))
             if num_gpus == 0:
                 warnings.warn(
-                    f"devices='auto': node {node_id[:8]} has no GPU; its engine trains on the "
-                    f"CPU",
+                    f"devices='auto': node {node_id[:8]} has no GPU; its engine trains on the CPU",
                     stacklevel=3,
                 )
                 devices = "cpu"  # say it here once rather than in every actor's log

@@ -138,7 +138,9 @@ def _signature() -> inspect.Signature:
     params = list(_TUNE_RUN_SIGNATURE.parameters.values())
     params.append(
         inspect.Parameter(
-            "trial_executor", inspect.Parameter.KEYWORD_ONLY, default=None,
+            "trial_executor",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
             annotation="HydraExecutor | None",
         )  # fmt: skip
     )

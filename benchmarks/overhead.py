@@ -1,0 +1,184 @@
+"""Engine overhead on one CPU device: one MLP cut into >= 3 shards vs plain PyTorch training.
+
+The same model (a ``copy.deepcopy`` of one template, same data, same seed) is trained
+
+- plainly (``th.train_plain``, the reference),
+- by the engine with ``recompute=False`` (each shard keeps its forward graph: the CPU
+  default, as the CPU "device" is host memory),
+- by the engine with ``recompute=True`` (backward re-runs each shard's forward, as on a
+  GPU under a tight budget).
+
+Runs are interleaved (plain, keep, recompute, plain, ...) after one warm-up of each, and
+the table reports the median wall time and the median of the per-round ratios to plain,
+which is robust to the slow drifts of a shared machine. The engine's time is the whole
+``train_models`` call (partitioning, threads, shard execution).
+
+Run::
+
+    python benchmarks/overhead.py            # about a minute
+    python benchmarks/overhead.py --quick    # a few seconds (used by the tests)
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+import tune_hydra as th
+from tune_hydra.engine.partition import layer_costs, plan_shards
+from tune_hydra.engine.task import model_layers
+from tune_hydra.exceptions import ShardTooLargeError
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class Config:
+    """Benchmark sizes."""
+
+    width: int = 512
+    depth: int = 8
+    batch: int = 64
+    batches: int = 40
+    epochs: int = 1
+    repeats: int = 7
+    min_shards: int = 3
+
+
+QUICK = Config(width=64, depth=4, batch=16, batches=8, repeats=2)
+
+
+def make_mlp(width: int, depth: int, classes: int = 10) -> nn.Sequential:
+    """``depth`` x (Linear + ReLU) and a classifier head; no dropout."""
+    layers: list[nn.Module] = []
+    for _ in range(depth):
+        layers += [nn.Linear(width, width), nn.ReLU()]
+    layers.append(nn.Linear(width, classes))
+    return nn.Sequential(*layers)
+
+
+def make_data(cfg: Config, seed: int = 0) -> list[Batch]:
+    """Synthetic classification batches (a fixed list, so every run sees the same data)."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randn(cfg.batch, cfg.width, generator=g), torch.randint(0, 10, (cfg.batch,), generator=g))
+        for _ in range(cfg.batches)
+    ]
+
+
+def budget_for(
+    model: nn.Sequential,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+    sample: torch.Tensor,
+    min_shards: int,
+) -> tuple[int, int]:
+    """The largest per-device budget (bytes) that cuts ``model`` into >= ``min_shards``.
+
+    Returns ``(budget, num_shards)``; raises ``ValueError`` if no budget does.
+    """
+    costs = layer_costs(model_layers(model), optimizer, sample)
+    total = sum(c.total_bytes for c in costs) + max(c.state_bytes for c in costs)
+    for k in range(64, 0, -1):
+        budget = total * k // 64
+        try:
+            n = len(plan_shards(costs, budget))
+        except ShardTooLargeError:
+            break
+        if n >= min_shards:
+            return budget, n
+    raise ValueError(f"no budget cuts this model into {min_shards} shards; make it deeper")
+
+
+def _optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def run(cfg: Config) -> dict[str, object]:
+    """Run the benchmark; returns the figures (also printed as a table)."""
+    torch.manual_seed(0)
+    template = make_mlp(cfg.width, cfg.depth)
+    data = make_data(cfg)
+    budget, shards = budget_for(template, _optimizer, data[0][0], cfg.min_shards)
+    assert shards >= cfg.min_shards
+
+    def task() -> th.ModelTask:
+        return th.ModelTask(copy.deepcopy(template), nn.CrossEntropyLoss(), _optimizer, data)
+
+    def plain() -> float:
+        t = task()
+        t0 = time.perf_counter()
+        th.train_plain(t, cfg.epochs, seed=0)
+        return time.perf_counter() - t0
+
+    def engine(recompute: bool) -> float:
+        t = task()
+        t0 = time.perf_counter()
+        h = th.train_models(
+            {"m": t}, devices=["cpu"], device_memory=budget, epochs=cfg.epochs,
+            recompute=recompute, seed=0,
+        )
+        elapsed = time.perf_counter() - t0
+        assert h["m"][0]["num_shards"] == shards
+        return elapsed
+
+    runs: dict[str, Callable[[], float]] = {
+        "plain": plain,
+        "keep activations": lambda: engine(False),
+        "recompute": lambda: engine(True),
+    }
+    for fn in runs.values():  # warm-up
+        fn()
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for _ in range(cfg.repeats):
+        for name, fn in runs.items():
+            times[name].append(fn())
+    ratios = {
+        name: [t / p for t, p in zip(ts, times["plain"], strict=True)] for name, ts in times.items()
+    }
+    result: dict[str, object] = {
+        "shards": shards,
+        "budget_bytes": budget,
+        "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "ratio_vs_plain": {k: statistics.median(v) for k, v in ratios.items()},
+    }
+    print(
+        f"overhead: MLP width {cfg.width} depth {cfg.depth}, batch {cfg.batch} x {cfg.batches} "
+        f"batches x {cfg.epochs} epoch(s), Adam; {shards} shards under {budget / 2**20:.2f} MiB "
+        f"on one CPU device; {cfg.repeats} interleaved repeats after a warm-up; "
+        f"torch threads {torch.get_num_threads()}"
+    )
+    print(f"{'mode':<18} {'shards':>6} {'median s':>9} {'min s':>8} {'ratio vs plain':>15}")
+    for name, ts in times.items():
+        n = 1 if name == "plain" else shards
+        print(
+            f"{name:<18} {n:>6} {statistics.median(ts):>9.3f} {min(ts):>8.3f} "
+            f"{statistics.median(ratios[name]):>14.2f}x"
+        )
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for the tests")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--width", type=int, default=None)
+    parser.add_argument("--batches", type=int, default=None)
+    args = parser.parse_args(argv)
+    cfg = copy.copy(QUICK if args.quick else Config())
+    for field in ("repeats", "width", "batches"):
+        if getattr(args, field) is not None:
+            setattr(cfg, field, getattr(args, field))
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,128 @@
+"""The Engine API the Tune front end uses: iterations, checkpoints, cancel, remove."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+import tune_hydra as th
+from tune_hydra.engine import Engine
+from tests.conftest import assert_same_history, assert_same_model, make_task, mlp, plain_copy
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_resume_from_state_equals_straight_run(recompute: bool) -> None:
+    straight = make_task(mlp(), "adamw")
+    resumed = plain_copy(straight)
+    with Engine(["cpu"], 24_000, recompute=recompute) as eng:
+        eng.add_task("s", straight, seed=4, max_grad_norm=0.5)
+        want = eng.train("s", 4).result(timeout=120)
+    with Engine(["cpu"], 24_000, recompute=recompute) as eng:
+        eng.add_task("r", resumed, seed=4, max_grad_norm=0.5)
+        first = eng.train("r", 2).result(timeout=120)
+        state = eng.get_state("r")
+    fresh = plain_copy(straight)  # an untrained model, as a restarted trial would build
+    with Engine(["cpu"], 24_000, recompute=recompute) as eng:
+        eng.add_task("r2", fresh, seed=123, max_grad_norm=0.5)  # the stream comes from the state
+        eng.set_state("r2", state)
+        second = eng.train("r2", 2).result(timeout=120)
+    assert_same_history(first + second, want)
+    assert [r["iteration"] for r in second] == [3, 4]
+    assert_same_model(fresh.model, straight.model)
+
+
+def test_resume_mid_epoch_with_iteration_batches() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(0)
+    ds = TensorDataset(torch.randn(30, 8, generator=g, dtype=torch.float64),
+                       torch.randint(0, 4, (30,), generator=g))
+    make = lambda m: th.ModelTask(m, torch.nn.CrossEntropyLoss(),  # noqa: E731
+                                  lambda p: torch.optim.Adam(p), DataLoader(ds, 6, shuffle=True))
+    straight, resumed = make(mlp()), make(mlp())
+    with Engine(["cpu"], 24_000) as eng:
+        eng.add_task("s", straight, seed=1, iteration_batches=2)
+        want = eng.train("s", 5).result(timeout=120)  # 10 batches = 2 epochs
+        eng.add_task("r", resumed, seed=1, iteration_batches=2)
+        first = eng.train("r", 2).result(timeout=120)  # stops after batch 4 of epoch 0
+        state = eng.get_state("r")
+        eng.remove_task("r")
+    again = make(mlp(seed=99))
+    with Engine(["cpu"], 24_000) as eng:
+        eng.add_task("r", again, seed=1, iteration_batches=2)
+        eng.set_state("r", state)
+        rest = eng.train("r", 3).result(timeout=120)
+    assert_same_history(first + rest, want)
+    assert [r["batches"] for r in want] == [2, 2, 2, 2, 2]
+    assert [r["epoch"] for r in want] == [0, 0, 1, 1, 1]  # epoch ends show at the next fetch
+    assert_same_model(again.model, straight.model)
+
+
+def test_iterations_resolve_one_future_each() -> None:
+    with Engine(["cpu", "cpu"], 24_000) as eng:
+        eng.add_task("a", make_task(mlp(), "sgd"), seed=0)
+        eng.add_task("b", make_task(mlp(seed=2), "sgd"), seed=0)
+        fa, fb = eng.train("a"), eng.train("b", 2)
+        eng.set_remaining("a", 3)
+        assert len(fa.result(timeout=60)) == 1 and len(fb.result(timeout=60)) == 2
+        assert eng.train("a").result(timeout=60)[0]["iteration"] == 2
+        summary = eng.summary()
+        assert set(summary["devices"]) == {"cpu#0", "cpu#1"}
+        assert summary["tasks"]["a"]["iterations"] == 2
+
+
+def test_cancel_and_remove_leave_the_others_alone() -> None:
+    other = make_task(mlp(seed=3), "adam", n=40)
+    ref = plain_copy(other)
+    with Engine(["cpu"], 24_000) as eng:
+        eng.add_task("stop", make_task(mlp(), "sgd", n=200), seed=0)
+        eng.add_task("other", other, seed=0)
+        doomed = eng.train("stop", 5)
+        keep = eng.train("other", 1)
+        eng.cancel("stop")
+        eng.remove_task("stop")
+        assert eng.tasks() == ["other"]
+        assert len(keep.result(timeout=120)) == 1
+        assert doomed.cancelled()
+    th.train_plain(ref, 1, seed=0)
+    assert_same_model(other.model, ref.model)
+
+
+def test_get_state_while_training_is_refused() -> None:
+    with Engine(["cpu"]) as eng:
+        eng.add_task("a", make_task(mlp(), "sgd", n=100), seed=0)
+        fut = eng.train("a", 2)
+        with pytest.raises(th.TuneHydraError, match="idle"):
+            eng.get_state("a")
+        fut.result(timeout=120)
+
+
+def test_duplicate_name_rejected() -> None:
+    with Engine(["cpu"]) as eng:
+        eng.add_task("a", make_task(mlp()), seed=0)
+        with pytest.raises(th.exceptions.InvalidTaskError, match="already registered"):
+            eng.add_task("a", make_task(mlp()), seed=0)
+
+
+def test_engine_api_works_without_ray() -> None:
+    code = textwrap.dedent("""
+        import sys
+        class NoRay:
+            def find_spec(self, name, path=None, target=None):
+                if name == "ray" or name.startswith("ray."):
+                    raise ImportError("ray is not installed here")
+        sys.meta_path.insert(0, NoRay())
+        import torch
+        import tune_hydra as th
+        t = th.ModelTask(torch.nn.Sequential(torch.nn.Linear(2, 1)), torch.nn.MSELoss(),
+                         lambda p: torch.optim.SGD(p, lr=0.1), [(torch.ones(1, 2), torch.ones(1, 1))])
+        print(th.train_models({"a": t}, devices="cpu")["a"][0]["num_shards"])
+        assert "ray" not in sys.modules
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"

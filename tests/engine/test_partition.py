@@ -1,0 +1,77 @@
+"""The partitioner: plans are data, respect the budget, and name a layer that cannot fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import tune_hydra as th
+from tune_hydra.engine.partition import LayerCost, layer_costs, plan_shards
+from tune_hydra.engine.task import model_layers
+from tests.conftest import OPTIMIZERS, mlp
+
+
+_X = torch.randn(6, 8, dtype=torch.float64)
+
+
+def _costs(model: nn.Sequential | None = None, opt: str = "adam",
+           x: torch.Tensor = _X) -> list[LayerCost]:
+    return layer_costs(model_layers(model or mlp()), OPTIMIZERS[opt], x)
+
+
+@pytest.mark.parametrize("budget", [20_000, 24_000, 40_000, 100_000])
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_plan_respects_budget(budget: int, prefetch: bool) -> None:
+    plan = plan_shards(_costs(), budget, prefetch=prefetch)
+    assert plan.peak_bytes() <= budget
+    assert [s.start for s in plan.shards][0] == 0 and plan.shards[-1].stop == len(plan.layers)
+    for a, b in zip(plan.shards, plan.shards[1:], strict=False):
+        assert a.stop == b.start  # contiguous, in order
+    text = str(plan)
+    assert f"{len(plan)} shard(s)" in text and "shard 0: layers" in text
+
+
+def test_smaller_budget_never_fewer_shards() -> None:
+    sizes = [len(plan_shards(_costs(), b)) for b in (20_000, 30_000, 60_000, 200_000)]
+    assert sizes == sorted(sizes, reverse=True)
+    assert sizes[0] >= 3 and sizes[-1] == 1
+
+
+def test_costs_count_adam_moments_and_grads() -> None:
+    lin = nn.Sequential(nn.Linear(10, 10)).double()
+    x = torch.randn(3, 10, dtype=torch.float64)
+    (c,) = _costs(lin, x=x)
+    assert c.param_bytes == 110 * 8 == c.grad_bytes
+    assert c.optimizer_bytes == 2 * 110 * 8
+    assert c.activation_bytes >= 3 * 10 * 8  # the saved input and the output
+    (s,) = _costs(lin, "sgd", x=x)
+    assert s.optimizer_bytes == 110 * 8  # momentum buffer
+
+
+def test_probe_leaves_batchnorm_and_rng_untouched() -> None:
+    model = mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    _costs(model)
+    assert torch.equal(rng, torch.get_rng_state())
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_layer_too_large_names_it() -> None:
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4000), nn.Linear(4000, 2))
+    task = th.ModelTask(model, nn.MSELoss(), OPTIMIZERS["sgd"], [(torch.randn(2, 4), torch.randn(2, 2))])
+    with pytest.raises(th.exceptions.ShardTooLargeError) as info:
+        th.train_models({"a": task}, devices=["cpu"], device_memory="64KiB")
+    err = info.value
+    assert isinstance(err, th.TuneHydraError) and isinstance(err, MemoryError)
+    assert err.layer == "1" and err.budget == 65536 and err.nbytes > 65536
+    assert "'1'" in str(err) and "65536 bytes" in str(err) and "device_memory" in str(err)
+
+
+def test_nested_sequential_is_cut_inside_and_keeps_keys() -> None:
+    inner = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+    model = nn.Sequential(nn.Linear(8, 8), inner, nn.Linear(8, 4))
+    names = [n for n, _ in model_layers(model)]
+    assert names == ["0", "1.0", "1.1", "1.2", "2"]
