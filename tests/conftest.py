@@ -44,24 +44,41 @@ def batches(n: int = 5, dtype: torch.dtype = torch.float64, seed: int = 1) -> li
     ]
 
 
-def make_task(model: nn.Module, opt: str = "adam", n: int = 5, eval_data: bool = True,
-              dtype: torch.dtype = torch.float64) -> th.ModelTask:
+def make_task(
+    model: nn.Module,
+    opt: str = "adam",
+    n: int = 5,
+    eval_data: bool = True,
+    dtype: torch.dtype = torch.float64,
+) -> th.ModelTask:
     data = batches(n, dtype)
-    return th.ModelTask(model, nn.CrossEntropyLoss(), OPTIMIZERS[opt], data,
-                        eval_data=batches(2, dtype, seed=7) if eval_data else None)
+    return th.ModelTask(
+        model,
+        nn.CrossEntropyLoss(),
+        OPTIMIZERS[opt],
+        data,
+        eval_data=batches(2, dtype, seed=7) if eval_data else None,
+    )
 
 
 def plain_copy(task: th.ModelTask) -> th.ModelTask:
     """The same task around a deepcopy of its (untrained) model."""
-    return th.ModelTask(copy.deepcopy(task.model), task.loss_fn, task.optimizer,
-                        task.train_data, eval_data=task.eval_data)
+    return th.ModelTask(
+        copy.deepcopy(task.model),
+        task.loss_fn,
+        task.optimizer,
+        task.train_data,
+        eval_data=task.eval_data,
+    )
 
 
 def assert_same_model(a: nn.Module, b: nn.Module, atol: float = 1e-12, rtol: float = 0.0) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb)
     for k in sa:
-        torch.testing.assert_close(sa[k], sb[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}")
+        torch.testing.assert_close(
+            sa[k], sb[k], atol=atol, rtol=rtol, msg=lambda m, k=k: f"{k}: {m}"
+        )
     for (name, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
         if pb.grad is None:
             assert pa.grad is None, name
@@ -69,7 +86,9 @@ def assert_same_model(a: nn.Module, b: nn.Module, atol: float = 1e-12, rtol: flo
             torch.testing.assert_close(pa.grad, pb.grad, atol=atol, rtol=rtol)
 
 
-def assert_same_history(h: list[dict[str, Any]], ref: list[dict[str, Any]], tol: float = 1e-12) -> None:
+def assert_same_history(
+    h: list[dict[str, Any]], ref: list[dict[str, Any]], tol: float = 1e-12
+) -> None:
     assert len(h) == len(ref)
     for got, want in zip(h, ref, strict=True):
         for key in ("loss", "val_loss"):

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import tune_hydra as th
-from tune_hydra.engine import Engine
 from tests.conftest import assert_same_history, assert_same_model, make_task, mlp, plain_copy
+from tune_hydra.engine import Engine
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -39,10 +39,15 @@ def test_resume_mid_epoch_with_iteration_batches() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 
     g = torch.Generator().manual_seed(0)
-    ds = TensorDataset(torch.randn(30, 8, generator=g, dtype=torch.float64),
-                       torch.randint(0, 4, (30,), generator=g))
-    make = lambda m: th.ModelTask(m, torch.nn.CrossEntropyLoss(),  # noqa: E731
-                                  lambda p: torch.optim.Adam(p), DataLoader(ds, 6, shuffle=True))
+    ds = TensorDataset(
+        torch.randn(30, 8, generator=g, dtype=torch.float64),
+        torch.randint(0, 4, (30,), generator=g),
+    )
+
+    def make(m: torch.nn.Module) -> th.ModelTask:
+        loader = DataLoader(ds, 6, shuffle=True)
+        return th.ModelTask(m, torch.nn.CrossEntropyLoss(), torch.optim.Adam, loader)
+
     straight, resumed = make(mlp()), make(mlp())
     with Engine(["cpu"], 24_000) as eng:
         eng.add_task("s", straight, seed=1, iteration_batches=2)
@@ -118,8 +123,9 @@ def test_engine_api_works_without_ray() -> None:
         sys.meta_path.insert(0, NoRay())
         import torch
         import tune_hydra as th
+        data = [(torch.ones(1, 2), torch.ones(1, 1))]
         t = th.ModelTask(torch.nn.Sequential(torch.nn.Linear(2, 1)), torch.nn.MSELoss(),
-                         lambda p: torch.optim.SGD(p, lr=0.1), [(torch.ones(1, 2), torch.ones(1, 1))])
+                         lambda p: torch.optim.SGD(p, lr=0.1), data)
         print(th.train_models({"a": t}, devices="cpu")["a"][0]["num_shards"])
         assert "ray" not in sys.modules
     """)

@@ -7,14 +7,18 @@ import torch
 from torch import nn
 
 import tune_hydra as th
+from tests.conftest import OPTIMIZERS, make_task, mlp
 from tune_hydra import exceptions as ex
 from tune_hydra.engine import parse_bytes, resolve_devices
-from tests.conftest import OPTIMIZERS, make_task, mlp
 
 
 def _task(**kw: object) -> th.ModelTask:
-    base = dict(model=mlp(), loss_fn=nn.CrossEntropyLoss(), optimizer=OPTIMIZERS["sgd"],
-                train_data=[(torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 4, (6,)))])
+    base = dict(
+        model=mlp(),
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=OPTIMIZERS["sgd"],
+        train_data=[(torch.randn(6, 8, dtype=torch.float64), torch.randint(0, 4, (6,)))],
+    )
     base.update(kw)
     return th.ModelTask(**base)  # type: ignore[arg-type]
 
@@ -37,7 +41,7 @@ def test_non_sequential_module_says_how_to_fix() -> None:
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x
 
-    with pytest.raises(ex.InvalidModelError, match="nn.Sequential"):
+    with pytest.raises(ex.InvalidModelError, match=r"nn\.Sequential"):
         th.train_models({"a": _task(model=Net())}, devices=["cpu"])
 
 
@@ -86,15 +90,16 @@ def test_optimizer_instance_rejected() -> None:
         _task(optimizer=opt)
 
 
-@pytest.mark.parametrize("kw", [{"epochs": 0}, {"accumulate_steps": 0}, {"precision": "fp8"},
-                                {"max_grad_norm": -1.0}])
+@pytest.mark.parametrize(
+    "kw", [{"epochs": 0}, {"accumulate_steps": 0}, {"precision": "fp8"}, {"max_grad_norm": -1.0}]
+)
 def test_bad_options(kw: dict) -> None:
     with pytest.raises(ex.InvalidTaskError):
         th.train_models({"a": make_task(mlp())}, devices=["cpu"], **kw)
 
 
 def test_unknown_policy_lists_valid_ones() -> None:
-    with pytest.raises(ex.UnknownPolicyError, match="fifo.*lrtf.*round_robin"):
+    with pytest.raises(ex.UnknownPolicyError, match=r"fifo.*lrtf.*round_robin"):
         th.train_models({"a": make_task(mlp())}, devices=["cpu"], policy="fastest")
 
 
@@ -104,7 +109,6 @@ def test_policy_returning_foreign_op_fails_clearly_without_hanging() -> None:
 
     class Rogue(BasePolicy):
         def choose(self, device: int, candidates: list[Candidate]) -> Candidate:
-            c = candidates[0]
             return Candidate(Op("ghost", OpKind.FORWARD, 0), 1.0, False, 0.0, 0)
 
     with pytest.raises(ex.TrainingError) as info:

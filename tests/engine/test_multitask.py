@@ -19,8 +19,16 @@ def test_three_tasks_different_optimizers(devices: list[str], policy: str) -> No
         "adamw": make_task(mlp(seed=3, width=24), "adamw", n=4),
     }
     refs = {k: plain_copy(t) for k, t in tasks.items()}
-    h = th.train_models(tasks, devices=devices, device_memory=60_000, epochs=2, seed=11,
-                        policy=policy, max_layers_per_shard=3, copy_on_cpu=True)
+    h = th.train_models(
+        tasks,
+        devices=devices,
+        device_memory=60_000,
+        epochs=2,
+        seed=11,
+        policy=policy,
+        max_layers_per_shard=3,
+        copy_on_cpu=True,
+    )
     for name, task in tasks.items():
         want = th.train_plain(refs[name], 2, seed=11)
         assert_same_history(h[name], want)
@@ -34,8 +42,9 @@ def test_two_tasks_with_their_own_seeds() -> None:
     a, b = make_task(mlp(seed=1), "adam"), make_task(mlp(seed=1), "adam")
     a.seed, b.seed = 1, 2
     ra, rb = plain_copy(a), plain_copy(b)
-    h = th.train_models({"a": a, "b": b}, devices=["cpu", "cpu"], device_memory=24_000,
-                        epochs=2, recompute=True)
+    h = th.train_models(
+        {"a": a, "b": b}, devices=["cpu", "cpu"], device_memory=24_000, epochs=2, recompute=True
+    )
     assert_same_history(h["a"], th.train_plain(ra, 2, seed=1))
     assert_same_history(h["b"], th.train_plain(rb, 2, seed=2))
     assert_same_model(a.model, ra.model)
@@ -53,8 +62,13 @@ def test_nan_task_fails_alone() -> None:
     )
     ref = plain_copy(good)
     with pytest.raises(th.exceptions.TrainingError) as info:
-        th.train_models({"good": good, "bad": bad}, devices=["cpu", "cpu"],
-                        device_memory=24_000, epochs=2, seed=0)
+        th.train_models(
+            {"good": good, "bad": bad},
+            devices=["cpu", "cpu"],
+            device_memory=24_000,
+            epochs=2,
+            seed=0,
+        )
     err = info.value
     assert set(err.errors) == {"bad"}
     assert isinstance(err.errors["bad"], th.exceptions.NonFiniteLossError)
@@ -71,8 +85,9 @@ def test_user_exception_fails_alone() -> None:
     def broken_loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         raise KeyError("oops in loss")
 
-    bad = th.ModelTask(mlp(seed=2), broken_loss, lambda p: torch.optim.SGD(p, lr=0.1),
-                       good.train_data)
+    bad = th.ModelTask(
+        mlp(seed=2), broken_loss, lambda p: torch.optim.SGD(p, lr=0.1), good.train_data
+    )
     with pytest.raises(th.exceptions.TrainingError) as info:
         th.train_models({"good": good, "bad": bad}, devices=["cpu"], epochs=1)
     cause = info.value.errors["bad"]

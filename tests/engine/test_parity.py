@@ -20,23 +20,45 @@ from tests.conftest import (
 def test_float64_parity_every_optimizer(opt: str, recompute: bool, budget_3_shards: int) -> None:
     task = make_task(mlp(), opt)
     ref = plain_copy(task)
-    h = th.train_models({"a": task}, devices=["cpu"], device_memory=budget_3_shards, epochs=2,
-                        seed=3, recompute=recompute, copy_on_cpu=True)
+    h = th.train_models(
+        {"a": task},
+        devices=["cpu"],
+        device_memory=budget_3_shards,
+        epochs=2,
+        seed=3,
+        recompute=recompute,
+        copy_on_cpu=True,
+    )
     want = th.train_plain(ref, 2, seed=3)
     assert h["a"][0]["num_shards"] >= 3
     assert_same_history(h["a"], want)
     assert_same_model(task.model, ref.model)
 
 
-@pytest.mark.parametrize("extra", [{"max_grad_norm": 0.3}, {"accumulate_steps": 2},
-                                   {"accumulate_steps": 3, "max_grad_norm": 0.5}])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"max_grad_norm": 0.3},
+        {"accumulate_steps": 2},
+        {"accumulate_steps": 3, "max_grad_norm": 0.5},
+    ],
+)
 @pytest.mark.parametrize("recompute", [True, False])
-def test_clipping_and_accumulation_parity(extra: dict, recompute: bool, budget_3_shards: int) -> None:
+def test_clipping_and_accumulation_parity(
+    extra: dict, recompute: bool, budget_3_shards: int
+) -> None:
     # 5 batches: with accumulate_steps=2 or 3 the last group is partial and still steps.
     task = make_task(mlp(), "adamw")
     ref = plain_copy(task)
-    h = th.train_models({"a": task}, devices=["cpu"], device_memory=budget_3_shards, epochs=2,
-                        seed=5, recompute=recompute, **extra)
+    h = th.train_models(
+        {"a": task},
+        devices=["cpu"],
+        device_memory=budget_3_shards,
+        epochs=2,
+        seed=5,
+        recompute=recompute,
+        **extra,
+    )
     want = th.train_plain(ref, 2, seed=5, **extra)
     assert_same_history(h["a"], want)
     assert_same_model(task.model, ref.model)
@@ -44,8 +66,9 @@ def test_clipping_and_accumulation_parity(extra: dict, recompute: bool, budget_3
 
 def test_clipping_really_clips(budget_3_shards: int) -> None:
     a, b = make_task(mlp(), "sgd"), make_task(mlp(), "sgd")
-    th.train_models({"a": a}, devices=["cpu"], device_memory=budget_3_shards, seed=0,
-                    max_grad_norm=1e-3)
+    th.train_models(
+        {"a": a}, devices=["cpu"], device_memory=budget_3_shards, seed=0, max_grad_norm=1e-3
+    )
     th.train_models({"b": b}, devices=["cpu"], device_memory=budget_3_shards, seed=0)
     assert not torch.equal(a.model[0].weight, b.model[0].weight)
 
@@ -53,8 +76,14 @@ def test_clipping_really_clips(budget_3_shards: int) -> None:
 def test_float32_parity(budget_3_shards: int) -> None:
     task = make_task(mlp(torch.float32), "adam", dtype=torch.float32)
     ref = plain_copy(task)
-    h = th.train_models({"a": task}, devices=["cpu"], device_memory=budget_3_shards // 2,
-                        epochs=2, seed=1, recompute=True)
+    h = th.train_models(
+        {"a": task},
+        devices=["cpu"],
+        device_memory=budget_3_shards // 2,
+        epochs=2,
+        seed=1,
+        recompute=True,
+    )
     want = th.train_plain(ref, 2, seed=1)
     assert_same_history(h["a"], want, tol=1e-5)
     assert_same_model(task.model, ref.model, atol=1e-6, rtol=1e-5)
@@ -63,8 +92,15 @@ def test_float32_parity(budget_3_shards: int) -> None:
 def test_bf16_autocast_parity(budget_3_shards: int) -> None:
     task = make_task(mlp(torch.float32), "adam", dtype=torch.float32)
     ref = plain_copy(task)
-    h = th.train_models({"a": task}, devices=["cpu"], device_memory=budget_3_shards // 2,
-                        epochs=1, seed=1, precision="bf16", recompute=True)
+    h = th.train_models(
+        {"a": task},
+        devices=["cpu"],
+        device_memory=budget_3_shards // 2,
+        epochs=1,
+        seed=1,
+        precision="bf16",
+        recompute=True,
+    )
     want = th.train_plain(ref, 1, seed=1, precision="bf16")
     assert_same_history(h["a"], want, tol=1e-5)
     assert_same_model(task.model, ref.model, atol=1e-5, rtol=1e-4)
@@ -73,8 +109,7 @@ def test_bf16_autocast_parity(budget_3_shards: int) -> None:
 def test_state_dict_keys_and_cpu_after_training(budget_3_shards: int) -> None:
     task = make_task(mlp(), "adam")
     keys = list(task.model.state_dict())
-    th.train_models({"a": task}, devices=["cpu"], device_memory=budget_3_shards,
-                    copy_on_cpu=True)
+    th.train_models({"a": task}, devices=["cpu"], device_memory=budget_3_shards, copy_on_cpu=True)
     assert list(task.model.state_dict()) == keys
     assert all(t.device.type == "cpu" for t in task.model.state_dict().values())
 
@@ -92,14 +127,16 @@ def test_shuffled_dataloader_order_is_the_tasks_own(budget_3_shards: int) -> Non
     from torch.utils.data import DataLoader, TensorDataset
 
     g = torch.Generator().manual_seed(0)
-    ds = TensorDataset(torch.randn(30, 8, generator=g, dtype=torch.float64),
-                       torch.randint(0, 4, (30,), generator=g))
+    ds = TensorDataset(
+        torch.randn(30, 8, generator=g, dtype=torch.float64),
+        torch.randint(0, 4, (30,), generator=g),
+    )
     loader = DataLoader(ds, batch_size=6, shuffle=True)
-    task = th.ModelTask(mlp(), torch.nn.CrossEntropyLoss(), lambda p: torch.optim.Adam(p),
-                        loader)
+    task = th.ModelTask(mlp(), torch.nn.CrossEntropyLoss(), lambda p: torch.optim.Adam(p), loader)
     ref = plain_copy(task)
-    h = th.train_models({"a": task}, devices=["cpu"], device_memory=budget_3_shards, epochs=2,
-                        seed=9)
+    h = th.train_models(
+        {"a": task}, devices=["cpu"], device_memory=budget_3_shards, epochs=2, seed=9
+    )
     want = th.train_plain(ref, 2, seed=9)
     assert_same_history(h["a"], want)
     assert_same_model(task.model, ref.model)

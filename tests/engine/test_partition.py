@@ -7,16 +7,16 @@ import torch
 from torch import nn
 
 import tune_hydra as th
+from tests.conftest import OPTIMIZERS, mlp
 from tune_hydra.engine.partition import LayerCost, layer_costs, plan_shards
 from tune_hydra.engine.task import model_layers
-from tests.conftest import OPTIMIZERS, mlp
-
 
 _X = torch.randn(6, 8, dtype=torch.float64)
 
 
-def _costs(model: nn.Sequential | None = None, opt: str = "adam",
-           x: torch.Tensor = _X) -> list[LayerCost]:
+def _costs(
+    model: nn.Sequential | None = None, opt: str = "adam", x: torch.Tensor = _X
+) -> list[LayerCost]:
     return layer_costs(model_layers(model or mlp()), OPTIMIZERS[opt], x)
 
 
@@ -25,7 +25,7 @@ def _costs(model: nn.Sequential | None = None, opt: str = "adam",
 def test_plan_respects_budget(budget: int, prefetch: bool) -> None:
     plan = plan_shards(_costs(), budget, prefetch=prefetch)
     assert plan.peak_bytes() <= budget
-    assert [s.start for s in plan.shards][0] == 0 and plan.shards[-1].stop == len(plan.layers)
+    assert plan.shards[0].start == 0 and plan.shards[-1].stop == len(plan.layers)
     for a, b in zip(plan.shards, plan.shards[1:], strict=False):
         assert a.stop == b.start  # contiguous, in order
     text = str(plan)
@@ -61,7 +61,9 @@ def test_probe_leaves_batchnorm_and_rng_untouched() -> None:
 
 def test_layer_too_large_names_it() -> None:
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4000), nn.Linear(4000, 2))
-    task = th.ModelTask(model, nn.MSELoss(), OPTIMIZERS["sgd"], [(torch.randn(2, 4), torch.randn(2, 2))])
+    task = th.ModelTask(
+        model, nn.MSELoss(), OPTIMIZERS["sgd"], [(torch.randn(2, 4), torch.randn(2, 2))]
+    )
     with pytest.raises(th.exceptions.ShardTooLargeError) as info:
         th.train_models({"a": task}, devices=["cpu"], device_memory="64KiB")
     err = info.value

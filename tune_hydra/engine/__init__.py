@@ -39,11 +39,11 @@ __all__ = [
     "TraceEvent",
     "get_policy",
     "model_layers",
-    "plot_timeline",
-    "save_trace",
     "parse_bytes",
     "plan_shards",
+    "plot_timeline",
     "resolve_devices",
+    "save_trace",
     "train_models",
     "train_plain",
 ]

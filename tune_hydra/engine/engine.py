@@ -130,8 +130,16 @@ class Engine:
         self.clock = default_clock()
         threads = max(1, torch.get_num_threads() // n_cpu) if n_cpu > 1 else None
         self.workers = [
-            DeviceWorker(i, d, labels[i], self.trace, self.clock, prefetch=prefetch,
-                         copy=copy_on_cpu, intra_threads=threads)
+            DeviceWorker(
+                i,
+                d,
+                labels[i],
+                self.trace,
+                self.clock,
+                prefetch=prefetch,
+                copy=copy_on_cpu,
+                intra_threads=threads,
+            )
             for i, d in enumerate(self.devices)
         ]
         self._cv = threading.Condition(threading.RLock())
@@ -170,10 +178,19 @@ class Engine:
             InvalidTaskError: a bad option or an empty ``train_data``.
         """
         if not isinstance(task, ModelTask):
-            raise InvalidTaskError(f"task {name!r} must be a tune_hydra.ModelTask, not "
-                                   f"{type(task).__name__}")
-        options = _options(name, task, seed, max_grad_norm, accumulate_steps, precision,
-                           iteration_batches, self.recompute)
+            raise InvalidTaskError(
+                f"task {name!r} must be a tune_hydra.ModelTask, not {type(task).__name__}"
+            )
+        options = _options(
+            name,
+            task,
+            seed,
+            max_grad_norm,
+            accumulate_steps,
+            precision,
+            iteration_batches,
+            self.recompute,
+        )
         layers = model_layers(task.model)  # type: ignore[arg-type]
         task.model.to("cpu")  # type: ignore[union-attr]
         with torch.random.fork_rng(devices=[]):  # peeking at the data must not draw
@@ -190,13 +207,16 @@ class Engine:
         budget = self.budget
         if budget is None and self.devices[0].type == "cuda":
             budget = int(device_capacity(self.devices[0]) * 0.9)
-        plan = plan_shards(costs, budget, prefetch=self.prefetch,
-                           max_layers_per_shard=self.max_layers_per_shard)
+        plan = plan_shards(
+            costs, budget, prefetch=self.prefetch, max_layers_per_shard=self.max_layers_per_shard
+        )
         pin = any(d.type == "cuda" for d in self.devices)
         with self._cv:
             if name in self._tasks:
-                raise InvalidTaskError(f"a task named {name!r} is already registered; "
-                                       f"remove it first or pick another name")
+                raise InvalidTaskError(
+                    f"a task named {name!r} is already registered; "
+                    f"remove it first or pick another name"
+                )
             runner = TaskRunner(name, task, plan, layers, options, order=self._order, pin=pin)
             entry = _Entry(name, task, plan, options, self._order, runner)
             entry.batches_per_iter = _batches_per_iter(task, options)
@@ -213,7 +233,9 @@ class Engine:
         with self._cv:
             return list(self._tasks)
 
-    def train(self, name: str, iterations: int = 1) -> concurrent.futures.Future[list[dict[str, Any]]]:
+    def train(
+        self, name: str, iterations: int = 1
+    ) -> concurrent.futures.Future[list[dict[str, Any]]]:
         """Grant ``iterations`` more iterations to a task; the future gets their results."""
         if iterations < 1:
             raise InvalidTaskError(f"iterations must be >= 1, got {iterations}")
@@ -224,8 +246,12 @@ class Engine:
                 fut.set_exception(self._broken)
                 return fut
             if entry.error is not None or entry.cancelled:
-                fut.set_exception(entry.error or TaskFailedError(
-                    name, "it was cancelled; remove it, or restore it with set_state()"))
+                fut.set_exception(
+                    entry.error
+                    or TaskFailedError(
+                        name, "it was cancelled; remove it, or restore it with set_state()"
+                    )
+                )
                 return fut
             entry.pending.append(_Pending(fut, iterations))
             entry.runner.granted += iterations
@@ -269,8 +295,10 @@ class Engine:
         with self._cv:
             entry = self._entry(name)
             if entry.assigned is not None or entry.runner.granted:
-                raise TuneHydraError(f"task {name!r} is training; get_state() needs it idle "
-                                     f"(wait for its train() future)")
+                raise TuneHydraError(
+                    f"task {name!r} is training; get_state() needs it idle "
+                    f"(wait for its train() future)"
+                )
             self._offload(entry)
             return entry.runner.get_state()
 
@@ -283,8 +311,9 @@ class Engine:
             self._offload(entry)
             layers = model_layers(entry.task.model)  # type: ignore[arg-type]
             pin = any(d.type == "cuda" for d in self.devices)
-            runner = TaskRunner(name, entry.task, entry.plan, layers, entry.options,
-                                order=entry.order, pin=pin)
+            runner = TaskRunner(
+                name, entry.task, entry.plan, layers, entry.options, order=entry.order, pin=pin
+            )
             runner.set_state(state)
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
             self._cancel_futures(entry)
@@ -333,8 +362,9 @@ class Engine:
         try:
             return self._tasks[name]
         except KeyError:
-            raise InvalidTaskError(f"no task named {name!r}; registered: {sorted(self._tasks)}") \
-                from None
+            raise InvalidTaskError(
+                f"no task named {name!r}; registered: {sorted(self._tasks)}"
+            ) from None
 
     def _offload(self, entry: _Entry) -> None:
         for shard in entry.runner.shards:
@@ -352,7 +382,7 @@ class Engine:
     def _advance(self, entry: _Entry) -> None:
         try:
             entry.runner.advance()
-        except BaseException as err:  # noqa: BLE001 - a task's error stays with the task
+        except BaseException as err:  # a task's error stays with the task
             self._fail(entry, err)
 
     def _on_iteration(self, entry: _Entry, result: dict[str, Any]) -> None:
@@ -403,7 +433,7 @@ class Engine:
                 while not self._closed:
                     self._dispatch()
                     self._cv.wait(_POLL_S)
-        except BaseException as err:  # noqa: BLE001 - surface to every waiting caller
+        except BaseException as err:  # surface to every waiting caller
             with self._cv:
                 self._broken = err
                 for entry in self._tasks.values():
@@ -452,8 +482,12 @@ class Engine:
             if other is not w:
                 other.release(store)
         runner = entry.runner
-        a = Assignment(op, store, run=lambda dev: runner.execute(op, dev),
-                       done=lambda a, err: self._on_done(entry, a, err))
+        a = Assignment(
+            op,
+            store,
+            run=lambda dev: runner.execute(op, dev),
+            done=lambda a, err: self._on_done(entry, a, err),
+        )
         entry.assigned = w
         w.submit(a)
 
@@ -482,8 +516,9 @@ def _options(
         raise InvalidTaskError(f"precision must be None, 'fp32' or 'bf16', got {precision!r}")
     if iteration_batches is not None and iteration_batches < 1:
         raise InvalidTaskError(f"iteration_batches must be >= 1 or None, got {iteration_batches}")
-    return TrainOptions(int(seed), max_grad_norm, accumulate_steps, precision,
-                        iteration_batches, recompute)
+    return TrainOptions(
+        int(seed), max_grad_norm, accumulate_steps, precision, iteration_batches, recompute
+    )
 
 
 def _batches_per_iter(task: ModelTask, options: TrainOptions) -> float:

@@ -178,8 +178,10 @@ def probe_activations(
                 if autocast_dtype is not None
                 else contextlib.nullcontext()
             )
-            with torch.enable_grad(), autocast, torch.autograd.graph.saved_tensors_hooks(
-                pack, lambda t: t
+            with (
+                torch.enable_grad(),
+                autocast,
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
             ):
                 y = module(inp)
             out.append(sum(seen.values()) + tensor_bytes(y))
@@ -218,8 +220,9 @@ def _pack(costs: list[LayerCost], state_cap: int, total_cap: int) -> list[tuple[
     for i, c in enumerate(costs):
         if c.state_bytes > state_cap or c.total_bytes > total_cap:
             return None
-        if i > start and (state + c.state_bytes > state_cap or
-                          state + act + c.total_bytes > total_cap):
+        if i > start and (
+            state + c.state_bytes > state_cap or state + act + c.total_bytes > total_cap
+        ):
             spans.append((start, i))
             start, state, act = i, 0, 0
         state += c.state_bytes
@@ -266,11 +269,11 @@ def plan_shards(
             caps |= {int(lo + (budget - lo) * k / 64) for k in range(65)}
         for cap in sorted(caps):
             total_cap = budget - cap if prefetch else budget
-            spans = _pack(costs, cap, total_cap)
-            if spans is not None and max_layers_per_shard is not None:
-                spans = _split_long(spans, max_layers_per_shard)
-            if spans is not None and (best is None or len(spans) < len(best)):
-                best = spans
+            packed = _pack(costs, cap, total_cap)
+            if packed is not None and max_layers_per_shard is not None:
+                packed = _split_long(packed, max_layers_per_shard)
+            if packed is not None and (best is None or len(packed) < len(best)):
+                best = packed
         if best is None:  # each layer fits alone, but not beside the largest layer's state
             worst = max(costs, key=lambda c: c.total_bytes)
             room = max(c.state_bytes for c in costs)
@@ -297,7 +300,7 @@ def plan_shards(
 
 
 def _split_long(spans: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:
-    out = []
+    out: list[tuple[int, int]] = []
     for a, b in spans:
         out.extend((i, min(i + limit, b)) for i in range(a, b, limit))
     return out

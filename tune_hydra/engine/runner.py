@@ -265,8 +265,9 @@ class TaskRunner:
         if self._train_iter is None:
             self._epoch_rng = rng.RngState(self.rng.cpu.clone())
             if self._skip:  # resuming mid-epoch: replay the epoch's data order, then skip
-                with rng.task_stream(self.rng, torch.device("cpu"), self.options.seed,
-                                     replay=self._resume_epoch_rng):
+                with rng.task_stream(
+                    self.rng, torch.device("cpu"), self.options.seed, replay=self._resume_epoch_rng
+                ):
                     self._train_iter = iter(self.task.train_data)
                     for _ in range(self._skip):
                         next(self._train_iter)
@@ -346,9 +347,13 @@ class TaskRunner:
             for (mod, name), b in zip(slots, real, strict=True):
                 mod._buffers[name] = b.clone()  # type: ignore[union-attr]
             try:
-                with self._stream(shard, device, replay=self._rng_at.pop(i, None)):
-                    with torch.enable_grad(), self._autocast(device):
-                        out = shard.module(inp)
+                replay = self._rng_at.pop(i, None)
+                with (
+                    self._stream(shard, device, replay=replay),
+                    torch.enable_grad(),
+                    self._autocast(device),
+                ):
+                    out = shard.module(inp)
             finally:
                 for (mod, name), b in zip(slots, real, strict=True):
                     mod._buffers[name] = b

@@ -13,10 +13,9 @@ with events; on the CPU they are plain synchronous copies (or skipped entirely w
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
-
-import threading
 
 import torch
 from torch import nn

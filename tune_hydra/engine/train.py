@@ -95,16 +95,29 @@ def train_models(
         raise InvalidTaskError(f"epochs must be an int >= 1, got {epochs!r}")
     history = History()
     errors: dict[str, BaseException] = {}
-    with Engine(devices, device_memory, policy, prefetch=prefetch, recompute=recompute,
-                copy_on_cpu=copy_on_cpu, max_layers_per_shard=max_layers_per_shard) as engine:
+    with Engine(
+        devices,
+        device_memory,
+        policy,
+        prefetch=prefetch,
+        recompute=recompute,
+        copy_on_cpu=copy_on_cpu,
+        max_layers_per_shard=max_layers_per_shard,
+    ) as engine:
         for name, task in tasks.items():
-            engine.add_task(name, task, seed=seed, max_grad_norm=max_grad_norm,
-                            accumulate_steps=accumulate_steps, precision=precision)
+            engine.add_task(
+                name,
+                task,
+                seed=seed,
+                max_grad_norm=max_grad_norm,
+                accumulate_steps=accumulate_steps,
+                precision=precision,
+            )
         futures = {name: engine.train(name, epochs) for name in tasks}
         for name, fut in futures.items():
             try:
                 history[name] = fut.result()
-            except Exception as err:  # noqa: BLE001 - one task's failure is reported, not fatal
+            except Exception as err:  # one task's failure is reported, not fatal
                 errors[name] = err
                 history[name] = list(engine._tasks[name].runner.history)
         history.plans = {name: engine.plan(name) for name in tasks}

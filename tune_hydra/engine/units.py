@@ -37,7 +37,9 @@ def parse_bytes(value: int | str | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool):
-        raise BudgetFormatError(f"device_memory must be bytes or a string like '8GiB', not {value!r}")
+        raise BudgetFormatError(
+            f"device_memory must be bytes or a string like '8GiB', not {value!r}"
+        )
     if isinstance(value, int):
         if value <= 0:
             raise BudgetFormatError(f"device_memory must be positive, got {value}")

@@ -122,14 +122,23 @@ class DeviceWorker:
                     a.event.record(self.copy_stream)
                 if moved:
                     self.trace.add(
-                        TraceEvent(self.label, a.op.task, a.op.shard, "copy_in", t0,
-                                   self.clock(), moved, a.op.iteration, a.op.batch)
+                        TraceEvent(
+                            self.label,
+                            a.op.task,
+                            a.op.shard,
+                            "copy_in",
+                            t0,
+                            self.clock(),
+                            moved,
+                            a.op.iteration,
+                            a.op.batch,
+                        )
                     )
                 a.moved = moved
                 with self._lock:
                     self.resident[id(a.store)] = a.store
                     self.resident.move_to_end(id(a.store))
-            except BaseException as err:  # noqa: BLE001 - reported through the op
+            except BaseException as err:  # reported through the op
                 a.copy_error = err
             a.ready.set()
 
@@ -168,15 +177,24 @@ class DeviceWorker:
                         self.compute_stream.synchronize()
                     else:
                         a.run(self.device)
-                except BaseException as e:  # noqa: BLE001 - the engine fails that task only
+                except BaseException as e:  # the engine fails that task only
                     err = e
             t1 = self.clock()
             self.busy_s += t1 - t0
             a.duration = t1 - t0
             op = a.op
             self.trace.add(
-                TraceEvent(self.label, op.task, op.shard, op.kind.value, t0, t1,
-                           a.moved, op.iteration, op.batch)
+                TraceEvent(
+                    self.label,
+                    op.task,
+                    op.shard,
+                    op.kind.value,
+                    t0,
+                    t1,
+                    a.moved,
+                    op.iteration,
+                    op.batch,
+                )
             )
             a.done(a, err)
 
