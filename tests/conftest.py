@@ -102,3 +102,12 @@ def assert_same_history(
 def budget_3_shards() -> int:
     """A budget that cuts mlp() into at least 3 shards."""
     return 24_000
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

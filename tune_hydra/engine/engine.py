@@ -203,7 +203,7 @@ class Engine:
                 ) from None
         x, _ = _split_batch(sample, name)
         dtype = torch.bfloat16 if options.precision == "bf16" else None
-        costs = layer_costs(layers, task.optimizer, x, dtype)
+        costs = layer_costs(layers, task.optimizer, x, dtype, device=self.devices[0])
         budget = self.budget
         if budget is None and self.devices[0].type == "cuda":
             budget = int(device_capacity(self.devices[0]) * 0.9)

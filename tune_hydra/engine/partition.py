@@ -189,14 +189,62 @@ def probe_activations(
     return out
 
 
+def probe_cuda_peaks(
+    layers: list[tuple[str, nn.Module]],
+    sample: Any,
+    device: torch.device,
+    autocast_dtype: torch.dtype | None = None,
+) -> list[int]:
+    """Peak device bytes of each layer's forward + backward beyond its parameters,
+    measured with ``torch.cuda.max_memory_allocated`` (gradients, allocator rounding and
+    workspaces included, so the plan errs on the safe side)."""
+    mods = [m for _, m in layers]
+    out: list[int] = []
+    with _preserved(mods), torch.random.fork_rng(devices=[device]):
+        x = tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, sample)
+        for _, module in layers:
+            grads = [p.grad for p in module.parameters()]
+            module.to(device)
+            torch.cuda.synchronize(device)
+            base = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            inp = _detach_grad(x)
+            autocast = (
+                torch.autocast("cuda", dtype=autocast_dtype)
+                if autocast_dtype is not None
+                else contextlib.nullcontext()
+            )
+            with torch.enable_grad(), autocast:
+                y = module(inp)
+            outs = [
+                t for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor) and t.requires_grad
+            ]
+            if outs:
+                torch.autograd.backward(outs, [torch.ones_like(t) for t in outs])
+            torch.cuda.synchronize(device)
+            peak = torch.cuda.max_memory_allocated(device) - base
+            out.append(max(0, peak))
+            x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+            module.to("cpu")
+            for p, g in zip(module.parameters(), grads, strict=True):
+                p.grad = g
+            del y, inp, outs
+    return out
+
+
 def layer_costs(
     layers: list[tuple[str, nn.Module]],
     optimizer: OptimizerFactory,
     sample: Any,
     autocast_dtype: torch.dtype | None = None,
+    device: torch.device | None = None,
 ) -> list[LayerCost]:
-    """Estimate every layer's bytes from tensor sizes and a probe forward on the CPU."""
+    """Every layer's bytes: state from tensor sizes; activations from a probe forward on
+    the CPU, or measured on ``device`` when it is a GPU (the larger of the two)."""
     acts = probe_activations(layers, sample, autocast_dtype)
+    if device is not None and device.type == "cuda":
+        peaks = probe_cuda_peaks(layers, sample, device, autocast_dtype)
+        acts = [max(a, pk) for a, pk in zip(acts, peaks, strict=True)]
     factors: dict[torch.dtype, float] = {}
     costs = []
     for (name, module), act in zip(layers, acts, strict=True):

@@ -1,0 +1,47 @@
+"""CUDA paths: parity with plain training on the GPU, and peak memory within budget."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import tune_hydra as th
+from tests.conftest import assert_same_history, assert_same_model, make_task, mlp, plain_copy
+
+pytestmark = pytest.mark.gpu
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_cuda_float64_parity(opt: str) -> None:
+    task = make_task(mlp(width=64), opt)
+    ref = plain_copy(task)
+    h = th.train_models(
+        {"a": task}, devices=["cuda:0"], device_memory=200_000, epochs=2, seed=3, max_grad_norm=0.5
+    )
+    want = th.train_plain(ref, 2, seed=3, max_grad_norm=0.5, device="cuda:0")
+    ref.model.cpu()
+    assert h["a"][0]["num_shards"] >= 2
+    assert_same_history(h["a"], want)
+    assert_same_model(task.model, ref.model)
+    assert all(p.device.type == "cpu" for p in task.model.parameters())
+
+
+def test_cuda_multitask_parity_and_peak_memory_within_budget() -> None:
+    budget = 64 * 2**20
+    tasks = {
+        k: make_task(mlp(torch.float32, seed=i, width=1024), "adam", dtype=torch.float32)
+        for i, k in enumerate("abc")
+    }
+    refs = {k: plain_copy(t) for k, t in tasks.items()}
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    h = th.train_models(tasks, devices=["cuda:0"], device_memory=budget, epochs=1, seed=0)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= budget, (peak, budget)
+    assert h["a"][0]["bytes_spilled"] > 0
+    for k, t in tasks.items():
+        want = th.train_plain(refs[k], 1, seed=0, device="cuda:0")
+        refs[k].model.cpu()
+        assert_same_history(h[k], want, tol=1e-5)
+        assert_same_model(t.model, refs[k].model, atol=1e-5, rtol=1e-4)
