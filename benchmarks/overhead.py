@@ -17,6 +17,10 @@ Run::
 
     python benchmarks/overhead.py            # about a minute
     python benchmarks/overhead.py --quick    # a few seconds (used by the tests)
+    python benchmarks/overhead.py --threads 0   # torch's default intra-op threads
+
+Both sides use one intra-op thread by default (``--threads``), so the ratio measures the
+engine, not OpenMP's behaviour on a shared machine.
 """
 
 from __future__ import annotations
@@ -171,11 +175,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--batches", type=int, default=None)
+    parser.add_argument(
+        "--threads", type=int, default=1,
+        help="torch intra-op threads for both sides (default 1: on the shared 2-core machines "
+        "two OpenMP threads per small matmul are several times slower and very noisy; 0 = "
+        "leave torch's default)",
+    )
     args = parser.parse_args(argv)
     cfg = copy.copy(QUICK if args.quick else Config())
     for field in ("repeats", "width", "batches"):
         if getattr(args, field) is not None:
             setattr(cfg, field, getattr(args, field))
+    if args.threads:
+        torch.set_num_threads(args.threads)
     run(cfg)
     return 0
 

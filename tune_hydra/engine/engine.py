@@ -119,6 +119,12 @@ class Engine:
         self.prefetch = prefetch
         gpu = any(d.type == "cuda" for d in self.devices)
         self.recompute = gpu if recompute is None else recompute
+        if not self.recompute and sum(d.type == "cuda" for d in self.devices) > 1:
+            raise InvalidTaskError(
+                "recompute=False keeps each shard's autograd graph on the GPU that ran its "
+                "forward, so its backward could not move to another GPU; use recompute=True "
+                "(the default on GPUs) or a single GPU"
+            )
         self.copy_on_cpu = copy_on_cpu
         self.max_layers_per_shard = max_layers_per_shard
         n_cpu = sum(d.type == "cpu" for d in self.devices)
