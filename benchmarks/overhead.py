@@ -73,7 +73,10 @@ def make_data(cfg: Config, seed: int = 0) -> list[Batch]:
     """Synthetic classification batches (a fixed list, so every run sees the same data)."""
     g = torch.Generator().manual_seed(seed)
     return [
-        (torch.randn(cfg.batch, cfg.width, generator=g), torch.randint(0, 10, (cfg.batch,), generator=g))
+        (
+            torch.randn(cfg.batch, cfg.width, generator=g),
+            torch.randint(0, 10, (cfg.batch,), generator=g),
+        )
         for _ in range(cfg.batches)
     ]
 
@@ -126,8 +129,12 @@ def run(cfg: Config) -> dict[str, object]:
         t = task()
         t0 = time.perf_counter()
         h = th.train_models(
-            {"m": t}, devices=["cpu"], device_memory=budget, epochs=cfg.epochs,
-            recompute=recompute, seed=0,
+            {"m": t},
+            devices=["cpu"],
+            device_memory=budget,
+            epochs=cfg.epochs,
+            recompute=recompute,
+            seed=0,
         )
         elapsed = time.perf_counter() - t0
         assert h["m"][0]["num_shards"] == shards
@@ -176,7 +183,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--width", type=int, default=None)
     parser.add_argument("--batches", type=int, default=None)
     parser.add_argument(
-        "--threads", type=int, default=1,
+        "--threads",
+        type=int,
+        default=1,
         help="torch intra-op threads for both sides (default 1: on the shared 2-core machines "
         "two OpenMP threads per small matmul are several times slower and very noisy; 0 = "
         "leave torch's default)",

@@ -89,16 +89,23 @@ def ray_cluster(_ray_session_owner: _Session) -> Iterator[Any]:
 
     _ray_session_owner.stop()
     tmp = tempfile.mkdtemp(prefix="thclu", dir="/tmp")
-    args = {"num_cpus": 1, "resources": {"hydra_slot": 4}, "_temp_dir": tmp}
-    cluster = Cluster(initialize_head=True, head_node_args=dict(args, include_dashboard=False))
-    cluster.add_node(num_cpus=1, resources={"hydra_slot": 4})
-    cluster.wait_for_nodes()
-    ray.init(address=cluster.address, _temp_dir=tmp)
+    os.makedirs(os.path.join(tmp, "ray"))
+    old = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = tmp  # the cluster's session files (and address file) go here
+    head = {"num_cpus": 1, "resources": {"hydra_slot": 4}, "include_dashboard": False}
+    cluster = Cluster(initialize_head=True, head_node_args=head)
     try:
+        cluster.add_node(num_cpus=1, resources={"hydra_slot": 4})
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address)
         yield cluster
     finally:
         ray.shutdown()
         cluster.shutdown()
+        if old is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = old
         shutil.rmtree(tmp, ignore_errors=True)
 
 

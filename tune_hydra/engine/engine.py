@@ -331,6 +331,7 @@ class Engine:
         out: dict[str, Any] = {"wall_s": wall, "devices": {}, "tasks": {}}
         for w in self.workers:
             out["devices"][w.label] = {
+                "peak_resident_bytes": w.peak_resident_bytes,
                 "busy_s": w.busy_s,
                 "utilization": w.busy_s / wall if wall > 0 else 0.0,
             }

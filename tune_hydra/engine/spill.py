@@ -60,6 +60,10 @@ class ShardStore:
         self.optimizer = optimizer
         self.pin = pin and torch.cuda.is_available()
         self.device: torch.device = torch.device("cpu")
+        # Who holds the device copy: emulated CPU devices all are torch.device("cpu"), so
+        # the device alone cannot tell two workers apart.
+        self.owner: object = None
+        self.last_nbytes = 0  # nbytes() at the last promotion
         self._host: dict[tuple[Any, ...], torch.Tensor] = {}
         self._event: Any = None  # CUDA event after the last demote (host buffers valid)
         self.copied = False  # the live tensors are device copies of the host buffers
@@ -116,7 +120,14 @@ class ShardStore:
 
     # -- moving -------------------------------------------------------------------------
 
-    def promote(self, device: torch.device, stream: Any = None, *, copy: bool = True) -> int:
+    def promote(
+        self,
+        device: torch.device,
+        stream: Any = None,
+        *,
+        copy: bool = True,
+        owner: object = None,
+    ) -> int:
         """Copy the shard's state onto ``device``; returns the bytes moved.
 
         Args:
@@ -125,13 +136,16 @@ class ShardStore:
                 it with an event); ``None`` copies on the current stream.
             copy: for a CPU device, whether to really copy (``False``: the host buffers
                 are used in place, as the CPU "device" is host memory).
+            owner: the worker taking the state (see :meth:`demote`).
         """
         with self.lock:
-            return self._promote(device, stream, copy)
+            moved = self._promote(device, stream, copy, owner)
+            self.owner = owner
+            return moved
 
-    def _promote(self, device: torch.device, stream: Any, copy: bool) -> int:
+    def _promote(self, device: torch.device, stream: Any, copy: bool, owner: object) -> int:
         if self.copied:
-            if device == self.device:
+            if device == self.device and owner is self.owner:
                 return 0
             self._demote(stream)
         if device.type == "cpu" and not copy:
@@ -163,17 +177,19 @@ class ShardStore:
         self.copied = True
         return moved
 
-    def demote(self, stream: Any = None, *, only_from: torch.device | None = None) -> int:
+    def demote(self, stream: Any = None, *, only_owner: object = None) -> int:
         """Copy the shard's state back into its host buffers; returns the bytes moved.
 
         Args:
             stream: CUDA stream for the copies (``None``: the current stream).
-            only_from: demote only if the state is on this device (a worker evicting its
-                own copy must not demote one that another device took meanwhile).
+            only_owner: demote only if this owner still holds the state (a worker evicting
+                its copy must not demote one another worker took meanwhile and may be
+                computing with).
         """
         with self.lock:
-            if only_from is not None and (not self.copied or self.device != only_from):
+            if only_owner is not None and self.owner is not only_owner:
                 return 0
+            self.owner = None
             return self._demote(stream)
 
     def _demote(self, stream: Any) -> int:

@@ -67,6 +67,7 @@ class DeviceWorker:
         self.resident: collections.OrderedDict[int, ShardStore] = collections.OrderedDict()
         self.assigned: collections.deque[Assignment] = collections.deque()
         self.busy_s = 0.0
+        self.peak_resident_bytes = 0  # shard state held on the device at once, at most
         self._lock = threading.Lock()
         self._copy_q: queue.Queue[Assignment | None] = queue.Queue()
         self._run_q: queue.Queue[Assignment | None] = queue.Queue()
@@ -116,7 +117,7 @@ class DeviceWorker:
             try:
                 self._make_room(a.store)
                 t0 = self.clock()
-                moved = a.store.promote(self.device, self.copy_stream, copy=self.copy)
+                moved = a.store.promote(self.device, self.copy_stream, copy=self.copy, owner=self)
                 if self.copy_stream is not None:
                     a.event = torch.cuda.Event()
                     a.event.record(self.copy_stream)
@@ -138,6 +139,11 @@ class DeviceWorker:
                 with self._lock:
                     self.resident[id(a.store)] = a.store
                     self.resident.move_to_end(id(a.store))
+                    # Sizes cached at promotion: reading a store's tensors while another
+                    # thread computes with them (autograd writing .grad) is unsafe.
+                    a.store.last_nbytes = a.store.nbytes()
+                    held = sum(s.last_nbytes for s in self.resident.values())
+                    self.peak_resident_bytes = max(self.peak_resident_bytes, held)
             except BaseException as err:  # reported through the op
                 a.copy_error = err
             a.ready.set()
@@ -152,7 +158,7 @@ class DeviceWorker:
                 self.resident.pop(id(s), None)
         for s in victims:
             t0 = self.clock()
-            moved = s.demote(self.copy_stream, only_from=self.device)
+            moved = s.demote(self.copy_stream, only_owner=self)
             if moved:
                 self.trace.add(TraceEvent(self.label, "", -1, "copy_out", t0, self.clock(), moved))
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -65,12 +66,18 @@ class _Registration:
 
 def _portable(err: BaseException) -> BaseException:
     """``err`` if it survives pickling (Ray ships it to the trial), else an
-    :class:`EngineError` carrying its type and message."""
+    :class:`EngineError` carrying its type, message and the traceback of its cause (the
+    user's code that raised inside the engine)."""
     try:
         pickle.loads(pickle.dumps(err))
         return err
     except Exception:
-        return EngineError(f"{type(err).__name__}: {err}")
+        text = f"{type(err).__name__}: {err}"
+        cause = err.__cause__
+        if cause is not None and cause.__traceback__ is not None:
+            tb = "".join(traceback.format_exception(type(cause), cause, cause.__traceback__))
+            text += f"\n\nOriginal traceback:\n{tb}"
+        return EngineError(text)
 
 
 def _merge_hyperparameters(loaded: Any, fresh: Any) -> Any:
@@ -310,10 +317,9 @@ class EngineActor:
             self._hints[key] = int(iterations)
             reg = self._regs.get(key)
         if reg is not None and self._engine is not None:
-            try:
+            # The task may go away meanwhile; a hint is not worth an error.
+            with contextlib.suppress(TuneHydraError):
                 self._engine.set_remaining(reg.name, int(iterations))
-            except TuneHydraError:
-                pass  # the task went away meanwhile; a hint is not worth an error
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def cancel(self, key: str) -> None:
@@ -321,10 +327,8 @@ class EngineActor:
         with self._lock:
             reg = self._regs.get(key)
         if reg is not None and self._engine is not None:
-            try:
+            with contextlib.suppress(TuneHydraError):
                 self._engine.cancel(reg.name)
-            except TuneHydraError:
-                pass
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def deregister(self, key: str, token: str | None = None) -> bool:

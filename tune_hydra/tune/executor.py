@@ -9,6 +9,7 @@ by :func:`tune_hydra.run`; for ``tune.Tuner`` use :meth:`HydraExecutor.trainable
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import threading
@@ -275,7 +276,7 @@ class HydraExecutor:
             "prefetch": self.prefetch,
         }
         threads = self.torch_threads or max(1, int(res.get("CPU", 1)))
-        cls = ray.remote(concurrency_groups={CONTROL_GROUP: 32})(EngineActor)
+        cls = ray.remote(concurrency_groups={CONTROL_GROUP: 32})(EngineActor)  # type: ignore[call-overload]
         return cls.options(
             name=engine_actor_name(self.run_id, node_id),
             # No CPU: an engine that reserved its node's CPUs starved Tune's trials (hang).
@@ -296,10 +297,8 @@ class HydraExecutor:
     @staticmethod
     def _kill(handles: dict[str, Any]) -> None:
         for handle in handles.values():
-            try:
+            with contextlib.suppress(Exception):
                 ray.kill(handle, no_restart=True)
-            except Exception:
-                pass
 
     def shutdown(self) -> None:
         """Collect the engines' trace and summary, then stop the engine actors.
@@ -315,10 +314,8 @@ class HydraExecutor:
             self._last_summary = self._gather_summary()
         except Exception:
             logger.warning("tune_hydra: could not collect the engines' trace", exc_info=True)
-        try:
+        with contextlib.suppress(Exception):
             ray.get([h.close.remote() for h in self._handles.values()], timeout=30)
-        except Exception:
-            pass
         self._kill(self._handles)
         self._handles = {}
 

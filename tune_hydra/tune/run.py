@@ -47,13 +47,19 @@ def _check_metric(kwargs: dict[str, Any]) -> None:
         return
     needs = []
     search_alg = kwargs.get("search_alg")
-    if search_alg is not None and not isinstance(search_alg, (str, BasicVariantGenerator)):
-        if _metric_of(search_alg) is None:
-            needs.append(type(search_alg).__name__)
+    if (
+        search_alg is not None
+        and not isinstance(search_alg, (str, BasicVariantGenerator))
+        and _metric_of(search_alg) is None
+    ):
+        needs.append(type(search_alg).__name__)
     scheduler = kwargs.get("scheduler")
-    if scheduler is not None and type(scheduler).__name__ != "FIFOScheduler":
-        if _metric_of(scheduler) is None:
-            needs.append(scheduler if isinstance(scheduler, str) else type(scheduler).__name__)
+    if (
+        scheduler is not None
+        and type(scheduler).__name__ != "FIFOScheduler"
+        and _metric_of(scheduler) is None
+    ):
+        needs.append(scheduler if isinstance(scheduler, str) else type(scheduler).__name__)
     if needs:
         raise MissingMetricError(
             f"{' and '.join(map(str, needs))} need(s) a metric to optimise; pass "
@@ -142,7 +148,7 @@ def _signature() -> inspect.Signature:
             inspect.Parameter.KEYWORD_ONLY,
             default=None,
             annotation="HydraExecutor | None",
-        )  # fmt: skip
+        )
     )
     return _TUNE_RUN_SIGNATURE.replace(parameters=params)
 

@@ -13,6 +13,7 @@ key we registered under is remembered separately.
 
 from __future__ import annotations
 
+import contextlib
 import time
 import uuid
 from typing import Any, ClassVar
@@ -94,10 +95,9 @@ class HydraTrainable(tune.Trainable):
     def _deregister(self) -> None:
         key, self._key = self._key, None
         if key is not None and self._actor is not None:
-            try:
+            # If the engine is gone or restarted, there is nothing left to free there.
+            with contextlib.suppress(Exception):
                 self._call("deregister", key, self._token, retry=False)
-            except Exception:
-                pass  # the engine is gone or restarted: nothing left to free there
 
     # ------------------------------------------------------------ Trainable API
     def step(self) -> dict[str, Any]:

@@ -1,0 +1,475 @@
+"""GPU check for a lent H200: spilled GPT-2-XL-like training vs resident, offload, parity.
+
+Needs only torch and the engine (``tune_hydra.engine``; never Ray, never
+``tune_hydra.tune``). Measures, on ``cuda:0``:
+
+1. **spilled vs resident**: an ``nn.Sequential`` of token+position embedding, ``--layers``
+   GPT-2-XL blocks (width 1600, 25 heads, MLP 6400, pre-LN, causal) and an LM head,
+   bf16 autocast, AdamW, trained by ``train_models`` under a ``device_memory`` budget that
+   forces spilling (about ``--budget-frac`` of the model's training state), vs the same
+   model resident (``device_memory=None``: one shard) and vs plain PyTorch on the GPU.
+   Throughput is tokens/s over the trace from the second batch on (the first warms up).
+   Goal: spilled / resident >= 0.85.
+2. **Accelerate** ``cpu_offload`` on the same model, if ``accelerate`` is importable
+   (goal: spilled >= 3x its throughput); otherwise "n/a".
+3. **peak memory**: ``torch.cuda.max_memory_allocated`` during the spilled run / budget
+   (goal <= 1.0).
+4. **multi-task utilization**: ``--tasks`` smaller models spilled on one GPU, prefetch on
+   and off: device utilization and wall time.
+5. **parity**: a small float32 model trained by the engine on the GPU (TF32 off) vs the
+   same model trained plainly on the CPU: max relative loss and parameter differences.
+
+Prints a table last and writes the figures as JSON to ``--out``.
+
+Run::
+
+    python benchmarks/gpu_check.py --out gpu_check.json          # on the H200, < 8 min
+    python benchmarks/gpu_check.py --tiny --out /tmp/gpu.json      # CPU, < 30 s (tests)
+
+``--tiny`` shrinks everything and runs on ``devices=["cpu"]`` with ``copy_on_cpu=True``
+(the spill path really copies), so the script is exercised where there is no GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tune_hydra as th
+from tune_hydra.engine.partition import layer_costs
+from tune_hydra.engine.task import model_layers
+
+
+@dataclass
+class Config:
+    """Sizes of one check run."""
+
+    width: int = 1600
+    heads: int = 25
+    layers: int = 8
+    vocab: int = 8192
+    seq: int = 1024
+    batch: int = 16
+    batches: int = 6
+    budget_frac: float = 0.3
+    tasks: int = 3
+    task_layers: int = 4
+    parity_width: int = 64
+    tiny: bool = False
+
+
+TINY = Config(
+    width=64,
+    heads=4,
+    layers=4,
+    vocab=128,
+    seq=16,
+    batch=2,
+    batches=4,
+    tasks=2,
+    task_layers=2,
+    parity_width=16,
+    tiny=True,
+)
+
+
+class Embed(nn.Module):
+    """Token + learned position embedding."""
+
+    def __init__(self, vocab: int, width: int, seq: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(seq, width)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        return self.tok(idx) + self.pos(pos)
+
+
+class Block(nn.Module):
+    """A GPT-2 block: pre-LN causal self-attention and a 4x GELU MLP, no dropout."""
+
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.ln2 = nn.LayerNorm(width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class Head(nn.Module):
+    """Final LayerNorm and the vocabulary projection."""
+
+    def __init__(self, width: int, vocab: int) -> None:
+        super().__init__()
+        self.ln = nn.LayerNorm(width)
+        self.lm = nn.Linear(width, vocab, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm(self.ln(x))
+
+
+def make_gpt(cfg: Config, layers: int) -> nn.Sequential:
+    """Embedding, ``layers`` blocks, head."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        Embed(cfg.vocab, cfg.width, cfg.seq),
+        *(Block(cfg.width, cfg.heads) for _ in range(layers)),
+        Head(cfg.width, cfg.vocab),
+    )
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy over all positions."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def adamw(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-4)
+
+
+def token_data(cfg: Config, seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Synthetic token batches (inputs, next tokens)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(cfg.batches):
+        seq = torch.randint(0, cfg.vocab, (cfg.batch, cfg.seq + 1), generator=g)
+        out.append((seq[:, :-1].contiguous(), seq[:, 1:].contiguous()))
+    return out
+
+
+def spill_budget(
+    model: nn.Sequential, sample: torch.Tensor, frac: float, dtype: torch.dtype | None
+) -> tuple[int, int]:
+    """``(budget, state bytes)``: about ``frac`` of the model's training state as the
+    partitioner estimates it, but at least what the largest layer needs beside the
+    prefetched shard's state (plus 1/8 headroom)."""
+    costs = layer_costs(model_layers(model), adamw, sample, dtype)
+    total = sum(c.state_bytes for c in costs)
+    floor = max(c.total_bytes for c in costs) + max(c.state_bytes for c in costs)
+    return max(int(total * frac), floor + floor // 8), total
+
+
+def tokens_per_s(history: th.History, tokens_per_batch: int) -> float:
+    """Tokens/s over the trace, from the first op of batch 1 to the last op (all tasks)."""
+    events = [e for e in history.trace.events if e.is_compute]
+    later = [e for e in events if e.batch >= 1 and e.op in ("F", "L", "B")]
+    if not later:
+        return math.nan
+    start = min(e.start for e in later)
+    end = max(e.end for e in events)
+    batches = len({(e.task, e.iteration, e.batch) for e in later})
+    return batches * tokens_per_batch / (end - start)
+
+
+class Check:
+    """Runs the measurements for one configuration."""
+
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.gpu = not cfg.tiny
+        self.device = "cuda:0" if self.gpu else "cpu"
+        self.engine_kw: dict[str, Any] = {} if self.gpu else {"copy_on_cpu": True}
+        self.tokens = cfg.batch * cfg.seq
+        self.data = token_data(cfg)
+        self.results: dict[str, Any] = {"config": asdict(cfg), "device": self._device_name()}
+        self.errors: dict[str, str] = {}
+
+    def _device_name(self) -> str:
+        if self.gpu:
+            return torch.cuda.get_device_name(0)
+        return "cpu (tiny mode)"
+
+    def _task(self, model: nn.Module, data: Any = None) -> th.ModelTask:
+        return th.ModelTask(model, lm_loss, adamw, data if data is not None else self.data)
+
+    def _reset_peak(self) -> None:
+        if self.gpu:
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+
+    def _peak(self) -> int:
+        return torch.cuda.max_memory_allocated() if self.gpu else 0
+
+    def guarded(self, name: str, fn: Callable[[], None]) -> None:
+        """Run one measurement; an error is recorded and the others still run."""
+        t0 = time.perf_counter()
+        try:
+            fn()
+        except Exception as err:
+            self.errors[name] = f"{type(err).__name__}: {err}"
+            traceback.print_exc()
+        print(f"[{name}] {time.perf_counter() - t0:.1f} s", flush=True)
+
+    # -- the measurements ----------------------------------------------------------------
+
+    def spilled_vs_resident(self) -> None:
+        cfg = self.cfg
+        model = make_gpt(cfg, cfg.layers)
+        budget, total = spill_budget(model, self.data[0][0], cfg.budget_frac, torch.bfloat16)
+        r = self.results
+        r["model_params"] = sum(p.numel() for p in model.parameters())
+        r["state_bytes"], r["budget_bytes"] = total, budget
+
+        self._reset_peak()
+        h = th.train_models(
+            {"gpt": self._task(copy.deepcopy(model))},
+            devices=[self.device],
+            device_memory=budget,
+            epochs=1,
+            precision="bf16",
+            seed=0,
+            **self.engine_kw,
+        )
+        r["spilled_tokens_s"] = tokens_per_s(h, self.tokens)
+        r["spilled_shards"] = h["gpt"][0]["num_shards"]
+        r["peak_bytes"] = self._peak()
+        r["peak_over_budget"] = r["peak_bytes"] / budget if self.gpu else None
+        r["spilled_devices"] = h.summary.get("devices", {})
+        self._reset_peak()
+        h = th.train_models(
+            {"gpt": self._task(copy.deepcopy(model))},
+            devices=[self.device],
+            device_memory=None,
+            epochs=1,
+            precision="bf16",
+            seed=0,
+            **self.engine_kw,
+        )
+        r["resident_tokens_s"] = tokens_per_s(h, self.tokens)
+        r["resident_shards"] = h["gpt"][0]["num_shards"]
+        r["spilled_over_resident"] = r["spilled_tokens_s"] / r["resident_tokens_s"]
+        r["plain_tokens_s"] = self._plain(copy.deepcopy(model))
+        r["spilled_over_plain"] = r["spilled_tokens_s"] / r["plain_tokens_s"]
+
+    def _plain(self, model: nn.Module) -> float:
+        """Plain PyTorch bf16-autocast training on the device; tokens/s after batch 0."""
+        model.to(self.device)
+        opt = adamw(list(model.parameters()))
+        stamps = []
+        for x, y in self.data:
+            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
+                loss = lm_loss(model(x.to(self.device)), y.to(self.device))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if self.gpu:
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+        model.to("cpu")
+        return (len(stamps) - 1) * self.tokens / (stamps[-1] - stamps[0])
+
+    def accelerate(self) -> None:
+        try:
+            from accelerate import cpu_offload
+        except ImportError:
+            self.results["accelerate_tokens_s"] = None
+            self.results["spilled_over_accelerate"] = None
+            return
+        model = make_gpt(self.cfg, self.cfg.layers)
+        cpu_offload(model, execution_device=torch.device(self.device))
+        opt = adamw(list(model.parameters()))
+        stamps = []
+        for x, y in self.data[:3]:
+            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
+                loss = lm_loss(model(x.to(self.device)), y.to(self.device))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            if self.gpu:
+                torch.cuda.synchronize()
+            stamps.append(time.perf_counter())
+        tps = (len(stamps) - 1) * self.tokens / (stamps[-1] - stamps[0])
+        self.results["accelerate_tokens_s"] = tps
+        if "spilled_tokens_s" in self.results:
+            self.results["spilled_over_accelerate"] = self.results["spilled_tokens_s"] / tps
+
+    def multitask(self) -> None:
+        cfg = self.cfg
+        models = [make_gpt(cfg, cfg.task_layers) for _ in range(cfg.tasks)]
+        budget, _ = spill_budget(models[0], self.data[0][0], cfg.budget_frac, torch.bfloat16)
+        for prefetch in (True, False):
+            tasks = {f"m{i}": self._task(copy.deepcopy(m)) for i, m in enumerate(models)}
+            t0 = time.perf_counter()
+            h = th.train_models(
+                tasks,
+                devices=[self.device],
+                device_memory=budget,
+                epochs=1,
+                precision="bf16",
+                seed=0,
+                prefetch=prefetch,
+                **self.engine_kw,
+            )
+            key = "on" if prefetch else "off"
+            util = h.trace.utilization()
+            self.results[f"multitask_prefetch_{key}"] = {
+                "wall_s": time.perf_counter() - t0,
+                "trace_wall_s": h.trace.wall_s(),
+                "utilization": max(util.values()),
+                "tokens_s": tokens_per_s(h, self.tokens),
+                "shards": h["m0"][0]["num_shards"],
+            }
+
+    def parity(self) -> None:
+        cfg = self.cfg
+        small = Config(
+            width=cfg.parity_width,
+            heads=4,
+            layers=3,
+            vocab=64,
+            seq=16,
+            batch=4,
+            batches=4,
+            tiny=cfg.tiny,
+        )
+        data = token_data(small, seed=1)
+        model = make_gpt(small, small.layers)
+        ref = copy.deepcopy(model)
+        budget, _ = spill_budget(model, data[0][0], 0.5, None)
+        if self.gpu:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        h = th.train_models(
+            {"p": self._task(model, data)},
+            devices=[self.device],
+            device_memory=budget,
+            epochs=2,
+            seed=0,
+            **self.engine_kw,
+        )
+        plain = th.train_plain(self._task(ref, data), 2, seed=0)
+        loss_rel = max(
+            abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(h["p"], plain, strict=True)
+        )
+        param_rel = max(
+            ((a.detach().cpu() - b.detach()).norm() / b.detach().norm().clamp_min(1e-12)).item()
+            for a, b in zip(model.parameters(), ref.parameters(), strict=True)
+        )
+        self.results["parity"] = {
+            "shards": h["p"][0]["num_shards"],
+            "loss_rel": loss_rel,
+            "param_rel": param_rel,
+            "ok": loss_rel < 1e-4 and param_rel < 1e-4,
+        }
+
+
+def _jsonable(obj: Any) -> Any:
+    """``obj`` with NaN/inf floats replaced by ``None`` (strict JSON)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_jsonable(v) for v in obj]
+    return obj
+
+
+def _fmt(v: Any, spec: str = ".3g") -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "n/a"
+    return format(v, spec)
+
+
+def table(r: dict[str, Any], errors: dict[str, str]) -> str:
+    """The summary table (printed last)."""
+    mt_on, mt_off = r.get("multitask_prefetch_on", {}), r.get("multitask_prefetch_off", {})
+    par = r.get("parity", {})
+    rows = [
+        ("spilled tokens/s", _fmt(r.get("spilled_tokens_s")), f"{r.get('spilled_shards')} shards"),
+        (
+            "resident tokens/s (engine)",
+            _fmt(r.get("resident_tokens_s")),
+            f"{r.get('resident_shards')} shard(s)",
+        ),
+        ("plain PyTorch tokens/s", _fmt(r.get("plain_tokens_s")), ""),
+        ("spilled / resident", _fmt(r.get("spilled_over_resident")), "goal >= 0.85"),
+        ("spilled / plain", _fmt(r.get("spilled_over_plain")), ""),
+        ("spilled / accelerate", _fmt(r.get("spilled_over_accelerate")), "goal >= 3"),
+        ("peak / budget", _fmt(r.get("peak_over_budget")), "goal <= 1.0"),
+        (
+            "multi-task util, prefetch on",
+            _fmt(mt_on.get("utilization"), ".0%"),
+            f"{_fmt(mt_on.get('tokens_s'))} tok/s",
+        ),
+        (
+            "multi-task util, prefetch off",
+            _fmt(mt_off.get("utilization"), ".0%"),
+            f"{_fmt(mt_off.get('tokens_s'))} tok/s",
+        ),
+        ("fp32 parity loss rel", _fmt(par.get("loss_rel"), ".2e"), "vs plain on CPU"),
+        (
+            "fp32 parity param rel",
+            _fmt(par.get("param_rel"), ".2e"),
+            "ok" if par.get("ok") else "CHECK",
+        ),
+    ]
+    head = (
+        f"gpu_check on {r.get('device')}: {r['config']['layers']} blocks width "
+        f"{r['config']['width']}, {_fmt(r.get('model_params'))} params, budget "
+        f"{_fmt((r.get('budget_bytes') or 0) / 2**30)} GiB of "
+        f"{_fmt((r.get('state_bytes') or 0) / 2**30)} GiB state"
+    )
+    lines = [head, f"{'figure':<32} {'value':>10}  note"]
+    lines += [f"{a:<32} {b:>10}  {c}" for a, b, c in rows]
+    lines += [f"ERROR {k}: {v}" for k, v in errors.items()]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tiny", action="store_true", help="tiny sizes on the CPU (tests)")
+    parser.add_argument("--out", default=None, help="write the figures as JSON here")
+    parser.add_argument("--layers", type=int, default=None)
+    parser.add_argument("--batch", type=int, default=None)
+    parser.add_argument("--seq", type=int, default=None)
+    parser.add_argument("--budget-frac", type=float, default=None)
+    args = parser.parse_args(argv)
+    cfg = copy.copy(TINY if args.tiny else Config())
+    for name in ("layers", "batch", "seq", "budget_frac"):
+        if getattr(args, name) is not None:
+            setattr(cfg, name, getattr(args, name))
+    if not cfg.tiny and not torch.cuda.is_available():
+        print("no CUDA device: run with --tiny on the CPU", file=sys.stderr)
+        return 2
+    if cfg.tiny:
+        torch.set_num_threads(1)  # steadier on small shared CPU machines
+    check = Check(cfg)
+    check.guarded("spilled vs resident", check.spilled_vs_resident)
+    check.guarded("accelerate", check.accelerate)
+    check.guarded("multitask", check.multitask)
+    check.guarded("parity", check.parity)
+    check.results["errors"] = check.errors
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(_jsonable(check.results), f, indent=2, default=str)
+    print(table(check.results, check.errors))
+    return 1 if check.errors else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

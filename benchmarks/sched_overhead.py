@@ -1,0 +1,166 @@
+"""Scheduler overhead per shard operation, in microseconds, measured with trivial shards.
+
+A model of ``layers`` x ``nn.Linear(1, 1)`` is cut one layer per shard
+(``max_layers_per_shard=1``) and trained on 1x1 batches, so an operation's compute is a few
+microseconds and the wall time is almost all engine: dispatch (policy, bookkeeping), the
+hand-offs between the dispatcher, copy and compute threads, and the per-op work of the
+task runner (RNG stream, detach, saved inputs). Per scenario the table shows, per
+operation (``ops`` = compute events in ``history.trace``):
+
+- ``wall/op``: trace wall time / ops (for several devices: x devices, i.e. per device-op);
+- ``in op``: mean duration of an operation as traced (runner work + compute);
+- ``gap/op``: device idle time between operations / ops (dispatch and thread hand-offs);
+- ``plain/op``: plain PyTorch time of the same work (``th.train_plain``) / ops;
+- ``overhead``: ``wall/op - plain/op``, the engine's cost per operation (goal <= 50 us).
+
+Run::
+
+    python benchmarks/sched_overhead.py           # about 20 s
+    python benchmarks/sched_overhead.py --quick   # a few seconds (used by the tests)
+    python benchmarks/sched_overhead.py --profile # cProfile of the 1-task scenario
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import cProfile
+import pstats
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import tune_hydra as th
+
+
+@dataclass
+class Config:
+    """Benchmark sizes."""
+
+    layers: int = 16
+    batches: int = 100
+    repeats: int = 3
+
+
+QUICK = Config(layers=6, batches=10, repeats=1)
+SCENARIOS = (("1 task, 1 device", 1, 1), ("4 tasks, 2 devices", 4, 2), ("8 tasks, 1 device", 8, 1))
+
+
+def _sgd(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=1e-3)
+
+
+def make_tasks(cfg: Config, n: int) -> dict[str, th.ModelTask]:
+    """``n`` tasks of ``cfg.layers`` x ``Linear(1, 1)`` on ``cfg.batches`` 1x1 batches."""
+    torch.manual_seed(0)
+    data = [(torch.randn(1, 1), torch.randn(1, 1)) for _ in range(cfg.batches)]
+    model = nn.Sequential(*(nn.Linear(1, 1) for _ in range(cfg.layers)))
+    return {f"t{i}": th.ModelTask(copy.deepcopy(model), nn.MSELoss(), _sgd, data) for i in range(n)}
+
+
+def plain_per_op(cfg: Config) -> float:
+    """Seconds of plain training per shard-op equivalent (median of ``cfg.repeats``)."""
+    ops = cfg.batches * (2 * cfg.layers - 1)
+    times = []
+    for _ in range(cfg.repeats + 1):
+        task = make_tasks(cfg, 1)["t0"]
+        t0 = time.perf_counter()
+        th.train_plain(task, 1, seed=0)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:]) / ops
+
+
+def engine_run(cfg: Config, tasks: int, devices: int) -> dict[str, float]:
+    """Train ``tasks`` trivial tasks on ``devices`` emulated CPU devices; per-op figures."""
+    h = th.train_models(
+        make_tasks(cfg, tasks), devices=["cpu"] * devices, epochs=1, seed=0, max_layers_per_shard=1
+    )
+    events = [e for e in h.trace.events if e.is_compute]
+    ops = len(events)
+    wall = h.trace.wall_s()
+    busy = sum(h.trace.busy_s().values())
+    return {
+        "ops": ops,
+        "wall_per_op": wall * devices / ops,
+        "in_op": statistics.fmean(e.duration for e in events),
+        "gap_per_op": (wall * devices - busy) / ops,
+    }
+
+
+def run(cfg: Config) -> dict[str, Any]:
+    """Run every scenario; prints the table and returns the figures."""
+    torch.set_num_threads(1)
+    plain = plain_per_op(cfg)
+    rows: dict[str, dict[str, float]] = {}
+    for name, tasks, devices in SCENARIOS:
+        engine_run(cfg, tasks, devices)  # warm-up
+        runs = [engine_run(cfg, tasks, devices) for _ in range(cfg.repeats)]
+        best = min(runs, key=lambda r: r["wall_per_op"])
+        med = {k: statistics.median(r[k] for r in runs) for k in best}
+        med["overhead"] = med["wall_per_op"] - plain
+        rows[name] = med
+    print(
+        f"sched_overhead: {cfg.layers} shards of Linear(1, 1) (max_layers_per_shard=1), "
+        f"{cfg.batches} 1x1 batches, SGD; medians of {cfg.repeats} run(s); 1 intra-op thread"
+    )
+    us = 1e6
+    print(
+        f"{'scenario':<20} {'ops':>6} {'wall/op':>9} {'in op':>8} {'gap/op':>8} "
+        f"{'plain/op':>9} {'overhead':>9}"
+    )
+    for name, r in rows.items():
+        print(
+            f"{name:<20} {int(r['ops']):>6} {r['wall_per_op'] * us:>7.1f}us "
+            f"{r['in_op'] * us:>6.1f}us {r['gap_per_op'] * us:>6.1f}us {plain * us:>7.1f}us "
+            f"{r['overhead'] * us:>7.1f}us"
+        )
+    print("goal: overhead <= 50 us per shard operation")
+    return {"plain_per_op_s": plain, "scenarios": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, for the tests")
+    parser.add_argument(
+        "--profile",
+        action="store_true",
+        help="cProfile the 1-task scenario (all threads) and print the top",
+    )
+    args = parser.parse_args(argv)
+    cfg = QUICK if args.quick else Config()
+    if args.profile:
+        import threading
+
+        profiles: list[cProfile.Profile] = []
+
+        def hook(*_: object) -> None:  # profile every thread the engine starts
+            p = cProfile.Profile()
+            profiles.append(p)
+            p.enable()
+
+        engine_run(cfg, 1, 1)  # warm-up (first optimizer step imports torch._dynamo)
+        threading.setprofile(hook)
+        main_prof = cProfile.Profile()
+        main_prof.enable()
+        engine_run(cfg, 1, 1)
+        main_prof.disable()
+        threading.setprofile(None)
+        for p in profiles:
+            p.disable()
+        stats = pstats.Stats(main_prof)
+        for p in profiles:
+            stats.add(p)
+        stats.sort_stats("tottime").print_stats(20)
+        stats.sort_stats("cumulative").print_stats("tune_hydra|torch", 40)
+        return 0
+    run(cfg)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

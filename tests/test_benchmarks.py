@@ -1,0 +1,75 @@
+"""Each benchmark script runs in its quick/tiny mode and prints its table.
+
+These are smoke tests (no timing assertions): the scripts are what the benchmark README
+tells people to run, so they must keep working as the engine changes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+BENCH = ROOT / "benchmarks"
+
+
+def _run(script: str, *args: str, timeout: float = 60) -> str:
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, str(BENCH / script), *args],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    assert proc.returncode == 0, f"{script} failed:\n{proc.stdout}\n{proc.stderr}"
+    return proc.stdout
+
+
+def test_overhead_quick() -> None:
+    out = _run("overhead.py", "--quick")
+    assert "ratio vs plain" in out
+    for mode in ("plain", "keep activations", "recompute"):
+        assert mode in out
+
+
+def test_multiplex_quick() -> None:
+    out = _run("multiplex.py", "--quick")
+    for text in (
+        "model parallel",
+        "multiplexed",
+        "plain, all cores",
+        "ceiling",
+        "of the ceiling",
+        "utilization",
+    ):
+        assert text in out
+
+
+def test_sched_overhead_quick() -> None:
+    out = _run("sched_overhead.py", "--quick")
+    assert "overhead" in out and "1 task, 1 device" in out and "us" in out
+
+
+def test_gpu_check_tiny(tmp_path: Path) -> None:
+    path = tmp_path / "gpu.json"
+    out = _run("gpu_check.py", "--tiny", "--out", str(path))
+    last = out.strip().splitlines()
+    assert any(line.startswith("spilled / resident") for line in last[-14:])
+    assert "ERROR" not in out
+    figures = json.loads(path.read_text())
+    assert figures["parity"]["ok"] is True
+    assert figures["spilled_shards"] >= 2 and figures["resident_shards"] == 1
+
+
+@pytest.mark.parametrize(
+    "script", ["overhead.py", "multiplex.py", "sched_overhead.py", "gpu_check.py"]
+)
+def test_help(script: str) -> None:
+    assert "usage" in _run(script, "--help")
