@@ -12,8 +12,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
@@ -66,10 +64,3 @@ def test_gpu_check_tiny(tmp_path: Path) -> None:
     figures = json.loads(path.read_text())
     assert figures["parity"]["ok"] is True
     assert figures["spilled_shards"] >= 2 and figures["resident_shards"] == 1
-
-
-@pytest.mark.parametrize(
-    "script", ["overhead.py", "multiplex.py", "sched_overhead.py", "gpu_check.py"]
-)
-def test_help(script: str) -> None:
-    assert "usage" in _run(script, "--help")

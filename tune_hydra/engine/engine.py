@@ -7,6 +7,7 @@ of epochs; the Ray Tune front end drives it one iteration per trial step.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,15 +56,17 @@ class _Entry:
     ready_since: float = 0.0
     op_time: dict[tuple[str, int], float] = field(default_factory=dict)
     batches_per_iter: float = 0.0
+    per_batch_s: float | None = None  # cached sum of op-time estimates; None = stale
 
     def remaining_s(self) -> float:
-        n = len(self.plan)
-        per_batch = 0.0
-        known = [v for v in self.op_time.values()]
-        fallback = sum(known) / len(known) if known else 1.0
-        kinds = [("F", i) for i in range(n - 1)] + [("L", n - 1)] + [("B", i) for i in range(n - 1)]
-        for key in kinds:
-            per_batch += self.op_time.get(key, fallback)
+        if self.per_batch_s is None:
+            n = len(self.plan)
+            known = list(self.op_time.values())
+            fallback = sum(known) / len(known) if known else 1.0
+            kinds = [("F", i) for i in range(n - 1)] + [("L", n - 1)]
+            kinds += [("B", i) for i in range(n - 1)]
+            self.per_batch_s = sum(self.op_time.get(k, fallback) for k in kinds)
+        per_batch = self.per_batch_s
         iters = self.runner.granted + self.hint
         per_iter = self.batches_per_iter or 1.0
         done = self.runner.batch_in_epoch if self.options.iteration_batches is None else 0
@@ -134,6 +137,7 @@ class Engine:
         ]
         self.trace = Trace(labels)
         self.clock = default_clock()
+        self._saved_threads = torch.get_num_threads()  # workers may change it; restored
         threads = max(1, torch.get_num_threads() // n_cpu) if n_cpu > 1 else None
         self.workers = [
             DeviceWorker(
@@ -358,6 +362,7 @@ class Engine:
             w.close()
         for w in self.workers:
             w.join(30.0)
+        torch.set_num_threads(self._saved_threads)
         with self._cv:
             for entry in self._tasks.values():
                 self._offload(entry)
@@ -425,6 +430,7 @@ class Engine:
                 old = entry.op_time.get(key)
                 d = a.duration
                 entry.op_time[key] = d if old is None else (1 - _EMA) * old + _EMA * d
+                entry.per_batch_s = None
             if err is not None:
                 self._fail(entry, err)
             elif entry.cancelled:
@@ -432,12 +438,23 @@ class Engine:
             else:
                 self._advance(entry)
                 entry.ready_since = self.clock()
+            if not self._closed and self._broken is None:
+                # Dispatch right here instead of waking the dispatcher thread: one thread
+                # hand-off less per operation. A policy error resurfaces in _loop.
+                with contextlib.suppress(Exception):
+                    self._dispatch()
             self._cv.notify_all()
 
     def _loop(self) -> None:
         try:
             with self._cv:
                 while not self._closed:
+                    for w in self.workers:
+                        if not w.alive or w.last_error is not None:
+                            raise ScheduleError(
+                                f"the worker of device {w.label} stopped ({w.last_error!r}); "
+                                f"this is a tune_hydra bug, please report it"
+                            ) from w.last_error
                     self._dispatch()
                     self._cv.wait(_POLL_S)
         except BaseException as err:  # surface to every waiting caller

@@ -66,6 +66,8 @@ class ShardRuntime:
 
 
 def _to(obj: Any, device: torch.device) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device)
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
 
 
@@ -78,10 +80,12 @@ def _detach(obj: Any, requires_grad: bool) -> Any:
             t.requires_grad_(True)
         return t
 
-    return tree_map(f, obj)
+    return f(obj) if isinstance(obj, torch.Tensor) else tree_map(f, obj)
 
 
 def _grads_of(inputs: Any) -> Any:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.grad
     return tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) else None, inputs)
 
 

@@ -68,6 +68,7 @@ class DeviceWorker:
         self.assigned: collections.deque[Assignment] = collections.deque()
         self.busy_s = 0.0
         self.peak_resident_bytes = 0  # shard state held on the device at once, at most
+        self.last_error: BaseException | None = None
         self._lock = threading.Lock()
         self._copy_q: queue.Queue[Assignment | None] = queue.Queue()
         self._run_q: queue.Queue[Assignment | None] = queue.Queue()
@@ -91,7 +92,16 @@ class DeviceWorker:
     def submit(self, a: Assignment) -> None:
         """Queue ``a`` (called by the dispatcher, under its lock)."""
         self.assigned.append(a)
-        self._copy_q.put(a)
+        if self.copy:
+            self._copy_q.put(a)
+        else:  # nothing to copy (a CPU device uses host memory in place): no hand-off
+            a.store.promote(self.device, None, copy=False, owner=self)
+            with self._lock:
+                self.resident[id(a.store)] = a.store
+                self.resident.move_to_end(id(a.store))
+                while len(self.resident) > self.depth:
+                    self.resident.popitem(last=False)
+            a.ready.set()
         self._run_q.put(a)
 
     def release(self, store: ShardStore) -> None:
@@ -102,6 +112,10 @@ class DeviceWorker:
     def close(self) -> None:
         self._copy_q.put(None)
         self._run_q.put(None)
+
+    @property
+    def alive(self) -> bool:
+        return all(t.is_alive() for t in self._threads)
 
     def join(self, timeout: float) -> None:
         for t in self._threads:
@@ -202,7 +216,10 @@ class DeviceWorker:
                     op.batch,
                 )
             )
-            a.done(a, err)
+            try:
+                a.done(a, err)
+            except BaseException as e:  # keep the worker alive; the engine notices
+                self.last_error = e
 
 
 def default_clock() -> Callable[[], float]:
