@@ -150,7 +150,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.layers, args.d_model, args.heads, args.context, args.vocab = 3, 32, 4, 16, 64
         args.dropout, args.sequences, args.epochs = 0.0, 32, 2
         args.lrs, args.batch_sizes = [3e-3, 1e-3], [8, 4]
-        args.devices, args.device_memory = "cpu", args.device_memory or "512KiB"
+        args.devices, args.device_memory = "cpu", args.device_memory or "1MiB"
     return args
 
 
@@ -166,12 +166,8 @@ def main(argv: list[str] | None = None) -> int:
         log_to_driver=False,
     )
     devices: Any = args.devices if args.devices in ("auto", "cpu") else args.devices.split(",")
-    gpu = torch.cuda.is_available() and args.devices != "cpu"
     executor = th.HydraExecutor(
-        devices=devices,
-        device_memory=args.device_memory,
-        prefetch=gpu,  # hides host->GPU copies; nothing to hide on CPU "devices"
-        precision=args.precision,
+        devices=devices, device_memory=args.device_memory, precision=args.precision
     )
     model = {
         "layers": args.layers, "d_model": args.d_model, "heads": args.heads,

@@ -144,11 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         log_to_driver=False,
     )
     devices: Any = args.devices if args.devices in ("auto", "cpu") else args.devices.split(",")
-    # Prefetch hides host->GPU copies; on CPU "devices" there is nothing to hide.
-    prefetch = torch.cuda.is_available() and args.devices != "cpu"
-    executor = th.HydraExecutor(
-        devices=devices, device_memory=args.device_memory, prefetch=prefetch
-    )
+    executor = th.HydraExecutor(devices=devices, device_memory=args.device_memory)
     try:
         analysis = th.run(
             make_task,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import os
 import subprocess
 import sys
@@ -38,6 +40,16 @@ def test_quickstart_smoke(tmp_path: Path) -> None:
     out = _run("quickstart.py", "--smoke", "--output", str(tmp_path))
     assert "best config: {" in out
     assert _model_pt(out).is_file()
+    # model.pt is the whole model's state_dict: it loads into a freshly built model
+    import torch
+
+    spec = importlib.util.spec_from_file_location("quickstart", ROOT / "examples" / "quickstart.py")
+    assert spec is not None and spec.loader is not None
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+    best = ast.literal_eval(out.split("best config: ", 1)[1].splitlines()[0])
+    model = quickstart.make_task(best).model
+    model.load_state_dict(torch.load(_model_pt(out)))
     assert (tmp_path / "timeline.png").is_file()
     shards = out.split("shards per model: ")[1].splitlines()[0]
     assert all(int(s) >= 2 for s in shards.strip("[]").split(",")), shards

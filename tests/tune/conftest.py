@@ -115,3 +115,9 @@ def storage(tmp_path: Any) -> str:
     path = tmp_path / "ray_results"
     path.mkdir()
     return str(path)
+
+
+def pytest_collection_modifyitems(config: Any, items: list[Any]) -> None:
+    """Run the tests that need their own multi-node cluster last, so the shared local Ray
+    session starts only once."""
+    items.sort(key=lambda item: "ray_cluster" in getattr(item, "fixturenames", ()))

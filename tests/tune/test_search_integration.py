@@ -122,3 +122,20 @@ def test_population_based_training(ray_session: Any, storage: str, reuse_actors:
     assert all(t.last_result["training_iteration"] == 6 for t in analysis.trials)
     # exploitation happened: some trial restored another's checkpoint and changed its lr
     assert pbt._num_perturbations > 0
+
+
+def test_hyperopt_search_if_installed(ray_session: Any, storage: str) -> None:
+    pytest.importorskip("hyperopt")
+    from ray.tune.search.hyperopt import HyperOptSearch
+
+    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
+        analysis = _run(
+            ex,
+            storage,
+            config={"lr": tune.loguniform(1e-3, 1e-1)},
+            num_samples=3,
+            search_alg=HyperOptSearch(random_state_seed=0),
+            stop={"training_iteration": 2},
+        )
+        assert _leftovers(ex) == []
+    assert all(t.status == "TERMINATED" for t in analysis.trials)
