@@ -10,23 +10,33 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from tune_hydra import exceptions
-from tune_hydra.engine import (
-    Engine,
-    History,
-    ModelTask,
-    plot_timeline,
-    save_trace,
-    train_models,
-    train_plain,
-)
 from tune_hydra.exceptions import TuneHydraError
 
 if TYPE_CHECKING:
+    from tune_hydra.engine import (
+        Engine,
+        History,
+        ModelTask,
+        plot_timeline,
+        save_trace,
+        train_models,
+        train_plain,
+    )
     from tune_hydra.tune import HydraExecutor, run
 
 __version__ = "0.1.0"
 
+# Loaded on first use: the engine imports torch (a trial process of the Tune front end
+# must not: it triples its memory), and the front end imports Ray (the engine alone must
+# work where Ray is not installed).
 _LAZY = {
+    "Engine": "tune_hydra.engine",
+    "History": "tune_hydra.engine",
+    "ModelTask": "tune_hydra.engine",
+    "plot_timeline": "tune_hydra.engine",
+    "save_trace": "tune_hydra.engine",
+    "train_models": "tune_hydra.engine",
+    "train_plain": "tune_hydra.engine",
     "run": "tune_hydra.tune",
     "HydraExecutor": "tune_hydra.tune",
 }

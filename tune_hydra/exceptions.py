@@ -49,11 +49,15 @@ class ShardTooLargeError(TuneHydraError, MemoryError):
         self.layer = layer
         self.nbytes = nbytes
         self.budget = budget
+        self.detail = detail
         super().__init__(
             f"layer {layer!r} needs {format_bytes(nbytes)} ({nbytes} bytes){detail}, more than "
             f"the per-device budget of {format_bytes(budget)} ({budget} bytes). Raise "
             f"device_memory, lower the batch size, or split that layer into smaller modules."
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (Ray) intact
+        return (type(self), (self.layer, self.nbytes, self.budget, self.detail))
 
 
 class NonFiniteLossError(TuneHydraError, FloatingPointError):
@@ -69,13 +73,20 @@ class NonFiniteLossError(TuneHydraError, FloatingPointError):
             f"learning rate, set max_grad_norm, or check the data; the other tasks go on."
         )
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.task, self.epoch, self.batch, self.value))
+
 
 class TaskFailedError(TuneHydraError, RuntimeError):
     """One task raised while it trained; wraps the original error as ``__cause__``."""
 
     def __init__(self, task: str, message: str) -> None:
         self.task = task
+        self.message = message
         super().__init__(f"task {task!r} failed: {message}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.task, self.message))
 
 
 class TrainingError(TuneHydraError, RuntimeError):
@@ -96,6 +107,9 @@ class TrainingError(TuneHydraError, RuntimeError):
             f"({', '.join(ok) or 'none'}); their results are in .history and their models "
             f"are trained."
         )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.errors, self.history))
 
 
 class MissingDependencyError(TuneHydraError, ImportError):

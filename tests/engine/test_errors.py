@@ -121,3 +121,20 @@ def test_batch_that_is_not_a_pair() -> None:
     task = _task(train_data=[torch.zeros(6, 8)])
     with pytest.raises((ex.InvalidTaskError, ex.TrainingError), match="inputs, targets"):
         th.train_models({"a": task}, devices=["cpu"])
+
+
+@pytest.mark.parametrize(
+    "err",
+    [
+        ex.ShardTooLargeError("3", 10, 5, " (state 1 B)"),
+        ex.NonFiniteLossError("a", 1, 2, float("inf")),
+        ex.TaskFailedError("a", "KeyError: 'x'"),
+        ex.TrainingError({"a": ValueError("x")}, {"a": [], "b": [{"loss": 1.0}]}),
+    ],
+    ids=lambda e: type(e).__name__,
+)
+def test_errors_survive_pickling(err: Exception) -> None:
+    import pickle
+
+    back = pickle.loads(pickle.dumps(err))  # they cross Ray's process boundaries
+    assert type(back) is type(err) and str(back) == str(err)

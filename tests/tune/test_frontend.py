@@ -120,3 +120,20 @@ def test_check_task_factory() -> None:
     for bad in ("PPO", EngineActor, 3, lambda: None, lambda a, b: None):
         with pytest.raises(NotATaskFactoryError):
             check_task_factory(bad)
+
+
+def test_concurrent_registrations_build_identical_models(actor: Any) -> None:
+    # The factory seeds torch's global generator; builds running at once in the actor's
+    # thread pool must not interleave their draws (it broke exact resume parity once).
+    async def register_all() -> None:
+        await asyncio.gather(
+            *[actor.register(f"t{i}", "tok", BLOB, {"lr": 0.01, "width": 24}) for i in range(8)]
+        )
+
+    for _ in range(3):
+        _call(register_all())
+        states = [actor._engine.get_state(actor._regs[f"t{i}"].name)["model"] for i in range(8)]
+        for state in states[1:]:
+            assert all(torch.equal(state[k], states[0][k]) for k in state)
+        for i in range(8):
+            _call(actor.deregister(f"t{i}"))

@@ -17,6 +17,7 @@ import torch
 from tune_hydra.engine.ops import Op
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
 from tune_hydra.engine.policies import BasePolicy, Candidate, get_policy
+from tune_hydra.engine.rng import CPU_RNG_LOCK
 from tune_hydra.engine.runner import TaskRunner, TrainOptions, _split_batch
 from tune_hydra.engine.task import ModelTask, model_layers
 from tune_hydra.engine.trace import Trace
@@ -203,7 +204,10 @@ class Engine:
         )
         layers = model_layers(task.model)  # type: ignore[arg-type]
         task.model.to("cpu")  # type: ignore[union-attr]
-        with torch.random.fork_rng(devices=[]):  # peeking at the data must not draw
+        dtype = torch.bfloat16 if options.precision == "bf16" else None
+        # Peeking at the data and probing the layers must not draw from any task's stream:
+        # fork the global generators, and hold the lock other tasks' ops install theirs under.
+        with CPU_RNG_LOCK, torch.random.fork_rng(devices=[]):
             try:
                 sample = next(iter(task.train_data))
             except StopIteration:
@@ -211,9 +215,8 @@ class Engine:
                     f"task {name!r}: train_data yielded no batch; give it at least one "
                     f"(inputs, targets) pair"
                 ) from None
-        x, _ = _split_batch(sample, name)
-        dtype = torch.bfloat16 if options.precision == "bf16" else None
-        costs = layer_costs(layers, task.optimizer, x, dtype, device=self.devices[0])
+            x, _ = _split_batch(sample, name)
+            costs = layer_costs(layers, task.optimizer, x, dtype, device=self.devices[0])
         budget = self.budget
         if budget is None and self.devices[0].type == "cuda":
             budget = int(device_capacity(self.devices[0]) * 0.9)

@@ -108,6 +108,18 @@ def _merge_hyperparameters(loaded: Any, fresh: Any) -> Any:
     return out
 
 
+_FALLBACK_RNG_LOCK = threading.RLock()
+
+
+def _rng_lock() -> Any:
+    """The engine's lock on torch's global CPU generator (own lock if it has none)."""
+    try:
+        from tune_hydra.engine.rng import CPU_RNG_LOCK
+    except ImportError:  # pragma: no cover - an engine without per-task RNG streams
+        return _FALLBACK_RNG_LOCK
+    return CPU_RNG_LOCK
+
+
 class EngineActor:
     """Hosts one engine for the trials of one node. Created by
     :class:`~tune_hydra.HydraExecutor`; not meant to be used directly.
@@ -141,6 +153,7 @@ class EngineActor:
         self._hints: dict[str, int] = {}
         self._factories: dict[bytes, Callable[[dict[str, Any]], Any]] = {}
         self._counter = 0
+        self._build_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hydra-ctl")
 
     # ---------------------------------------------------------------- helpers
@@ -193,13 +206,26 @@ class EngineActor:
         return fn
 
     def _build(self, key: str, token: str, blob: bytes, config: dict[str, Any]) -> int:
-        """Build the trial's task with the factory and add it to the engine (blocking)."""
+        """Build the trial's task with the factory and add it to the engine (blocking).
+
+        Registrations run one at a time: a factory's seeded draws and ``add_task``'s peek
+        at the data (which saves and restores torch's global generator) must not interleave
+        with another registration's.
+        """
+        with self._build_lock:
+            return self._build_one(key, token, blob, config)
+
+    def _build_one(self, key: str, token: str, blob: bytes, config: dict[str, Any]) -> int:
         from tune_hydra.engine.task import ModelTask
 
         eng = self._ensure_engine()
         try:
             factory = self._factory(blob)
-            task = factory(dict(config))
+            # Factories seed and draw from torch's global CPU generator (torch.manual_seed,
+            # weight init); it is shared with other registrations and the engine's workers,
+            # so build under the engine's RNG lock or concurrent builds get each other's draws.
+            with _rng_lock():
+                task = factory(dict(config))
         except Exception:
             raise TaskFactoryError(
                 f"the task factory raised for trial {key} (config {config!r}); fix make_task, "
