@@ -37,14 +37,11 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from common import budget_for, make_data, make_mlp  # benchmarks/common.py
 from torch import nn
 
 import tune_hydra as th
-from tune_hydra.engine.partition import layer_costs, plan_shards
-from tune_hydra.engine.task import model_layers
-from tune_hydra.exceptions import ShardTooLargeError
 
-Batch = tuple[torch.Tensor, torch.Tensor]
 LRS = (1e-3, 5e-4, 2e-4, 1e-4)
 
 
@@ -64,44 +61,8 @@ class Config:
 QUICK = Config(width=64, depth=4, batch=16, batches=4, rounds=1)
 
 
-def make_mlp(width: int, depth: int, classes: int = 10) -> nn.Sequential:
-    """``depth`` x (Linear + ReLU) and a classifier head; no dropout."""
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, classes))
-    return nn.Sequential(*layers)
-
-
-def make_data(cfg: Config, seed: int) -> list[Batch]:
-    """Synthetic classification batches (a fixed list: every run sees the same data)."""
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randn(cfg.batch, cfg.width, generator=g),
-            torch.randint(0, 10, (cfg.batch,), generator=g),
-        )
-        for _ in range(cfg.batches)
-    ]
-
-
 def _adam(lr: float) -> Callable[[list[nn.Parameter]], torch.optim.Optimizer]:
     return lambda params: torch.optim.Adam(params, lr=lr)
-
-
-def budget_for(model: nn.Sequential, sample: torch.Tensor, min_shards: int) -> tuple[int, int]:
-    """The largest per-device budget (bytes) that cuts ``model`` into >= ``min_shards``."""
-    costs = layer_costs(model_layers(model), _adam(1e-3), sample)
-    total = sum(c.total_bytes for c in costs) + max(c.state_bytes for c in costs)
-    for k in range(64, 0, -1):
-        budget = total * k // 64
-        try:
-            n = len(plan_shards(costs, budget))
-        except ShardTooLargeError:
-            break
-        if n >= min_shards:
-            return budget, n
-    raise ValueError(f"no budget cuts this model into {min_shards} shards; make it deeper")
 
 
 def ceiling(cfg: Config, seconds: float = 0.6) -> tuple[float, float, float]:
@@ -144,8 +105,10 @@ class Bench:
         self.cfg = cfg
         torch.manual_seed(0)
         self.templates = [make_mlp(cfg.width, cfg.depth) for _ in range(cfg.tasks)]
-        self.data = [make_data(cfg, seed=i) for i in range(cfg.tasks)]
-        self.budget, self.shards = budget_for(self.templates[0], self.data[0][0][0], cfg.min_shards)
+        self.data = [make_data(cfg.width, cfg.batch, cfg.batches, i) for i in range(cfg.tasks)]
+        self.budget, self.shards = budget_for(
+            self.templates[0], _adam(1e-3), self.data[0][0][0], cfg.min_shards
+        )
         self.threads = torch.get_num_threads()
         self.last: dict[str, th.History] = {}
 

@@ -34,14 +34,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from common import budget_for, make_data, make_mlp  # benchmarks/common.py
 from torch import nn
 
 import tune_hydra as th
-from tune_hydra.engine.partition import layer_costs, plan_shards
-from tune_hydra.engine.task import model_layers
-from tune_hydra.exceptions import ShardTooLargeError
-
-Batch = tuple[torch.Tensor, torch.Tensor]
 
 
 @dataclass
@@ -60,50 +56,6 @@ class Config:
 QUICK = Config(width=64, depth=4, batch=16, batches=8, repeats=2)
 
 
-def make_mlp(width: int, depth: int, classes: int = 10) -> nn.Sequential:
-    """``depth`` x (Linear + ReLU) and a classifier head; no dropout."""
-    layers: list[nn.Module] = []
-    for _ in range(depth):
-        layers += [nn.Linear(width, width), nn.ReLU()]
-    layers.append(nn.Linear(width, classes))
-    return nn.Sequential(*layers)
-
-
-def make_data(cfg: Config, seed: int = 0) -> list[Batch]:
-    """Synthetic classification batches (a fixed list, so every run sees the same data)."""
-    g = torch.Generator().manual_seed(seed)
-    return [
-        (
-            torch.randn(cfg.batch, cfg.width, generator=g),
-            torch.randint(0, 10, (cfg.batch,), generator=g),
-        )
-        for _ in range(cfg.batches)
-    ]
-
-
-def budget_for(
-    model: nn.Sequential,
-    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
-    sample: torch.Tensor,
-    min_shards: int,
-) -> tuple[int, int]:
-    """The largest per-device budget (bytes) that cuts ``model`` into >= ``min_shards``.
-
-    Returns ``(budget, num_shards)``; raises ``ValueError`` if no budget does.
-    """
-    costs = layer_costs(model_layers(model), optimizer, sample)
-    total = sum(c.total_bytes for c in costs) + max(c.state_bytes for c in costs)
-    for k in range(64, 0, -1):
-        budget = total * k // 64
-        try:
-            n = len(plan_shards(costs, budget))
-        except ShardTooLargeError:
-            break
-        if n >= min_shards:
-            return budget, n
-    raise ValueError(f"no budget cuts this model into {min_shards} shards; make it deeper")
-
-
 def _optimizer(params: list[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.Adam(params, lr=1e-3)
 
@@ -112,7 +64,7 @@ def run(cfg: Config) -> dict[str, object]:
     """Run the benchmark; returns the figures (also printed as a table)."""
     torch.manual_seed(0)
     template = make_mlp(cfg.width, cfg.depth)
-    data = make_data(cfg)
+    data = make_data(cfg.width, cfg.batch, cfg.batches)
     budget, shards = budget_for(template, _optimizer, data[0][0], cfg.min_shards)
     assert shards >= cfg.min_shards
 

@@ -78,15 +78,23 @@ class NonFiniteLossError(TuneHydraError, FloatingPointError):
 
 
 class TaskFailedError(TuneHydraError, RuntimeError):
-    """One task raised while it trained; wraps the original error as ``__cause__``."""
+    """One task raised while it trained; wraps the original error as ``__cause__``.
 
-    def __init__(self, task: str, message: str) -> None:
+    The original traceback is also kept as text (``original_traceback``, shown in the
+    message), since ``__cause__`` does not survive pickling to another process.
+    """
+
+    def __init__(self, task: str, message: str, original_traceback: str = "") -> None:
         self.task = task
         self.message = message
-        super().__init__(f"task {task!r} failed: {message}")
+        self.original_traceback = original_traceback
+        text = f"task {task!r} failed: {message}"
+        if original_traceback:
+            text += f"\n\nOriginal traceback:\n{original_traceback}"
+        super().__init__(text)
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task, self.message))
+        return (type(self), (self.task, self.message, self.original_traceback))
 
 
 class TrainingError(TuneHydraError, RuntimeError):

@@ -93,4 +93,5 @@ def test_user_exception_fails_alone() -> None:
     cause = info.value.errors["bad"]
     assert isinstance(cause, th.exceptions.TaskFailedError)
     assert isinstance(cause.__cause__, KeyError)
+    assert "broken_loss" in cause.original_traceback and "Original traceback" in str(cause)
     assert len(info.value.history["good"]) == 1

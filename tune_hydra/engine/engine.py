@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import threading
+import traceback
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -412,7 +413,8 @@ class Engine:
 
     def _fail(self, entry: _Entry, err: BaseException) -> None:
         if not isinstance(err, TuneHydraError):
-            wrapped = TaskFailedError(entry.name, f"{type(err).__name__}: {err}")
+            tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+            wrapped = TaskFailedError(entry.name, f"{type(err).__name__}: {err}", tb)
             wrapped.__cause__ = err
             err = wrapped
         entry.error = err
