@@ -105,6 +105,7 @@ def test_population_based_training(ray_session: Any, storage: str, reuse_actors:
         perturbation_interval=2,
         hyperparam_mutations={"lr": [0.001, 0.003, 0.01, 0.03]},
         quantile_fraction=0.5,
+        synch=True,  # exploit once all trials reach the interval: deterministic, not timing
     )
     with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
         analysis = _run(

@@ -108,18 +108,6 @@ def _merge_hyperparameters(loaded: Any, fresh: Any) -> Any:
     return out
 
 
-_FALLBACK_RNG_LOCK = threading.RLock()
-
-
-def _rng_lock() -> Any:
-    """The engine's lock on torch's global CPU generator (own lock if it has none)."""
-    try:
-        from tune_hydra.engine.rng import CPU_RNG_LOCK
-    except ImportError:  # pragma: no cover - an engine without per-task RNG streams
-        return _FALLBACK_RNG_LOCK
-    return CPU_RNG_LOCK
-
-
 class EngineActor:
     """Hosts one engine for the trials of one node. Created by
     :class:`~tune_hydra.HydraExecutor`; not meant to be used directly.
@@ -224,7 +212,9 @@ class EngineActor:
             # Factories seed and draw from torch's global CPU generator (torch.manual_seed,
             # weight init); it is shared with other registrations and the engine's workers,
             # so build under the engine's RNG lock or concurrent builds get each other's draws.
-            with _rng_lock():
+            from tune_hydra.engine.rng import CPU_RNG_LOCK
+
+            with CPU_RNG_LOCK:
                 task = factory(dict(config))
         except Exception:
             raise TaskFactoryError(
