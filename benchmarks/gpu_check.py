@@ -236,7 +236,23 @@ class Check:
         r["state_bytes"], r["budget_bytes"] = total, budget
 
         self._reset_peak()
-        h = th.train_models(
+        h = self._train_one(model, budget)
+        r["spilled_tokens_s"] = tokens_per_s(h, self.tokens)
+        r["spilled_shards"] = h["gpt"][0]["num_shards"]
+        r["peak_bytes"] = self._peak()
+        r["peak_over_budget"] = r["peak_bytes"] / budget if self.gpu else None
+        r["spilled_devices"] = h.summary.get("devices", {})
+        self._reset_peak()
+        h = self._train_one(model, None)
+        r["resident_tokens_s"] = tokens_per_s(h, self.tokens)
+        r["resident_shards"] = h["gpt"][0]["num_shards"]
+        r["spilled_over_resident"] = r["spilled_tokens_s"] / r["resident_tokens_s"]
+        r["plain_tokens_s"] = self._plain(copy.deepcopy(model))
+        r["spilled_over_plain"] = r["spilled_tokens_s"] / r["plain_tokens_s"]
+
+    def _train_one(self, model: nn.Module, budget: int | None) -> th.History:
+        """One epoch of a copy of ``model`` by the engine under ``budget`` (None: resident)."""
+        return th.train_models(
             {"gpt": self._task(copy.deepcopy(model))},
             devices=[self.device],
             device_memory=budget,
@@ -245,26 +261,6 @@ class Check:
             seed=0,
             **self.engine_kw,
         )
-        r["spilled_tokens_s"] = tokens_per_s(h, self.tokens)
-        r["spilled_shards"] = h["gpt"][0]["num_shards"]
-        r["peak_bytes"] = self._peak()
-        r["peak_over_budget"] = r["peak_bytes"] / budget if self.gpu else None
-        r["spilled_devices"] = h.summary.get("devices", {})
-        self._reset_peak()
-        h = th.train_models(
-            {"gpt": self._task(copy.deepcopy(model))},
-            devices=[self.device],
-            device_memory=None,
-            epochs=1,
-            precision="bf16",
-            seed=0,
-            **self.engine_kw,
-        )
-        r["resident_tokens_s"] = tokens_per_s(h, self.tokens)
-        r["resident_shards"] = h["gpt"][0]["num_shards"]
-        r["spilled_over_resident"] = r["spilled_tokens_s"] / r["resident_tokens_s"]
-        r["plain_tokens_s"] = self._plain(copy.deepcopy(model))
-        r["spilled_over_plain"] = r["spilled_tokens_s"] / r["plain_tokens_s"]
 
     def _plain(self, model: nn.Module) -> float:
         """Plain PyTorch bf16-autocast training on the device; tokens/s after batch 0."""
