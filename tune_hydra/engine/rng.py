@@ -3,7 +3,8 @@
 Dropout and ``DataLoader`` shuffling draw from torch's *global* generators, so a task's
 stream is installed there for the duration of each of its operations and read back
 afterwards. The CPU generator is shared by every worker thread, so installing it takes
-``CPU_RNG_LOCK``; shards seen not to draw skip the lock (see ``ShardRuntime.uses_rng``).
+``CPU_RNG_LOCK``; a GPU's generator is used by that device's one compute thread only, so
+it needs no lock. Shards seen not to draw from a generator skip it (and the lock).
 """
 
 from __future__ import annotations
@@ -25,13 +26,6 @@ class RngState:
     cpu: torch.Tensor
     cuda: torch.Tensor | None = None
 
-    def same_as(self, other: RngState) -> bool:
-        if not torch.equal(self.cpu, other.cpu):
-            return False
-        if (self.cuda is None) != (other.cuda is None):
-            return False
-        return self.cuda is None or torch.equal(self.cuda, other.cuda)  # type: ignore[arg-type]
-
 
 def seeded_state(seed: int) -> RngState:
     """The state ``torch.manual_seed(seed)`` leaves the CPU generator in (CUDA is filled in
@@ -43,36 +37,57 @@ def _cuda_seeded(seed: int, device: torch.device) -> torch.Tensor:
     return torch.Generator(device=device).manual_seed(seed).get_state()
 
 
-def read_global(device: torch.device) -> RngState:
-    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
-    return RngState(torch.get_rng_state(), cuda)
+@dataclass
+class Scope:
+    """What :func:`task_stream` installed (``entry``) and whether the block drew."""
 
-
-def install(state: RngState, device: torch.device, seed: int) -> None:
-    torch.set_rng_state(state.cpu)
-    if device.type == "cuda":
-        if state.cuda is None:
-            state.cuda = _cuda_seeded(seed, device)
-        torch.cuda.set_rng_state(state.cuda, device)
+    entry: RngState
+    drew_cpu: bool = False
+    drew_cuda: bool = False
 
 
 @contextlib.contextmanager
 def task_stream(
-    stream: RngState, device: torch.device, seed: int, *, replay: RngState | None = None
-) -> Iterator[RngState]:
+    stream: RngState,
+    device: torch.device,
+    seed: int,
+    *,
+    replay: RngState | None = None,
+    cpu: bool = True,
+    cuda: bool = True,
+) -> Iterator[Scope]:
     """Run a block on the task's stream (or on ``replay``, a saved earlier point of it).
 
-    Yields the state installed at entry (save it to replay this block later). On exit the
-    task's stream advances to where the block left the globals, except when replaying.
-    Holds ``CPU_RNG_LOCK`` throughout.
+    Installs the CPU generator (under ``CPU_RNG_LOCK``) if ``cpu``, and the device's
+    generator if ``cuda`` and the device is a GPU. Yields a :class:`Scope` whose ``entry``
+    is the state installed (save it to replay this block later). On exit the task's stream
+    advances to where the block left the generators, except when replaying, and the scope
+    tells which generators the block drew from.
     """
-    with CPU_RNG_LOCK:
-        start = replay if replay is not None else stream
-        install(start, device, seed)
-        entry = read_global(device)
-        yield entry
-        if replay is None:
-            after = read_global(device)
-            stream.cpu = after.cpu
-            if after.cuda is not None:
-                stream.cuda = after.cuda
+    gpu = cuda and device.type == "cuda"
+    start = replay if replay is not None else stream
+    with CPU_RNG_LOCK if cpu else contextlib.nullcontext():
+        if cpu:
+            torch.set_rng_state(start.cpu)
+        if gpu:
+            if start.cuda is None:
+                start.cuda = _cuda_seeded(seed, device)
+            torch.cuda.set_rng_state(start.cuda, device)
+        scope = Scope(
+            RngState(
+                torch.get_rng_state() if cpu else start.cpu.clone(),
+                torch.cuda.get_rng_state(device) if gpu else start.cuda,
+            )
+        )
+        yield scope
+        after_cpu = torch.get_rng_state() if cpu else None
+        after_cuda = torch.cuda.get_rng_state(device) if gpu else None
+    if after_cpu is not None:
+        scope.drew_cpu = not torch.equal(after_cpu, scope.entry.cpu)
+    if after_cuda is not None:
+        scope.drew_cuda = not torch.equal(after_cuda, scope.entry.cuda)  # type: ignore[arg-type]
+    if replay is None:
+        if after_cpu is not None:
+            stream.cpu = after_cpu
+        if after_cuda is not None:
+            stream.cuda = after_cuda

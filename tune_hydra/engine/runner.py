@@ -56,7 +56,10 @@ class ShardRuntime:
     module: nn.Sequential
     optimizer: torch.optim.Optimizer
     store: ShardStore
-    uses_rng: bool | None = None  # None: not yet seen; False: never drew in a visit
+    # Whether a visit drew from the CPU / the GPU generator (None: not seen yet). A shard
+    # that never drew skips installing that generator, and the CPU lock.
+    cpu_rng: bool | None = None
+    cuda_rng: bool | None = None
     pending_step: bool = False
     grad_norms: list[torch.Tensor] = field(default_factory=list)
 
@@ -293,13 +296,19 @@ class TaskRunner:
     ) -> Iterator[rng.RngState | None]:
         """The task's RNG stream around a shard's compute; lock-free for shards that were
         seen not to draw."""
-        if shard.uses_rng is False:
+        cpu = shard.cpu_rng is not False
+        cuda = device.type == "cuda" and shard.cuda_rng is not False
+        if not cpu and not cuda:
             yield None
             return
-        with rng.task_stream(self.rng, device, self.options.seed, replay=replay) as entry:
-            yield entry
-            if shard.uses_rng is None and replay is None:
-                shard.uses_rng = not rng.read_global(device).same_as(entry)
+        seed = self.options.seed
+        with rng.task_stream(self.rng, device, seed, replay=replay, cpu=cpu, cuda=cuda) as scope:
+            yield scope.entry
+        if replay is None:
+            if cpu and shard.cpu_rng is None:
+                shard.cpu_rng = scope.drew_cpu
+            if cuda and shard.cuda_rng is None:
+                shard.cuda_rng = scope.drew_cuda
 
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         if self._autocast_dtype is None:
