@@ -95,3 +95,27 @@ def test_user_exception_fails_alone() -> None:
     assert isinstance(cause.__cause__, KeyError)
     assert "broken_loss" in cause.original_traceback and "Original traceback" in str(cause)
     assert len(info.value.history["good"]) == 1
+
+
+def test_grouped_visits_multiplexed_over_devices() -> None:
+    def no_dropout(seed: int) -> nn.Sequential:
+        return nn.Sequential(*(m for m in mlp(seed=seed) if not isinstance(m, nn.Dropout)))
+
+    tasks = {f"t{i}": make_task(no_dropout(i), opt, n=5) for i, opt in enumerate(("sgd", "adam"))}
+    refs = {k: plain_copy(t) for k, t in tasks.items()}
+    h = th.train_models(
+        tasks,
+        devices=["cpu", "cpu"],
+        device_memory=24_000,
+        epochs=2,
+        seed=1,
+        accumulate_steps=2,
+        copy_on_cpu=True,
+        recompute=True,
+    )
+    for name, task in tasks.items():
+        assert_same_history(h[name], th.train_plain(refs[name], 2, seed=1, accumulate_steps=2))
+        assert_same_model(task.model, refs[name].model)
+    visits = [e for e in h.trace.events if e.task == "t0" and e.op == "F" and e.shard == 0]
+    assert len(visits) < 2 * (5 + 1)  # ungrouped: one visit per batch + one finding the end
+    h.trace.validate()

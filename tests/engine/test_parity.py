@@ -140,3 +140,38 @@ def test_shuffled_dataloader_order_is_the_tasks_own(budget_3_shards: int) -> Non
     want = th.train_plain(ref, 2, seed=9)
     assert_same_history(h["a"], want)
     assert_same_model(task.model, ref.model)
+
+
+def _no_dropout(seed: int = 0) -> torch.nn.Sequential:
+    return torch.nn.Sequential(*(m for m in mlp(seed=seed) if not isinstance(m, torch.nn.Dropout)))
+
+
+@pytest.mark.parametrize("k", [2, 3])
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_grouped_visits_run_a_whole_accumulation_group_per_promotion(
+    k: int, recompute: bool, clip: float | None, budget_3_shards: int
+) -> None:
+    # No shard draws randomness, so one visit may run every micro-batch of a group:
+    # gradients still accumulate in plain training's order.
+    task = make_task(_no_dropout(), "adamw", n=7)
+    ref = plain_copy(task)
+    h = th.train_models(
+        {"a": task},
+        devices=["cpu"],
+        device_memory=budget_3_shards,
+        epochs=2,
+        seed=2,
+        recompute=recompute,
+        accumulate_steps=k,
+        max_grad_norm=clip,
+        copy_on_cpu=True,
+    )
+    want = th.train_plain(ref, 2, seed=2, accumulate_steps=k, max_grad_norm=clip)
+    assert_same_history(h["a"], want)
+    assert_same_model(task.model, ref.model)
+    visits = [e for e in h.trace.events if e.op in ("F", "L") and e.shard == 0]
+    # Per epoch: batch 0 alone (whether shards draw is not known yet in epoch 0), then
+    # whole groups, then the visit that finds the data exhausted.
+    groups = -(-7 // k)
+    assert len(visits) <= 2 * (groups + 2) < 2 * (7 + 1)

@@ -37,7 +37,9 @@ class Op:
         shard: index of the shard it runs.
         iteration: the task's iteration (0-based) the operation belongs to.
         batch: index of the batch within the epoch (eval batches count separately; -1 for
-            a step flush).
+            a step flush); the first one when the op runs several.
+        count: how many consecutive micro-batches the visit runs (gradient accumulation
+            lets one promotion serve a whole group).
     """
 
     task: str
@@ -45,6 +47,8 @@ class Op:
     shard: int
     iteration: int = 0
     batch: int = -1
+    count: int = 1
 
     def __str__(self) -> str:
-        return f"{self.task}:{self.kind.value}{self.shard}[{self.batch}]"
+        span = f"{self.batch}" if self.count == 1 else f"{self.batch}:{self.batch + self.count}"
+        return f"{self.task}:{self.kind.value}{self.shard}[{span}]"

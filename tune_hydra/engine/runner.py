@@ -149,11 +149,15 @@ class TaskRunner:
         self._train_iter: Iterator[Any] | None = None
         self._eval_iter: Iterator[Any] | None = None
         self._exhausted = False
-        self._target: Any = None
-        self._inputs: dict[int, Any] = {}
-        self._rng_at: dict[int, rng.RngState] = {}
-        self._outputs: dict[int, Any] = {}
-        self._carry: Any = None  # activation (forward) or gradient (backward) in flight
+        # Per micro-batch of the visit's group (one entry unless visits are grouped):
+        self._targets: list[Any] = []
+        self._inputs: dict[int, list[Any]] = {}
+        self._rng_at: dict[int, list[rng.RngState | None]] = {}
+        self._outputs: dict[int, list[Any]] = {}
+        self._carries: list[Any] = []  # activations (forward) or gradients (backward)
+        self._carry: Any = None  # the eval batch's activation
+        self._target: Any = None  # the eval batch's target
+        self._on_gpu = False
         self._losses: list[float] = []
         self._eval_losses: list[float] = []
         self._epoch_rng = rng.RngState(self.rng.cpu.clone())
@@ -186,7 +190,8 @@ class TaskRunner:
             limit = self.options.iteration_batches
             while limit is None or done_batches < limit:
                 b = self.batch_in_epoch
-                yield Op(self.name, OpKind.LAST if n == 1 else OpKind.FORWARD, 0, it, b)
+                want = self._group_count(b, None if limit is None else limit - done_batches)
+                yield Op(self.name, OpKind.LAST if n == 1 else OpKind.FORWARD, 0, it, b, want)
                 if self._exhausted:
                     if b == 0:
                         raise EmptyDataError(
@@ -198,14 +203,15 @@ class TaskRunner:
                     if limit is not None:  # an iteration of N batches runs on into the next epoch
                         continue
                     break
+                m = len(self._carries)  # fewer than wanted at the end of the data
                 for i in range(1, n - 1):
-                    yield Op(self.name, OpKind.FORWARD, i, it, b)
+                    yield Op(self.name, OpKind.FORWARD, i, it, b, m)
                 if n > 1:
-                    yield Op(self.name, OpKind.LAST, n - 1, it, b)
+                    yield Op(self.name, OpKind.LAST, n - 1, it, b, m)
                 for i in range(n - 2, -1, -1):
-                    yield Op(self.name, OpKind.BACKWARD, i, it, b)
-                self.batch_in_epoch += 1
-                done_batches += 1
+                    yield Op(self.name, OpKind.BACKWARD, i, it, b, m)
+                self.batch_in_epoch += m
+                done_batches += m
             if self.task.eval_data is not None:
                 self._eval_losses = []
                 e = 0
@@ -220,6 +226,21 @@ class TaskRunner:
                 if s.pending_step:
                     yield Op(self.name, OpKind.STEP, s.index, it, -1)
             self._finish_iteration(epoch_ended)
+
+    def _group_count(self, b: int, left: int | None) -> int:
+        """Micro-batches the next visits run: the rest of the accumulation group when that
+        keeps plain training's order of random draws (no shard draws any), else 1."""
+        k = self.options.accumulate_steps
+        if k == 1:
+            return 1
+        rng_free = all(
+            s.cpu_rng is False and (s.cuda_rng is False or not self._on_gpu) for s in self.shards
+        )
+        # Kept graphs of a whole group would sit in GPU memory the plan did not budget for.
+        if not rng_free or (self._on_gpu and not self.options.recompute):
+            return 1
+        count = k - b % k
+        return count if left is None else max(1, min(count, left))
 
     def _end_epoch(self) -> None:
         k = self.options.accumulate_steps
@@ -258,17 +279,32 @@ class TaskRunner:
         t0 = time.perf_counter()
         if shard.pending_step:
             self._step(shard)
+        self._on_gpu = self._on_gpu or device.type == "cuda"
         if op.kind is OpKind.FORWARD or op.kind is OpKind.LAST:
-            if op.shard == 0 and not self._fetch_train():
+            if op.shard == 0 and not self._fetch_train(op.count):
                 return
-            self._forward(shard, device, last=op.kind is OpKind.LAST, batch=op.batch)
+            last = op.kind is OpKind.LAST
+            self._inputs[op.shard], self._outputs[op.shard], self._rng_at[op.shard] = [], [], []
+            for j in range(len(self._carries)):
+                self._forward(shard, device, last, op.batch + j, j)
+            if last:
+                self._targets = []
         elif op.kind is OpKind.BACKWARD:
-            self._backward_op(shard, device, op.batch)
+            for j in range(op.count):
+                self._backward_op(shard, device, op.batch + j, j)
         elif op.kind is OpKind.EVAL:
             self._eval(shard, device)
         self.device_time += time.perf_counter() - t0
 
-    def _fetch_train(self) -> bool:
+    def _fetch_train(self, count: int) -> bool:
+        """Fetch up to ``count`` batches into the group; False when none was left."""
+        self._carries, self._targets = [], []
+        for _ in range(count):
+            if not self._fetch_one():
+                break
+        return bool(self._carries)
+
+    def _fetch_one(self) -> bool:
         if self._train_iter is None:
             self._epoch_rng = rng.RngState(self.rng.cpu.clone())
             if self._skip:  # resuming mid-epoch: replay the epoch's data order, then skip
@@ -285,9 +321,11 @@ class TaskRunner:
             try:
                 batch = next(self._train_iter)
             except StopIteration:
-                self._exhausted = True
+                self._exhausted = not self._carries
                 return False
-        self._carry, self._target = _split_batch(batch, self.name)
+        x, y = _split_batch(batch, self.name)
+        self._carries.append(x)
+        self._targets.append(y)
         return True
 
     @contextlib.contextmanager
@@ -315,19 +353,21 @@ class TaskRunner:
             return contextlib.nullcontext()
         return torch.autocast(device.type, dtype=self._autocast_dtype)
 
-    def _forward(self, shard: ShardRuntime, device: torch.device, last: bool, batch: int) -> None:
+    def _forward(
+        self, shard: ShardRuntime, device: torch.device, last: bool, batch: int, j: int
+    ) -> None:
+        """Micro-batch ``j`` of the group (batch ``batch`` of the epoch) through ``shard``."""
         i = shard.index
-        x = _to(self._carry, device)
+        x = _to(self._carries[j], device)
         k = self.options.accumulate_steps
         keep_graph = last or not self.options.recompute
         inp = _detach(x, requires_grad=i > 0 and keep_graph)
         with self._stream(shard, device) as entry:
-            if entry is not None:
-                self._rng_at[i] = entry
+            self._rng_at[i].append(entry)
             with torch.set_grad_enabled(keep_graph), self._autocast(device):
                 out = shard.module(inp)
                 if last:
-                    loss = self.task.loss_fn(out, _to(self._target, device))
+                    loss = self.task.loss_fn(out, _to(self._targets[j], device))
         if last:
             value = float(loss.detach().item())
             if not math.isfinite(value):
@@ -336,23 +376,24 @@ class TaskRunner:
             if batch % k == 0:
                 shard.optimizer.zero_grad()
             (loss / k).backward()
-            self._carry = _grads_of(inp) if i > 0 else None
+            self._carries[j] = _grads_of(inp) if i > 0 else None
             self._after_backward(shard, batch)
-            self._target = None
             return
-        self._inputs[i] = inp if keep_graph else _to(inp, torch.device("cpu"))
+        self._inputs[i].append(inp if keep_graph else _to(inp, torch.device("cpu")))
         if keep_graph:
-            self._outputs[i] = out
+            self._outputs[i].append(out)
             out = _detach(out, requires_grad=False)
-        self._carry = out
+        self._carries[j] = out
 
-    def _backward_op(self, shard: ShardRuntime, device: torch.device, batch: int) -> None:
+    def _backward_op(self, shard: ShardRuntime, device: torch.device, batch: int, j: int) -> None:
+        """Micro-batch ``j``'s backward through ``shard``; micro-batches go in order, so
+        gradients accumulate in plain training's order."""
         i = shard.index
-        grad_out = _to(self._carry, device)
+        grad_out = _to(self._carries[j], device)
         if batch % self.options.accumulate_steps == 0:
             shard.optimizer.zero_grad()
         if self.options.recompute:
-            inp = _detach(_to(self._inputs.pop(i), device), requires_grad=i > 0)
+            inp = _detach(_to(self._inputs[i][j], device), requires_grad=i > 0)
             # The forward already updated buffers (BatchNorm statistics) once: recompute
             # on throwaway copies, then put the real buffers back.
             slots = shard.store.buffer_slots
@@ -360,7 +401,7 @@ class TaskRunner:
             for (mod, name), b in zip(slots, real, strict=True):
                 mod._buffers[name] = b.clone()  # type: ignore[union-attr]
             try:
-                replay = self._rng_at.pop(i, None)
+                replay = self._rng_at[i][j]
                 with (
                     self._stream(shard, device, replay=replay),
                     torch.enable_grad(),
@@ -371,10 +412,13 @@ class TaskRunner:
                 for (mod, name), b in zip(slots, real, strict=True):
                     mod._buffers[name] = b
         else:
-            inp, out = self._inputs.pop(i), self._outputs.pop(i)
+            inp, out = self._inputs[i][j], self._outputs[i][j]
         _backward(out, grad_out)
-        self._carry = _grads_of(inp) if i > 0 else None
+        self._carries[j] = _grads_of(inp) if i > 0 else None
         self._after_backward(shard, batch)
+        if j == len(self._carries) - 1:  # the group's last: free its saved tensors
+            for store in (self._inputs, self._outputs, self._rng_at):
+                store.pop(i, None)
 
     def _after_backward(self, shard: ShardRuntime, batch: int) -> None:
         clip = self.options.max_grad_norm is not None
