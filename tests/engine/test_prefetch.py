@@ -42,6 +42,8 @@ def test_copies_overlap_other_tasks_compute_and_memory_stays_in_budget() -> None
     )
     assert overlapped >= len(copies) // 2, (overlapped, len(copies))
     h.trace.validate()
+    spilled = sum(e.bytes_moved for e in copies if e.task == "t0")
+    assert h["t0"][0]["bytes_spilled"] >= spilled > 0  # copy_in traced; copy_out counted too
     plan = h.plans["t0"]
     assert len(plan) >= 3
     peak_state = h.summary["devices"]["cpu"]["peak_resident_bytes"]

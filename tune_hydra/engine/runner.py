@@ -143,7 +143,6 @@ class TaskRunner:
         self.granted = 0
         self.history: list[dict[str, Any]] = []
         self.device_time = 0.0
-        self.bytes_moved = 0
         self._autocast_dtype = torch.bfloat16 if options.precision == "bf16" else None
         # Per-batch state.
         self._train_iter: Iterator[Any] | None = None
@@ -174,10 +173,6 @@ class TaskRunner:
         self.current = next(self._gen)
         return self.current
 
-    @property
-    def finished(self) -> bool:
-        return self.current is None and self.granted == 0
-
     def _life(self) -> Generator[Op | None, None, None]:
         n = len(self.shards)
         while True:
@@ -186,7 +181,6 @@ class TaskRunner:
             it = self.iteration
             self._losses = []
             done_batches = 0
-            epoch_ended = False
             limit = self.options.iteration_batches
             while limit is None or done_batches < limit:
                 b = self.batch_in_epoch
@@ -198,7 +192,6 @@ class TaskRunner:
                             f"task {self.name!r}: train_data yielded no batch in epoch "
                             f"{self.epoch}; give it at least one (inputs, targets) pair"
                         )
-                    epoch_ended = True
                     self._end_epoch()
                     if limit is not None:  # an iteration of N batches runs on into the next epoch
                         continue
@@ -225,7 +218,7 @@ class TaskRunner:
             for s in self.shards:
                 if s.pending_step:
                     yield Op(self.name, OpKind.STEP, s.index, it, -1)
-            self._finish_iteration(epoch_ended)
+            self._finish_iteration()
 
     def _group_count(self, b: int, left: int | None) -> int:
         """Micro-batches the next visits run: the rest of the accumulation group when that
@@ -251,7 +244,7 @@ class TaskRunner:
         self.epoch += 1
         self.batch_in_epoch = 0
 
-    def _finish_iteration(self, epoch_ended: bool) -> None:
+    def _finish_iteration(self) -> None:
         result: dict[str, Any] = {
             "loss": sum(self._losses) / len(self._losses) if self._losses else math.nan,
             "num_shards": len(self.shards),
@@ -259,7 +252,7 @@ class TaskRunner:
             "epoch": self.epoch,
             "batches": len(self._losses),
             "device_time_s": self.device_time,
-            "bytes_spilled": self.bytes_moved,
+            "bytes_spilled": sum(s.store.moved_total for s in self.shards),
         }
         if self.task.eval_data is not None:
             if not self._eval_losses:

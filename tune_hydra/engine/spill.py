@@ -64,6 +64,7 @@ class ShardStore:
         # the device alone cannot tell two workers apart.
         self.owner: object = None
         self.last_nbytes = 0  # nbytes() at the last promotion
+        self.moved_total = 0  # bytes copied host<->device over the store's life
         self._host: dict[tuple[Any, ...], torch.Tensor] = {}
         self._event: Any = None  # CUDA event after the last demote (host buffers valid)
         self.copied = False  # the live tensors are device copies of the host buffers
@@ -175,6 +176,7 @@ class ShardStore:
                 self._set(key, dev)
         self.device = device
         self.copied = True
+        self.moved_total += moved
         return moved
 
     def demote(self, stream: Any = None, *, only_owner: object = None) -> int:
@@ -213,6 +215,7 @@ class ShardStore:
                 self._event.record(stream)
         self.device = torch.device("cpu")
         self.copied = False
+        self.moved_total += moved
         return moved
 
     def synchronize(self) -> None:
