@@ -265,9 +265,15 @@ class Check:
     def _plain(self, model: nn.Module) -> float:
         """Plain PyTorch bf16-autocast training on the device; tokens/s after batch 0."""
         model.to(self.device)
+        tps = self._timed_loop(model, self.data)
+        model.to("cpu")
+        return tps
+
+    def _timed_loop(self, model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+        """Train ``model`` plainly over ``data`` (bf16 autocast); tokens/s after batch 0."""
         opt = adamw(list(model.parameters()))
         stamps = []
-        for x, y in self.data:
+        for x, y in data:
             with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
                 loss = lm_loss(model(x.to(self.device)), y.to(self.device))
             opt.zero_grad()
@@ -276,7 +282,6 @@ class Check:
             if self.gpu:
                 torch.cuda.synchronize()
             stamps.append(time.perf_counter())
-        model.to("cpu")
         return (len(stamps) - 1) * self.tokens / (stamps[-1] - stamps[0])
 
     def accelerate(self) -> None:
@@ -288,18 +293,7 @@ class Check:
             return
         model = make_gpt(self.cfg, self.cfg.layers)
         cpu_offload(model, execution_device=torch.device(self.device))
-        opt = adamw(list(model.parameters()))
-        stamps = []
-        for x, y in self.data[:3]:
-            with torch.autocast(torch.device(self.device).type, dtype=torch.bfloat16):
-                loss = lm_loss(model(x.to(self.device)), y.to(self.device))
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            if self.gpu:
-                torch.cuda.synchronize()
-            stamps.append(time.perf_counter())
-        tps = (len(stamps) - 1) * self.tokens / (stamps[-1] - stamps[0])
+        tps = self._timed_loop(model, self.data[:3])
         self.results["accelerate_tokens_s"] = tps
         if "spilled_tokens_s" in self.results:
             self.results["spilled_over_accelerate"] = self.results["spilled_tokens_s"] / tps
