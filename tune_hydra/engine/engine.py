@@ -58,21 +58,31 @@ class _Entry:
     ready_since: float = 0.0
     op_time: dict[tuple[str, int], float] = field(default_factory=dict)
     batches_per_iter: float = 0.0
-    per_batch_s: float | None = None  # cached sum of op-time estimates; None = stale
+    # Running sum of the per-batch ops' estimates, so remaining_s is O(1) per candidate.
+    known_sum: float = 0.0
+    known_n: int = 0
+
+    def record(self, kind: str, shard: int, seconds: float) -> None:
+        """Fold one measured op duration (per micro-batch) into the estimates."""
+        key = (kind, shard)
+        old = self.op_time.get(key)
+        new = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        self.op_time[key] = new
+        if kind in _BATCH_KINDS:
+            self.known_sum += new - (0.0 if old is None else old)
+            self.known_n += old is None
 
     def remaining_s(self) -> float:
-        if self.per_batch_s is None:
-            n = len(self.plan)
-            known = list(self.op_time.values())
-            fallback = sum(known) / len(known) if known else 1.0
-            kinds = [("F", i) for i in range(n - 1)] + [("L", n - 1)]
-            kinds += [("B", i) for i in range(n - 1)]
-            self.per_batch_s = sum(self.op_time.get(k, fallback) for k in kinds)
-        per_batch = self.per_batch_s
+        kinds = 2 * len(self.plan) - 1  # F and B per shard but the last, one L
+        fallback = self.known_sum / self.known_n if self.known_n else 1.0
+        per_batch = self.known_sum + (kinds - self.known_n) * fallback
         iters = self.runner.granted + self.hint
         per_iter = self.batches_per_iter or 1.0
         done = self.runner.batch_in_epoch if self.options.iteration_batches is None else 0
         return per_batch * max(iters * per_iter - done, 1.0)
+
+
+_BATCH_KINDS = frozenset(("F", "L", "B"))
 
 
 class Engine:
@@ -154,6 +164,7 @@ class Engine:
             )
             for i, d in enumerate(self.devices)
         ]
+        self._max_depth = max(w.depth for w in self.workers)
         self._cv = threading.Condition(threading.RLock())
         self._tasks: dict[str, _Entry] = {}
         self._order = 0
@@ -431,11 +442,7 @@ class Engine:
                 worker.assigned.remove(a)
             entry.assigned = None
             if err is None:
-                key = (a.op.kind.value, a.op.shard)
-                old = entry.op_time.get(key)
-                d = a.duration
-                entry.op_time[key] = d if old is None else (1 - _EMA) * old + _EMA * d
-                entry.per_batch_s = None
+                entry.record(a.op.kind.value, a.op.shard, a.duration / max(1, a.op.count))
             if err is not None:
                 self._fail(entry, err)
             elif entry.cancelled:
@@ -443,12 +450,16 @@ class Engine:
             else:
                 self._advance(entry)
                 entry.ready_since = self.clock()
+            wake = err is not None or entry.cancelled or self._closed
             if not self._closed and self._broken is None:
                 # Dispatch right here instead of waking the dispatcher thread: one thread
                 # hand-off less per operation. A policy error resurfaces in _loop.
-                with contextlib.suppress(Exception):
+                try:
                     self._dispatch()
-            self._cv.notify_all()
+                except Exception:
+                    wake = True
+            if wake:  # waking the dispatcher on every op would contend for the GIL
+                self._cv.notify_all()
 
     def _loop(self) -> None:
         try:
@@ -471,7 +482,7 @@ class Engine:
 
     def _dispatch(self) -> None:
         # Idle devices first; only then queue a second (prefetched) op on busy ones.
-        for level in range(1, max(w.depth for w in self.workers) + 1):
+        for level in range(1, self._max_depth + 1):
             for w in self.workers:
                 if len(w.assigned) < min(level, w.depth) and not self._fill(w):
                     return

@@ -93,6 +93,10 @@ def _grads_of(inputs: Any) -> Any:
 
 
 def _backward(outputs: Any, grads: Any) -> None:
+    if isinstance(outputs, torch.Tensor):  # the common case, without pytree's cost
+        if outputs.requires_grad and isinstance(grads, torch.Tensor):
+            torch.autograd.backward(outputs, grads)
+        return
     outs, _ = tree_flatten(outputs)
     gs, _ = tree_flatten(grads)
     pairs = [
@@ -321,17 +325,26 @@ class TaskRunner:
         self._targets.append(y)
         return True
 
-    @contextlib.contextmanager
     def _stream(
         self, shard: ShardRuntime, device: torch.device, replay: rng.RngState | None = None
-    ) -> Iterator[rng.RngState | None]:
-        """The task's RNG stream around a shard's compute; lock-free for shards that were
-        seen not to draw."""
+    ) -> contextlib.AbstractContextManager[rng.RngState | None]:
+        """The task's RNG stream around a shard's compute; nothing at all (no lock) for
+        shards that were seen not to draw."""
         cpu = shard.cpu_rng is not False
         cuda = device.type == "cuda" and shard.cuda_rng is not False
         if not cpu and not cuda:
-            yield None
-            return
+            return _NULL
+        return self._installed_stream(shard, device, replay, cpu, cuda)
+
+    @contextlib.contextmanager
+    def _installed_stream(
+        self,
+        shard: ShardRuntime,
+        device: torch.device,
+        replay: rng.RngState | None,
+        cpu: bool,
+        cuda: bool,
+    ) -> Iterator[rng.RngState | None]:
         seed = self.options.seed
         with rng.task_stream(self.rng, device, seed, replay=replay, cpu=cpu, cuda=cuda) as scope:
             yield scope.entry
@@ -343,7 +356,7 @@ class TaskRunner:
 
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         if self._autocast_dtype is None:
-            return contextlib.nullcontext()
+            return _NULL
         return torch.autocast(device.type, dtype=self._autocast_dtype)
 
     def _forward(
@@ -357,7 +370,9 @@ class TaskRunner:
         inp = _detach(x, requires_grad=i > 0 and keep_graph)
         with self._stream(shard, device) as entry:
             self._rng_at[i].append(entry)
-            with torch.set_grad_enabled(keep_graph), self._autocast(device):
+            same = keep_graph == torch.is_grad_enabled()
+            grad_mode = _NULL if same else torch.set_grad_enabled(keep_graph)
+            with grad_mode, self._autocast(device):
                 out = shard.module(inp)
                 if last:
                     loss = self.task.loss_fn(out, _to(self._targets[j], device))
@@ -515,6 +530,9 @@ class TaskRunner:
         self.batch_in_epoch = state["batch_in_epoch"]
         self._skip = self.batch_in_epoch
         self._resume_epoch_rng = rng.RngState(state["epoch_rng"].clone())
+
+
+_NULL = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -14,7 +14,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,13 +28,14 @@ _POLL_S = 0.2  # every blocking wait wakes up this often to notice a close
 
 @dataclass
 class Assignment:
-    """An operation handed to a worker; ``ready`` is set once its shard is resident."""
+    """An operation handed to a worker; ``ready`` (only when a copy thread promotes the
+    shard) is set once its shard is resident."""
 
     op: Op
     store: ShardStore
     run: Callable[[torch.device], None]
     done: Callable[[Assignment, BaseException | None], None]
-    ready: threading.Event = field(default_factory=threading.Event)
+    ready: threading.Event | None = None
     copy_error: BaseException | None = None
     event: Any = None  # CUDA event after the promotion
     moved: int = 0
@@ -70,8 +71,8 @@ class DeviceWorker:
         self.peak_resident_bytes = 0  # shard state held on the device at once, at most
         self.last_error: BaseException | None = None
         self._lock = threading.Lock()
-        self._copy_q: queue.Queue[Assignment | None] = queue.Queue()
-        self._run_q: queue.Queue[Assignment | None] = queue.Queue()
+        self._copy_q: queue.SimpleQueue[Assignment | None] = queue.SimpleQueue()
+        self._run_q: queue.SimpleQueue[Assignment | None] = queue.SimpleQueue()
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
         self.compute_stream = torch.cuda.Stream(device) if cuda else None
@@ -93,6 +94,7 @@ class DeviceWorker:
         """Queue ``a`` (called by the dispatcher, under its lock)."""
         self.assigned.append(a)
         if self.copy:
+            a.ready = threading.Event()
             self._copy_q.put(a)
         else:  # nothing to copy (a CPU device uses host memory in place): no hand-off
             a.store.promote(self.device, None, copy=False, owner=self)
@@ -101,7 +103,6 @@ class DeviceWorker:
                 self.resident.move_to_end(id(a.store))
                 while len(self.resident) > self.depth:
                     self.resident.popitem(last=False)
-            a.ready.set()
         self._run_q.put(a)
 
     def release(self, store: ShardStore) -> None:
@@ -160,6 +161,7 @@ class DeviceWorker:
                     self.peak_resident_bytes = max(self.peak_resident_bytes, held)
             except BaseException as err:  # reported through the op
                 a.copy_error = err
+            assert a.ready is not None
             a.ready.set()
 
     def _make_room(self, incoming: ShardStore) -> None:
@@ -183,8 +185,9 @@ class DeviceWorker:
             a = self._run_q.get()
             if a is None:
                 return
-            while not a.ready.wait(_POLL_S):
-                pass
+            if a.ready is not None:
+                while not a.ready.wait(_POLL_S):
+                    pass
             err = a.copy_error
             t0 = self.clock()
             if err is None:
