@@ -7,7 +7,6 @@ of epochs; the Ray Tune front end drives it one iteration per trial step.
 from __future__ import annotations
 
 import concurrent.futures
-import contextlib
 import threading
 import traceback
 from dataclasses import dataclass, field
