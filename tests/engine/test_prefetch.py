@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+from collections.abc import Sequence
 
 import torch
 from torch import nn
 
 import tune_hydra as th
+from tune_hydra.engine.policies import Candidate, LRTFPolicy
 
 
 def _task(seed: int) -> th.ModelTask:
@@ -69,3 +72,52 @@ def test_trace_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert 0 < h.trace.utilization()["cpu"] <= 1.0
     assert "t0" in h.trace.table(limit=5) or "t1" in h.trace.table(limit=5)
+
+
+def test_no_second_slot_without_copies() -> None:
+    """A CPU device that copies nothing has nothing to prefetch: one op queued at a time."""
+    from tune_hydra.engine.trace import Trace
+    from tune_hydra.engine.workers import DeviceWorker, default_clock
+
+    cpu = torch.device("cpu")
+    kinds = {"copy": True, "no copy": False}
+    workers = {
+        name: DeviceWorker(0, cpu, name, Trace([name]), default_clock(), prefetch=True, copy=c)
+        for name, c in kinds.items()
+    }
+    try:
+        assert workers["copy"].depth == 2
+        assert workers["no copy"].depth == 1
+    finally:
+        for w in workers.values():
+            w.close()
+            w.join(5.0)
+
+
+class _Recorder(LRTFPolicy):
+    def __init__(self, affinity: float = 0.05) -> None:
+        super().__init__(affinity)
+        self.offers: list[tuple[str, dict[str, bool]]] = []
+        self.last = ""
+
+    def choose(self, device: int, candidates: Sequence[Candidate]) -> Candidate | None:
+        self.offers.append((self.last, {c.op.task: c.resident for c in candidates}))
+        pick = super().choose(device, candidates)
+        assert pick is not None
+        self.last = pick.op.task
+        return pick
+
+
+def test_cpu_affinity_is_the_task_that_ran_last_on_the_device() -> None:
+    """Without copies, `resident` means the task's previous op ran on that device (its
+    activations are in that core's caches), so LRTF keeps a device on one task while the
+    remaining times are close instead of alternating every op."""
+    policy = _Recorder(affinity=0.5)
+    tasks = {f"t{i}": _task(i) for i in range(2)}
+    h = th.train_models(tasks, devices=["cpu"], epochs=2, seed=0, policy=policy)
+    both = [(last, res) for last, res in policy.offers if len(res) == 2 and last]
+    assert both
+    assert all(res[last] and not any(v for k, v in res.items() if k != last) for last, res in both)
+    order = [e.task for e in sorted(h.trace.events, key=lambda e: e.start) if e.is_compute]
+    switches = sum(a != b for a, b in itertools.pairwise(order))
+    assert switches < len(order) // 2, order

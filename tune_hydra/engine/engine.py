@@ -71,9 +71,11 @@ class _Entry:
             self.known_sum += new - (0.0 if old is None else old)
             self.known_n += old is None
 
-    def remaining_s(self) -> float:
+    def remaining_s(self, default_op_s: float = 1.0) -> float:
+        """Estimated seconds of work left; ops not measured yet count as the task's mean
+        measured op, or ``default_op_s`` (the engine-wide mean) before the first."""
         kinds = 2 * len(self.plan) - 1  # F and B per shard but the last, one L
-        fallback = self.known_sum / self.known_n if self.known_n else 1.0
+        fallback = self.known_sum / self.known_n if self.known_n else default_op_s
         per_batch = self.known_sum + (kinds - self.known_n) * fallback
         iters = self.runner.granted + self.hint
         per_iter = self.batches_per_iter or 1.0
@@ -164,6 +166,8 @@ class Engine:
             for i, d in enumerate(self.devices)
         ]
         self._max_depth = max(w.depth for w in self.workers)
+        self._op_sum = 0.0  # all measured op durations, for unmeasured tasks' estimates
+        self._op_n = 0
         self._cv = threading.Condition(threading.RLock())
         self._tasks: dict[str, _Entry] = {}
         self._order = 0
@@ -440,8 +444,13 @@ class Engine:
             if worker is not None and a in worker.assigned:
                 worker.assigned.remove(a)
             entry.assigned = None
+            if worker is not None:
+                worker.last_task = entry.name
             if err is None:
-                entry.record(a.op.kind.value, a.op.shard, a.duration / max(1, a.op.count))
+                per_batch = a.duration / max(1, a.op.count)
+                entry.record(a.op.kind.value, a.op.shard, per_batch)
+                self._op_sum += per_batch
+                self._op_n += 1
             if err is not None:
                 self._fail(entry, err)
             elif entry.cancelled:
@@ -489,14 +498,19 @@ class Engine:
     def _fill(self, w: DeviceWorker) -> bool:
         """Give ``w`` one op if the policy picks one; False when no task is ready at all."""
         cands = []
+        # A task not measured yet is estimated like the average task so far (not as
+        # "infinitely long", which would make LRTF alternate on cold estimates).
+        default_op_s = self._op_sum / self._op_n if self._op_n else 1.0
         for e in self._tasks.values():
             op = e.runner.current
             if e.assigned is None and e.error is None and not e.cancelled and op is not None:
                 cands.append(
                     Candidate(
                         op=op,
-                        remaining_s=e.remaining_s(),
-                        resident=w.holds(e.runner.shards[op.shard].store),
+                        remaining_s=e.remaining_s(default_op_s),
+                        resident=w.holds(e.runner.shards[op.shard].store)
+                        if w.copy
+                        else w.last_task == e.name,
                         ready_since=e.ready_since,
                         order=e.order,
                     )

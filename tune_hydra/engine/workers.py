@@ -62,12 +62,17 @@ class DeviceWorker:
         self.label = label
         self.trace = trace
         self.clock = clock
-        self.depth = 2 if prefetch else 1
         self.copy = copy or device.type == "cuda"
+        # Double buffering overlaps a copy with compute; with nothing to copy a second
+        # queued op would only force tasks to alternate (and lose their warm caches).
+        self.depth = 2 if prefetch and self.copy else 1
         self.intra_threads = intra_threads
         self.resident: collections.OrderedDict[int, ShardStore] = collections.OrderedDict()
         self.assigned: collections.deque[Assignment] = collections.deque()
         self.busy_s = 0.0
+        # The task whose op ran here last: without copies its activations are what this
+        # core's caches hold, the CPU's notion of "resident" (set by the engine).
+        self.last_task: str | None = None
         self.peak_resident_bytes = 0  # shard state held on the device at once, at most
         self.last_error: BaseException | None = None
         self._lock = threading.Lock()
