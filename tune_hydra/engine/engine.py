@@ -441,11 +441,14 @@ class Engine:
     def _on_done(self, entry: _Entry, a: Assignment, err: BaseException | None) -> None:
         with self._cv:
             worker = entry.assigned
-            if worker is not None and a in worker.assigned:
-                worker.assigned.remove(a)
-            entry.assigned = None
             if worker is not None:
+                queued = worker.assigned
+                if queued and queued[0] is a:  # ops finish in the order they were queued
+                    queued.popleft()
+                elif a in queued:
+                    queued.remove(a)
                 worker.last_task = entry.name
+            entry.assigned = None
             if err is None:
                 per_batch = a.duration / max(1, a.op.count)
                 entry.record(a.op.kind.value, a.op.shard, per_batch)
@@ -501,18 +504,20 @@ class Engine:
         # A task not measured yet is estimated like the average task so far (not as
         # "infinitely long", which would make LRTF alternate on cold estimates).
         default_op_s = self._op_sum / self._op_n if self._op_n else 1.0
+        entries = []
         for e in self._tasks.values():
             op = e.runner.current
             if e.assigned is None and e.error is None and not e.cancelled and op is not None:
+                entries.append(e)
                 cands.append(
                     Candidate(
-                        op=op,
-                        remaining_s=e.remaining_s(default_op_s),
-                        resident=w.holds(e.runner.shards[op.shard].store)
+                        op,
+                        e.remaining_s(default_op_s),
+                        w.holds(e.runner.shards[op.shard].store)
                         if w.copy
                         else w.last_task == e.name,
-                        ready_since=e.ready_since,
-                        order=e.order,
+                        e.ready_since,
+                        e.order,
                     )
                 )
         if not cands:
@@ -520,14 +525,15 @@ class Engine:
         pick = self.policy.choose(w.index, cands)
         if pick is None:
             return True
-        if not any(pick is c for c in cands):
-            raise ScheduleError(
-                f"policy {self.policy!r} returned {pick!r}, which is not one of the ready "
-                f"operations offered ({', '.join(str(c.op) for c in cands)}); choose() must "
-                f"return one of its candidates or None"
-            )
-        self._assign(w, self._tasks[pick.op.task], pick.op)
-        return True
+        for c, e in zip(cands, entries, strict=True):
+            if c is pick:
+                self._assign(w, e, pick.op)
+                return True
+        raise ScheduleError(
+            f"policy {self.policy!r} returned {pick!r}, which is not one of the ready "
+            f"operations offered ({', '.join(str(c.op) for c in cands)}); choose() must "
+            f"return one of its candidates or None"
+        )
 
     def _assign(self, w: DeviceWorker, entry: _Entry, op: Op) -> None:
         store = entry.runner.shards[op.shard].store

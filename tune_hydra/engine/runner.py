@@ -70,7 +70,7 @@ class ShardRuntime:
 
 def _to(obj: Any, device: torch.device) -> Any:
     if isinstance(obj, torch.Tensor):
-        return obj.to(device)
+        return obj if obj.device == device else obj.to(device)
     return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
 
 
@@ -377,13 +377,14 @@ class TaskRunner:
                 if last:
                     loss = self.task.loss_fn(out, _to(self._targets[j], device))
         if last:
-            value = float(loss.detach().item())
+            value = float(loss.item())
             if not math.isfinite(value):
                 raise NonFiniteLossError(self.name, self.epoch, batch, value)
             self._losses.append(value)
             if batch % k == 0:
                 shard.optimizer.zero_grad()
-            (loss / k).backward()
+            # loss / 1 is loss bit for bit; skipping it saves an op and an autograd node
+            (loss / k if k > 1 else loss).backward()
             self._carries[j] = _grads_of(inp) if i > 0 else None
             self._after_backward(shard, batch)
             return
