@@ -18,9 +18,15 @@ devices: one thread each). Models have no dropout (dropout shards serialize on t
 lock by design). Speed-ups are ratios of median wall times; "of ceiling" is the
 multiplexed speed-up over model parallelism divided by the measured ceiling (goal >= 90%).
 
+With ``--breakdown`` two more ways run in the same rounds: plain training of the 4 tasks
+on 2 Python worker threads (2 tasks each, 1 intra-op thread: what multiplexing on 2
+single-threaded devices could reach at best) and the same with each model cut at the
+engine's shard boundaries by hand (what cutting costs without the engine).
+
 Run::
 
-    python benchmarks/multiplex.py           # about 1-2 minutes
+    python benchmarks/multiplex.py               # about 1-2 minutes
+    python benchmarks/multiplex.py --breakdown   # plus the two ways above
     python benchmarks/multiplex.py --quick   # a few seconds (used by the tests)
 """
 
@@ -41,6 +47,8 @@ from common import budget_for, make_data, make_mlp  # benchmarks/common.py
 from torch import nn
 
 import tune_hydra as th
+from tune_hydra.engine.partition import layer_costs, plan_shards
+from tune_hydra.engine.task import model_layers
 
 LRS = (1e-3, 5e-4, 2e-4, 1e-4)
 
@@ -111,6 +119,8 @@ class Bench:
         )
         self.threads = torch.get_num_threads()
         self.last: dict[str, th.History] = {}
+        costs = layer_costs(model_layers(self.templates[0]), _adam(1e-3), self.data[0][0][0])
+        self.ranges = [(s.start, s.stop) for s in plan_shards(costs, self.budget).shards]
 
     def tasks(self) -> dict[str, th.ModelTask]:
         return {
@@ -149,8 +159,54 @@ class Bench:
         finally:
             torch.set_num_threads(self.threads)
 
+    def two_workers(self, train: Callable[[th.ModelTask], None]) -> float:
+        """The 4 tasks on 2 Python threads (1 intra-op thread each), 2 tasks per thread,
+        each thread training its tasks one after another with ``train``."""
+        tasks = list(self.tasks().values())
 
-def run(cfg: Config) -> dict[str, Any]:
+        def worker(mine: list[th.ModelTask]) -> None:
+            torch.set_num_threads(1)
+            for task in mine:
+                train(task)
+
+        threads = [threading.Thread(target=worker, args=(tasks[i::2],)) for i in range(2)]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        torch.set_num_threads(self.threads)
+        return time.perf_counter() - t0
+
+    def by_hand(self, task: th.ModelTask) -> None:
+        """One epoch of the task cut at the engine's shard boundaries, without the engine:
+        a shard's input detached, one optimizer per shard, one autograd call per shard."""
+        layers = [m for _, m in model_layers(task.model)]  # type: ignore[arg-type]
+        shards = [nn.Sequential(*layers[a:b]) for a, b in self.ranges]
+        opts = [task.optimizer(list(s.parameters())) for s in shards]
+        for x, y in task.train_data:  # type: ignore[attr-defined]
+            ins, outs = [], []
+            for i, shard in enumerate(shards[:-1]):
+                inp = x.detach().requires_grad_(i > 0)
+                out = shard(inp)
+                ins.append(inp)
+                outs.append(out)
+                x = out.detach()
+            inp = x.detach().requires_grad_()
+            loss = task.loss_fn(shards[-1](inp), y)
+            loss.item()
+            opts[-1].zero_grad()
+            loss.backward()
+            opts[-1].step()
+            grad = inp.grad
+            for i in range(len(shards) - 2, -1, -1):
+                opts[i].zero_grad()
+                torch.autograd.backward(outs[i], grad)
+                grad = ins[i].grad
+                opts[i].step()
+
+
+def run(cfg: Config, breakdown: bool = False) -> dict[str, Any]:
     """Run the benchmark; prints a table and returns the figures."""
     bench = Bench(cfg)
     default_threads = bench.threads
@@ -160,6 +216,11 @@ def run(cfg: Config) -> dict[str, Any]:
         f"plain, all cores ({default_threads} thr)": lambda: bench.plain(default_threads),
         "plain, 1 thread": lambda: bench.plain(1),
     }
+    if breakdown:  # what multiplexing could reach with 2 worker threads, with and without shards
+        ways["plain, 2 worker threads"] = lambda: bench.two_workers(
+            lambda t: th.train_plain(t, 1, seed=0)
+        )
+        ways["shards by hand, 2 threads"] = lambda: bench.two_workers(bench.by_hand)
     for fn in ways.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {k: [] for k in ways}
@@ -225,6 +286,11 @@ def run(cfg: Config) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny sizes, for the tests")
+    parser.add_argument(
+        "--breakdown",
+        action="store_true",
+        help="also time plain training and hand-cut shards on 2 worker threads",
+    )
     parser.add_argument("--rounds", type=int, default=None)
     parser.add_argument("--batches", type=int, default=None)
     parser.add_argument("--width", type=int, default=None)
@@ -233,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("rounds", "batches", "width"):
         if getattr(args, name) is not None:
             setattr(cfg, name, getattr(args, name))
-    run(cfg)
+    run(cfg, breakdown=args.breakdown)
     return 0
 
 
