@@ -38,8 +38,10 @@ def test_overhead_quick() -> None:
 
 
 def test_multiplex_quick() -> None:
-    out = _run("multiplex.py", "--quick")
+    out = _run("multiplex.py", "--quick", "--breakdown")
     for text in (
+        "plain, 2 worker threads",
+        "shards by hand, 2 threads",
         "model parallel",
         "multiplexed",
         "plain, all cores",
