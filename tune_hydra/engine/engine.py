@@ -96,7 +96,8 @@ class Engine:
         device_memory: per-device budget (bytes, or ``"512MiB"``); ``None`` is the whole
             device (on the CPU: no limit, one shard).
         policy: ``"lrtf"`` (default), ``"fifo"``, ``"round_robin"`` or a ``BasePolicy``.
-        prefetch: double-buffer: promote the next assigned shard while one computes.
+        prefetch: double-buffer: promote the next assigned shard while one computes (on
+            devices that copy; a CPU device that copies nothing queues one op at a time).
         recompute: re-run forward in backward instead of keeping activations; default
             ``True`` on GPUs (activations would occupy device memory) and ``False`` on the
             CPU (where the "device" is host memory and recomputing only costs time).

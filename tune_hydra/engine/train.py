@@ -59,7 +59,8 @@ def train_models(
         accumulate_steps: gradient accumulation over this many batches.
         precision: ``None`` / ``"fp32"`` or ``"bf16"`` (autocast).
         policy: ``"lrtf"``, ``"fifo"``, ``"round_robin"`` or a ``BasePolicy`` instance.
-        prefetch: promote the next shard while the current one computes.
+        prefetch: promote the next shard while the current one computes (where shard
+            state is copied: GPUs, or ``copy_on_cpu``).
         recompute: see :class:`~tune_hydra.engine.Engine`.
         copy_on_cpu: really copy shard state on CPU devices (tests the spill path).
         max_layers_per_shard: cut finer than the budget requires.

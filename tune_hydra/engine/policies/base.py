@@ -17,8 +17,11 @@ class Candidate:
         op: the operation.
         remaining_s: estimated seconds of work the task still has (measured shard times x
             operations left, including iterations announced with ``set_remaining``).
-        resident: the operation's shard state is already on the device being filled, so
-            running it there moves no bytes.
+        resident: running the operation on the device being filled is cheaper than
+            elsewhere: on a device that copies shard state (a GPU, or ``copy_on_cpu``),
+            the shard is already there, so nothing moves; on a CPU device that copies
+            nothing, the task is the one that ran there last, so its activations and
+            state are still in that core's caches.
         ready_since: engine-clock seconds since the operation became ready.
         order: the task's registration order (0, 1, ...), for stable tie-breaking.
     """
