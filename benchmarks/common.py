@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -53,3 +54,34 @@ def budget_for(
         if n >= min_shards:
             return budget, n
     raise ValueError(f"no budget cuts this model into {min_shards} shards; make it deeper")
+
+
+def train_by_hand(
+    shards: list[nn.Module],
+    optimizers: list[torch.optim.Optimizer],
+    loss_fn: Callable[[Any, Any], torch.Tensor],
+    data: Iterable[Batch],
+) -> None:
+    """One epoch of a model cut into ``shards``, without the engine: the torch calls the
+    engine's runner makes on the CPU (each shard's input detached, one autograd call and
+    one ``zero_grad`` + ``step`` of that shard's optimizer per shard backward)."""
+    for x, y in data:
+        ins, outs = [], []
+        for i, shard in enumerate(shards[:-1]):
+            inp = x.detach().requires_grad_(i > 0)
+            out = shard(inp)
+            ins.append(inp)
+            outs.append(out)
+            x = out.detach()
+        inp = x.detach().requires_grad_()
+        loss = loss_fn(shards[-1](inp), y)
+        loss.item()
+        optimizers[-1].zero_grad()
+        loss.backward()
+        optimizers[-1].step()
+        grad = inp.grad
+        for i in range(len(shards) - 2, -1, -1):
+            optimizers[i].zero_grad()
+            torch.autograd.backward(outs[i], grad)
+            grad = ins[i].grad
+            optimizers[i].step()

@@ -43,7 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from common import budget_for, make_data, make_mlp  # benchmarks/common.py
+from common import budget_for, make_data, make_mlp, train_by_hand  # benchmarks/common.py
 from torch import nn
 
 import tune_hydra as th
@@ -184,26 +184,7 @@ class Bench:
         layers = [m for _, m in model_layers(task.model)]  # type: ignore[arg-type]
         shards = [nn.Sequential(*layers[a:b]) for a, b in self.ranges]
         opts = [task.optimizer(list(s.parameters())) for s in shards]
-        for x, y in task.train_data:  # type: ignore[attr-defined]
-            ins, outs = [], []
-            for i, shard in enumerate(shards[:-1]):
-                inp = x.detach().requires_grad_(i > 0)
-                out = shard(inp)
-                ins.append(inp)
-                outs.append(out)
-                x = out.detach()
-            inp = x.detach().requires_grad_()
-            loss = task.loss_fn(shards[-1](inp), y)
-            loss.item()
-            opts[-1].zero_grad()
-            loss.backward()
-            opts[-1].step()
-            grad = inp.grad
-            for i in range(len(shards) - 2, -1, -1):
-                opts[i].zero_grad()
-                torch.autograd.backward(outs[i], grad)
-                grad = ins[i].grad
-                opts[i].step()
+        train_by_hand(shards, opts, task.loss_fn, task.train_data)  # type: ignore[arg-type]
 
 
 def run(cfg: Config, breakdown: bool = False) -> dict[str, Any]:

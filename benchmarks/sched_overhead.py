@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from common import train_by_hand  # benchmarks/common.py
 from torch import nn
 
 import tune_hydra as th
@@ -92,26 +93,7 @@ def sharded_per_op(cfg: Config) -> float:
         shards = list(task.model)  # type: ignore[arg-type]
         opts = [task.optimizer(list(s.parameters())) for s in shards]
         t0 = time.perf_counter()
-        for x, y in task.train_data:  # type: ignore[attr-defined]
-            ins, outs = [], []
-            for i, s in enumerate(shards[:-1]):
-                inp = x.detach().requires_grad_(i > 0)
-                out = s(inp)
-                ins.append(inp)
-                outs.append(out)
-                x = out.detach()
-            inp = x.detach().requires_grad_()
-            loss = task.loss_fn(shards[-1](inp), y)
-            loss.item()
-            opts[-1].zero_grad()
-            loss.backward()
-            opts[-1].step()
-            grad = inp.grad
-            for i in range(len(shards) - 2, -1, -1):
-                opts[i].zero_grad()
-                torch.autograd.backward(outs[i], grad)
-                grad = ins[i].grad
-                opts[i].step()
+        train_by_hand(shards, opts, task.loss_fn, task.train_data)  # type: ignore[arg-type]
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:]) / ops
 
