@@ -6,7 +6,11 @@ The same model (a ``copy.deepcopy`` of one template, same data, same seed) is tr
 - by the engine with ``recompute=False`` (each shard keeps its forward graph: the CPU
   default, as the CPU "device" is host memory),
 - by the engine with ``recompute=True`` (backward re-runs each shard's forward, as on a
-  GPU under a tight budget).
+  GPU under a tight budget),
+- as on a GPU: ``recompute=True`` and ``copy_on_cpu=True`` (each visit really copies the
+  shard's state -- parameters, gradients, Adam moments -- from its host buffers and
+  back), without and with prefetch (the task's next shard copied in by the copy thread
+  while the current one computes).
 
 Runs are interleaved (plain, keep, recompute, plain, ...) after one warm-up of each, and
 the table reports the median wall time and the median of the per-round ratios to plain,
@@ -77,7 +81,9 @@ def run(cfg: Config) -> dict[str, object]:
         th.train_plain(t, cfg.epochs, seed=0)
         return time.perf_counter() - t0
 
-    def engine(recompute: bool) -> float:
+    counts: dict[tuple[bool, bool], int] = {}
+
+    def engine(recompute: bool, spill: bool = False, prefetch: bool = True) -> float:
         t = task()
         t0 = time.perf_counter()
         h = th.train_models(
@@ -87,15 +93,22 @@ def run(cfg: Config) -> dict[str, object]:
             epochs=cfg.epochs,
             recompute=recompute,
             seed=0,
+            copy_on_cpu=spill,
+            prefetch=prefetch,
         )
         elapsed = time.perf_counter() - t0
-        assert h["m"][0]["num_shards"] == shards
+        # Without prefetch the plan needs no room for a second state: it may cut coarser.
+        assert prefetch is False or h["m"][0]["num_shards"] == shards
+        counts[(spill, prefetch)] = h["m"][0]["num_shards"]
         return elapsed
 
     runs: dict[str, Callable[[], float]] = {
         "plain": plain,
         "keep activations": lambda: engine(False),
         "recompute": lambda: engine(True),
+        # Real copies of each shard's state in and out of host buffers, as on a GPU:
+        "spill, no prefetch": lambda: engine(True, spill=True, prefetch=False),
+        "spill, prefetch": lambda: engine(True, spill=True, prefetch=True),
     }
     for fn in runs.values():  # warm-up
         fn()
@@ -118,11 +131,13 @@ def run(cfg: Config) -> dict[str, object]:
         f"on one CPU device; {cfg.repeats} interleaved repeats after a warm-up; "
         f"torch threads {torch.get_num_threads()}"
     )
-    print(f"{'mode':<18} {'shards':>6} {'median s':>9} {'min s':>8} {'ratio vs plain':>15}")
+    print(f"{'mode':<20} {'shards':>6} {'median s':>9} {'min s':>8} {'ratio vs plain':>15}")
     for name, ts in times.items():
         n = 1 if name == "plain" else shards
+        if name == "spill, no prefetch":
+            n = counts[(True, False)]
         print(
-            f"{name:<18} {n:>6} {statistics.median(ts):>9.3f} {min(ts):>8.3f} "
+            f"{name:<20} {n:>6} {statistics.median(ts):>9.3f} {min(ts):>8.3f} "
             f"{statistics.median(ratios[name]):>14.2f}x"
         )
     return result

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 from collections.abc import Sequence
@@ -20,13 +21,15 @@ def _task(seed: int) -> th.ModelTask:
     return th.ModelTask(model, nn.MSELoss(), lambda p: torch.optim.Adam(p, lr=1e-3), data)
 
 
-def _run(prefetch: bool) -> th.History:
-    tasks = {f"t{i}": _task(i) for i in range(3)}
+def _run(
+    prefetch: bool, tasks: dict[str, th.ModelTask] | None = None, epochs: int = 1
+) -> th.History:
+    """Train (by default 3 tasks) with real copies under a budget of several shards."""
     return th.train_models(
-        tasks,
+        tasks if tasks is not None else {f"t{i}": _task(i) for i in range(3)},
         devices=["cpu"],
         device_memory="4MiB",
-        epochs=1,
+        epochs=epochs,
         seed=0,
         prefetch=prefetch,
         copy_on_cpu=True,
@@ -121,3 +124,71 @@ def test_cpu_affinity_is_the_task_that_ran_last_on_the_device() -> None:
     order = [e.task for e in sorted(h.trace.events, key=lambda e: e.start) if e.is_compute]
     switches = sum(a != b for a, b in itertools.pairwise(order))
     assert switches < len(order) // 2, order
+
+
+def _one_task(prefetch: bool) -> tuple[th.History, th.ModelTask, th.ModelTask]:
+    task = _task(7)
+    ref = th.ModelTask(
+        copy.deepcopy(task.model), task.loss_fn, task.optimizer, task.train_data, seed=task.seed
+    )
+    return _run(prefetch, {"solo": task}, epochs=2), task, ref
+
+
+def test_a_single_task_copies_its_next_shard_in_while_the_current_one_computes() -> None:
+    """One task has no other task's compute to hide copies behind: the engine prefetches
+    the task's own next shard (its op is not ready yet, but its shard is known)."""
+    h, task, ref = _one_task(prefetch=True)
+    events = h.trace.events
+    compute = [e for e in events if e.is_compute]
+    copies = [e for e in events if e.op == "copy_in" and e.bytes_moved > 0]
+    overlapped = [
+        c
+        for c in copies
+        if any(e.shard != c.shard and e.start < c.end and c.start < e.end for e in compute)
+    ]
+    assert len(overlapped) >= len(copies) // 2, (len(overlapped), len(copies))
+    h.trace.validate()
+    plan = h.plans["solo"]
+    assert len(plan) >= 3
+    peak_state = h.summary["devices"]["cpu"]["peak_resident_bytes"]
+    assert peak_state + max(s.activation_bytes for s in plan.shards) <= plan.budget
+    want = th.train_plain(ref, 2, seed=0)
+    torch.testing.assert_close([r["loss"] for r in h["solo"]], [r["loss"] for r in want])
+    for p, q in zip(task.model.parameters(), ref.model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_without_prefetch_a_single_task_copies_only_when_its_op_runs() -> None:
+    h, _, _ = _one_task(prefetch=False)
+    compute = [e for e in h.trace.events if e.is_compute]
+    copies = [e for e in h.trace.events if e.op == "copy_in"]
+    assert copies
+    assert not any(c.start < e.end and e.start < c.end for c in copies for e in compute)
+
+
+def test_next_shard_predicts_the_ops_that_follow() -> None:
+    """The prefetch guess equals the shard of the task's actual next op (F, L, B, E),
+    except where the data runs out (the F0 / E0 visit that finds no batch left), which
+    nothing can know before the iterator says so."""
+    task = _task(3)
+    task.eval_data = task.train_data[:2]
+    with th.Engine(devices="cpu", device_memory="4MiB") as engine:
+        engine.add_task("a", task, seed=0)
+        runner = engine._tasks["a"].runner
+    cpu = torch.device("cpu")
+    runner.granted = 2
+    ops = []
+    op = runner.advance()
+    while runner.granted:
+        assert op is not None
+        ops.append(op)
+        runner.execute(op, cpu)
+        op = runner.advance()
+    assert len(runner.shards) >= 3
+    guessed = [(a, b) for a, b in itertools.pairwise(ops) if runner.next_shard(a) is not None]
+    assert len(guessed) >= len(ops) // 2
+    missed = [(a, b) for a, b in guessed if runner.next_shard(a) != b.shard]
+    assert all(a.shard == 0 and a.kind.value in "FE" for a, _ in missed), missed
+    assert len(missed) <= 2 * 2  # once per epoch for train data and for eval data
+    kinds = {a.kind.value for a, _ in guessed}
+    assert kinds == {"F", "L", "B", "E"}

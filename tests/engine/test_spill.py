@@ -91,6 +91,30 @@ def test_training_continues_on_promoted_copy() -> None:
         assert torch.equal(a, b)
 
 
+def test_speculative_promote_never_takes_state_another_owner_holds() -> None:
+    """A prefetch must not demote a copy another device may be computing with; a real
+    promotion (the op is assigned there) takes it over."""
+    mod, opt = _trained_shard()
+    before = _snapshot(mod, opt)
+    store = ShardStore([mod], opt)
+    cpu = torch.device("cpu")
+    first, second = object(), object()
+    assert store.promote(cpu, copy=True, owner=first) > 0
+    held = [p.data_ptr() for p in mod.parameters()]
+    assert store.try_promote(cpu, copy=True, owner=second) is None
+    assert store.owner is first and [p.data_ptr() for p in mod.parameters()] == held
+    assert store.try_promote(cpu, copy=True, owner=first) == 0  # already there
+    assert store.promote(cpu, copy=True, owner=second) > 0
+    assert store.owner is second
+    store.demote()
+    assert store.try_promote(cpu, copy=True, owner=first) is not None  # at home: free
+    store.demote()
+    after = _snapshot(mod, opt)
+    assert before.keys() == after.keys()
+    for k, v in before.items():
+        assert torch.equal(v, after[k]), k
+
+
 def test_nbytes_counts_params_grads_buffers_and_moments() -> None:
     mod, opt = _trained_shard()
     store = ShardStore([mod], opt)

@@ -550,6 +550,12 @@ class Engine:
         )
         entry.assigned = w
         w.submit(a)
+        if w.depth > 1:
+            # A task's next op is not ready until this one ends, so the dispatcher cannot
+            # queue it yet; its shard is known, though: copy it in while this one computes.
+            nxt = runner.next_shard(op)
+            if nxt is not None:
+                w.prefetch(runner.shards[nxt].store, op.task, nxt, op.iteration)
 
 
 def _options(

@@ -224,6 +224,18 @@ class TaskRunner:
                     yield Op(self.name, OpKind.STEP, s.index, it, -1)
             self._finish_iteration()
 
+    def next_shard(self, op: Op) -> int | None:
+        """The shard the task's op after ``op`` will most likely use (for prefetching it
+        while ``op`` runs); ``None`` when that is ``op``'s own shard or unknown."""
+        n = len(self.shards)
+        if op.kind is OpKind.FORWARD or (op.kind is OpKind.EVAL and op.shard < n - 1):
+            return op.shard + 1
+        if op.kind is OpKind.LAST and n > 1:
+            return n - 2
+        if op.kind is OpKind.BACKWARD and op.shard > 0:
+            return op.shard - 1
+        return None  # B0 is followed by F0 (the same shard) or the iteration's end
+
     def _group_count(self, b: int, left: int | None) -> int:
         """Micro-batches the next visits run: the rest of the accumulation group when that
         keeps plain training's order of random draws (no shard draws any), else 1."""

@@ -144,6 +144,18 @@ class ShardStore:
             self.owner = owner
             return moved
 
+    def try_promote(
+        self, device: torch.device, stream: Any = None, *, copy: bool = True, owner: object
+    ) -> int | None:
+        """:meth:`promote`, unless another owner holds the state (it may be computing with
+        it): then nothing happens and ``None`` is returned. For speculative prefetches."""
+        with self.lock:
+            if self.copied and self.owner is not owner:
+                return None
+            moved = self._promote(device, stream, copy, owner)
+            self.owner = owner
+            return moved
+
     def _promote(self, device: torch.device, stream: Any, copy: bool, owner: object) -> int:
         if self.copied:
             if device == self.device and owner is self.owner:

@@ -42,6 +42,16 @@ class Assignment:
     duration: float = 0.0
 
 
+@dataclass
+class Prefetch:
+    """A speculative promotion: the shard a task will most likely need next here."""
+
+    store: ShardStore
+    task: str
+    shard: int
+    iteration: int
+
+
 class DeviceWorker:
     """Runs shard operations on one device, in the order they were assigned."""
 
@@ -75,8 +85,9 @@ class DeviceWorker:
         self.last_task: str | None = None
         self.peak_resident_bytes = 0  # shard state held on the device at once, at most
         self.last_error: BaseException | None = None
+        self.last_prefetch_error: BaseException | None = None  # speculative: not fatal
         self._lock = threading.Lock()
-        self._copy_q: queue.SimpleQueue[Assignment | None] = queue.SimpleQueue()
+        self._copy_q: queue.SimpleQueue[Assignment | Prefetch | None] = queue.SimpleQueue()
         self._run_q: queue.SimpleQueue[Assignment | None] = queue.SimpleQueue()
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
@@ -110,6 +121,12 @@ class DeviceWorker:
                     self.resident.popitem(last=False)
         self._run_q.put(a)
 
+    def prefetch(self, store: ShardStore, task: str, shard: int, iteration: int) -> None:
+        """Promote ``store`` ahead of its op if a slot is free by the time the copy thread
+        gets to it (called by the dispatcher, under its lock)."""
+        if self.copy:
+            self._copy_q.put(Prefetch(store, task, shard, iteration))
+
     def release(self, store: ShardStore) -> None:
         """Forget ``store`` without copying (another device took it, or its task left)."""
         with self._lock:
@@ -134,6 +151,12 @@ class DeviceWorker:
             a = self._copy_q.get()
             if a is None:
                 return
+            if isinstance(a, Prefetch):
+                try:
+                    self._speculate(a)
+                except BaseException as err:  # the op that needs the shard will retry
+                    self.last_prefetch_error = err
+                continue
             try:
                 self._make_room(a.store)
                 t0 = self.clock()
@@ -156,18 +179,41 @@ class DeviceWorker:
                         )
                     )
                 a.moved = moved
-                with self._lock:
-                    self.resident[id(a.store)] = a.store
-                    self.resident.move_to_end(id(a.store))
-                    # Sizes cached at promotion: reading a store's tensors while another
-                    # thread computes with them (autograd writing .grad) is unsafe.
-                    a.store.last_nbytes = a.store.nbytes()
-                    held = sum(s.last_nbytes for s in self.resident.values())
-                    self.peak_resident_bytes = max(self.peak_resident_bytes, held)
+                self._hold(a.store)
             except BaseException as err:  # reported through the op
                 a.copy_error = err
             assert a.ready is not None
             a.ready.set()
+
+    def _speculate(self, p: Prefetch) -> None:
+        with self._lock:
+            if id(p.store) in self.resident:
+                return
+            busy = {id(x.store) for x in list(self.assigned)}
+        if len(busy) + 1 > self.depth:  # both slots taken by assigned ops
+            return
+        self._make_room(p.store)
+        t0 = self.clock()
+        moved = p.store.try_promote(self.device, self.copy_stream, copy=self.copy, owner=self)
+        if moved is None:  # another device holds it
+            return
+        if moved:
+            self.trace.add(
+                TraceEvent(
+                    self.label, p.task, p.shard, "copy_in", t0, self.clock(), moved, p.iteration
+                )
+            )
+        self._hold(p.store)
+
+    def _hold(self, store: ShardStore) -> None:
+        with self._lock:
+            self.resident[id(store)] = store
+            self.resident.move_to_end(id(store))
+            # Sizes cached at promotion: reading a store's tensors while another
+            # thread computes with them (autograd writing .grad) is unsafe.
+            store.last_nbytes = store.nbytes()
+            held = sum(s.last_nbytes for s in self.resident.values())
+            self.peak_resident_bytes = max(self.peak_resident_bytes, held)
 
     def _make_room(self, incoming: ShardStore) -> None:
         keep = {id(x.store) for x in list(self.assigned)} | {id(incoming)}
