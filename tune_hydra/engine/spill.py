@@ -160,7 +160,10 @@ class ShardStore:
         if self.copied:
             if device == self.device and owner is self.owner:
                 return 0
-            self._demote(stream)
+            # From another GPU: ``stream`` belongs to the new device, and a copy issued
+            # under it would still run on the old device's current stream, unordered
+            # with the promotion below. Rare (LRTF keeps tasks put), so copy back blocking.
+            self._demote(stream if self.device == device else None)
         if device.type == "cpu" and not copy:
             self.device = device
             return 0
@@ -211,18 +214,26 @@ class ShardStore:
             self.device = torch.device("cpu")
             return 0
         moved = 0
+        # Asynchronous only on a copy stream, whose event tells when the host buffers are
+        # complete; without one nothing would (the caller reads them right after).
+        asynchronous = self.pin and stream is not None
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
         with ctx:
             live = list(self._live())
             for key, dev in live:
                 host = self._host_buffer(key, dev)
-                host.copy_(dev, non_blocking=self.pin)
+                host.copy_(dev, non_blocking=asynchronous)
+                if stream is not None and dev.is_cuda:
+                    # Gradients and optimizer moments were allocated by the compute stream:
+                    # without this the allocator could hand their memory to a compute
+                    # kernel while this copy still reads it.
+                    dev.record_stream(stream)
                 moved += dev.numel() * dev.element_size()
             for key, _ in [kv for kv in live if kv[0][0] != "g"]:
                 self._set(key, self._host[key])
             for key, _ in [kv for kv in live if kv[0][0] == "g"]:
                 self._set(key, self._host[key])
-            if self.pin and stream is not None:
+            if asynchronous:
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
         self.device = torch.device("cpu")
