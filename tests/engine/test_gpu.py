@@ -45,3 +45,30 @@ def test_cuda_multitask_parity_and_peak_memory_within_budget() -> None:
         refs[k].model.cpu()
         assert_same_history(h[k], want, tol=1e-5)
         assert_same_model(t.model, refs[k].model, atol=1e-5, rtol=1e-4)
+
+
+def test_cuda_single_task_prefetches_its_next_shard_within_budget() -> None:
+    """A lone spilled task: the copy stream brings in its next shard while the current one
+    computes, the result still equals plain training, and memory stays in budget."""
+    budget = 48 * 2**20
+    task = make_task(mlp(torch.float32, width=1024), "adam", dtype=torch.float32)
+    ref = plain_copy(task)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    h = th.train_models({"a": task}, devices=["cuda:0"], device_memory=budget, epochs=2, seed=0)
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= budget, (peak, budget)
+    assert len(h.plans["a"]) >= 2
+    compute = [e for e in h.trace.events if e.is_compute]
+    copies = [e for e in h.trace.events if e.op == "copy_in" and e.bytes_moved > 0]
+    overlapped = [
+        c
+        for c in copies
+        if any(e.shard != c.shard and e.start < c.end and c.start < e.end for e in compute)
+    ]
+    assert copies and len(overlapped) >= len(copies) // 2, (len(overlapped), len(copies))
+    want = th.train_plain(ref, 2, seed=0, device="cuda:0")
+    ref.model.cpu()
+    assert_same_history(h["a"], want, tol=1e-5)
+    assert_same_model(task.model, ref.model, atol=1e-5, rtol=1e-4)
