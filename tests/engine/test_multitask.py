@@ -7,7 +7,14 @@ import torch
 from torch import nn
 
 import tune_hydra as th
-from tests.conftest import assert_same_history, assert_same_model, make_task, mlp, plain_copy
+from tests.conftest import (
+    assert_same_history,
+    assert_same_model,
+    make_task,
+    mlp,
+    plain_copy,
+    validate_with_memory,
+)
 
 
 @pytest.mark.parametrize("devices", [["cpu"], ["cpu", "cpu"], ["cpu", "cpu", "cpu"]])
@@ -33,7 +40,7 @@ def test_three_tasks_different_optimizers(devices: list[str], policy: str) -> No
         want = th.train_plain(refs[name], 2, seed=11)
         assert_same_history(h[name], want)
         assert_same_model(task.model, refs[name].model)
-    h.trace.validate()
+    validate_with_memory(h, 60_000)
     used = {e.device for e in h.trace.events if e.op in "FLBSE"}
     assert len(used) == len(devices)
 
@@ -118,4 +125,4 @@ def test_grouped_visits_multiplexed_over_devices() -> None:
         assert_same_model(task.model, refs[name].model)
     visits = [e for e in h.trace.events if e.task == "t0" and e.op == "F" and e.shard == 0]
     assert len(visits) < 2 * (5 + 1)  # ungrouped: one visit per batch + one finding the end
-    h.trace.validate()
+    validate_with_memory(h, 24_000)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 import tune_hydra as th
+from tests.conftest import validate_with_memory
 from tune_hydra.engine.policies import Candidate, LRTFPolicy
 
 
@@ -22,13 +23,16 @@ def _task(seed: int) -> th.ModelTask:
 
 
 def _run(
-    prefetch: bool, tasks: dict[str, th.ModelTask] | None = None, epochs: int = 1
+    prefetch: bool,
+    tasks: dict[str, th.ModelTask] | None = None,
+    epochs: int = 1,
+    budget: int | str = "4MiB",
 ) -> th.History:
     """Train (by default 3 tasks) with real copies under a budget of several shards."""
     return th.train_models(
         tasks if tasks is not None else {f"t{i}": _task(i) for i in range(3)},
         devices=["cpu"],
-        device_memory="4MiB",
+        device_memory=budget,
         epochs=epochs,
         seed=0,
         prefetch=prefetch,
@@ -47,7 +51,7 @@ def test_copies_overlap_other_tasks_compute_and_memory_stays_in_budget() -> None
         for c in copies
     )
     assert overlapped >= len(copies) // 2, (overlapped, len(copies))
-    h.trace.validate()
+    validate_with_memory(h, 4 * 2**20)
     spilled = sum(e.bytes_moved for e in copies if e.task == "t0")
     assert h["t0"][0]["bytes_spilled"] >= spilled > 0  # copy_in traced; copy_out counted too
     plan = h.plans["t0"]
@@ -147,7 +151,7 @@ def test_a_single_task_copies_its_next_shard_in_while_the_current_one_computes()
         if any(e.shard != c.shard and e.start < c.end and c.start < e.end for e in compute)
     ]
     assert len(overlapped) >= len(copies) // 2, (len(overlapped), len(copies))
-    h.trace.validate()
+    validate_with_memory(h, 4 * 2**20)
     plan = h.plans["solo"]
     assert len(plan) >= 3
     peak_state = h.summary["devices"]["cpu"]["peak_resident_bytes"]
@@ -192,3 +196,32 @@ def test_next_shard_predicts_the_ops_that_follow() -> None:
     assert len(missed) <= 2 * 2  # once per epoch for train data and for eval data
     kinds = {a.kind.value for a, _ in guessed}
     assert kinds == {"F", "L", "B", "E"}
+
+
+def _wide(seed: int, width: int, depth: int, batch: int) -> th.ModelTask:
+    torch.manual_seed(seed)
+    model = nn.Sequential(*[m for _ in range(depth) for m in (nn.Linear(width, width), nn.ReLU())])
+    data = [(torch.randn(batch, width), torch.randn(batch, width)) for _ in range(3)]
+    return th.ModelTask(model, nn.MSELoss(), lambda p: torch.optim.Adam(p, lr=1e-3), data)
+
+
+def test_tasks_of_different_sizes_stay_within_the_device_budget() -> None:
+    """Each plan leaves room for a second state as large as its *own* largest shard; a
+    smaller task's running shard beside a larger task's prefetched one could exceed the
+    budget. The device keeps what is resident at once within it."""
+    budget = 12 * 2**20
+    # "small": tiny state, large activations (its plan leaves little room for a second
+    # state); "big": 4 MiB of state per layer, small activations.
+    tasks = {"small": _wide(0, 64, 8, batch=2048), "big": _wide(1, 512, 3, batch=8)}
+    refs = {k: copy.deepcopy(t.model) for k, t in tasks.items()}
+    h = _run(True, tasks, epochs=2, budget=budget)
+    h_small, h_big = h.plans["small"], h.plans["big"]
+    assert max(s.state_bytes for s in h_big.shards) > 2 * max(s.state_bytes for s in h_small.shards)
+    validate_with_memory(h, budget)
+    copies = [e for e in h.trace.events if e.op == "copy_in" and e.bytes_moved]
+    assert len({e.task for e in copies}) == 2
+    for name, task in tasks.items():
+        ref = th.ModelTask(refs[name], task.loss_fn, task.optimizer, task.train_data)
+        th.train_plain(ref, 2, seed=0)
+        for p, q in zip(task.model.parameters(), ref.model.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)

@@ -190,3 +190,37 @@ def test_plot_timeline_accepts_events_and_empty_traces(tmp_path: Path) -> None:
     events = [ev(f"d{i % 3}", f"t{i}", "F", i * 0.1, i * 0.1 + 0.1) for i in range(40)]
     assert plot_timeline(events, tmp_path / "many.png").read_bytes()[:8] == PNG_MAGIC
     assert plot_timeline(Trace(["d0"]), tmp_path / "empty.png").read_bytes()[:8] == PNG_MAGIC
+
+
+def _copy(device: str, task: str, shard: int, op: str, start: float, end: float, n: int):  # type: ignore[no-untyped-def]
+    return TraceEvent(device, task, shard, op, start, end, n)
+
+
+def test_validate_replays_copies_against_a_state_budget() -> None:
+    fine = Trace.from_events(
+        [
+            _copy("cuda:0", "a", 0, "copy_in", 0.0, 1.0, 60),
+            TraceEvent("cuda:0", "a", 0, "F", 1.0, 2.0),
+            _copy("cuda:0", "a", 0, "copy_out", 2.0, 2.5, 60),
+            _copy("cuda:0", "b", 0, "copy_in", 2.5, 3.0, 50),
+            _copy("cuda:1", "a", 1, "copy_in", 0.0, 1.0, 90),  # another device's budget
+        ]
+    )
+    fine.validate(state_budget=100, activation_bytes={("a", 0): 30})
+    over = Trace.from_events([*fine.events, _copy("cuda:0", "c", 0, "copy_in", 2.6, 3.0, 51)])
+    with pytest.raises(ScheduleError, match="over its budget of 100 bytes"):
+        over.validate(state_budget=100)
+    with pytest.raises(ScheduleError, match="running op's activations"):
+        fine.validate(state_budget={"cuda:0": 89, "cuda:1": 90}, activation_bytes={("a", 0): 30})
+    fine.validate(state_budget={"cuda:0": 90, "cuda:1": 90}, activation_bytes={("a", 0): 30})
+
+
+def test_a_copy_in_elsewhere_ends_the_stay_on_the_previous_device() -> None:
+    moved = Trace.from_events(
+        [
+            _copy("cuda:0", "a", 0, "copy_in", 0.0, 1.0, 80),
+            _copy("cuda:1", "a", 0, "copy_in", 2.0, 3.0, 80),
+            _copy("cuda:0", "b", 0, "copy_in", 4.0, 5.0, 80),
+        ]
+    )
+    moved.validate(state_budget=100)

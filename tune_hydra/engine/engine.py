@@ -163,6 +163,7 @@ class Engine:
                 prefetch=prefetch,
                 copy=copy_on_cpu,
                 intra_threads=threads,
+                budget=self._device_budget(d),
             )
             for i, d in enumerate(self.devices)
         ]
@@ -233,9 +234,7 @@ class Engine:
                 ) from None
             x, _ = _split_batch(sample, name)
             costs = layer_costs(layers, task.optimizer, x, dtype, device=self.devices[0])
-        budget = self.budget
-        if budget is None and self.devices[0].type == "cuda":
-            budget = int(device_capacity(self.devices[0]) * 0.9)
+        budget = self._device_budget(self.devices[0])
         plan = plan_shards(
             costs, budget, prefetch=self.prefetch, max_layers_per_shard=self.max_layers_per_shard
         )
@@ -389,6 +388,11 @@ class Engine:
 
     # -- internals --------------------------------------------------------------------------
 
+    def _device_budget(self, device: torch.device) -> int | None:
+        if self.budget is None and device.type == "cuda":
+            return int(device_capacity(device) * 0.9)
+        return self.budget
+
     def _entry(self, name: str) -> _Entry:
         try:
             return self._tasks[name]
@@ -500,15 +504,20 @@ class Engine:
                     return
 
     def _fill(self, w: DeviceWorker) -> bool:
-        """Give ``w`` one op if the policy picks one; False when no task is ready at all."""
+        """Give ``w`` one op if the policy picks one; False when no task is ready at all
+        (only then may the dispatch stop early)."""
         cands = []
         # A task not measured yet is estimated like the average task so far (not as
         # "infinitely long", which would make LRTF alternate on cold estimates).
         default_op_s = self._op_sum / self._op_n if self._op_n else 1.0
         entries = []
+        waiting = False
         for e in self._tasks.values():
             op = e.runner.current
             if e.assigned is None and e.error is None and not e.cancelled and op is not None:
+                if w.assigned and not w.fits(e.runner.shards[op.shard].store):
+                    waiting = True  # would not fit beside the running op: not here, not now
+                    continue
                 entries.append(e)
                 cands.append(
                     Candidate(
@@ -522,7 +531,7 @@ class Engine:
                     )
                 )
         if not cands:
-            return False
+            return waiting
         pick = self.policy.choose(w.index, cands)
         if pick is None:
             return True

@@ -138,7 +138,18 @@ class TaskRunner:
             seen.update(id(p) for p in params)
             opt = task.optimizer(params)
             self.shards.append(
-                ShardRuntime(spec.index, module, opt, ShardStore([module], opt, pin=pin))
+                ShardRuntime(
+                    spec.index,
+                    module,
+                    opt,
+                    ShardStore(
+                        [module],
+                        opt,
+                        pin=pin,
+                        name=(name, spec.index),
+                        footprint=(spec.state_bytes, spec.activation_bytes),
+                    ),
+                )
             )
         self.rng = rng.seeded_state(options.seed)
         self.iteration = 0

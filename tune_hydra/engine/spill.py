@@ -34,6 +34,9 @@ class ShardStore:
         modules: the shard's modules (their parameters and buffers move).
         optimizer: the shard's optimizer (its param-shaped state moves), may be set later.
         pin: allocate pinned host buffers (CUDA only), once.
+        name: ``(task, shard)``, for the trace of its copies.
+        footprint: the plan's ``(state_bytes, activation_bytes)`` of the shard, which the
+            device workers keep within the device budget.
     """
 
     def __init__(
@@ -42,7 +45,11 @@ class ShardStore:
         optimizer: torch.optim.Optimizer | None = None,
         *,
         pin: bool = False,
+        name: tuple[str, int] = ("", -1),
+        footprint: tuple[int, int] = (0, 0),
     ) -> None:
+        self.name = name
+        self.state_bytes, self.activation_bytes = footprint
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
         for m in modules:

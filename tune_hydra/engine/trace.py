@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -176,16 +176,30 @@ class Trace:
             "tasks": tasks,
         }
 
-    def validate(self, tolerance: float = 0.0) -> None:
+    def validate(
+        self,
+        tolerance: float = 0.0,
+        state_budget: int | Mapping[str, int] | None = None,
+        activation_bytes: Mapping[tuple[str, int], int] | None = None,
+    ) -> None:
         """Check the schedule's rules.
 
         Args:
             tolerance: seconds two operations may overlap before it counts (clock jitter).
+            state_budget: if given, also replay the copies and check that the shard state
+                held on each device never exceeds this many bytes (one number for every
+                device, or one per device label). A state counts from the start of its
+                ``copy_in`` to the end of its ``copy_out``; a shard is on one device at a
+                time, so a ``copy_in`` elsewhere ends its stay on the previous one.
+            activation_bytes: with ``state_budget``, each ``(task, shard)``'s activation
+                bytes (``ShardSpec.activation_bytes``): while an op computes, the state
+                held on its device plus the op's activations must fit the budget.
 
         Raises:
             ScheduleError: an event ends before it starts, two compute operations overlap on
-                one device, or two compute operations of one task overlap (a task's
-                operations are strictly sequential). The message shows the offending rows.
+                one device, two compute operations of one task overlap (a task's
+                operations are strictly sequential), or a device holds more state than
+                ``state_budget``. The message shows the offending rows.
         """
         events = self.events
         for e in events:
@@ -196,6 +210,8 @@ class Trace:
         compute = [e for e in events if e.is_compute]
         _check_sequential(compute, lambda e: e.device, "device", tolerance)
         _check_sequential(compute, lambda e: e.task, "task", tolerance)
+        if state_budget is not None:
+            _check_memory(events, state_budget, activation_bytes or {})
 
     def table(self, limit: int | None = None) -> str:
         """A fixed-width table of the events sorted by start time.
@@ -248,6 +264,60 @@ def _check_sequential(events: list[TraceEvent], key: Any, what: str, tolerance: 
                 )
             if e.end > latest.end:
                 latest = e
+
+
+def _check_memory(
+    events: list[TraceEvent],
+    budget: int | Mapping[str, int],
+    acts: Mapping[tuple[str, int], int],
+) -> None:
+    # Replay in time order; at equal times frees (end of a copy_out, end of an op) come
+    # before allocations (start of a copy_in, start of an op).
+    steps = []
+    for i, e in enumerate(events):
+        if e.op == "copy_out":
+            steps.append((e.end, 0, i, e, "free"))
+        elif e.op == "copy_in":
+            steps.append((e.start, 1, i, e, "hold"))
+        elif e.is_compute:
+            steps.append((e.end, 0, i, e, "done"))
+            steps.append((e.start, 1, i, e, "run"))
+    steps.sort(key=lambda step: step[:3])
+    held: dict[str, dict[tuple[str, int], TraceEvent]] = {}
+    where: dict[tuple[str, int], str] = {}
+    running: dict[str, TraceEvent] = {}
+    for _, _, _, e, what in steps:
+        key = (e.task, e.shard)
+        on = held.setdefault(e.device, {})
+        if what == "free":
+            if where.get(key) == e.device:
+                del where[key]
+                on.pop(key, None)
+            continue
+        if what == "done":
+            if running.get(e.device) is e:
+                del running[e.device]
+            continue
+        if what == "run":
+            running[e.device] = e
+        else:
+            old = where.get(key)
+            if old is not None:
+                held[old].pop(key, None)
+            where[key] = e.device
+            on[key] = e
+        limit = budget if isinstance(budget, int) else budget.get(e.device)
+        op = running.get(e.device)
+        act = acts.get((op.task, op.shard), 0) if op is not None else 0
+        total = sum(x.bytes_moved for x in on.values()) + act
+        if limit is not None and total > limit:
+            rows = sorted([*on.values(), *([op] if op is not None else [])], key=lambda x: x.start)
+            raise ScheduleError(
+                f"device {e.device!r} holds {total} bytes (shard state"
+                + (f" + {act} bytes of the running op's activations" if act else "")
+                + f"), over its budget of {limit} bytes, at {e.start:.6f} s:\n"
+                + _rows(rows)
+            )
 
 
 _HEADER = ("device", "start", "end", "dur_ms", "task", "op", "batch", "iter", "bytes")

@@ -66,6 +66,7 @@ class DeviceWorker:
         prefetch: bool,
         copy: bool,
         intra_threads: int | None = None,
+        budget: int | None = None,
     ) -> None:
         self.index = index
         self.device = device
@@ -77,6 +78,12 @@ class DeviceWorker:
         # queued op would only force tasks to alternate (and lose their warm caches).
         self.depth = 2 if prefetch and self.copy else 1
         self.intra_threads = intra_threads
+        # Device bytes for shard state + the running op's activations (None: no limit).
+        # Each task's plan fits its own shards; tasks of different sizes sharing a device
+        # are kept within it here, by what is resident at once.
+        self.budget = budget
+        self._op_done = threading.Condition()  # the copy thread waits here for room
+        self._closing = False
         self.resident: collections.OrderedDict[int, ShardStore] = collections.OrderedDict()
         self.assigned: collections.deque[Assignment] = collections.deque()
         self.busy_s = 0.0
@@ -133,6 +140,9 @@ class DeviceWorker:
             self.resident.pop(id(store), None)
 
     def close(self) -> None:
+        self._closing = True
+        with self._op_done:
+            self._op_done.notify_all()
         self._copy_q.put(None)
         self._run_q.put(None)
 
@@ -159,6 +169,9 @@ class DeviceWorker:
                 continue
             try:
                 self._make_room(a.store)
+                prev = a.store.owner
+                if isinstance(prev, DeviceWorker) and prev is not self:
+                    prev.evict(a.store)  # traced there, on its copy stream
                 t0 = self.clock()
                 moved = a.store.promote(self.device, self.copy_stream, copy=self.copy, owner=self)
                 if self.copy_stream is not None:
@@ -192,7 +205,8 @@ class DeviceWorker:
             busy = {id(x.store) for x in list(self.assigned)}
         if len(busy) + 1 > self.depth:  # both slots taken by assigned ops
             return
-        self._make_room(p.store)
+        if not self._make_room(p.store, wait=False):  # no room beside the running op
+            return
         t0 = self.clock()
         moved = p.store.try_promote(self.device, self.copy_stream, copy=self.copy, owner=self)
         if moved is None:  # another device holds it
@@ -215,19 +229,62 @@ class DeviceWorker:
             held = sum(s.last_nbytes for s in self.resident.values())
             self.peak_resident_bytes = max(self.peak_resident_bytes, held)
 
-    def _make_room(self, incoming: ShardStore) -> None:
-        keep = {id(x.store) for x in list(self.assigned)} | {id(incoming)}
+    def fits(self, store: ShardStore) -> bool:
+        """Whether ``store`` can be resident beside the ops already assigned here (the
+        dispatcher asks before queueing a second op behind a running one)."""
+        return self._need([x.store for x in list(self.assigned)] + [store]) is None
+
+    def _need(self, keep: list[ShardStore]) -> int | None:
+        """Bytes over budget if ``keep`` were resident while each of them runs; None if
+        they fit."""
+        if self.budget is None:
+            return None
+        unique = {id(s): s for s in keep}.values()
+        need = sum(s.state_bytes for s in unique) + max(s.activation_bytes for s in unique)
+        return None if need <= self.budget else need - self.budget
+
+    def _make_room(self, incoming: ShardStore, wait: bool = True) -> bool:
+        """Evict least recently used shards so that ``incoming`` fits beside the assigned
+        ones (count and bytes). If even those do not fit together, wait for the running op
+        to end (``wait``) or give up (returns False: a speculative prefetch)."""
+        while True:
+            keep = [x.store for x in list(self.assigned)] + [incoming]
+            if self._need(keep) is None:
+                break
+            if not wait or self._closing:
+                return False
+            with self._op_done:
+                self._op_done.wait(_POLL_S)
+        keep_ids = {id(s) for s in keep}
+        keep_state = sum({id(s): s.state_bytes for s in keep}.values())
+        act = max(s.activation_bytes for s in keep)
         with self._lock:
-            victims = [s for k, s in self.resident.items() if k not in keep]
-            excess = len(self.resident) + (0 if id(incoming) in self.resident else 1) - self.depth
-            victims = victims[: max(0, excess)]
+            others = [s for k, s in self.resident.items() if k not in keep_ids]
+            count = len(keep_ids | set(self.resident))
+            state = keep_state + sum(s.state_bytes for s in others)
+            victims = []
+            for s in others:  # least recently used first
+                over = self.budget is not None and state + act > self.budget
+                if count <= self.depth and not over:
+                    break
+                victims.append(s)
+                count -= 1
+                state -= s.state_bytes
             for s in victims:
                 self.resident.pop(id(s), None)
         for s in victims:
-            t0 = self.clock()
-            moved = s.demote(self.copy_stream, only_owner=self)
-            if moved:
-                self.trace.add(TraceEvent(self.label, "", -1, "copy_out", t0, self.clock(), moved))
+            self.evict(s)
+        return True
+
+    def evict(self, store: ShardStore) -> None:
+        """Copy ``store`` back to the host if this device still holds it (safe from any
+        thread: another device's copy thread takes a shard over this way)."""
+        self.release(store)
+        t0 = self.clock()
+        moved = store.demote(self.copy_stream, only_owner=self)
+        if moved:
+            task, shard = store.name
+            self.trace.add(TraceEvent(self.label, task, shard, "copy_out", t0, self.clock(), moved))
 
     def _run_loop(self) -> None:
         if self.intra_threads is not None and self.device.type == "cpu":
@@ -274,6 +331,8 @@ class DeviceWorker:
                 a.done(a, err)
             except BaseException as e:  # keep the worker alive; the engine notices
                 self.last_error = e
+            with self._op_done:  # a copy waiting for room may go on
+                self._op_done.notify_all()
 
 
 def default_clock() -> Callable[[], float]:
