@@ -185,6 +185,17 @@ def tokens_per_s(history: th.History, tokens_per_batch: int) -> float:
     return batches * tokens_per_batch / (end - start)
 
 
+def memory_replay(history: th.History, budget: int) -> str:
+    """``"ok"`` if replaying the trace's copies keeps every device's shard state plus the
+    running op's activations (from the plans) within ``budget``, else the error."""
+    acts = {(n, s.index): s.activation_bytes for n, p in history.plans.items() for s in p.shards}
+    try:
+        history.trace.validate(state_budget=budget, activation_bytes=acts)
+    except th.TuneHydraError as err:
+        return f"{type(err).__name__}: {str(err).splitlines()[0]}"
+    return "ok"
+
+
 class Check:
     """Runs the measurements for one configuration."""
 
@@ -237,6 +248,7 @@ class Check:
 
         self._reset_peak()
         h = self._train_one(model, budget)
+        r["spilled_trace_memory"] = memory_replay(h, budget)
         r["spilled_tokens_s"] = tokens_per_s(h, self.tokens)
         r["spilled_shards"] = h["gpt"][0]["num_shards"]
         r["peak_bytes"] = self._peak()
@@ -323,6 +335,7 @@ class Check:
                 "utilization": max(util.values()),
                 "tokens_s": tokens_per_s(h, self.tokens),
                 "shards": h["m0"][0]["num_shards"],
+                "trace_memory": memory_replay(h, budget),
             }
 
     def parity(self) -> None:
@@ -401,6 +414,11 @@ def table(r: dict[str, Any], errors: dict[str, str]) -> str:
         ("spilled / plain", _fmt(r.get("spilled_over_plain")), ""),
         ("spilled / accelerate", _fmt(r.get("spilled_over_accelerate")), "goal >= 3"),
         ("peak / budget", _fmt(r.get("peak_over_budget")), "goal <= 1.0"),
+        (
+            "trace memory replay",
+            str(r.get("spilled_trace_memory", "n/a"))[:10],
+            f"multi-task: {str(mt_on.get('trace_memory', 'n/a'))[:40]}",
+        ),
         (
             "multi-task util, prefetch on",
             _fmt(mt_on.get("utilization"), ".0%"),

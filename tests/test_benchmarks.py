@@ -65,4 +65,6 @@ def test_gpu_check_tiny(tmp_path: Path) -> None:
     assert "ERROR" not in out
     figures = json.loads(path.read_text())
     assert figures["parity"]["ok"] is True
+    assert figures["spilled_trace_memory"] == "ok"
+    assert figures["multitask_prefetch_on"]["trace_memory"] == "ok"
     assert figures["spilled_shards"] >= 2 and figures["resident_shards"] == 1
