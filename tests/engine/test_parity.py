@@ -175,3 +175,22 @@ def test_grouped_visits_run_a_whole_accumulation_group_per_promotion(
     # whole groups, then the visit that finds the data exhausted.
     groups = -(-7 // k)
     assert len(visits) <= 2 * (groups + 2) < 2 * (7 + 1)
+
+
+def test_parameter_free_shards() -> None:
+    """Cut one layer per shard, some shards have no parameters (ReLU, Dropout alone):
+    they get no optimizer (torch refuses an empty list) and training still equals plain,
+    through a checkpoint round trip too."""
+    task = make_task(mlp(), "adam")
+    ref = plain_copy(task)
+    with th.Engine(devices="cpu", max_layers_per_shard=1, copy_on_cpu=True) as engine:
+        engine.add_task("a", task, seed=5)
+        runner = engine._tasks["a"].runner
+        assert any(s.optimizer is None for s in runner.shards)
+        first = engine.train("a", 1).result(timeout=120)
+        state = engine.get_state("a")
+        engine.set_state("a", state)
+        second = engine.train("a", 1).result(timeout=120)
+    want = th.train_plain(ref, 2, seed=5)
+    assert_same_history(first + second, want)
+    assert_same_model(task.model, ref.model)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import traceback
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -17,6 +16,7 @@ import torch
 from tune_hydra.engine.ops import Op
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
 from tune_hydra.engine.policies import BasePolicy, Candidate, get_policy
+from tune_hydra.engine.records import PendingIterations, TaskRecord
 from tune_hydra.engine.rng import CPU_RNG_LOCK
 from tune_hydra.engine.runner import TaskRunner, TrainOptions, _split_batch
 from tune_hydra.engine.task import ModelTask, model_layers
@@ -30,60 +30,6 @@ from tune_hydra.exceptions import (
     TaskFailedError,
     TuneHydraError,
 )
-
-_EMA = 0.3  # weight of the newest measurement in per-op time estimates
-
-
-@dataclass
-class _Pending:
-    future: concurrent.futures.Future[list[dict[str, Any]]]
-    count: int
-    results: list[dict[str, Any]] = field(default_factory=list)
-
-
-@dataclass
-class _Entry:
-    name: str
-    task: ModelTask
-    plan: ShardPlan
-    options: TrainOptions
-    order: int
-    runner: TaskRunner
-    pending: list[_Pending] = field(default_factory=list)
-    assigned: DeviceWorker | None = None
-    error: BaseException | None = None
-    cancelled: bool = False
-    hint: int = 0  # iterations still to come after the granted ones
-    ready_since: float = 0.0
-    op_time: dict[tuple[str, int], float] = field(default_factory=dict)
-    batches_per_iter: float = 0.0
-    # Running sum of the per-batch ops' estimates, so remaining_s is O(1) per candidate.
-    known_sum: float = 0.0
-    known_n: int = 0
-
-    def record(self, kind: str, shard: int, seconds: float) -> None:
-        """Fold one measured op duration (per micro-batch) into the estimates."""
-        key = (kind, shard)
-        old = self.op_time.get(key)
-        new = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
-        self.op_time[key] = new
-        if kind in _BATCH_KINDS:
-            self.known_sum += new - (0.0 if old is None else old)
-            self.known_n += old is None
-
-    def remaining_s(self, default_op_s: float = 1.0) -> float:
-        """Estimated seconds of work left; ops not measured yet count as the task's mean
-        measured op, or ``default_op_s`` (the engine-wide mean) before the first."""
-        kinds = 2 * len(self.plan) - 1  # F and B per shard but the last, one L
-        fallback = self.known_sum / self.known_n if self.known_n else default_op_s
-        per_batch = self.known_sum + (kinds - self.known_n) * fallback
-        iters = self.runner.granted + self.hint
-        per_iter = self.batches_per_iter or 1.0
-        done = self.runner.batch_in_epoch if self.options.iteration_batches is None else 0
-        return per_batch * max(iters * per_iter - done, 1.0)
-
-
-_BATCH_KINDS = frozenset(("F", "L", "B"))
 
 
 class Engine:
@@ -171,7 +117,7 @@ class Engine:
         self._op_sum = 0.0  # all measured op durations, for unmeasured tasks' estimates
         self._op_n = 0
         self._cv = threading.Condition(threading.RLock())
-        self._tasks: dict[str, _Entry] = {}
+        self._tasks: dict[str, TaskRecord] = {}
         self._order = 0
         self._closed = False
         self._broken: BaseException | None = None
@@ -246,7 +192,7 @@ class Engine:
                     f"remove it first or pick another name"
                 )
             runner = TaskRunner(name, task, plan, layers, options, order=self._order, pin=pin)
-            entry = _Entry(name, task, plan, options, self._order, runner)
+            entry = TaskRecord(name, task, plan, options, self._order, runner)
             entry.batches_per_iter = _batches_per_iter(task, options)
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
             self._tasks[name] = entry
@@ -281,7 +227,7 @@ class Engine:
                     )
                 )
                 return fut
-            entry.pending.append(_Pending(fut, iterations))
+            entry.pending.append(PendingIterations(fut, iterations))
             entry.runner.granted += iterations
             if entry.runner.current is None and entry.assigned is None:
                 self._advance(entry)
@@ -393,7 +339,7 @@ class Engine:
             return int(device_capacity(device) * 0.9)
         return self.budget
 
-    def _entry(self, name: str) -> _Entry:
+    def _entry(self, name: str) -> TaskRecord:
         try:
             return self._tasks[name]
         except KeyError:
@@ -401,26 +347,26 @@ class Engine:
                 f"no task named {name!r}; registered: {sorted(self._tasks)}"
             ) from None
 
-    def _offload(self, entry: _Entry) -> None:
+    def _offload(self, entry: TaskRecord) -> None:
         for shard in entry.runner.shards:
             for w in self.workers:
                 w.release(shard.store)
             shard.store.demote()
             shard.store.synchronize()
 
-    def _cancel_futures(self, entry: _Entry) -> None:
+    def _cancel_futures(self, entry: TaskRecord) -> None:
         for p in entry.pending:
             p.future.cancel()
         entry.pending.clear()
         entry.runner.granted = 0
 
-    def _advance(self, entry: _Entry) -> None:
+    def _advance(self, entry: TaskRecord) -> None:
         try:
             entry.runner.advance()
         except BaseException as err:  # a task's error stays with the task
             self._fail(entry, err)
 
-    def _on_iteration(self, entry: _Entry, result: dict[str, Any]) -> None:
+    def _on_iteration(self, entry: TaskRecord, result: dict[str, Any]) -> None:
         if entry.options.iteration_batches is None and result["batches"]:
             entry.batches_per_iter = float(result["batches"])
         if entry.pending:
@@ -430,7 +376,7 @@ class Engine:
                 entry.pending.pop(0)
                 p.future.set_result(p.results)
 
-    def _fail(self, entry: _Entry, err: BaseException) -> None:
+    def _fail(self, entry: TaskRecord, err: BaseException) -> None:
         if not isinstance(err, TuneHydraError):
             tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
             wrapped = TaskFailedError(entry.name, f"{type(err).__name__}: {err}", tb)
@@ -443,7 +389,7 @@ class Engine:
         entry.pending.clear()
         entry.runner.granted = 0
 
-    def _on_done(self, entry: _Entry, a: Assignment, err: BaseException | None) -> None:
+    def _on_done(self, entry: TaskRecord, a: Assignment, err: BaseException | None) -> None:
         with self._cv:
             worker = entry.assigned
             if worker is not None:
@@ -545,7 +491,7 @@ class Engine:
             f"return one of its candidates or None"
         )
 
-    def _assign(self, w: DeviceWorker, entry: _Entry, op: Op) -> None:
+    def _assign(self, w: DeviceWorker, entry: TaskRecord, op: Op) -> None:
         store = entry.runner.shards[op.shard].store
         for other in self.workers:
             if other is not w:

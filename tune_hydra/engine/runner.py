@@ -54,7 +54,7 @@ class ShardRuntime:
 
     index: int
     module: nn.Sequential
-    optimizer: torch.optim.Optimizer
+    optimizer: torch.optim.Optimizer | None  # None: the shard has no parameters
     store: ShardStore
     # Whether a visit drew from the CPU / the GPU generator (None: not seen yet). A shard
     # that never drew skips installing that generator, and the CPU lock.
@@ -136,7 +136,9 @@ class TaskRunner:
                 if id(p) in seen:
                     raise _tied_error(spec.layer_names)
             seen.update(id(p) for p in params)
-            opt = task.optimizer(params)
+            # A shard of parameter-free layers (ReLU, Dropout alone) has nothing to step;
+            # torch optimizers refuse an empty parameter list.
+            opt = task.optimizer(params) if params else None
             self.shards.append(
                 ShardRuntime(
                     spec.index,
@@ -404,7 +406,7 @@ class TaskRunner:
             if not math.isfinite(value):
                 raise NonFiniteLossError(self.name, self.epoch, batch, value)
             self._losses.append(value)
-            if batch % k == 0:
+            if batch % k == 0 and shard.optimizer is not None:
                 shard.optimizer.zero_grad()
             # loss / 1 is loss bit for bit; skipping it saves an op and an autograd node
             (loss / k if k > 1 else loss).backward()
@@ -422,7 +424,7 @@ class TaskRunner:
         gradients accumulate in plain training's order."""
         i = shard.index
         grad_out = _to(self._carries[j], device)
-        if batch % self.options.accumulate_steps == 0:
+        if batch % self.options.accumulate_steps == 0 and shard.optimizer is not None:
             shard.optimizer.zero_grad()
         if self.options.recompute:
             inp = _detach(_to(self._inputs[i][j], device), requires_grad=i > 0)
@@ -478,7 +480,8 @@ class TaskRunner:
         if self.options.max_grad_norm is not None and self._total_norm is not None and grads:
             total = self._total_norm.to(grads[0].device)
             torch.nn.utils.clip_grads_with_norm_(grads, self.options.max_grad_norm, total)
-        shard.optimizer.step()
+        if shard.optimizer is not None:
+            shard.optimizer.step()
         shard.pending_step = False
 
     def _eval(self, shard: ShardRuntime, device: torch.device) -> None:
@@ -517,7 +520,10 @@ class TaskRunner:
         assert isinstance(model, nn.Module)
         return {
             "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "optimizers": [copy.deepcopy(s.optimizer.state_dict()) for s in self.shards],
+            "optimizers": [
+                None if s.optimizer is None else copy.deepcopy(s.optimizer.state_dict())
+                for s in self.shards
+            ],
             "grads": [
                 [None if p.grad is None else p.grad.detach().clone() for p in s.params]
                 for s in self.shards
@@ -545,7 +551,8 @@ class TaskRunner:
         assert isinstance(model, nn.Module)
         model.load_state_dict(state["model"])
         for s, sd, grads in zip(self.shards, state["optimizers"], state["grads"], strict=True):
-            s.optimizer.load_state_dict(sd)
+            if s.optimizer is not None:
+                s.optimizer.load_state_dict(sd)
             for p, g in zip(s.params, grads, strict=True):
                 p.grad = None if g is None else g.to(p.device, copy=True)
         self.rng = rng.RngState(state["rng"]["cpu"].clone(), _clone(state["rng"]["cuda"]))

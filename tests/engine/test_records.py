@@ -1,0 +1,40 @@
+"""The engine's per-task record: the remaining-work estimate the policy sees."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+import tune_hydra as th
+from tune_hydra.engine import Engine
+
+
+def _record(granted: int = 2):  # type: ignore[no-untyped-def]
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
+    data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(5)]
+    task = th.ModelTask(model, nn.MSELoss(), lambda p: torch.optim.SGD(p, lr=0.1), data)
+    with Engine(devices="cpu", max_layers_per_shard=1) as engine:
+        engine.add_task("a", task, seed=0)
+        rec = engine._tasks["a"]
+    rec.runner.granted = granted
+    return rec
+
+
+def test_running_sum_equals_the_explicit_estimate() -> None:
+    rec = _record()
+    n = len(rec.plan)
+    assert n == 4
+    assert rec.remaining_s(0.5) == (2 * n - 1) * 0.5 * 2 * 5  # nothing measured yet
+    durations = {("F", 0): 0.1, ("F", 1): 0.2, ("L", 3): 0.5, ("B", 1): 0.3}
+    for (kind, shard), d in durations.items():
+        rec.record(kind, shard, d)
+    rec.record("F", 0, 0.4)  # an EMA update replaces the old estimate in the sum
+    rec.record("E", 0, 9.0)  # eval and step visits are not per-batch ops
+    ema = 0.7 * 0.1 + 0.3 * 0.4
+    known = [ema, 0.2, 0.5, 0.3]
+    per_batch = sum(known) + (2 * n - 1 - len(known)) * sum(known) / len(known)
+    assert math.isclose(rec.remaining_s(), per_batch * 2 * 5)
+    rec.hint = 3  # the front end announced 3 more iterations
+    assert math.isclose(rec.remaining_s(), per_batch * 5 * 5)

@@ -1,0 +1,73 @@
+"""The engine's per-task bookkeeping: granted iterations and remaining-work estimates."""
+
+from __future__ import annotations
+
+import concurrent.futures
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tune_hydra.engine.partition import ShardPlan
+from tune_hydra.engine.runner import TaskRunner, TrainOptions
+from tune_hydra.engine.task import ModelTask
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.workers import DeviceWorker
+
+_EMA = 0.3  # weight of the newest measurement in per-op time estimates
+
+
+@dataclass
+class PendingIterations:
+    """Iterations granted by one ``Engine.train`` call; the future gets their results."""
+
+    future: concurrent.futures.Future[list[dict[str, Any]]]
+    count: int
+    results: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class TaskRecord:
+    """The engine's record of one task: its runner, where it runs, its futures, and the
+    online estimate of its remaining work that the policy sees."""
+
+    name: str
+    task: ModelTask
+    plan: ShardPlan
+    options: TrainOptions
+    order: int
+    runner: TaskRunner
+    pending: list[PendingIterations] = field(default_factory=list)
+    assigned: DeviceWorker | None = None
+    error: BaseException | None = None
+    cancelled: bool = False
+    hint: int = 0  # iterations still to come after the granted ones
+    ready_since: float = 0.0
+    op_time: dict[tuple[str, int], float] = field(default_factory=dict)
+    batches_per_iter: float = 0.0
+    # Running sum of the per-batch ops' estimates, so remaining_s is O(1) per candidate.
+    known_sum: float = 0.0
+    known_n: int = 0
+
+    def record(self, kind: str, shard: int, seconds: float) -> None:
+        """Fold one measured op duration (per micro-batch) into the estimates."""
+        key = (kind, shard)
+        old = self.op_time.get(key)
+        new = seconds if old is None else (1 - _EMA) * old + _EMA * seconds
+        self.op_time[key] = new
+        if kind in _BATCH_KINDS:
+            self.known_sum += new - (0.0 if old is None else old)
+            self.known_n += old is None
+
+    def remaining_s(self, default_op_s: float = 1.0) -> float:
+        """Estimated seconds of work left; ops not measured yet count as the task's mean
+        measured op, or ``default_op_s`` (the engine-wide mean) before the first."""
+        kinds = 2 * len(self.plan) - 1  # F and B per shard but the last, one L
+        fallback = self.known_sum / self.known_n if self.known_n else default_op_s
+        per_batch = self.known_sum + (kinds - self.known_n) * fallback
+        iters = self.runner.granted + self.hint
+        per_iter = self.batches_per_iter or 1.0
+        done = self.runner.batch_in_epoch if self.options.iteration_batches is None else 0
+        return per_batch * max(iters * per_iter - done, 1.0)
+
+
+_BATCH_KINDS = frozenset(("F", "L", "B"))
