@@ -68,3 +68,29 @@ def test_gpu_check_tiny(tmp_path: Path) -> None:
     assert figures["spilled_trace_memory"] == "ok"
     assert figures["multitask_prefetch_on"]["trace_memory"] == "ok"
     assert figures["spilled_shards"] >= 2 and figures["resident_shards"] == 1
+
+
+def test_gpu_session_script_without_a_gpu(tmp_path: Path) -> None:
+    """The prepared GPU run works here too: GPU tests skip, gpu_check refuses, status 1."""
+    import shutil
+
+    import pytest
+    import torch
+
+    if torch.cuda.is_available() or shutil.which("bash") is None:
+        pytest.skip("needs bash and no CUDA device")
+    bin_dir = tmp_path / "bin"  # the script calls `python`; make it this interpreter
+    bin_dir.mkdir()
+    (bin_dir / "python").symlink_to(sys.executable)
+    env = dict(os.environ, OUT=str(tmp_path), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    proc = subprocess.run(
+        ["bash", str(BENCH / "gpu_session.sh")],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert "skipped" in (tmp_path / "gpu_tests.txt").read_text()
+    assert "no CUDA device" in proc.stdout + proc.stderr
