@@ -81,26 +81,6 @@ def test_trace_files(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert "t0" in h.trace.table(limit=5) or "t1" in h.trace.table(limit=5)
 
 
-def test_no_second_slot_without_copies() -> None:
-    """A CPU device that copies nothing has nothing to prefetch: one op queued at a time."""
-    from tune_hydra.engine.trace import Trace
-    from tune_hydra.engine.workers import DeviceWorker, default_clock
-
-    cpu = torch.device("cpu")
-    kinds = {"copy": True, "no copy": False}
-    workers = {
-        name: DeviceWorker(0, cpu, name, Trace([name]), default_clock(), prefetch=True, copy=c)
-        for name, c in kinds.items()
-    }
-    try:
-        assert workers["copy"].depth == 2
-        assert workers["no copy"].depth == 1
-    finally:
-        for w in workers.values():
-            w.close()
-            w.join(5.0)
-
-
 class _Recorder(LRTFPolicy):
     def __init__(self, affinity: float = 0.05) -> None:
         super().__init__(affinity)

@@ -168,7 +168,7 @@ class DeviceWorker:
                     self.last_prefetch_error = err
                 continue
             try:
-                self._make_room(a.store)
+                self._make_room(a.store, a)
                 prev = a.store.owner
                 if isinstance(prev, DeviceWorker) and prev is not self:
                     prev.evict(a.store)  # traced there, on its copy stream
@@ -205,7 +205,7 @@ class DeviceWorker:
             busy = {id(x.store) for x in list(self.assigned)}
         if len(busy) + 1 > self.depth:  # both slots taken by assigned ops
             return
-        if not self._make_room(p.store, wait=False):  # no room beside the running op
+        if not self._make_room(p.store, wait=False):  # no room beside the assigned ops
             return
         t0 = self.clock()
         moved = p.store.try_promote(self.device, self.copy_stream, copy=self.copy, owner=self)
@@ -243,12 +243,18 @@ class DeviceWorker:
         need = sum(s.state_bytes for s in unique) + max(s.activation_bytes for s in unique)
         return None if need <= self.budget else need - self.budget
 
-    def _make_room(self, incoming: ShardStore, wait: bool = True) -> bool:
-        """Evict least recently used shards so that ``incoming`` fits beside the assigned
-        ones (count and bytes). If even those do not fit together, wait for the running op
-        to end (``wait``) or give up (returns False: a speculative prefetch)."""
+    def _make_room(
+        self, incoming: ShardStore, op: Assignment | None = None, wait: bool = True
+    ) -> bool:
+        """Evict least recently used shards so that ``incoming`` fits beside the ops that
+        run before it: those assigned ahead of ``op``, or all assigned ones for a
+        speculative prefetch (count and bytes). If even those do not fit, wait for the
+        running op to end (``wait``) or give up (returns False)."""
         while True:
-            keep = [x.store for x in list(self.assigned)] + [incoming]
+            queued = list(self.assigned)
+            if op is not None and any(x is op for x in queued):
+                queued = queued[: next(i for i, x in enumerate(queued) if x is op)]
+            keep = [x.store for x in queued] + [incoming]
             if self._need(keep) is None:
                 break
             if not wait or self._closing:

@@ -1,0 +1,104 @@
+"""A device worker on its own: slots, copies waiting for room within the budget, prefetches
+that do not fit skipped."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+from torch import nn
+
+from tune_hydra.engine.ops import Op, OpKind
+from tune_hydra.engine.spill import ShardStore
+from tune_hydra.engine.trace import Trace
+from tune_hydra.engine.workers import Assignment, DeviceWorker, default_clock
+
+CPU = torch.device("cpu")
+
+
+def _store(name: str, state: int, act: int) -> ShardStore:
+    layer = nn.Linear(4, 4)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    return ShardStore([layer], opt, name=(name, 0), footprint=(state, act))
+
+
+def _worker(budget: int) -> DeviceWorker:
+    return DeviceWorker(
+        0, CPU, "dev", Trace(["dev"]), default_clock(), prefetch=True, copy=True, budget=budget
+    )
+
+
+def _assignment(w: DeviceWorker, store: ShardStore, run, log: list[str]) -> Assignment:  # type: ignore[no-untyped-def]
+    def done(a: Assignment, err: BaseException | None) -> None:
+        assert err is None, err
+        w.assigned.remove(a)  # what the engine does when an op ends
+        log.append(f"done {store.name[0]}")
+
+    return Assignment(Op(store.name[0], OpKind.FORWARD, 0), store, run=run, done=done)
+
+
+def test_a_queued_shard_that_does_not_fit_waits_for_the_running_op() -> None:
+    w = _worker(budget=100)
+    log: list[str] = []
+    release = threading.Event()
+    running, big = _store("running", state=50, act=30), _store("big", state=40, act=10)
+    try:
+        assert w.fits(big)  # nothing assigned yet: alone it fits
+        w.submit(_assignment(w, running, lambda dev: release.wait(10), log))
+        assert not w.fits(big)  # 50 + 40 + 30 > 100
+        second = _assignment(w, big, lambda dev: log.append("run big"), log)
+        w.submit(second)
+        time.sleep(0.3)
+        assert second.ready is not None and not second.ready.is_set()  # waiting for room
+        assert w.holds(running) and not w.holds(big)
+        release.set()
+        assert second.ready.wait(5)
+        deadline = time.monotonic() + 5
+        while "done big" not in log and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert log == ["done running", "run big", "done big"]
+        assert w.holds(big)
+    finally:
+        release.set()
+        w.close()
+        w.join(5.0)
+
+
+def test_a_prefetch_that_does_not_fit_is_skipped() -> None:
+    w = _worker(budget=100)
+    log: list[str] = []
+    release = threading.Event()
+    running = _store("running", state=50, act=30)
+    fits, too_big = _store("fits", state=20, act=10), _store("too_big", state=21, act=10)
+    try:
+        w.submit(_assignment(w, running, lambda dev: release.wait(10), log))
+        w.prefetch(too_big, "too_big", 0, 0)
+        w.prefetch(fits, "fits", 0, 0)
+        deadline = time.monotonic() + 5
+        while not w.holds(fits) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.holds(fits) and not w.holds(too_big)
+        copied = {e.task for e in w.trace.events if e.op == "copy_in"}
+        assert copied == {"running", "fits"}
+    finally:
+        release.set()
+        w.close()
+        w.join(5.0)
+
+
+def test_no_second_slot_without_copies() -> None:
+    """A CPU device that copies nothing has nothing to prefetch: one op queued at a time."""
+    cpu = CPU
+    kinds = {"copy": True, "no copy": False}
+    workers = {
+        name: DeviceWorker(0, cpu, name, Trace([name]), default_clock(), prefetch=True, copy=c)
+        for name, c in kinds.items()
+    }
+    try:
+        assert workers["copy"].depth == 2
+        assert workers["no copy"].depth == 1
+    finally:
+        for w in workers.values():
+            w.close()
+            w.join(5.0)
