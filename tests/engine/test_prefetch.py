@@ -205,3 +205,27 @@ def test_tasks_of_different_sizes_stay_within_the_device_budget() -> None:
         th.train_plain(ref, 2, seed=0)
         for p, q in zip(task.model.parameters(), ref.model.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+def test_waiting_activations_are_tracked_per_device_and_cleared() -> None:
+    """While tasks alternate on a copying device, the engine tells the worker how many
+    bytes of boundary tensors each waiting task left there; none are left at the end."""
+    tasks = {f"t{i}": _task(i) for i in range(2)}
+    seen: list[dict[str, int]] = []
+    with th.Engine(devices="cpu", device_memory="4MiB", copy_on_cpu=True) as engine:
+        for name, task in tasks.items():
+            engine.add_task(name, task, seed=0)
+        worker = engine.workers[0]
+        original = worker.fits
+
+        def spy(store):  # type: ignore[no-untyped-def]
+            seen.append(dict(worker.carries))
+            return original(store)
+
+        worker.fits = spy  # type: ignore[method-assign]
+        futures = [engine.train(name, 1) for name in tasks]
+        for f in futures:
+            f.result(timeout=120)
+        assert worker.carries == {}
+    sizes = [b for snapshot in seen for b in snapshot.values()]
+    assert sizes and max(sizes) >= 256 * 256 * 4  # one batch of activations, float32

@@ -102,3 +102,29 @@ def test_no_second_slot_without_copies() -> None:
         for w in workers.values():
             w.close()
             w.join(5.0)
+
+
+def test_other_tasks_waiting_activations_count_for_optional_copies_only() -> None:
+    """Boundary tensors other tasks left on the device occupy it: a prefetch or a second
+    queued op that fits only without them is not taken; the op that must run is."""
+    w = _worker(budget=100)
+    log: list[str] = []
+    release = threading.Event()
+    running, nxt = _store("running", state=30, act=10), _store("next", state=20, act=10)
+    try:
+        w.carries = {"waiting": 45, "running": 99}  # the running task's own carry is its input
+        assert w.fits(running)
+        w.submit(_assignment(w, running, lambda dev: release.wait(10), log))
+        assert not w.fits(nxt)  # 30 + 20 + 10 + 45 > 100
+        w.prefetch(nxt, "next", 0, 0)
+        deadline = time.monotonic() + 5
+        while not w.holds(running) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)
+        assert w.holds(running) and not w.holds(nxt)
+        w.carries = {"waiting": 35}
+        assert w.fits(nxt)
+    finally:
+        release.set()
+        w.close()
+        w.join(5.0)

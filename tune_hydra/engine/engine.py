@@ -261,6 +261,8 @@ class Engine:
             while entry.assigned is not None and not self._closed:
                 self._cv.wait(_POLL_S)
             self._offload(entry)
+            for w in self.workers:
+                w.carries.pop(name, None)
             del self._tasks[name]
             self.policy.forget(name)
 
@@ -291,6 +293,8 @@ class Engine:
             runner.set_state(state)
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
             self._cancel_futures(entry)
+            for w in self.workers:
+                w.carries.pop(name, None)
             entry.runner, entry.error, entry.cancelled = runner, None, False
 
     def summary(self) -> dict[str, Any]:
@@ -412,6 +416,7 @@ class Engine:
             else:
                 self._advance(entry)
                 entry.ready_since = self.clock()
+            self._note_carry(entry, worker)
             wake = err is not None or entry.cancelled or self._closed
             if not self._closed and self._broken is None:
                 # Dispatch right here instead of waking the dispatcher thread: one thread
@@ -422,6 +427,15 @@ class Engine:
                     wake = True
             if wake:  # waking the dispatcher on every op would contend for the GIL
                 self._cv.notify_all()
+
+    def _note_carry(self, entry: TaskRecord, worker: DeviceWorker | None) -> None:
+        """Where the task's boundary tensors now wait, for the workers' budgets."""
+        for w in self.workers:
+            w.carries.pop(entry.name, None)
+        if worker is not None and worker.copy and entry.runner.current is not None:
+            size = entry.runner.carry_bytes(worker.device)
+            if size:
+                worker.carries[entry.name] = size
 
     def _loop(self) -> None:
         try:

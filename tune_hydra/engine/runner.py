@@ -237,6 +237,17 @@ class TaskRunner:
                     yield Op(self.name, OpKind.STEP, s.index, it, -1)
             self._finish_iteration()
 
+    def carry_bytes(self, device: torch.device) -> int:
+        """Bytes of the boundary tensors (activations or gradients) waiting on ``device``
+        for this task's next op."""
+        total = 0
+        for carry in self._carries:
+            leaves = [carry] if isinstance(carry, torch.Tensor) else tree_flatten(carry)[0]
+            for t in leaves:
+                if isinstance(t, torch.Tensor) and t.device == device:
+                    total += t.numel() * t.element_size()
+        return total
+
     def next_shard(self, op: Op) -> int | None:
         """The shard the task's op after ``op`` will most likely use (for prefetching it
         while ``op`` runs); ``None`` when that is ``op``'s own shard or unknown."""

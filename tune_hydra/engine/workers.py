@@ -83,6 +83,10 @@ class DeviceWorker:
         # are kept within it here, by what is resident at once.
         self.budget = budget
         self._op_done = threading.Condition()  # the copy thread waits here for room
+        # Boundary tensors other tasks left here for their next op (set by the engine):
+        # they occupy the device too, so optional copies (a second queued op, a prefetch)
+        # count them; a needed copy does not (their owners may be waiting for a device).
+        self.carries: dict[str, int] = {}
         self._closing = False
         self.resident: collections.OrderedDict[int, ShardStore] = collections.OrderedDict()
         self.assigned: collections.deque[Assignment] = collections.deque()
@@ -232,15 +236,18 @@ class DeviceWorker:
     def fits(self, store: ShardStore) -> bool:
         """Whether ``store`` can be resident beside the ops already assigned here (the
         dispatcher asks before queueing a second op behind a running one)."""
-        return self._need([x.store for x in list(self.assigned)] + [store]) is None
+        return self._need([x.store for x in list(self.assigned)] + [store], carries=True) is None
 
-    def _need(self, keep: list[ShardStore]) -> int | None:
-        """Bytes over budget if ``keep`` were resident while each of them runs; None if
-        they fit."""
+    def _need(self, keep: list[ShardStore], carries: bool = False) -> int | None:
+        """Bytes over budget if ``keep`` were resident while each of them runs (plus other
+        tasks' waiting boundary tensors, with ``carries``); None if they fit."""
         if self.budget is None:
             return None
         unique = {id(s): s for s in keep}.values()
         need = sum(s.state_bytes for s in unique) + max(s.activation_bytes for s in unique)
+        if carries:
+            mine = {s.name[0] for s in unique}  # their carries are their ops' inputs
+            need += sum(b for task, b in list(self.carries.items()) if task not in mine)
         return None if need <= self.budget else need - self.budget
 
     def _make_room(
@@ -255,7 +262,7 @@ class DeviceWorker:
             if op is not None and any(x is op for x in queued):
                 queued = queued[: next(i for i, x in enumerate(queued) if x is op)]
             keep = [x.store for x in queued] + [incoming]
-            if self._need(keep) is None:
+            if self._need(keep, carries=not wait) is None:
                 break
             if not wait or self._closing:
                 return False
