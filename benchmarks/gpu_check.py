@@ -188,9 +188,9 @@ def tokens_per_s(history: th.History, tokens_per_batch: int) -> float:
 def memory_replay(history: th.History, budget: int) -> str:
     """``"ok"`` if replaying the trace's copies keeps every device's shard state plus the
     running op's activations (from the plans) within ``budget``, else the error."""
-    acts = {(n, s.index): s.activation_bytes for n, p in history.plans.items() for s in p.shards}
+    assert all(p.budget == budget for p in history.plans.values())
     try:
-        history.trace.validate(state_budget=budget, activation_bytes=acts)
+        history.validate()
     except th.TuneHydraError as err:
         return f"{type(err).__name__}: {str(err).splitlines()[0]}"
     return "ok"

@@ -111,10 +111,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-def validate_with_memory(h: th.History, budget: int) -> None:
-    """``h.trace.validate`` plus the replay of copies: state held + the running op's
-    activations (from the plans) never over ``budget`` on any device."""
-    acts = {(n, s.index): s.activation_bytes for n, p in h.plans.items() for s in p.shards}
-    h.trace.validate(state_budget=budget, activation_bytes=acts)

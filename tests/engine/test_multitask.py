@@ -13,7 +13,6 @@ from tests.conftest import (
     make_task,
     mlp,
     plain_copy,
-    validate_with_memory,
 )
 
 
@@ -40,7 +39,7 @@ def test_three_tasks_different_optimizers(devices: list[str], policy: str) -> No
         want = th.train_plain(refs[name], 2, seed=11)
         assert_same_history(h[name], want)
         assert_same_model(task.model, refs[name].model)
-    validate_with_memory(h, 60_000)
+    h.validate()
     used = {e.device for e in h.trace.events if e.op in "FLBSE"}
     assert len(used) == len(devices)
 
@@ -125,4 +124,4 @@ def test_grouped_visits_multiplexed_over_devices() -> None:
         assert_same_model(task.model, refs[name].model)
     visits = [e for e in h.trace.events if e.task == "t0" and e.op == "F" and e.shard == 0]
     assert len(visits) < 2 * (5 + 1)  # ungrouped: one visit per batch + one finding the end
-    validate_with_memory(h, 24_000)
+    h.validate()

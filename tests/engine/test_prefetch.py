@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 import tune_hydra as th
-from tests.conftest import validate_with_memory
 from tune_hydra.engine.policies import Candidate, LRTFPolicy
 
 
@@ -51,7 +50,7 @@ def test_copies_overlap_other_tasks_compute_and_memory_stays_in_budget() -> None
         for c in copies
     )
     assert overlapped >= len(copies) // 2, (overlapped, len(copies))
-    validate_with_memory(h, 4 * 2**20)
+    h.validate()
     spilled = sum(e.bytes_moved for e in copies if e.task == "t0")
     assert h["t0"][0]["bytes_spilled"] >= spilled > 0  # copy_in traced; copy_out counted too
     plan = h.plans["t0"]
@@ -131,7 +130,7 @@ def test_a_single_task_copies_its_next_shard_in_while_the_current_one_computes()
         if any(e.shard != c.shard and e.start < c.end and c.start < e.end for e in compute)
     ]
     assert len(overlapped) >= len(copies) // 2, (len(overlapped), len(copies))
-    validate_with_memory(h, 4 * 2**20)
+    h.validate()
     plan = h.plans["solo"]
     assert len(plan) >= 3
     peak_state = h.summary["devices"]["cpu"]["peak_resident_bytes"]
@@ -197,7 +196,7 @@ def test_tasks_of_different_sizes_stay_within_the_device_budget() -> None:
     h = _run(True, tasks, epochs=2, budget=budget)
     h_small, h_big = h.plans["small"], h.plans["big"]
     assert max(s.state_bytes for s in h_big.shards) > 2 * max(s.state_bytes for s in h_small.shards)
-    validate_with_memory(h, budget)
+    h.validate()
     copies = [e for e in h.trace.events if e.op == "copy_in" and e.bytes_moved]
     assert len({e.task for e in copies}) == 2
     for name, task in tasks.items():

@@ -23,6 +23,23 @@ class History(dict[str, list[dict[str, Any]]]):
     summary: dict[str, Any]
     plans: dict[str, ShardPlan]
 
+    def validate(self, tolerance: float = 0.0) -> None:
+        """Check the run's schedule from its trace: every task's operations one after
+        another, one operation at a time per device, and (when the plans had a budget)
+        the shard state held on each device plus the running operation's activations
+        never over ``device_memory``.
+
+        Raises:
+            ScheduleError: a rule was broken; the message shows the offending rows.
+        """
+        budgets = {p.budget for p in self.plans.values() if p.budget is not None}
+        acts = {(n, s.index): s.activation_bytes for n, p in self.plans.items() for s in p.shards}
+        self.trace.validate(
+            tolerance,
+            state_budget=min(budgets) if budgets else None,
+            activation_bytes=acts,
+        )
+
 
 def train_models(
     tasks: Mapping[str, ModelTask],
