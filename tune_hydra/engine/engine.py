@@ -261,8 +261,7 @@ class Engine:
             while entry.assigned is not None and not self._closed:
                 self._cv.wait(_POLL_S)
             self._offload(entry)
-            for w in self.workers:
-                w.carries.pop(name, None)
+            self._note_carry(entry, None)
             del self._tasks[name]
             self.policy.forget(name)
 
@@ -293,8 +292,7 @@ class Engine:
             runner.set_state(state)
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
             self._cancel_futures(entry)
-            for w in self.workers:
-                w.carries.pop(name, None)
+            self._note_carry(entry, None)
             entry.runner, entry.error, entry.cancelled = runner, None, False
 
     def summary(self) -> dict[str, Any]:
@@ -429,7 +427,8 @@ class Engine:
                 self._cv.notify_all()
 
     def _note_carry(self, entry: TaskRecord, worker: DeviceWorker | None) -> None:
-        """Where the task's boundary tensors now wait, for the workers' budgets."""
+        """Where the task's boundary tensors now wait, for the workers' budgets (nowhere,
+        with ``worker=None``)."""
         for w in self.workers:
             w.carries.pop(entry.name, None)
         if worker is not None and worker.copy and entry.runner.current is not None:
