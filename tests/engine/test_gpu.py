@@ -72,3 +72,42 @@ def test_cuda_single_task_prefetches_its_next_shard_within_budget() -> None:
     ref.model.cpu()
     assert_same_history(h["a"], want, tol=1e-5)
     assert_same_model(task.model, ref.model, atol=1e-5, rtol=1e-4)
+
+
+def test_cuda_waiting_activations_are_parked_within_budget() -> None:
+    """Activation-heavy tasks taking turns on one GPU: the preempted tasks' boundary
+    tensors go to pinned host memory when they would not fit; peak memory stays within
+    the budget and float64 training equals plain training on the GPU exactly."""
+    torch.manual_seed(0)
+    width, batch, depth = 64, 4096, 6
+    tasks = {}
+    for i in range(4):
+        layers = [m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.ReLU())]
+        model = torch.nn.Sequential(*layers).double()
+        data = [
+            (
+                torch.randn(batch, width, dtype=torch.float64),
+                torch.randn(batch, width, dtype=torch.float64),
+            )
+            for _ in range(3)
+        ]
+        tasks[f"t{i}"] = th.ModelTask(
+            model, torch.nn.MSELoss(), lambda p: torch.optim.Adam(p, lr=1e-3), data
+        )
+    refs = {k: plain_copy(t) for k, t in tasks.items()}
+    budget = 24 * 2**20  # 2 MiB per boundary tensor: 4 tasks' would not fit beside a shard
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    h = th.train_models(
+        tasks, devices=["cuda:0"], device_memory=budget, epochs=2, seed=0, policy="round_robin"
+    )
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= budget, (peak, budget)
+    assert h.summary["devices"]["cuda:0"]["parked_bytes"] > 0
+    assert any(e.op == "carry_out" for e in h.trace.events)
+    for k, t in tasks.items():
+        want = th.train_plain(refs[k], 2, seed=0, device="cuda:0")
+        refs[k].model.cpu()
+        assert_same_history(h[k], want)
+        assert_same_model(t.model, refs[k].model)

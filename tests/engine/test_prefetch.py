@@ -218,7 +218,7 @@ def test_waiting_activations_are_tracked_per_device_and_cleared() -> None:
         original = worker.fits
 
         def spy(store):  # type: ignore[no-untyped-def]
-            seen.append(dict(worker.carries))
+            seen.append({t: c.nbytes for t, c in worker.carries.items()})
             return original(store)
 
         worker.fits = spy  # type: ignore[method-assign]
@@ -228,3 +228,56 @@ def test_waiting_activations_are_tracked_per_device_and_cleared() -> None:
         assert worker.carries == {}
     sizes = [b for snapshot in seen for b in snapshot.values()]
     assert sizes and max(sizes) >= 256 * 256 * 4  # one batch of activations, float32
+
+
+def _held_at_each_op(engine: th.Engine, log: list[tuple[str, int]]) -> None:
+    """Wrap every runner's ``execute``: before each op, log the device bytes it will use
+    (the plan's state of every shard held there, its own activations) and what the other
+    tasks' boundary tensors still occupy there, read from the tensors themselves."""
+    runners = [e.runner for e in engine._tasks.values()]
+    worker = engine.workers[0]
+    cpu = torch.device("cpu")
+    for runner in runners:
+
+        def execute(op, device, runner=runner, original=runner.execute):  # type: ignore[no-untyped-def]
+            stores = [s.store for r in runners for s in r.shards]
+            state = sum(s.state_bytes for s in stores if s.copied and s.owner is worker)
+            act = runner.shards[op.shard].store.activation_bytes
+            waiting = sum(r.carry_bytes(cpu) for r in runners if r is not runner)
+            log.append((op.task, state + act + waiting))
+            return original(op, device)
+
+        runner.execute = execute  # type: ignore[method-assign]
+
+
+def _activation_heavy(seed: int) -> th.ModelTask:
+    return _wide(seed, 64, 6, batch=1024)  # 256 KiB boundary tensors, ~50 KiB per layer
+
+
+def test_waiting_activations_are_parked_to_keep_the_device_within_budget() -> None:
+    """Four activation-heavy tasks take turns on one device: each switch leaves the
+    preempted task's boundary tensor there. Without parking, they pile up beyond the
+    budget; with it, every op starts within the budget and the tasks still train exactly
+    like plain PyTorch."""
+    budget = 3 * 2**20
+    tasks = {f"t{i}": _activation_heavy(i) for i in range(4)}
+    refs = {k: copy.deepcopy(t.model) for k, t in tasks.items()}
+    log: list[tuple[str, int]] = []
+    with th.Engine(
+        devices="cpu", device_memory=budget, copy_on_cpu=True, policy="round_robin"
+    ) as engine:
+        for name, task in tasks.items():
+            engine.add_task(name, task, seed=0)
+        _held_at_each_op(engine, log)
+        for f in [engine.train(name, 2) for name in tasks]:
+            f.result(timeout=120)
+        parked = engine.workers[0].parked_bytes
+        events = engine.trace.events
+    assert len(log) > 100 and max(b for _, b in log) <= budget, max(log, key=lambda x: x[1])
+    outs = [e for e in events if e.op == "carry_out"]
+    assert outs and parked == sum(e.bytes_moved for e in outs) > 0
+    for name, task in tasks.items():
+        ref = th.ModelTask(refs[name], task.loss_fn, task.optimizer, task.train_data)
+        th.train_plain(ref, 2, seed=0)
+        for p, q in zip(task.model.parameters(), ref.model.parameters(), strict=True):
+            torch.testing.assert_close(p, q, rtol=0, atol=0)

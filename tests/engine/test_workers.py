@@ -12,7 +12,7 @@ from torch import nn
 from tune_hydra.engine.ops import Op, OpKind
 from tune_hydra.engine.spill import ShardStore
 from tune_hydra.engine.trace import Trace
-from tune_hydra.engine.workers import Assignment, DeviceWorker, default_clock
+from tune_hydra.engine.workers import Assignment, Carry, DeviceWorker, default_clock
 
 CPU = torch.device("cpu")
 
@@ -21,6 +21,21 @@ def _store(name: str, state: int, act: int) -> ShardStore:
     layer = nn.Linear(4, 4)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     return ShardStore([layer], opt, name=(name, 0), footprint=(state, act))
+
+
+def _carry(
+    nbytes: int, parked: list[str] | None = None, name: str = "", busy: bool = False
+) -> Carry:
+    """A waiting task's boundary tensors; parking them logs ``name`` (0 bytes if busy)."""
+
+    def park(device: torch.device, stream: object) -> int:
+        if busy:
+            return 0
+        if parked is not None:
+            parked.append(name)
+        return nbytes
+
+    return Carry(nbytes, 1, park)
 
 
 def _worker(budget: int) -> DeviceWorker:
@@ -112,7 +127,7 @@ def test_other_tasks_waiting_activations_count_for_optional_copies_only() -> Non
     release = threading.Event()
     running, nxt = _store("running", state=30, act=10), _store("next", state=20, act=10)
     try:
-        w.carries = {"waiting": 45, "running": 99}  # the running task's own carry is its input
+        w.carries = {"waiting": _carry(45), "running": _carry(99)}  # running: its op's input
         assert w.fits(running)
         w.submit(_assignment(w, running, lambda dev: release.wait(10), log))
         assert not w.fits(nxt)  # 30 + 20 + 10 + 45 > 100
@@ -122,9 +137,66 @@ def test_other_tasks_waiting_activations_count_for_optional_copies_only() -> Non
             time.sleep(0.01)
         time.sleep(0.2)
         assert w.holds(running) and not w.holds(nxt)
-        w.carries = {"waiting": 35}
+        w.carries = {"waiting": _carry(35)}
         assert w.fits(nxt)
     finally:
         release.set()
+        w.close()
+        w.join(5.0)
+
+
+def test_a_needed_copy_parks_waiting_activations_largest_first() -> None:
+    """The op that must run parks other tasks' waiting boundary tensors in host memory,
+    largest first and only as many as needed; one whose task is running elsewhere (busy)
+    is skipped, and the op still runs rather than wait for it."""
+    w = _worker(budget=100)
+    log: list[str] = []
+    parked: list[str] = []
+    running = _store("running", state=40, act=20)  # 60 of 100
+    try:
+        w.carries = {
+            "small": _carry(10, parked, "small"),
+            "large": _carry(30, parked, "large"),
+            "busy": _carry(25, parked, "busy", busy=True),
+            "medium": _carry(20, parked, "medium"),
+        }
+        # 60 + 85 waiting: 45 over. "large" (30) and then "medium" (20) are enough, after
+        # "busy" (25) declined.
+        w.submit(_assignment(w, running, lambda dev: log.append("run"), log))
+        deadline = time.monotonic() + 5
+        while "done running" not in log and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert log == ["run", "done running"]
+        assert parked == ["large", "medium"]
+        assert set(w.carries) == {"small", "busy"}
+        assert w.parked_bytes == 50
+        outs = [(e.task, e.shard, e.bytes_moved) for e in w.trace.events if e.op == "carry_out"]
+        assert outs == [("large", 1, 30), ("medium", 1, 20)]
+    finally:
+        w.close()
+        w.join(5.0)
+
+
+def test_an_op_that_ends_over_budget_parks_waiting_activations() -> None:
+    """Boundary tensors that arrived while an op ran (other devices' tasks, the op's own
+    output) are parked when the op ends if they no longer fit beside the resident shards;
+    the task that runs next keeps its own."""
+    w = _worker(budget=100)
+    log: list[str] = []
+    parked: list[str] = []
+    first = _store("first", state=30, act=10)
+    try:
+        w.submit(_assignment(w, first, lambda dev: log.append("run"), log))
+        deadline = time.monotonic() + 5
+        while "done first" not in log and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert w.carries == {} and parked == []
+        w.carries = {"a": _carry(50, parked, "a"), "b": _carry(15, parked, "b")}
+        w.settle()  # 30 resident + 65 waiting fit
+        assert parked == []
+        w.carries["c"] = _carry(20, parked, "c")
+        w.settle()  # 30 + 85 > 100: parking "a" (the largest) is enough
+        assert parked == ["a"] and set(w.carries) == {"b", "c"}
+    finally:
         w.close()
         w.join(5.0)

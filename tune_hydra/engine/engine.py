@@ -13,16 +13,23 @@ from typing import Any
 
 import torch
 
+from tune_hydra.engine.boundary import split_batch
 from tune_hydra.engine.ops import Op
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
 from tune_hydra.engine.policies import BasePolicy, Candidate, get_policy
 from tune_hydra.engine.records import PendingIterations, TaskRecord
 from tune_hydra.engine.rng import CPU_RNG_LOCK
-from tune_hydra.engine.runner import TaskRunner, TrainOptions, _split_batch
+from tune_hydra.engine.runner import TaskRunner, TrainOptions
 from tune_hydra.engine.task import ModelTask, model_layers
 from tune_hydra.engine.trace import Trace
 from tune_hydra.engine.units import device_capacity, parse_bytes, resolve_devices
-from tune_hydra.engine.workers import _POLL_S, Assignment, DeviceWorker, default_clock
+from tune_hydra.engine.workers import (
+    _POLL_S,
+    Assignment,
+    Carry,
+    DeviceWorker,
+    default_clock,
+)
 from tune_hydra.exceptions import (
     EmptyDataError,
     InvalidTaskError,
@@ -178,7 +185,7 @@ class Engine:
                     f"task {name!r}: train_data yielded no batch; give it at least one "
                     f"(inputs, targets) pair"
                 ) from None
-            x, _ = _split_batch(sample, name)
+            x, _ = split_batch(sample, name)
             costs = layer_costs(layers, task.optimizer, x, dtype, device=self.devices[0])
         budget = self._device_budget(self.devices[0])
         plan = plan_shards(
@@ -302,6 +309,7 @@ class Engine:
         for w in self.workers:
             out["devices"][w.label] = {
                 "peak_resident_bytes": w.peak_resident_bytes,
+                "parked_bytes": w.parked_bytes,
                 "busy_s": w.busy_s,
                 "utilization": w.busy_s / wall if wall > 0 else 0.0,
             }
@@ -430,11 +438,13 @@ class Engine:
         """Where the task's boundary tensors now wait, for the workers' budgets (nowhere,
         with ``worker=None``)."""
         for w in self.workers:
-            w.carries.pop(entry.name, None)
-        if worker is not None and worker.copy and entry.runner.current is not None:
+            if entry.name in w.carries:
+                w.set_carry(entry.name, None)
+        op = entry.runner.current
+        if worker is not None and worker.copy and op is not None:
             size = entry.runner.carry_bytes(worker.device)
             if size:
-                worker.carries[entry.name] = size
+                worker.set_carry(entry.name, Carry(size, op.shard, entry.runner.park_carries))
 
     def _loop(self) -> None:
         try:

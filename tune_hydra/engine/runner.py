@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
@@ -26,9 +27,17 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from tune_hydra.engine import rng
+from tune_hydra.engine.boundary import (
+    backward,
+    detach,
+    grads_of,
+    leaves,
+    park,
+    split_batch,
+    to_device,
+)
 from tune_hydra.engine.ops import Op, OpKind
 from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.engine.spill import ShardStore
@@ -66,46 +75,6 @@ class ShardRuntime:
     @property
     def params(self) -> list[nn.Parameter]:
         return self.store.params
-
-
-def _to(obj: Any, device: torch.device) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return obj if obj.device == device else obj.to(device)
-    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
-
-
-def _detach(obj: Any, requires_grad: bool) -> Any:
-    def f(t: Any) -> Any:
-        if not isinstance(t, torch.Tensor):
-            return t
-        t = t.detach()
-        if requires_grad and (t.is_floating_point() or t.is_complex()):
-            t.requires_grad_(True)
-        return t
-
-    return f(obj) if isinstance(obj, torch.Tensor) else tree_map(f, obj)
-
-
-def _grads_of(inputs: Any) -> Any:
-    if isinstance(inputs, torch.Tensor):
-        return inputs.grad
-    return tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) else None, inputs)
-
-
-def _backward(outputs: Any, grads: Any) -> None:
-    if isinstance(outputs, torch.Tensor):  # the common case, without pytree's cost
-        if outputs.requires_grad and isinstance(grads, torch.Tensor):
-            torch.autograd.backward(outputs, grads)
-        return
-    outs, _ = tree_flatten(outputs)
-    gs, _ = tree_flatten(grads)
-    pairs = [
-        (o, g)
-        for o, g in zip(outs, gs, strict=True)
-        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
-    ]
-    if pairs:
-        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
 
 
 class TaskRunner:
@@ -172,6 +141,10 @@ class TaskRunner:
         self._outputs: dict[int, list[Any]] = {}
         self._carries: list[Any] = []  # activations (forward) or gradients (backward)
         self._carry: Any = None  # the eval batch's activation
+        # Held while an op runs; parking the boundary tensors (from another thread) only
+        # happens while the task waits, never under a running op.
+        self._carry_lock = threading.Lock()
+        self._parked = False  # boundary tensors moved to host memory since the last op
         self._target: Any = None  # the eval batch's target
         self._on_gpu = False
         self._losses: list[float] = []
@@ -239,14 +212,34 @@ class TaskRunner:
 
     def carry_bytes(self, device: torch.device) -> int:
         """Bytes of the boundary tensors (activations or gradients) waiting on ``device``
-        for this task's next op."""
+        for this task's next op (0 once parked in host memory)."""
+        if self._parked:
+            return 0
         total = 0
-        for carry in self._carries:
-            leaves = [carry] if isinstance(carry, torch.Tensor) else tree_flatten(carry)[0]
-            for t in leaves:
-                if isinstance(t, torch.Tensor) and t.device == device:
-                    total += t.numel() * t.element_size()
+        for t in leaves([*self._carries, self._carry]):
+            if t.device == device:
+                total += t.numel() * t.element_size()
         return total
+
+    def park_carries(self, device: torch.device, stream: Any = None) -> int:
+        """Move the boundary tensors waiting on ``device`` to host memory (pinned, from a
+        GPU), so that other tasks' ops can use the room; the next op copies them back.
+
+        Called from a worker thread while the task waits. Returns the bytes moved: 0 when
+        the task's op is running (its inputs are in use) or nothing waits on ``device``.
+        On a CPU device (``copy_on_cpu``) the copy is a clone, which is the same logic.
+        """
+        if not self._carry_lock.acquire(blocking=False):
+            return 0
+        try:
+            if self._parked:
+                return 0
+            parked, moved = park([*self._carries, self._carry], device, stream)
+            self._carries, self._carry = parked[:-1], parked[-1]
+            self._parked = moved > 0
+            return moved
+        finally:
+            self._carry_lock.release()
 
     def next_shard(self, op: Op) -> int | None:
         """The shard the task's op after ``op`` will most likely use (for prefetching it
@@ -308,6 +301,11 @@ class TaskRunner:
 
     def execute(self, op: Op, device: torch.device) -> None:
         """Run ``op`` on ``device`` (the shard's state is already there)."""
+        with self._carry_lock:
+            self._parked = False  # what the op leaves behind is on its device
+            self._execute(op, device)
+
+    def _execute(self, op: Op, device: torch.device) -> None:
         shard = self.shards[op.shard]
         t0 = time.perf_counter()
         if shard.pending_step:
@@ -356,7 +354,7 @@ class TaskRunner:
             except StopIteration:
                 self._exhausted = not self._carries
                 return False
-        x, y = _split_batch(batch, self.name)
+        x, y = split_batch(batch, self.name)
         self._carries.append(x)
         self._targets.append(y)
         return True
@@ -400,10 +398,10 @@ class TaskRunner:
     ) -> None:
         """Micro-batch ``j`` of the group (batch ``batch`` of the epoch) through ``shard``."""
         i = shard.index
-        x = _to(self._carries[j], device)
+        x = to_device(self._carries[j], device)
         k = self.options.accumulate_steps
         keep_graph = last or not self.options.recompute
-        inp = _detach(x, requires_grad=i > 0 and keep_graph)
+        inp = detach(x, requires_grad=i > 0 and keep_graph)
         with self._stream(shard, device) as entry:
             self._rng_at[i].append(entry)
             same = keep_graph == torch.is_grad_enabled()
@@ -411,7 +409,7 @@ class TaskRunner:
             with grad_mode, self._autocast(device):
                 out = shard.module(inp)
                 if last:
-                    loss = self.task.loss_fn(out, _to(self._targets[j], device))
+                    loss = self.task.loss_fn(out, to_device(self._targets[j], device))
         if last:
             value = float(loss.item())
             if not math.isfinite(value):
@@ -421,24 +419,24 @@ class TaskRunner:
                 shard.optimizer.zero_grad()
             # loss / 1 is loss bit for bit; skipping it saves an op and an autograd node
             (loss / k if k > 1 else loss).backward()
-            self._carries[j] = _grads_of(inp) if i > 0 else None
+            self._carries[j] = grads_of(inp) if i > 0 else None
             self._after_backward(shard, batch)
             return
-        self._inputs[i].append(inp if keep_graph else _to(inp, torch.device("cpu")))
+        self._inputs[i].append(inp if keep_graph else to_device(inp, torch.device("cpu")))
         if keep_graph:
             self._outputs[i].append(out)
-            out = _detach(out, requires_grad=False)
+            out = detach(out, requires_grad=False)
         self._carries[j] = out
 
     def _backward_op(self, shard: ShardRuntime, device: torch.device, batch: int, j: int) -> None:
         """Micro-batch ``j``'s backward through ``shard``; micro-batches go in order, so
         gradients accumulate in plain training's order."""
         i = shard.index
-        grad_out = _to(self._carries[j], device)
+        grad_out = to_device(self._carries[j], device)
         if batch % self.options.accumulate_steps == 0 and shard.optimizer is not None:
             shard.optimizer.zero_grad()
         if self.options.recompute:
-            inp = _detach(_to(self._inputs[i][j], device), requires_grad=i > 0)
+            inp = detach(to_device(self._inputs[i][j], device), requires_grad=i > 0)
             # The forward already updated buffers (BatchNorm statistics) once: recompute
             # on throwaway copies, then put the real buffers back.
             slots = shard.store.buffer_slots
@@ -458,8 +456,8 @@ class TaskRunner:
                     mod._buffers[name] = b
         else:
             inp, out = self._inputs[i][j], self._outputs[i][j]
-        _backward(out, grad_out)
-        self._carries[j] = _grads_of(inp) if i > 0 else None
+        backward(out, grad_out)
+        self._carries[j] = grads_of(inp) if i > 0 else None
         self._after_backward(shard, batch)
         if j == len(self._carries) - 1:  # the group's last: free its saved tensors
             for store in (self._inputs, self._outputs, self._rng_at):
@@ -507,14 +505,14 @@ class TaskRunner:
                 except StopIteration:
                     self._eval_iter = None
                     return
-            self._carry, self._target = _split_batch(batch, self.name)
-        x = _to(self._carry, device)
+            self._carry, self._target = split_batch(batch, self.name)
+        x = to_device(self._carry, device)
         shard.module.eval()
         try:
             with self._stream(shard, device), torch.no_grad(), self._autocast(device):
                 out = shard.module(x)
                 if i == len(self.shards) - 1:
-                    loss = self.task.loss_fn(out, _to(self._target, device))
+                    loss = self.task.loss_fn(out, to_device(self._target, device))
                     self._eval_losses.append(float(loss.item()))
                     out = None
         finally:
@@ -579,19 +577,6 @@ _NULL = contextlib.nullcontext()  # reusable: nullcontext keeps no state
 
 def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
     return None if t is None else t.clone()
-
-
-def _split_batch(batch: Any, name: str) -> tuple[Any, Any]:
-    if isinstance(batch, (tuple, list)) and len(batch) == 2:
-        return batch[0], batch[1]
-    if isinstance(batch, dict) and {"inputs", "targets"} <= set(batch):
-        return batch["inputs"], batch["targets"]
-    from tune_hydra.exceptions import InvalidTaskError
-
-    raise InvalidTaskError(
-        f"task {name!r}: each batch must be an (inputs, targets) pair, got "
-        f"{type(batch).__name__}; make the data yield (x, y) tuples"
-    )
 
 
 def _tied_error(names: tuple[str, ...]) -> Exception:

@@ -27,8 +27,9 @@ from tune_hydra.exceptions import ScheduleError
 
 COMPUTE_OPS = frozenset({"F", "L", "B", "S", "E"})
 """Operations that occupy a device's compute stream."""
-COPY_OPS = frozenset({"copy_in", "copy_out"})
-"""Spill traffic; runs on a copy stream and may overlap compute."""
+COPY_OPS = frozenset({"copy_in", "copy_out", "carry_out"})
+"""Spill traffic; runs on a copy stream and may overlap compute. ``carry_out`` parks a
+waiting task's boundary tensors (the input of its next op on ``shard``) in host memory."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,7 @@ class TraceEvent:
         task: the task's name.
         shard: shard index.
         op: ``"F"``, ``"L"``, ``"B"``, ``"S"``, ``"E"`` (compute) or ``"copy_in"`` /
-            ``"copy_out"`` (spill traffic).
+            ``"copy_out"`` / ``"carry_out"`` (spill traffic, see ``COPY_OPS``).
         start: seconds since the engine started.
         end: seconds since the engine started.
         bytes_moved: host<->device bytes this operation copied.

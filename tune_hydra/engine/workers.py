@@ -13,7 +13,7 @@ import collections
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,15 @@ class Assignment:
     event: Any = None  # CUDA event after the promotion
     moved: int = 0
     duration: float = 0.0
+
+
+@dataclass
+class Carry:
+    """Boundary tensors (activations or gradients) a waiting task left on a device."""
+
+    nbytes: int
+    shard: int  # the shard whose op will consume them (for the trace)
+    park: Callable[[torch.device, Any], int]  # to host memory; bytes moved, 0 if busy
 
 
 @dataclass
@@ -84,9 +93,13 @@ class DeviceWorker:
         self.budget = budget
         self._op_done = threading.Condition()  # the copy thread waits here for room
         # Boundary tensors other tasks left here for their next op (set by the engine):
-        # they occupy the device too, so optional copies (a second queued op, a prefetch)
-        # count them; a needed copy does not (their owners may be waiting for a device).
-        self.carries: dict[str, int] = {}
+        # they occupy the device too. Optional copies (a second queued op, a prefetch)
+        # that fit only without them are not made; for a needed copy, or when an op ends
+        # over budget, they are parked in host memory (those of running tasks cannot be,
+        # and are then ignored: their owners may be waiting for this very device).
+        self.carries: dict[str, Carry] = {}
+        self.parked_bytes = 0
+        self.last_park_error: Exception | None = None
         self._closing = False
         self.resident: collections.OrderedDict[int, ShardStore] = collections.OrderedDict()
         self.assigned: collections.deque[Assignment] = collections.deque()
@@ -239,16 +252,79 @@ class DeviceWorker:
         return self._need([x.store for x in list(self.assigned)] + [store], carries=True) is None
 
     def _need(self, keep: list[ShardStore], carries: bool = False) -> int | None:
-        """Bytes over budget if ``keep`` were resident while each of them runs (plus other
-        tasks' waiting boundary tensors, with ``carries``); None if they fit."""
+        """Bytes over budget if ``keep`` were resident while each of them runs (plus the
+        boundary tensors other tasks left waiting here, with ``carries``); None if they
+        fit."""
         if self.budget is None:
             return None
         unique = {id(s): s for s in keep}.values()
-        need = sum(s.state_bytes for s in unique) + max(s.activation_bytes for s in unique)
-        if carries:
-            mine = {s.name[0] for s in unique}  # their carries are their ops' inputs
-            need += sum(b for task, b in list(self.carries.items()) if task not in mine)
+        need = sum(s.state_bytes for s in unique) + self._peak(unique, carries)
         return None if need <= self.budget else need - self.budget
+
+    def _peak(self, stores: Iterable[ShardStore], carries: bool) -> int:
+        """The most bytes beside shard state while one of ``stores`` runs: its activations
+        and, with ``carries``, the other tasks' waiting boundary tensors (a task's own are
+        its op's input, part of its activations)."""
+        if not carries:
+            return max(s.activation_bytes for s in stores)
+        with self._lock:
+            waiting = {t: c.nbytes for t, c in self.carries.items()}
+        total = sum(waiting.values())
+        return max(s.activation_bytes + total - waiting.get(s.name[0], 0) for s in stores)
+
+    def set_carry(self, task: str, carry: Carry | None) -> None:
+        """Record (or, with ``None``, forget) what ``task`` left waiting here."""
+        with self._lock:
+            if carry is None:
+                self.carries.pop(task, None)
+            else:
+                self.carries[task] = carry
+
+    def park_carries(self, over: int, running: str | None, queued: set[str]) -> int:
+        """Park waiting tasks' boundary tensors in host memory until ``over`` bytes are
+        freed: never those of the task about to run here (``running``: its op's input),
+        those of other tasks queued here last, largest first; returns the bytes freed."""
+        freed = 0
+        with self._lock:
+            waiting = sorted(
+                ((t, c) for t, c in self.carries.items() if t != running),
+                key=lambda tc: (tc[0] in queued, -tc[1].nbytes),
+            )
+        for task, carry in waiting:
+            if freed >= over:
+                break
+            t0 = self.clock()
+            try:
+                moved = carry.park(self.device, self.copy_stream)
+            except Exception as err:  # e.g. no pinned memory left: they stay, nothing lost
+                self.last_park_error = err
+                continue
+            if not moved:  # its task is running: its inputs are in use
+                continue
+            with self._lock:
+                if self.carries.get(task) is carry:
+                    del self.carries[task]
+            freed += carry.nbytes
+            self.parked_bytes += moved
+            self.trace.add(
+                TraceEvent(self.label, task, carry.shard, "carry_out", t0, self.clock(), moved)
+            )
+        return freed
+
+    def settle(self) -> None:
+        """After an op: park waiting boundary tensors if, beside the resident shards and
+        the next op's activations, they no longer fit the budget."""
+        if self.budget is None or not self.carries:
+            return
+        with self._lock:
+            state = sum(s.state_bytes for s in self.resident.values())
+            queued = list(self.assigned)
+            waiting = {t: c.nbytes for t, c in self.carries.items()}
+        nxt = queued[0].op.task if queued else None
+        act = queued[0].store.activation_bytes if queued else 0
+        over = state + act + sum(waiting.values()) - waiting.get(nxt or "", 0) - self.budget
+        if over > 0:
+            self.park_carries(over, nxt, {x.op.task for x in queued})
 
     def _make_room(
         self, incoming: ShardStore, op: Assignment | None = None, wait: bool = True
@@ -268,9 +344,13 @@ class DeviceWorker:
                 return False
             with self._op_done:
                 self._op_done.wait(_POLL_S)
+        if wait:  # a needed copy: park waiting boundary tensors that leave it no room
+            over = self._need(keep, carries=True)
+            if over is not None:
+                self.park_carries(over, keep[0].name[0], {s.name[0] for s in keep})
         keep_ids = {id(s) for s in keep}
         keep_state = sum({id(s): s.state_bytes for s in keep}.values())
-        act = max(s.activation_bytes for s in keep)
+        act = self._peak(keep, carries=True)  # those that could not be parked, too
         with self._lock:
             others = [s for k, s in self.resident.items() if k not in keep_ids]
             count = len(keep_ids | set(self.resident))
@@ -342,6 +422,7 @@ class DeviceWorker:
             )
             try:
                 a.done(a, err)
+                self.settle()
             except BaseException as e:  # keep the worker alive; the engine notices
                 self.last_error = e
             with self._op_done:  # a copy waiting for room may go on

@@ -1,0 +1,118 @@
+"""Tensors that cross shard boundaries: batches, activations handed forward, gradients
+handed back, and parking them in host memory while their task waits."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tune_hydra.exceptions import InvalidTaskError
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """``obj`` (a tensor or a nest of them) on ``device``; tensors already there as is."""
+    if isinstance(obj, torch.Tensor):
+        return obj if obj.device == device else obj.to(device)
+    return tree_map(lambda t: t.to(device) if isinstance(t, torch.Tensor) else t, obj)
+
+
+def detach(obj: Any, requires_grad: bool) -> Any:
+    """Cut the graph at a shard's input; floating tensors become leaves that collect the
+    gradient to hand back (with ``requires_grad``)."""
+
+    def f(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        t = t.detach()
+        if requires_grad and (t.is_floating_point() or t.is_complex()):
+            t.requires_grad_(True)
+        return t
+
+    return f(obj) if isinstance(obj, torch.Tensor) else tree_map(f, obj)
+
+
+def grads_of(inputs: Any) -> Any:
+    """The gradients collected by :func:`detach`'s leaves, in the same structure."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.grad
+    return tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) else None, inputs)
+
+
+def backward(outputs: Any, grads: Any) -> None:
+    """Backward from a shard's outputs with the gradients the next shard handed back."""
+    if isinstance(outputs, torch.Tensor):  # the common case, without pytree's cost
+        if outputs.requires_grad and isinstance(grads, torch.Tensor):
+            torch.autograd.backward(outputs, grads)
+        return
+    outs, _ = tree_flatten(outputs)
+    gs, _ = tree_flatten(grads)
+    pairs = [
+        (o, g)
+        for o, g in zip(outs, gs, strict=True)
+        if isinstance(o, torch.Tensor) and o.requires_grad and g is not None
+    ]
+    if pairs:
+        torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+
+
+def leaves(objs: list[Any]) -> list[torch.Tensor]:
+    """Every tensor in ``objs`` (tensors, ``None`` or nests)."""
+    out: list[torch.Tensor] = []
+    for obj in objs:
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+        elif obj is not None:
+            out.extend(t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor))
+    return out
+
+
+def park(objs: list[Any], device: torch.device, stream: Any = None) -> tuple[list[Any], int]:
+    """Copies of ``objs`` with every tensor on ``device`` moved to host memory; returns
+    them and the bytes moved.
+
+    From a GPU the copies go to pinned memory on ``stream`` (when given), and return only
+    once done, so the caller may drop the device tensors at once. On the CPU (a device that
+    only emulates copies) the copy is a clone.
+    """
+    moved = 0
+
+    def off(t: Any) -> Any:
+        nonlocal moved
+        if not isinstance(t, torch.Tensor) or t.device != device:
+            return t
+        moved += t.numel() * t.element_size()
+        if device.type != "cuda":
+            return t.clone()
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        host.copy_(t, non_blocking=True)
+        return host
+
+    scope = torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+    with scope:
+        out = [
+            obj
+            if obj is None
+            else off(obj)
+            if isinstance(obj, torch.Tensor)
+            else tree_map(off, obj)
+            for obj in objs
+        ]
+    if moved and device.type == "cuda":
+        # The device tensors may be freed (and their memory reused) once this returns.
+        (stream or torch.cuda.current_stream(device)).synchronize()
+    return out, moved
+
+
+def split_batch(batch: Any, name: str) -> tuple[Any, Any]:
+    """``(inputs, targets)`` of one batch of task ``name``."""
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    if isinstance(batch, dict) and {"inputs", "targets"} <= set(batch):
+        return batch["inputs"], batch["targets"]
+    raise InvalidTaskError(
+        f"task {name!r}: each batch must be an (inputs, targets) pair, got "
+        f"{type(batch).__name__}; make the data yield (x, y) tuples"
+    )
