@@ -236,6 +236,7 @@ class Engine:
                 return fut
             entry.pending.append(PendingIterations(fut, iterations))
             entry.runner.granted += iterations
+            entry.candidate = None  # more work left: a new estimate
             if entry.runner.current is None and entry.assigned is None:
                 self._advance(entry)
             entry.ready_since = self.clock()
@@ -245,7 +246,9 @@ class Engine:
     def set_remaining(self, name: str, iterations: int) -> None:
         """Tell the scheduler how many iterations this task will still be granted."""
         with self._cv:
-            self._entry(name).hint = max(0, int(iterations))
+            entry = self._entry(name)
+            entry.hint = max(0, int(iterations))
+            entry.candidate = None
 
     def cancel(self, name: str) -> None:
         """Drop the task's queued work; its futures are cancelled once its running op ends."""
@@ -487,18 +490,16 @@ class Engine:
                 if w.assigned and not w.fits(e.runner.shards[op.shard].store):
                     waiting = True  # would not fit beside the running op: not here, not now
                     continue
-                entries.append(e)
-                cands.append(
-                    Candidate(
-                        op,
-                        e.remaining_s(default_op_s),
-                        w.holds(e.runner.shards[op.shard].store)
-                        if w.copy
-                        else w.last_task == e.name,
-                        e.ready_since,
-                        e.order,
+                res = w.holds(e.runner.shards[op.shard].store) if w.copy else w.last_task == e.name
+                c = e.candidate
+                # A task's offer changes only with its own op or grant (both reset it);
+                # a task not measured yet follows the engine-wide mean, so is rebuilt.
+                if c is None or c.op is not op or c.resident is not res or not e.known_n:
+                    c = e.candidate = Candidate(
+                        op, e.remaining_s(default_op_s), res, e.ready_since, e.order
                     )
-                )
+                entries.append(e)
+                cands.append(c)
         if not cands:
             return waiting
         pick = self.policy.choose(w.index, cands)

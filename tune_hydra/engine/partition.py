@@ -261,21 +261,21 @@ def layer_costs(
     return costs
 
 
-def _pack(costs: list[LayerCost], state_cap: int, total_cap: int) -> list[tuple[int, int]] | None:
+def _pack(
+    states: list[int], totals: list[int], state_cap: int, total_cap: int
+) -> list[tuple[int, int]] | None:
     """Greedy contiguous packing (optimal in shard count for additive costs)."""
     spans = []
     start, state, act = 0, 0, 0
-    for i, c in enumerate(costs):
-        if c.state_bytes > state_cap or c.total_bytes > total_cap:
+    for i, (s, t) in enumerate(zip(states, totals, strict=True)):
+        if s > state_cap or t > total_cap:
             return None
-        if i > start and (
-            state + c.state_bytes > state_cap or state + act + c.total_bytes > total_cap
-        ):
+        if i > start and (state + s > state_cap or state + act + t > total_cap):
             spans.append((start, i))
             start, state, act = i, 0, 0
-        state += c.state_bytes
-        act += c.activation_bytes
-    spans.append((start, len(costs)))
+        state += s
+        act += t - s
+    spans.append((start, len(states)))
     return spans
 
 
@@ -315,9 +315,11 @@ def plan_shards(
         caps = {lo, budget}
         if prefetch:
             caps |= {int(lo + (budget - lo) * k / 64) for k in range(65)}
+        states = [c.state_bytes for c in costs]  # plain ints: the ladder packs ~65 times
+        totals = [c.total_bytes for c in costs]
         for cap in sorted(caps):
             total_cap = budget - cap if prefetch else budget
-            packed = _pack(costs, cap, total_cap)
+            packed = _pack(states, totals, cap, total_cap)
             if packed is not None and max_layers_per_shard is not None:
                 packed = _split_long(packed, max_layers_per_shard)
             if packed is not None and (best is None or len(packed) < len(best)):

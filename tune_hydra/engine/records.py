@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tune_hydra.engine.partition import ShardPlan
+from tune_hydra.engine.policies.base import Candidate
 from tune_hydra.engine.runner import TaskRunner, TrainOptions
 from tune_hydra.engine.task import ModelTask
 
@@ -47,6 +48,7 @@ class TaskRecord:
     # Running sum of the per-batch ops' estimates, so remaining_s is O(1) per candidate.
     known_sum: float = 0.0
     known_n: int = 0
+    candidate: Candidate | None = None  # the last offer to the policy, while still true
 
     def record(self, kind: str, shard: int, seconds: float) -> None:
         """Fold one measured op duration (per micro-batch) into the estimates."""
