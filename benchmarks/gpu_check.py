@@ -316,6 +316,7 @@ class Check:
         budget, _ = spill_budget(models[0], self.data[0][0], cfg.budget_frac, torch.bfloat16)
         for prefetch in (True, False):
             tasks = {f"m{i}": self._task(copy.deepcopy(m)) for i, m in enumerate(models)}
+            self._reset_peak()
             t0 = time.perf_counter()
             h = th.train_models(
                 tasks,
@@ -336,6 +337,9 @@ class Check:
                 "tokens_s": tokens_per_s(h, self.tokens),
                 "shards": h["m0"][0]["num_shards"],
                 "trace_memory": memory_replay(h, budget),
+                # Other tasks' waiting activations count too (parked to host when needed).
+                "peak_over_budget": self._peak() / budget if self.gpu else None,
+                "parked_bytes": sum(d["parked_bytes"] for d in h.summary["devices"].values()),
             }
 
     def parity(self) -> None:
@@ -423,6 +427,12 @@ def table(r: dict[str, Any], errors: dict[str, str]) -> str:
             "multi-task util, prefetch on",
             _fmt(mt_on.get("utilization"), ".0%"),
             f"{_fmt(mt_on.get('tokens_s'))} tok/s",
+        ),
+        (
+            "multi-task peak / budget",
+            _fmt(mt_on.get("peak_over_budget")),
+            f"goal <= 1.0; {_fmt((mt_on.get('parked_bytes') or 0) / 2**20)} MiB of "
+            f"activations parked",
         ),
         (
             "multi-task util, prefetch off",

@@ -280,10 +280,13 @@ class DeviceWorker:
             else:
                 self.carries[task] = carry
 
-    def park_carries(self, over: int, running: str | None, queued: set[str]) -> int:
+    def park_carries(
+        self, over: int, running: str | None, queued: set[str], stream: Any = None
+    ) -> int:
         """Park waiting tasks' boundary tensors in host memory until ``over`` bytes are
         freed: never those of the task about to run here (``running``: its op's input),
-        those of other tasks queued here last, largest first; returns the bytes freed."""
+        those of other tasks queued here last, largest first; returns the bytes freed.
+        On CUDA the copies run on ``stream`` and are complete on return."""
         freed = 0
         with self._lock:
             waiting = sorted(
@@ -295,7 +298,7 @@ class DeviceWorker:
                 break
             t0 = self.clock()
             try:
-                moved = carry.park(self.device, self.copy_stream)
+                moved = carry.park(self.device, stream)
             except Exception as err:  # e.g. no pinned memory left: they stay, nothing lost
                 self.last_park_error = err
                 continue
@@ -323,8 +326,8 @@ class DeviceWorker:
         nxt = queued[0].op.task if queued else None
         act = queued[0].store.activation_bytes if queued else 0
         over = state + act + sum(waiting.values()) - waiting.get(nxt or "", 0) - self.budget
-        if over > 0:
-            self.park_carries(over, nxt, {x.op.task for x in queued})
+        if over > 0:  # between two ops of this thread: its own stream made them
+            self.park_carries(over, nxt, {x.op.task for x in queued}, self.compute_stream)
 
     def _make_room(
         self, incoming: ShardStore, op: Assignment | None = None, wait: bool = True
@@ -347,7 +350,8 @@ class DeviceWorker:
         if wait:  # a needed copy: park waiting boundary tensors that leave it no room
             over = self._need(keep, carries=True)
             if over is not None:
-                self.park_carries(over, keep[0].name[0], {s.name[0] for s in keep})
+                tasks = {s.name[0] for s in keep}
+                self.park_carries(over, keep[0].name[0], tasks, self.copy_stream)
         keep_ids = {id(s) for s in keep}
         keep_state = sum({id(s): s.state_bytes for s in keep}.values())
         act = self._peak(keep, carries=True)  # those that could not be parked, too
