@@ -18,10 +18,12 @@ devices: one thread each). Models have no dropout (dropout shards serialize on t
 lock by design). Speed-ups are ratios of median wall times; "of ceiling" is the
 multiplexed speed-up over model parallelism divided by the measured ceiling (goal >= 90%).
 
-With ``--breakdown`` two more ways run in the same rounds: plain training of the 4 tasks
+With ``--breakdown`` three more ways run in the same rounds: plain training of the 4 tasks
 on 2 Python worker threads (2 tasks each, 1 intra-op thread: what multiplexing on 2
-single-threaded devices could reach at best) and the same with each model cut at the
-engine's shard boundaries by hand (what cutting costs without the engine).
+single-threaded devices could reach at best), the same with each model cut at the
+engine's shard boundaries by hand (what cutting costs without the engine), and that
+hand-cut training on 1 thread (so its own 2-thread scaling: the GIL-bound Python between
+kernels scales less than the ceiling's plain matmul loop).
 
 Run::
 
@@ -178,6 +180,18 @@ class Bench:
         torch.set_num_threads(self.threads)
         return time.perf_counter() - t0
 
+    def one_worker(self, train: Callable[[th.ModelTask], None]) -> float:
+        """The 4 tasks one after another in this thread, 1 intra-op thread."""
+        tasks = list(self.tasks().values())
+        torch.set_num_threads(1)
+        try:
+            t0 = time.perf_counter()
+            for task in tasks:
+                train(task)
+            return time.perf_counter() - t0
+        finally:
+            torch.set_num_threads(self.threads)
+
     def by_hand(self, task: th.ModelTask) -> None:
         """One epoch of the task cut at the engine's shard boundaries, without the engine:
         a shard's input detached, one optimizer per shard, one autograd call per shard."""
@@ -202,6 +216,7 @@ def run(cfg: Config, breakdown: bool = False) -> dict[str, Any]:
             lambda t: th.train_plain(t, 1, seed=0)
         )
         ways["shards by hand, 2 threads"] = lambda: bench.two_workers(bench.by_hand)
+        ways["shards by hand, 1 thread"] = lambda: bench.one_worker(bench.by_hand)
     for fn in ways.values():  # warm-up
         fn()
     times: dict[str, list[float]] = {k: [] for k in ways}
@@ -253,6 +268,15 @@ def run(cfg: Config, breakdown: bool = False) -> dict[str, Any]:
         f"multiplexed vs plain, all cores: {plain_all / mux:.2f}x (goal >= 1.0x); "
         f"vs plain, 1 thread: {plain_one / mux:.2f}x"
     )
+    if breakdown:
+        # The same training code cut by hand, on 2 threads vs 1: how far this workload
+        # (autograd, Adam's Python loop: GIL-bound between kernels) scales on the machine.
+        hand = med["shards by hand, 1 thread"] / med["shards by hand, 2 threads"]
+        result["hand_scaling"] = hand
+        print(
+            f"shards by hand, 2 threads vs 1: {hand:.2f}x; multiplexed vs model parallel "
+            f"{speedup:.2f}x = {100 * speedup / hand:.0f}% of that"
+        )
     print(
         "utilization (engine summary / trace), multiplexed: "
         + ", ".join(f"{d} {u:.0%}/{trace_util.get(d, 0.0):.0%}" for d, u in util.items())

@@ -273,7 +273,9 @@ def test_waiting_activations_are_parked_to_keep_the_device_within_budget() -> No
             f.result(timeout=120)
         parked = engine.workers[0].parked_bytes
         events = engine.trace.events
+        acts = {(n, s.index): s.activation_bytes for n in tasks for s in engine.plan(n).shards}
     assert len(log) > 100 and max(b for _, b in log) <= budget, max(log, key=lambda x: x[1])
+    engine.trace.validate(state_budget=budget, activation_bytes=acts)  # the same from the trace
     outs = [e for e in events if e.op == "carry_out"]
     assert outs and parked == sum(e.bytes_moved for e in outs) > 0
     for name, task in tasks.items():

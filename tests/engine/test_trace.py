@@ -160,7 +160,7 @@ def test_save_trace_writes_chrome_trace_json(trace: Trace, tmp_path: Path) -> No
     assert lb["ts"] == pytest.approx(1.0e6) and lb["dur"] == pytest.approx(2.0e6)  # microseconds
     assert lb["args"] == {
         "task": "a", "shard": 1, "op": "L", "batch": 0, "iteration": 0, "bytes": 0,
-        "device": "d0",
+        "carry_bytes": 0, "device": "d0",
     }  # fmt: skip
     assert first["ts"] == pytest.approx(0.0)
     copy = by_name["b:copy_in:1[0]"]
@@ -224,3 +224,38 @@ def test_a_copy_in_elsewhere_ends_the_stay_on_the_previous_device() -> None:
         ]
     )
     moved.validate(state_budget=100)
+
+
+def test_validate_counts_waiting_boundary_tensors_until_used_or_parked() -> None:
+    """An op's ``carry_bytes`` stay on its device until the task's next op: on that device
+    they become the op's input (its activations); elsewhere they go when that op ends; a
+    ``carry_out`` parks them in host memory."""
+
+    def op(device: str, task: str, start: float, carry: int = 0) -> TraceEvent:
+        return TraceEvent(device, task, 0, "F", start, start + 1.0, carry_bytes=carry)
+
+    held = [
+        _copy("cuda:0", "a", 0, "copy_in", 0.0, 0.5, 40),
+        _copy("cuda:0", "b", 0, "copy_in", 0.0, 0.5, 40),
+    ]
+    acts = {("a", 0): 10, ("b", 0): 10}
+    base = [*held, op("cuda:0", "a", 1.0, carry=15), op("cuda:0", "b", 2.0, carry=15)]
+    # b runs beside a's waiting 15 bytes: 80 + 10 + 15; then a uses its own input.
+    Trace.from_events([*base, op("cuda:0", "a", 3.0)]).validate(
+        state_budget=105, activation_bytes=acts
+    )
+    with pytest.raises(ScheduleError, match="15 bytes other tasks' ops left waiting"):
+        Trace.from_events(base).validate(state_budget=104, activation_bytes=acts)
+    # Parked before b runs: it fits 90.
+    parked = [*base, _copy("cuda:0", "a", 1, "carry_out", 2.0, 2.0, 15)]
+    Trace.from_events(parked).validate(state_budget=90, activation_bytes=acts)
+    # a's next op on another device releases its carry on cuda:0 only when it ends.
+    later = [
+        *held,
+        op("cuda:0", "a", 1.0, carry=15),
+        op("cuda:1", "a", 2.0),
+        _copy("cuda:0", "c", 0, "copy_in", 2.5, 2.6, 20),  # a's 15 still there
+    ]
+    with pytest.raises(ScheduleError, match="other tasks' ops left waiting"):
+        Trace.from_events(later).validate(state_budget=110, activation_bytes=acts)
+    Trace.from_events(later).validate(state_budget=115, activation_bytes=acts)

@@ -425,7 +425,7 @@ class Engine:
             else:
                 self._advance(entry)
                 entry.ready_since = self.clock()
-            self._note_carry(entry, worker)
+            self._note_carry(entry, worker, a.left if err is None else 0)
             wake = err is not None or entry.cancelled or self._closed
             if not self._closed and self._broken is None:
                 # Dispatch right here instead of waking the dispatcher thread: one thread
@@ -437,17 +437,15 @@ class Engine:
             if wake:  # waking the dispatcher on every op would contend for the GIL
                 self._cv.notify_all()
 
-    def _note_carry(self, entry: TaskRecord, worker: DeviceWorker | None) -> None:
-        """Where the task's boundary tensors now wait, for the workers' budgets (nowhere,
-        with ``worker=None``)."""
+    def _note_carry(self, entry: TaskRecord, worker: DeviceWorker | None, size: int = 0) -> None:
+        """Where the task's boundary tensors now wait (``size`` bytes on ``worker``), for
+        the workers' budgets (nowhere, with ``worker=None``)."""
         for w in self.workers:
             if entry.name in w.carries:
                 w.set_carry(entry.name, None)
         op = entry.runner.current
-        if worker is not None and worker.copy and op is not None:
-            size = entry.runner.carry_bytes(worker.device)
-            if size:
-                worker.set_carry(entry.name, Carry(size, op.shard, entry.runner.park_carries))
+        if worker is not None and size and op is not None:
+            worker.set_carry(entry.name, Carry(size, op.shard, entry.runner.park_carries))
 
     def _loop(self) -> None:
         try:
@@ -526,6 +524,7 @@ class Engine:
             store,
             run=lambda dev: runner.execute(op, dev),
             done=lambda a, err: self._on_done(entry, a, err),
+            carry_bytes=runner.carry_bytes if w.copy else None,
         )
         entry.assigned = w
         w.submit(a)

@@ -47,6 +47,8 @@ class TraceEvent:
         bytes_moved: host<->device bytes this operation copied.
         iteration: the task's iteration.
         batch: batch index in the epoch (-1 where not applicable).
+        carry_bytes: for a compute operation on a device that copies, the bytes of
+            boundary tensors it left there for the task's next operation.
     """
 
     device: str
@@ -58,6 +60,7 @@ class TraceEvent:
     bytes_moved: int = 0
     iteration: int = 0
     batch: int = -1
+    carry_bytes: int = 0
 
     @property
     def duration(self) -> float:
@@ -195,6 +198,10 @@ class Trace:
             activation_bytes: with ``state_budget``, each ``(task, shard)``'s activation
                 bytes (``ShardSpec.activation_bytes``): while an op computes, the state
                 held on its device plus the op's activations must fit the budget.
+                Boundary tensors ops left waiting (``carry_bytes``) count from the op's
+                end until their task's next op uses them (on that device: they are part
+                of its activations; elsewhere: until it ends) or a ``carry_out`` parks
+                them.
 
         Raises:
             ScheduleError: an event ends before it starts, two compute operations overlap on
@@ -272,11 +279,11 @@ def _check_memory(
     budget: int | Mapping[str, int],
     acts: Mapping[tuple[str, int], int],
 ) -> None:
-    # Replay in time order; at equal times frees (end of a copy_out, end of an op) come
-    # before allocations (start of a copy_in, start of an op).
+    # Replay in time order; at equal times frees (end of a copy_out or carry_out, end of
+    # an op) come before allocations (start of a copy_in, start of an op).
     steps = []
     for i, e in enumerate(events):
-        if e.op == "copy_out":
+        if e.op in ("copy_out", "carry_out"):
             steps.append((e.end, 0, i, e, "free"))
         elif e.op == "copy_in":
             steps.append((e.start, 1, i, e, "hold"))
@@ -287,20 +294,29 @@ def _check_memory(
     held: dict[str, dict[tuple[str, int], TraceEvent]] = {}
     where: dict[tuple[str, int], str] = {}
     running: dict[str, TraceEvent] = {}
+    carries: dict[str, dict[str, TraceEvent]] = {}  # device -> task -> the op that left it
     for _, _, _, e, what in steps:
         key = (e.task, e.shard)
         on = held.setdefault(e.device, {})
+        waiting = carries.setdefault(e.device, {})
         if what == "free":
-            if where.get(key) == e.device:
+            if e.op == "carry_out":
+                waiting.pop(e.task, None)
+            elif where.get(key) == e.device:
                 del where[key]
                 on.pop(key, None)
             continue
         if what == "done":
             if running.get(e.device) is e:
                 del running[e.device]
+            for other in carries.values():  # the op's input is released with it
+                other.pop(e.task, None)
+            if e.carry_bytes:
+                waiting[e.task] = e
             continue
         if what == "run":
             running[e.device] = e
+            waiting.pop(e.task, None)  # its input: part of the op's activations now
         else:
             old = where.get(key)
             if old is not None:
@@ -310,12 +326,17 @@ def _check_memory(
         limit = budget if isinstance(budget, int) else budget.get(e.device)
         op = running.get(e.device)
         act = acts.get((op.task, op.shard), 0) if op is not None else 0
-        total = sum(x.bytes_moved for x in on.values()) + act
+        carried = sum(x.carry_bytes for x in waiting.values())
+        total = sum(x.bytes_moved for x in on.values()) + act + carried
         if limit is not None and total > limit:
-            rows = sorted([*on.values(), *([op] if op is not None else [])], key=lambda x: x.start)
+            rows = sorted(
+                [*on.values(), *([op] if op is not None else []), *waiting.values()],
+                key=lambda x: x.start,
+            )
             raise ScheduleError(
                 f"device {e.device!r} holds {total} bytes (shard state"
                 + (f" + {act} bytes of the running op's activations" if act else "")
+                + (f" + {carried} bytes other tasks' ops left waiting" if carried else "")
                 + f"), over its budget of {limit} bytes, at {e.start:.6f} s:\n"
                 + _rows(rows)
             )
@@ -402,6 +423,7 @@ def save_trace(trace: Trace | Iterable[TraceEvent], path: str | Path) -> Path:
                     "batch": e.batch,
                     "iteration": e.iteration,
                     "bytes": e.bytes_moved,
+                    "carry_bytes": e.carry_bytes,
                     "device": e.device,
                 },
             }

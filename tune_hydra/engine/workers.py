@@ -3,8 +3,10 @@ next assigned shard while the current one computes (double buffering).
 
 A worker holds at most two shard states resident when prefetching (the running one and
 the next), one otherwise; the least recently used other shard is demoted to make room.
-On CUDA, copies run on a dedicated stream and compute waits on an event; on the CPU the
-same bookkeeping runs with plain copies (or none, when ``copy=False``).
+Boundary tensors other tasks left waiting on the device count against the same budget
+and are parked in host memory when they would not fit. On CUDA, copies run on a
+dedicated stream and compute waits on an event; on the CPU the same bookkeeping runs with
+plain copies (or none, when ``copy=False``).
 """
 
 from __future__ import annotations
@@ -40,6 +42,9 @@ class Assignment:
     event: Any = None  # CUDA event after the promotion
     moved: int = 0
     duration: float = 0.0
+    # Bytes of boundary tensors the op leaves on the device (None: not tracked here).
+    carry_bytes: Callable[[torch.device], int] | None = None
+    left: int = 0
 
 
 @dataclass
@@ -410,6 +415,8 @@ class DeviceWorker:
             t1 = self.clock()
             self.busy_s += t1 - t0
             a.duration = t1 - t0
+            if err is None and a.carry_bytes is not None:
+                a.left = a.carry_bytes(self.device)
             op = a.op
             self.trace.add(
                 TraceEvent(
@@ -422,6 +429,7 @@ class DeviceWorker:
                     a.moved,
                     op.iteration,
                     op.batch,
+                    a.left,
                 )
             )
             try:
