@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import tune_hydra as th
 from tests.conftest import (
@@ -194,3 +195,69 @@ def test_parameter_free_shards() -> None:
     want = th.train_plain(ref, 2, seed=5)
     assert_same_history(first + second, want)
     assert_same_model(task.model, ref.model)
+
+
+def _inplace_mlp() -> nn.Sequential:
+    """In-place activations right after possible cuts, dropout and BatchNorm around them."""
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 16),
+        nn.ReLU(inplace=True),
+        nn.BatchNorm1d(16),
+        nn.LeakyReLU(0.1, inplace=True),  # not idempotent: a recompute from its output differs
+        nn.Dropout(0.2),
+        nn.Linear(16, 16),
+        nn.ELU(inplace=True),
+        nn.Linear(16, 4),
+    ).double()
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("cut", [1, 2, None])
+def test_layers_that_write_their_input_in_place(recompute: bool, cut: int | None) -> None:
+    """``ReLU(inplace=True)`` and kin as the first layer of a shard: torch refuses an
+    in-place write to a leaf that requires grad, and a recompute must start from the input
+    as it was before the write. Such shards compute on a clone (found on their first
+    visit); the others take their input as is. Training equals plain PyTorch exactly."""
+    task = make_task(_inplace_mlp(), "adam")
+    ref = plain_copy(task)
+    with th.Engine(
+        devices="cpu", max_layers_per_shard=cut, recompute=recompute, copy_on_cpu=True
+    ) as engine:
+        engine.add_task("a", task, seed=2)
+        runner = engine._tasks["a"].runner
+        got = engine.train("a", 2).result(timeout=120)
+    want = th.train_plain(ref, 2, seed=2)
+    assert_same_history(got, want)
+    assert_same_model(task.model, ref.model)
+    inplace = (nn.ReLU, nn.LeakyReLU, nn.ELU)
+    for shard in runner.shards:
+        first = shard.module[0]
+        writes = isinstance(first, inplace) and shard.index > 0  # shard 0 starts with Linear
+        assert shard.mutates_input is writes, (shard.index, first)
+
+
+def test_a_layer_that_writes_its_input_only_sometimes_is_refused() -> None:
+    """The clone is decided on a shard's first visit; a layer whose in-place write comes
+    later would corrupt the input kept for the backward: a clear error, not a wrong
+    result."""
+
+    class Sometimes(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = 0
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            # Calls: the layer probe, then per batch a forward (no grad: torch allows the
+            # write) and a recompute. Writes from the second batch's forward on.
+            self.calls += 1
+            return x.mul_(2) if self.calls > 3 and not torch.is_grad_enabled() else x * 2
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), Sometimes(), nn.Linear(16, 4)).double()
+    task = make_task(model, "sgd", eval_data=False)
+    with pytest.raises(th.exceptions.TrainingError) as info:
+        th.train_models({"a": task}, devices=["cpu"], max_layers_per_shard=1, recompute=True)
+    err = info.value.errors["a"]
+    assert isinstance(err, th.exceptions.InvalidModelError)
+    assert "in place" in str(err) and "inplace=False" in str(err)

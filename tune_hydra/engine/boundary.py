@@ -1,9 +1,11 @@
 """Tensors that cross shard boundaries: batches, activations handed forward, gradients
-handed back, and parking them in host memory while their task waits."""
+handed back, shard inputs saved for the backward, and parking them in host memory while
+their task waits."""
 
 from __future__ import annotations
 
 import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -32,6 +34,22 @@ def detach(obj: Any, requires_grad: bool) -> Any:
         return t
 
     return f(obj) if isinstance(obj, torch.Tensor) else tree_map(f, obj)
+
+
+def clone(obj: Any) -> Any:
+    """A copy of every tensor in ``obj``, still in the graph (gradients flow back through
+    it): the argument for a shard whose first layer writes into its input in place, which
+    torch refuses on a leaf that requires grad, and which must not change the saved one."""
+    if isinstance(obj, torch.Tensor):
+        return obj.clone()
+    return tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, obj)
+
+
+def versions(obj: Any) -> tuple[int, ...]:
+    """The version counters of the tensors in ``obj`` (bumped by in-place writes)."""
+    if isinstance(obj, torch.Tensor):
+        return (obj._version,)
+    return tuple(t._version for t in leaves([obj]))
 
 
 def grads_of(inputs: Any) -> Any:
@@ -104,6 +122,66 @@ def park(objs: list[Any], device: torch.device, stream: Any = None) -> tuple[lis
         # The device tensors may be freed (and their memory reused) once this returns.
         (stream or torch.cuda.current_stream(device)).synchronize()
     return out, moved
+
+
+_SIDE: dict[torch.device, Any] = {}
+_SIDE_LOCK = threading.Lock()
+
+
+def side_stream(device: torch.device) -> Any:
+    """One stream per GPU for saved inputs' copies to the host (apart from the workers'
+    copy streams, which bring shard state in: the two directions overlap on PCIe)."""
+    with _SIDE_LOCK:
+        stream = _SIDE.get(device)
+        if stream is None:
+            stream = _SIDE[device] = torch.cuda.Stream(device)
+        return stream
+
+
+class SavedInput:
+    """A shard's input kept for its backward's recompute, in host memory.
+
+    From a GPU the copy goes to pinned memory on :func:`side_stream`, issued before the
+    forward's kernels so that it overlaps them (a plain ``.cpu()`` would wait for the
+    forward and then copy, on every forward op); :meth:`get` orders the compute stream
+    after it. On the CPU the input is kept as is: it is host memory already.
+    """
+
+    __slots__ = ("event", "value")
+
+    def __init__(self, obj: Any, device: torch.device) -> None:
+        self.event: Any = None
+        if device.type != "cuda":
+            self.value = obj
+            return
+        stream = side_stream(device)
+        stream.wait_stream(torch.cuda.current_stream(device))  # the input is made there
+
+        def off(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or t.device.type != "cuda":
+                return t
+            host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            host.copy_(t, non_blocking=True)
+            t.record_stream(stream)  # not reused by the compute stream before the copy
+            return host
+
+        with torch.cuda.stream(stream):
+            self.value = off(obj) if isinstance(obj, torch.Tensor) else tree_map(off, obj)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+
+    def get(self, device: torch.device) -> Any:
+        """The input on ``device`` (ordered after the copy to the host, from a GPU)."""
+        if self.event is None:
+            return to_device(self.value, device)
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).wait_event(self.event)
+            return tree_map(
+                lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t,
+                self.value,
+            )
+        self.event.synchronize()
+        return to_device(self.value, device)
 
 
 def split_batch(batch: Any, name: str) -> tuple[Any, Any]:

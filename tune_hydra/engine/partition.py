@@ -139,9 +139,12 @@ def _preserved(modules: list[nn.Module]) -> Iterator[None]:
 
 
 def _detach_grad(obj: Any) -> Any:
+    """A layer's probe input: a non-leaf copy in the graph, as in the model (a layer that
+    writes its input in place, such as ``ReLU(inplace=True)``, fails on a leaf)."""
+
     def f(t: Any) -> Any:
         if isinstance(t, torch.Tensor) and t.is_floating_point():
-            return t.detach().requires_grad_(True)
+            return t.detach().requires_grad_(True).clone()
         return t
 
     return tree_map(f, obj)
@@ -205,10 +208,10 @@ def probe_cuda_peaks(
         for _, module in layers:
             grads = [p.grad for p in module.parameters()]
             module.to(device)
+            inp = _detach_grad(x)  # before the baseline: the input is the previous layer's
             torch.cuda.synchronize(device)
             base = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
-            inp = _detach_grad(x)
             autocast = (
                 torch.autocast("cuda", dtype=autocast_dtype)
                 if autocast_dtype is not None

@@ -30,13 +30,16 @@ from torch import nn
 
 from tune_hydra.engine import rng
 from tune_hydra.engine.boundary import (
+    SavedInput,
     backward,
+    clone,
     detach,
     grads_of,
     leaves,
     park,
     split_batch,
     to_device,
+    versions,
 )
 from tune_hydra.engine.ops import Op, OpKind
 from tune_hydra.engine.partition import ShardPlan
@@ -68,6 +71,9 @@ class ShardRuntime:
     # Whether a visit drew from the CPU / the GPU generator (None: not seen yet). A shard
     # that never drew skips installing that generator, and the CPU lock.
     cpu_rng: bool | None = None
+    # Whether its first layer writes into its input in place (ReLU(inplace=True) right
+    # after a cut); None: not seen yet, treated as True. Such a shard computes on a clone.
+    mutates_input: bool | None = None
     cuda_rng: bool | None = None
     pending_step: bool = False
     grad_norms: list[torch.Tensor] = field(default_factory=list)
@@ -402,14 +408,19 @@ class TaskRunner:
         k = self.options.accumulate_steps
         keep_graph = last or not self.options.recompute
         inp = detach(x, requires_grad=i > 0 and keep_graph)
+        # Issued before the forward's kernels so the copy overlaps them: ``inp`` itself is
+        # never written (a shard that writes its input gets a clone).
+        saved = None if keep_graph else SavedInput(inp, device)
+        arg, before = self._argument(shard, inp)
         with self._stream(shard, device) as entry:
             self._rng_at[i].append(entry)
             same = keep_graph == torch.is_grad_enabled()
             grad_mode = _NULL if same else torch.set_grad_enabled(keep_graph)
             with grad_mode, self._autocast(device):
-                out = shard.module(inp)
+                out = shard.module(arg)
                 if last:
                     loss = self.task.loss_fn(out, to_device(self._targets[j], device))
+        self._check_writes(shard, arg, before)
         if last:
             value = float(loss.item())
             if not math.isfinite(value):
@@ -422,11 +433,36 @@ class TaskRunner:
             self._carries[j] = grads_of(inp) if i > 0 else None
             self._after_backward(shard, batch)
             return
-        self._inputs[i].append(inp if keep_graph else to_device(inp, torch.device("cpu")))
+        self._inputs[i].append(inp if keep_graph else saved)
         if keep_graph:
             self._outputs[i].append(out)
             out = detach(out, requires_grad=False)
         self._carries[j] = out
+
+    @staticmethod
+    def _argument(shard: ShardRuntime, inp: Any) -> tuple[Any, tuple[int, ...] | None]:
+        """What the shard's forward gets (a clone if it writes its input, or may: first
+        visit), and the version counters to check afterwards (None: nothing to check)."""
+        if shard.mutates_input is False:
+            return inp, versions(inp)
+        arg = clone(inp)
+        return arg, (versions(arg) if shard.mutates_input is None else None)
+
+    def _check_writes(self, shard: ShardRuntime, arg: Any, before: tuple[int, ...] | None) -> None:
+        if before is None:
+            return
+        wrote = versions(arg) != before
+        if shard.mutates_input is None:
+            shard.mutates_input = wrote
+        elif wrote:
+            from tune_hydra.exceptions import InvalidModelError
+
+            raise InvalidModelError(
+                f"task {self.name!r}: shard {shard.index} wrote into its input in place on "
+                f"a later visit but not on its first; the engine keeps that input for the "
+                f"backward. Make the layer's in-place write unconditional, or use "
+                f"inplace=False"
+            )
 
     def _backward_op(self, shard: ShardRuntime, device: torch.device, batch: int, j: int) -> None:
         """Micro-batch ``j``'s backward through ``shard``; micro-batches go in order, so
@@ -436,7 +472,8 @@ class TaskRunner:
         if batch % self.options.accumulate_steps == 0 and shard.optimizer is not None:
             shard.optimizer.zero_grad()
         if self.options.recompute:
-            inp = detach(to_device(self._inputs[i][j], device), requires_grad=i > 0)
+            inp = detach(self._inputs[i][j].get(device), requires_grad=i > 0)
+            arg = clone(inp) if shard.mutates_input else inp
             # The forward already updated buffers (BatchNorm statistics) once: recompute
             # on throwaway copies, then put the real buffers back.
             slots = shard.store.buffer_slots
@@ -450,7 +487,7 @@ class TaskRunner:
                     torch.enable_grad(),
                     self._autocast(device),
                 ):
-                    out = shard.module(inp)
+                    out = shard.module(arg)
             finally:
                 for (mod, name), b in zip(slots, real, strict=True):
                     mod._buffers[name] = b
