@@ -111,3 +111,26 @@ def test_cuda_waiting_activations_are_parked_within_budget() -> None:
         refs[k].model.cpu()
         assert_same_history(h[k], want)
         assert_same_model(t.model, refs[k].model)
+
+
+def test_cuda_inplace_layers_and_saved_inputs_parity() -> None:
+    """In-place activations after cuts, on the GPU with recompute (its default): each
+    forward's input goes to pinned host memory on a side stream while the forward runs,
+    and comes back for the backward; float64 equals plain training on the GPU exactly."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(8, 64),
+        torch.nn.ReLU(inplace=True),
+        torch.nn.Linear(64, 64),
+        torch.nn.LeakyReLU(0.1, inplace=True),
+        torch.nn.Dropout(0.2),
+        torch.nn.Linear(64, 4),
+    ).double()
+    task = make_task(model, "adam")
+    ref = plain_copy(task)
+    h = th.train_models({"a": task}, devices=["cuda:0"], epochs=2, seed=1, max_layers_per_shard=1)
+    want = th.train_plain(ref, 2, seed=1, device="cuda:0")
+    ref.model.cpu()
+    assert h["a"][0]["num_shards"] == 6
+    assert_same_history(h["a"], want)
+    assert_same_model(task.model, ref.model)
