@@ -77,3 +77,14 @@ def test_nested_sequential_is_cut_inside_and_keeps_keys() -> None:
     model = nn.Sequential(nn.Linear(8, 8), inner, nn.Linear(8, 4))
     names = [n for n, _ in model_layers(model)]
     assert names == ["0", "1.0", "1.1", "1.2", "2"]
+
+
+def test_a_batch_sliced_from_a_big_tensor_counts_as_its_own_size() -> None:
+    """A batch that is a view into the whole dataset tensor costs its own bytes, not the
+    dataset's; and a layer writing its input in place can be probed."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 2))
+    whole = torch.randn(10_000, 8)
+    sliced, alone = whole[:16], whole[:16].clone()
+    costs = [layer_costs(model_layers(model), OPTIMIZERS["sgd"], x) for x in (sliced, alone)]
+    assert [c.activation_bytes for c in costs[0]] == [c.activation_bytes for c in costs[1]]
+    assert costs[0][0].activation_bytes < 16 * 8 * 4 * 4  # far from the 320 KB dataset

@@ -17,7 +17,7 @@ from tune_hydra.tune import HydraExecutor
 
 pytestmark = pytest.mark.integration
 
-BUDGET = "20KiB"  # 3 shards in float64
+BUDGET = "18KiB"  # 3 shards in float64
 SEED = 11
 
 

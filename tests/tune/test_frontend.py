@@ -18,7 +18,7 @@ from tune_hydra.tune.errors import NotATaskFactoryError, TaskFactoryError, Trial
 from tune_hydra.tune.executor import check_task_factory
 from tune_hydra.tune.scheduler import HydraScheduler
 
-ENGINE = {"devices": "cpu", "device_memory": "20KiB", "policy": "lrtf", "prefetch": True}
+ENGINE = {"devices": "cpu", "device_memory": "18KiB", "policy": "lrtf", "prefetch": True}
 BLOB = cloudpickle.dumps(tune_tasks.make_task)
 
 

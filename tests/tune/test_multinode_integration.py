@@ -15,7 +15,7 @@ pytestmark = pytest.mark.integration
 
 
 def test_trials_spread_over_both_nodes(ray_cluster: Any, storage: str) -> None:
-    with HydraExecutor(devices="cpu", device_memory="20KiB") as ex:
+    with HydraExecutor(devices="cpu", device_memory="18KiB") as ex:
         assert len(ex.engines()) == 2  # one engine actor per node with slots
         assert ex.max_concurrent_trials == 8  # 4 slots on each node
         analysis = th.run(

@@ -27,7 +27,7 @@ from tune_hydra.tune import (
 
 pytestmark = pytest.mark.integration
 
-BUDGET = "20KiB"  # cuts the 16-wide MLP into 2 shards (3 in float64)
+BUDGET = "18KiB"  # cuts the 16-wide MLP into 2 shards (3 in float64)
 
 
 def _registered(ex: HydraExecutor) -> list[str]:

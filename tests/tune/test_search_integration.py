@@ -20,7 +20,7 @@ from tune_hydra.tune import HydraExecutor
 
 pytestmark = pytest.mark.integration
 
-BUDGET = "20KiB"
+BUDGET = "18KiB"
 
 
 def _leftovers(ex: HydraExecutor) -> list[str]:
