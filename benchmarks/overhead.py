@@ -3,6 +3,8 @@
 The same model (a ``copy.deepcopy`` of one template, same data, same seed) is trained
 
 - plainly (``th.train_plain``, the reference),
+- cut at the engine's shard boundaries by hand, without the engine (what cutting costs:
+  one optimizer and one autograd call per shard),
 - by the engine with ``recompute=False`` (each shard keeps its forward graph: the CPU
   default, as the CPU "device" is host memory),
 - by the engine with ``recompute=True`` (backward re-runs each shard's forward, as on a
@@ -38,10 +40,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from common import budget_for, make_data, make_mlp  # benchmarks/common.py
+from common import budget_for, make_data, make_mlp, train_by_hand  # benchmarks/common.py
 from torch import nn
 
 import tune_hydra as th
+from tune_hydra.engine.partition import layer_costs, plan_shards
+from tune_hydra.engine.task import model_layers
 
 
 @dataclass
@@ -81,6 +85,20 @@ def run(cfg: Config) -> dict[str, object]:
         th.train_plain(t, cfg.epochs, seed=0)
         return time.perf_counter() - t0
 
+    costs = layer_costs(model_layers(template), _optimizer, data[0][0])
+    ranges = [(sp.start, sp.stop) for sp in plan_shards(costs, budget).shards]
+
+    def by_hand() -> float:
+        """The engine's cut, trained without the engine (what cutting itself costs)."""
+        t = task()
+        layers = [m for _, m in model_layers(t.model)]  # type: ignore[arg-type]
+        cut = [nn.Sequential(*layers[a:b]) for a, b in ranges]
+        opts = [_optimizer(list(c.parameters())) for c in cut]
+        t0 = time.perf_counter()
+        for _ in range(cfg.epochs):
+            train_by_hand(cut, opts, t.loss_fn, data)  # type: ignore[arg-type]
+        return time.perf_counter() - t0
+
     counts: dict[tuple[bool, bool], int] = {}
 
     def engine(recompute: bool, spill: bool = False, prefetch: bool = True) -> float:
@@ -104,6 +122,7 @@ def run(cfg: Config) -> dict[str, object]:
 
     runs: dict[str, Callable[[], float]] = {
         "plain": plain,
+        "shards by hand": by_hand,
         "keep activations": lambda: engine(False),
         "recompute": lambda: engine(True),
         # Real copies of each shard's state in and out of host buffers, as on a GPU:
