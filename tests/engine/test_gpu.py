@@ -134,3 +134,14 @@ def test_cuda_inplace_layers_and_saved_inputs_parity() -> None:
     assert h["a"][0]["num_shards"] == 6
     assert_same_history(h["a"], want)
     assert_same_model(task.model, ref.model)
+
+
+def test_cuda_keeping_graphs_over_budget_is_refused() -> None:
+    """recompute=False on a GPU keeps every shard's activations until their backward;
+    a plan whose kept activations exceed device_memory is refused with the fix."""
+    task = make_task(mlp(width=256), "adam")
+    with (
+        th.Engine(devices=["cuda:0"], device_memory=400_000, recompute=False) as engine,
+        pytest.raises(th.exceptions.InvalidTaskError, match="recompute=True"),
+    ):
+        engine.add_task("a", task, seed=0)

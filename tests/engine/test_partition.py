@@ -88,3 +88,17 @@ def test_a_batch_sliced_from_a_big_tensor_counts_as_its_own_size() -> None:
     costs = [layer_costs(model_layers(model), OPTIMIZERS["sgd"], x) for x in (sliced, alone)]
     assert [c.activation_bytes for c in costs[0]] == [c.activation_bytes for c in costs[1]]
     assert costs[0][0].activation_bytes < 16 * 8 * 4 * 4  # far from the 320 KB dataset
+
+
+def test_kept_peak_counts_every_shards_activations() -> None:
+    """With recompute=False all shards' graphs wait for their backward at once."""
+    model = mlp(width=32)
+    x = torch.randn(8, 8, dtype=torch.float64)
+    costs = layer_costs(model_layers(model), OPTIMIZERS["adam"], x)
+    plan = plan_shards(costs, 90_000)
+    assert len(plan) >= 3
+    states = max(s.state_bytes for s in plan.shards)
+    acts = sum(s.activation_bytes for s in plan.shards)
+    assert plan.kept_peak_bytes() == acts + 2 * states > plan.peak_bytes()
+    single = plan_shards(costs, None)
+    assert single.kept_peak_bytes() == single.peak_bytes()

@@ -9,6 +9,7 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import traceback
+import warnings
 from typing import Any
 
 import torch
@@ -36,6 +37,7 @@ from tune_hydra.exceptions import (
     ScheduleError,
     TaskFailedError,
     TuneHydraError,
+    format_bytes,
 )
 
 
@@ -192,6 +194,8 @@ class Engine:
             costs, budget, prefetch=self.prefetch, max_layers_per_shard=self.max_layers_per_shard
         )
         pin = any(d.type == "cuda" for d in self.devices)
+        if pin and not self.recompute:
+            self._check_kept_graphs(name, plan)
         with self._cv:
             if name in self._tasks:
                 raise InvalidTaskError(
@@ -205,6 +209,24 @@ class Engine:
             self._tasks[name] = entry
             self._order += 1
         return len(plan)
+
+    def _check_kept_graphs(self, name: str, plan: ShardPlan) -> None:
+        """With ``recompute=False`` a GPU keeps every shard's graph until its backward:
+        the plan's one-shard-at-a-time budget does not bound that."""
+        if plan.budget is not None and plan.kept_peak_bytes() > plan.budget:
+            raise InvalidTaskError(
+                f"task {name!r}: recompute=False keeps all {len(plan)} shards' activations "
+                f"on the GPU until their backward: {format_bytes(plan.kept_peak_bytes())} "
+                f"at once, over device_memory={format_bytes(plan.budget)}; use "
+                f"recompute=True (the default on GPUs) or raise device_memory"
+            )
+        if self._tasks:
+            warnings.warn(
+                "recompute=False with several tasks on a GPU: each task's kept activations "
+                "stay on the GPU beside the other tasks' work, and device_memory does not "
+                "bound them; use recompute=True (the default on GPUs)",
+                stacklevel=3,
+            )
 
     def plan(self, name: str) -> ShardPlan:
         """The shard plan of a registered task."""

@@ -91,6 +91,14 @@ class ShardPlan:
         room = max(s.state_bytes for s in self.shards) if self.prefetch and len(self) > 1 else 0
         return max(s.total_bytes for s in self.shards) + room
 
+    def kept_peak_bytes(self) -> int:
+        """The most device memory one batch needs when every shard keeps its forward graph
+        until its backward (``recompute=False``): all shards' activations at once, beside
+        the largest state (twice, with prefetch)."""
+        states = max(s.state_bytes for s in self.shards)
+        room = states if self.prefetch and len(self) > 1 else 0
+        return sum(s.activation_bytes for s in self.shards) + states + room
+
     def __str__(self) -> str:
         budget = "unlimited" if self.budget is None else format_bytes(self.budget)
         head = (
