@@ -45,7 +45,7 @@ from tune_hydra.engine.ops import Op, OpKind
 from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.engine.spill import ShardStore
 from tune_hydra.engine.task import ModelTask
-from tune_hydra.exceptions import EmptyDataError, NonFiniteLossError
+from tune_hydra.exceptions import EmptyDataError, InvalidModelError, NonFiniteLossError
 
 
 @dataclass
@@ -455,8 +455,6 @@ class TaskRunner:
         if shard.mutates_input is None:
             shard.mutates_input = wrote
         elif wrote:
-            from tune_hydra.exceptions import InvalidModelError
-
             raise InvalidModelError(
                 f"task {self.name!r}: shard {shard.index} wrote into its input in place on "
                 f"a later visit but not on its first; the engine keeps that input for the "
