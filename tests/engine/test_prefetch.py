@@ -7,6 +7,7 @@ import itertools
 import json
 from collections.abc import Sequence
 
+import pytest
 import torch
 from torch import nn
 
@@ -283,3 +284,47 @@ def test_waiting_activations_are_parked_to_keep_the_device_within_budget() -> No
         th.train_plain(ref, 2, seed=0)
         for p, q in zip(task.model.parameters(), ref.model.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("policy", ["lrtf", "round_robin", "fifo"])
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("prefetch", [True, False])
+@pytest.mark.parametrize("devices", [1, 2])
+def test_mixed_tasks_stay_within_budget_from_the_trace(
+    devices: int, prefetch: bool, recompute: bool, policy: str
+) -> None:
+    """Four tasks of different shapes (state-heavy, activation-heavy) under a tight budget
+    on one or two copying devices: the trace's memory replay (shard state, the running
+    op's activations, other tasks' waiting boundary tensors) never exceeds the budget, and
+    every task equals its plain training."""
+    tasks = {
+        "a": _wide(0, 64, 6, batch=1024),
+        "b": _wide(1, 256, 3, batch=64),
+        "c": _wide(2, 64, 4, batch=512),
+        "d": _wide(3, 128, 4, batch=256),
+    }
+    refs = {k: copy.deepcopy(t.model) for k, t in tasks.items()}
+    h = th.train_models(
+        tasks,
+        devices=["cpu"] * devices,
+        device_memory=3 * 2**20,
+        epochs=2,
+        seed=0,
+        copy_on_cpu=True,
+        prefetch=prefetch,
+        recompute=recompute,
+        policy=policy,
+    )
+    h.validate()
+    # Two emulated devices run one intra-op thread each: so does the reference (a matmul's
+    # float32 sums depend on how it is split across threads).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // devices))
+    try:
+        for name, task in tasks.items():
+            ref = th.ModelTask(refs[name], task.loss_fn, task.optimizer, task.train_data)
+            th.train_plain(ref, 2, seed=0)
+            for p, q in zip(task.model.parameters(), ref.model.parameters(), strict=True):
+                torch.testing.assert_close(p, q, rtol=0, atol=0)
+    finally:
+        torch.set_num_threads(threads)

@@ -249,13 +249,11 @@ def test_validate_counts_waiting_boundary_tensors_until_used_or_parked() -> None
     # Parked before b runs: it fits 90.
     parked = [*base, _copy("cuda:0", "a", 1, "carry_out", 2.0, 2.0, 15)]
     Trace.from_events(parked).validate(state_budget=90, activation_bytes=acts)
-    # a's next op on another device releases its carry on cuda:0 only when it ends.
-    later = [
-        *held,
-        op("cuda:0", "a", 1.0, carry=15),
-        op("cuda:1", "a", 2.0),
-        _copy("cuda:0", "c", 0, "copy_in", 2.5, 2.6, 20),  # a's 15 still there
-    ]
+    # a's next op on another device takes its carry there as it starts.
+    moved = [*held, op("cuda:0", "a", 1.0, carry=15), op("cuda:1", "a", 3.0)]
+    before = [*moved, _copy("cuda:0", "c", 0, "copy_in", 2.5, 2.6, 20)]  # a's 15 still here
+    after = [*moved, _copy("cuda:0", "c", 0, "copy_in", 3.5, 3.6, 20)]  # gone with a's op
     with pytest.raises(ScheduleError, match="other tasks' ops left waiting"):
-        Trace.from_events(later).validate(state_budget=110, activation_bytes=acts)
-    Trace.from_events(later).validate(state_budget=115, activation_bytes=acts)
+        Trace.from_events(before).validate(state_budget=110, activation_bytes=acts)
+    Trace.from_events(before).validate(state_budget=115, activation_bytes=acts)
+    Trace.from_events(after).validate(state_budget=100, activation_bytes=acts)

@@ -461,7 +461,8 @@ class Engine:
 
     def _note_carry(self, entry: TaskRecord, worker: DeviceWorker | None, size: int = 0) -> None:
         """Where the task's boundary tensors now wait (``size`` bytes on ``worker``), for
-        the workers' budgets (nowhere, with ``worker=None``)."""
+        the workers' budgets (nowhere, with ``worker=None``: also as its next op starts,
+        which takes them to its device)."""
         for w in self.workers:
             if entry.name in w.carries:
                 w.set_carry(entry.name, None)
@@ -536,10 +537,9 @@ class Engine:
         )
 
     def _assign(self, w: DeviceWorker, entry: TaskRecord, op: Op) -> None:
+        # A shard another device holds stays counted there until it is copied out (by
+        # that device's LRU eviction, or by this device's copy thread taking it over).
         store = entry.runner.shards[op.shard].store
-        for other in self.workers:
-            if other is not w:
-                other.release(store)
         runner = entry.runner
         a = Assignment(
             op,
@@ -547,6 +547,7 @@ class Engine:
             run=lambda dev: runner.execute(op, dev),
             done=lambda a, err: self._on_done(entry, a, err),
             carry_bytes=runner.carry_bytes if w.copy else None,
+            start=(lambda: self._note_carry(entry, None)) if w.copy else None,
         )
         entry.assigned = w
         w.submit(a)

@@ -404,7 +404,8 @@ class TaskRunner:
     ) -> None:
         """Micro-batch ``j`` of the group (batch ``batch`` of the epoch) through ``shard``."""
         i = shard.index
-        x = to_device(self._carries[j], device)
+        # Held from here on device: the copy another device had is freed at once.
+        x = self._carries[j] = to_device(self._carries[j], device)
         k = self.options.accumulate_steps
         keep_graph = last or not self.options.recompute
         inp = detach(x, requires_grad=i > 0 and keep_graph)
@@ -466,7 +467,7 @@ class TaskRunner:
         """Micro-batch ``j``'s backward through ``shard``; micro-batches go in order, so
         gradients accumulate in plain training's order."""
         i = shard.index
-        grad_out = to_device(self._carries[j], device)
+        grad_out = self._carries[j] = to_device(self._carries[j], device)
         if batch % self.options.accumulate_steps == 0 and shard.optimizer is not None:
             shard.optimizer.zero_grad()
         if self.options.recompute:
@@ -541,7 +542,7 @@ class TaskRunner:
                     self._eval_iter = None
                     return
             self._carry, self._target = split_batch(batch, self.name)
-        x = to_device(self._carry, device)
+        x = self._carry = to_device(self._carry, device)
         shard.module.eval()
         try:
             with self._stream(shard, device), torch.no_grad(), self._autocast(device):

@@ -199,9 +199,8 @@ class Trace:
                 bytes (``ShardSpec.activation_bytes``): while an op computes, the state
                 held on its device plus the op's activations must fit the budget.
                 Boundary tensors ops left waiting (``carry_bytes``) count from the op's
-                end until their task's next op uses them (on that device: they are part
-                of its activations; elsewhere: until it ends) or a ``carry_out`` parks
-                them.
+                end until their task's next op starts (it takes them to its device, as
+                part of its activations) or a ``carry_out`` parks them.
 
         Raises:
             ScheduleError: an event ends before it starts, two compute operations overlap on
@@ -309,14 +308,13 @@ def _check_memory(
         if what == "done":
             if running.get(e.device) is e:
                 del running[e.device]
-            for other in carries.values():  # the op's input is released with it
-                other.pop(e.task, None)
             if e.carry_bytes:
                 waiting[e.task] = e
             continue
         if what == "run":
             running[e.device] = e
-            waiting.pop(e.task, None)  # its input: part of the op's activations now
+            for other in carries.values():  # its input moves to the op: its activations
+                other.pop(e.task, None)
         else:
             old = where.get(key)
             if old is not None:

@@ -45,6 +45,7 @@ class Assignment:
     # Bytes of boundary tensors the op leaves on the device (None: not tracked here).
     carry_bytes: Callable[[torch.device], int] | None = None
     left: int = 0
+    start: Callable[[], None] | None = None  # called as the op starts computing
 
 
 @dataclass
@@ -399,6 +400,8 @@ class DeviceWorker:
                 while not a.ready.wait(_POLL_S):
                     pass
             err = a.copy_error
+            if err is None and a.start is not None:
+                a.start()
             t0 = self.clock()
             if err is None:
                 try:
