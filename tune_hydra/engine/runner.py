@@ -150,6 +150,7 @@ class TaskRunner:
         # Held while an op runs; parking the boundary tensors (from another thread) only
         # happens while the task waits, never under a running op.
         self._carry_lock = threading.Lock()
+        self._park_lock = threading.Lock()
         self._parked = False  # boundary tensors moved to host memory since the last op
         self._target: Any = None  # the eval batch's target
         self._on_gpu = False
@@ -235,17 +236,20 @@ class TaskRunner:
         the task's op is running (its inputs are in use) or nothing waits on ``device``.
         On a CPU device (``copy_on_cpu``) the copy is a clone, which is the same logic.
         """
-        if not self._carry_lock.acquire(blocking=False):
-            return 0
-        try:
-            if self._parked:
+        # Another thread parking them: wait until they are off the device (its caller
+        # counts them as freed; this one must not go on while they still occupy it).
+        with self._park_lock:
+            if not self._carry_lock.acquire(blocking=False):
                 return 0
-            parked, moved = park([*self._carries, self._carry], device, stream)
-            self._carries, self._carry = parked[:-1], parked[-1]
-            self._parked = moved > 0
-            return moved
-        finally:
-            self._carry_lock.release()
+            try:
+                if self._parked:
+                    return 0
+                parked, moved = park([*self._carries, self._carry], device, stream)
+                self._carries, self._carry = parked[:-1], parked[-1]
+                self._parked = moved > 0
+                return moved
+            finally:
+                self._carry_lock.release()
 
     def next_shard(self, op: Op) -> int | None:
         """The shard the task's op after ``op`` will most likely use (for prefetching it

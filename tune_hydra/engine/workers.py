@@ -105,6 +105,7 @@ class DeviceWorker:
         # and are then ignored: their owners may be waiting for this very device).
         self.carries: dict[str, Carry] = {}
         self.parked_bytes = 0
+        self._incoming: ShardStore | None = None  # the store the copy thread is bringing in
         self.last_park_error: Exception | None = None
         self._closing = False
         self.resident: collections.OrderedDict[int, ShardStore] = collections.OrderedDict()
@@ -184,11 +185,18 @@ class DeviceWorker:
             a = self._copy_q.get()
             if a is None:
                 return
+            # Counted by settle() from here on: it may run between this copy's room check
+            # and its landing, when an op leaves boundary tensors behind.
+            with self._lock:
+                self._incoming = a.store
             if isinstance(a, Prefetch):
                 try:
                     self._speculate(a)
                 except BaseException as err:  # the op that needs the shard will retry
                     self.last_prefetch_error = err
+                finally:
+                    with self._lock:
+                        self._incoming = None
                 continue
             try:
                 self._make_room(a.store, a)
@@ -218,6 +226,9 @@ class DeviceWorker:
                 self._hold(a.store)
             except BaseException as err:  # reported through the op
                 a.copy_error = err
+            finally:
+                with self._lock:
+                    self._incoming = None
             assert a.ready is not None
             a.ready.set()
 
@@ -326,9 +337,14 @@ class DeviceWorker:
         if self.budget is None or not self.carries:
             return
         with self._lock:
-            state = sum(s.state_bytes for s in self.resident.values())
             queued = list(self.assigned)
+            # Resident, being copied in, or about to be: all there when the next op runs.
+            stores = dict(self.resident)
+            for store in [self._incoming, *(x.store for x in queued)]:
+                if store is not None:
+                    stores[id(store)] = store
             waiting = {t: c.nbytes for t, c in self.carries.items()}
+        state = sum(s.state_bytes for s in stores.values())
         nxt = queued[0].op.task if queued else None
         act = queued[0].store.activation_bytes if queued else 0
         over = state + act + sum(waiting.values()) - waiting.get(nxt or "", 0) - self.budget
@@ -373,18 +389,20 @@ class DeviceWorker:
                 victims.append(s)
                 count -= 1
                 state -= s.state_bytes
-            for s in victims:
-                self.resident.pop(id(s), None)
-        for s in victims:
+        for s in victims:  # counted as resident until their copies are done
             self.evict(s)
         return True
 
     def evict(self, store: ShardStore) -> None:
         """Copy ``store`` back to the host if this device still holds it (safe from any
-        thread: another device's copy thread takes a shard over this way)."""
-        self.release(store)
+        thread: another device's copy thread takes a shard over this way). Returns once
+        the copy is done: until then the device memory is in use, and the shard stays
+        counted here."""
         t0 = self.clock()
         moved = store.demote(self.copy_stream, only_owner=self)
+        if moved:
+            store.synchronize()
+        self.release(store)
         if moved:
             task, shard = store.name
             self.trace.add(TraceEvent(self.label, task, shard, "copy_out", t0, self.clock(), moved))
