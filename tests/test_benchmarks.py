@@ -33,7 +33,7 @@ def _run(script: str, *args: str, timeout: float = 60) -> str:
 def test_overhead_quick() -> None:
     out = _run("overhead.py", "--quick")
     assert "ratio vs plain" in out
-    for mode in ("plain", "keep activations", "recompute"):
+    for mode in ("plain", "shards by hand", "keep activations", "recompute"):
         assert mode in out
 
 
@@ -42,6 +42,7 @@ def test_multiplex_quick() -> None:
     for text in (
         "plain, 2 worker threads",
         "shards by hand, 2 threads",
+        "shards by hand, 1 thread",
         "model parallel",
         "multiplexed",
         "plain, all cores",
@@ -50,6 +51,11 @@ def test_multiplex_quick() -> None:
         "utilization",
     ):
         assert text in out
+
+
+def test_budget_stress_quick() -> None:
+    out = _run("budget_stress.py", "--quick")
+    assert "budget_stress: 10 rounds, 0 broke a rule or parity" in out
 
 
 def test_sched_overhead_quick() -> None:
