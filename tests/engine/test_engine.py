@@ -132,3 +132,37 @@ def test_engine_api_works_without_ray() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "1"
+
+
+def test_a_task_removed_mid_run_leaves_the_device_within_budget() -> None:
+    """On a copying device, a removed (or checkpointed) task's shards are copied out where
+    they are and traced, so the trace replay stays within the budget, and its model ends
+    on the host; the task that stays trains exactly as plain PyTorch."""
+    other = make_task(mlp(seed=3), "adam", n=40)
+    ref = plain_copy(other)
+    stop = make_task(mlp(), "sgd", n=200)
+    with Engine(["cpu"], 24_000, copy_on_cpu=True) as eng:
+        eng.add_task("stop", stop, seed=0)
+        eng.add_task("other", other, seed=0)
+        plans = {n: eng.plan(n) for n in ("stop", "other")}
+        stores = [s.store for s in eng._tasks["stop"].runner.shards]
+        eng.train("stop", 1).result(timeout=120)  # its shards have been on the device
+        doomed = eng.train("stop", 5)
+        keep = eng.train("other", 2)
+        eng.cancel("stop")
+        eng.remove_task("stop")
+        assert not any(s.copied for s in stores) and all(s.retired for s in stores)
+        keep.result(timeout=120)
+        state = eng.get_state("other")  # offloads "other" the same way
+        trace = eng.trace
+    assert doomed.cancelled()
+    acts = {(n, s.index): s.activation_bytes for n, p in plans.items() for s in p.shards}
+    trace.validate(state_budget=24_000, activation_bytes=acts)
+    last: dict[int, str] = {}  # every shard copied in was copied out again, and traced
+    for e in sorted(trace.events, key=lambda e: e.end):
+        if e.task == "stop" and e.op in ("copy_in", "copy_out") and e.bytes_moved:
+            last[e.shard] = e.op
+    assert last and set(last.values()) == {"copy_out"}, last
+    th.train_plain(ref, 2, seed=0)
+    assert_same_model(other.model, ref.model)
+    assert state["iteration"] == 2

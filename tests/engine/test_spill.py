@@ -115,6 +115,22 @@ def test_speculative_promote_never_takes_state_another_owner_holds() -> None:
         assert torch.equal(v, after[k]), k
 
 
+def test_a_retired_store_is_not_prefetched_back() -> None:
+    """A task leaving the engine (or checkpointed) brings its state home for good: a
+    speculative prefetch still queued leaves it there; the next real promotion ends it."""
+    mod, opt = _trained_shard()
+    store = ShardStore([mod], opt)
+    cpu, worker = torch.device("cpu"), object()
+    assert store.promote(cpu, copy=True, owner=worker) > 0
+    assert store.retire() > 0
+    assert not store.copied and store.owner is None
+    assert store.try_promote(cpu, copy=True, owner=worker) is None
+    assert not store.copied
+    assert store.promote(cpu, copy=True, owner=worker) > 0
+    assert store.try_promote(cpu, copy=True, owner=worker) == 0  # live again: already there
+    store.demote()
+
+
 def test_nbytes_counts_params_grads_buffers_and_moments() -> None:
     mod, opt = _trained_shard()
     store = ShardStore([mod], opt)

@@ -18,7 +18,7 @@ from tune_hydra.engine.boundary import split_batch
 from tune_hydra.engine.ops import Op
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
 from tune_hydra.engine.policies import BasePolicy, Candidate, get_policy
-from tune_hydra.engine.records import PendingIterations, TaskRecord
+from tune_hydra.engine.records import PendingIterations, TaskRecord, batches_per_iter
 from tune_hydra.engine.rng import CPU_RNG_LOCK
 from tune_hydra.engine.runner import TaskRunner, TrainOptions
 from tune_hydra.engine.task import ModelTask, model_layers
@@ -204,7 +204,7 @@ class Engine:
                 )
             runner = TaskRunner(name, task, plan, layers, options, order=self._order, pin=pin)
             entry = TaskRecord(name, task, plan, options, self._order, runner)
-            entry.batches_per_iter = _batches_per_iter(task, options)
+            entry.batches_per_iter = batches_per_iter(task, options)
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
             self._tasks[name] = entry
             self._order += 1
@@ -384,10 +384,12 @@ class Engine:
 
     def _offload(self, entry: TaskRecord) -> None:
         for shard in entry.runner.shards:
+            store = shard.store
+            if isinstance(store.owner, DeviceWorker):
+                store.owner.evict(store)  # counted there until copied out, and traced
+            store.retire()
             for w in self.workers:
-                w.release(shard.store)
-            shard.store.demote()
-            shard.store.synchronize()
+                w.release(store)
 
     def _cancel_futures(self, entry: TaskRecord) -> None:
         for p in entry.pending:
@@ -586,15 +588,6 @@ def _options(
     return TrainOptions(
         int(seed), max_grad_norm, accumulate_steps, precision, iteration_batches, recompute
     )
-
-
-def _batches_per_iter(task: ModelTask, options: TrainOptions) -> float:
-    if options.iteration_batches is not None:
-        return float(options.iteration_batches)
-    try:
-        return float(len(task.train_data))  # type: ignore[arg-type]
-    except TypeError:
-        return 1.0
 
 
 __all__ = ["Engine"]

@@ -73,3 +73,13 @@ class TaskRecord:
 
 
 _BATCH_KINDS = frozenset(("F", "L", "B"))
+
+
+def batches_per_iter(task: ModelTask, options: TrainOptions) -> float:
+    """Batches one iteration of the task runs (an epoch, unless ``iteration_batches``)."""
+    if options.iteration_batches is not None:
+        return float(options.iteration_batches)
+    try:
+        return float(len(task.train_data))  # type: ignore[arg-type]
+    except TypeError:  # an iterable without a length: estimates count iterations
+        return 1.0

@@ -75,6 +75,9 @@ class ShardStore:
         self._host: dict[tuple[Any, ...], torch.Tensor] = {}
         self._event: Any = None  # CUDA event after the last demote (host buffers valid)
         self.copied = False  # the live tensors are device copies of the host buffers
+        # Brought home for good until the next promote(): a speculative prefetch still in
+        # a queue must not take it back to a device (the task left, or is checkpointed).
+        self.retired = False
         self.lock = threading.RLock()  # promote/demote may come from two devices' threads
         for key, t in list(self._live()):
             if self.pin:
@@ -149,15 +152,17 @@ class ShardStore:
         with self.lock:
             moved = self._promote(device, stream, copy, owner)
             self.owner = owner
+            self.retired = False
             return moved
 
     def try_promote(
         self, device: torch.device, stream: Any = None, *, copy: bool = True, owner: object
     ) -> int | None:
         """:meth:`promote`, unless another owner holds the state (it may be computing with
-        it): then nothing happens and ``None`` is returned. For speculative prefetches."""
+        it) or it was retired: then nothing happens and ``None`` is returned. For
+        speculative prefetches."""
         with self.lock:
-            if self.copied and self.owner is not owner:
+            if self.retired or (self.copied and self.owner is not owner):
                 return None
             moved = self._promote(device, stream, copy, owner)
             self.owner = owner
@@ -247,6 +252,16 @@ class ShardStore:
         self.copied = False
         self.moved_total += moved
         return moved
+
+    def retire(self) -> int:
+        """:meth:`demote` for good: until the next :meth:`promote`, :meth:`try_promote`
+        leaves the state on the host. Returns the bytes moved."""
+        with self.lock:
+            self.owner = None
+            self.retired = True
+            moved = self._demote(None)
+            self.synchronize()  # an earlier asynchronous demote, too
+            return moved
 
     def synchronize(self) -> None:
         """Wait until host buffers hold the demoted values (CUDA non-blocking copies)."""
