@@ -102,3 +102,27 @@ def test_kept_peak_counts_every_shards_activations() -> None:
     assert plan.kept_peak_bytes() == acts + 2 * states > plan.peak_bytes()
     single = plan_shards(costs, None)
     assert single.kept_peak_bytes() == single.peak_bytes()
+
+
+def test_the_probe_leaves_no_tensor_behind() -> None:
+    """Layers that save their own output (ReLU, Tanh) made the probe's saved-tensor hook
+    hold the output's Python object inside its own graph: a cycle gc cannot free, so
+    every probe (one per added task) leaked a batch of activations."""
+    import gc
+    import warnings
+
+    def probe() -> None:
+        model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32), nn.Tanh())
+        layer_costs(model_layers(model), OPTIMIZERS["sgd"], torch.randn(64, 32))
+
+    def tensors() -> set[int]:
+        gc.collect()
+        with warnings.catch_warnings():  # isinstance on torch's deprecated module proxies
+            warnings.simplefilter("ignore")
+            return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+
+    probe()
+    before = tensors()
+    for _ in range(3):
+        probe()
+    assert tensors() - before == set()

@@ -181,7 +181,9 @@ def probe_activations(
                 ptr = t.untyped_storage().data_ptr()
                 if ptr not in params:
                     seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-                return t
+                # Not ``t``: a node saving its own output would then hold that output's
+                # Python object, which holds the node: a cycle gc cannot see (a leak).
+                return t.detach()
 
             inp = _detach_grad(x)
             autocast = (
