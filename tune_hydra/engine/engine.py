@@ -385,9 +385,10 @@ class Engine:
     def _offload(self, entry: TaskRecord) -> None:
         for shard in entry.runner.shards:
             store = shard.store
-            if isinstance(store.owner, DeviceWorker):
-                store.owner.evict(store)  # counted there until copied out, and traced
-            store.retire()
+            with store.lock:  # a prefetch may be bringing it in right now: after it
+                if isinstance(store.owner, DeviceWorker):
+                    store.owner.evict(store)  # counted there until copied out, and traced
+                store.retire()
             for w in self.workers:
                 w.release(store)
 

@@ -242,16 +242,17 @@ class DeviceWorker:
         if not self._make_room(p.store, wait=False):  # no room beside the assigned ops
             return
         t0 = self.clock()
-        moved = p.store.try_promote(self.device, self.copy_stream, copy=self.copy, owner=self)
-        if moved is None:  # another device holds it
-            return
-        if moved:
-            self.trace.add(
-                TraceEvent(
-                    self.label, p.task, p.shard, "copy_in", t0, self.clock(), moved, p.iteration
+        with p.store.lock:  # held until counted here: its task may be leaving the engine
+            moved = p.store.try_promote(self.device, self.copy_stream, copy=self.copy, owner=self)
+            if moved is None:  # another device holds it, or it was retired
+                return
+            if moved:
+                self.trace.add(
+                    TraceEvent(
+                        self.label, p.task, p.shard, "copy_in", t0, self.clock(), moved, p.iteration
+                    )
                 )
-            )
-        self._hold(p.store)
+            self._hold(p.store)
 
     def _hold(self, store: ShardStore) -> None:
         with self._lock:
