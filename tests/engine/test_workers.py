@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -38,6 +39,13 @@ def _carry(
     return Carry(nbytes, 1, park)
 
 
+def _wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Poll ``condition`` (the worker's threads act asynchronously) until true or timeout."""
+    deadline = time.monotonic() + timeout
+    while not condition() and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def _worker(budget: int) -> DeviceWorker:
     return DeviceWorker(
         0, CPU, "dev", Trace(["dev"]), default_clock(), prefetch=True, copy=True, budget=budget
@@ -69,9 +77,7 @@ def test_a_queued_shard_that_does_not_fit_waits_for_the_running_op() -> None:
         assert w.holds(running) and not w.holds(big)
         release.set()
         assert second.ready.wait(5)
-        deadline = time.monotonic() + 5
-        while "done big" not in log and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_until(lambda: "done big" in log)
         assert log == ["done running", "run big", "done big"]
         assert w.holds(big)
     finally:
@@ -90,9 +96,7 @@ def test_a_prefetch_that_does_not_fit_is_skipped() -> None:
         w.submit(_assignment(w, running, lambda dev: release.wait(10), log))
         w.prefetch(too_big, "too_big", 0, 0)
         w.prefetch(fits, "fits", 0, 0)
-        deadline = time.monotonic() + 5
-        while not w.holds(fits) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_until(lambda: w.holds(fits))
         assert w.holds(fits) and not w.holds(too_big)
         copied = {e.task for e in w.trace.events if e.op == "copy_in"}
         assert copied == {"running", "fits"}
@@ -132,9 +136,7 @@ def test_other_tasks_waiting_activations_count_for_optional_copies_only() -> Non
         w.submit(_assignment(w, running, lambda dev: release.wait(10), log))
         assert not w.fits(nxt)  # 30 + 20 + 10 + 45 > 100
         w.prefetch(nxt, "next", 0, 0)
-        deadline = time.monotonic() + 5
-        while not w.holds(running) and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_until(lambda: w.holds(running))
         time.sleep(0.2)
         assert w.holds(running) and not w.holds(nxt)
         w.carries = {"waiting": _carry(35)}
@@ -163,9 +165,7 @@ def test_a_needed_copy_parks_waiting_activations_largest_first() -> None:
         # 60 + 85 waiting: 45 over. "large" (30) and then "medium" (20) are enough, after
         # "busy" (25) declined.
         w.submit(_assignment(w, running, lambda dev: log.append("run"), log))
-        deadline = time.monotonic() + 5
-        while "done running" not in log and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_until(lambda: "done running" in log)
         assert log == ["run", "done running"]
         assert parked == ["large", "medium"]
         assert set(w.carries) == {"small", "busy"}
@@ -187,9 +187,7 @@ def test_an_op_that_ends_over_budget_parks_waiting_activations() -> None:
     first = _store("first", state=30, act=10)
     try:
         w.submit(_assignment(w, first, lambda dev: log.append("run"), log))
-        deadline = time.monotonic() + 5
-        while "done first" not in log and time.monotonic() < deadline:
-            time.sleep(0.01)
+        _wait_until(lambda: "done first" in log)
         assert w.carries == {} and parked == []
         w.carries = {"a": _carry(50, parked, "a"), "b": _carry(15, parked, "b")}
         w.settle()  # 30 resident + 65 waiting fit
