@@ -17,7 +17,6 @@ picked. Training is arranged to equal plain PyTorch exactly:
 from __future__ import annotations
 
 import contextlib
-import copy
 import math
 import threading
 import time
@@ -28,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tune_hydra.engine import rng
+from tune_hydra.engine import resume, rng
 from tune_hydra.engine.boundary import (
     SavedInput,
     backward,
@@ -561,62 +560,18 @@ class TaskRunner:
 
     _total_norm: torch.Tensor | None = None
 
-    # -- checkpoints -----------------------------------------------------------------------
+    # -- checkpoints (tune_hydra.engine.resume) -------------------------------------------
 
     def get_state(self) -> dict[str, Any]:
         """Everything needed to resume exactly, between iterations (state on the host)."""
-        model = self.task.model
-        assert isinstance(model, nn.Module)
-        return {
-            "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-            "optimizers": [
-                None if s.optimizer is None else copy.deepcopy(s.optimizer.state_dict())
-                for s in self.shards
-            ],
-            "grads": [
-                [None if p.grad is None else p.grad.detach().clone() for p in s.params]
-                for s in self.shards
-            ],
-            "rng": {"cpu": self.rng.cpu.clone(), "cuda": _clone(self.rng.cuda)},
-            "epoch_rng": self._epoch_rng.cpu.clone(),
-            "seed": self.options.seed,
-            "iteration": self.iteration,
-            "epoch": self.epoch,
-            "batch_in_epoch": self.batch_in_epoch,
-            "num_shards": len(self.shards),
-        }
+        return resume.capture(self)
 
     def set_state(self, state: dict[str, Any]) -> None:
         """Load :meth:`get_state`'s output into this (fresh) runner."""
-        from tune_hydra.exceptions import InvalidTaskError
-
-        if state.get("num_shards") != len(self.shards):
-            raise InvalidTaskError(
-                f"task {self.name!r}: the checkpoint was made with {state.get('num_shards')} "
-                f"shards but the model is now cut into {len(self.shards)}; restore with the "
-                f"same device_memory"
-            )
-        model = self.task.model
-        assert isinstance(model, nn.Module)
-        model.load_state_dict(state["model"])
-        for s, sd, grads in zip(self.shards, state["optimizers"], state["grads"], strict=True):
-            if s.optimizer is not None:
-                s.optimizer.load_state_dict(sd)
-            for p, g in zip(s.params, grads, strict=True):
-                p.grad = None if g is None else g.to(p.device, copy=True)
-        self.rng = rng.RngState(state["rng"]["cpu"].clone(), _clone(state["rng"]["cuda"]))
-        self.iteration = state["iteration"]
-        self.epoch = state["epoch"]
-        self.batch_in_epoch = state["batch_in_epoch"]
-        self._skip = self.batch_in_epoch
-        self._resume_epoch_rng = rng.RngState(state["epoch_rng"].clone())
+        resume.restore(self, state)
 
 
 _NULL = contextlib.nullcontext()  # reusable: nullcontext keeps no state
-
-
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.clone()
 
 
 def _tied_error(names: tuple[str, ...]) -> Exception:
