@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 import tune_hydra as th
-from tune_hydra.exceptions import ScheduleError, ShardTooLargeError
+from tune_hydra.exceptions import InvalidTaskError, ScheduleError, ShardTooLargeError
 
 
 def make_task(seed: int, width: int, depth: int, batch: int, dropout: bool, bn: bool) -> Any:
@@ -69,16 +69,23 @@ def draw(rng: random.Random) -> dict[str, Any]:
         )
         for s in range(rng.choice([2, 3, 4, 5]))
     ]
+    recompute = rng.random() < 0.5
     return {
         "devices": rng.choice([1, 2, 3]),
         "prefetch": rng.random() < 0.6,
-        "recompute": rng.random() < 0.5,
+        "recompute": recompute,
         "policy": rng.choice(["lrtf", "round_robin", "fifo"]),
-        "budget_mib": rng.choice([3, 4, 6]),
+        # Kept graphs (no recompute) hold a whole batch's activations: larger budgets,
+        # and cuts finer than they need so that batches span several shards.
+        "budget_mib": rng.choice([3, 4, 6] if recompute else [8, 12, 16]),
+        "max_layers_per_shard": None if recompute else rng.choice([None, 2, 3]),
         "accumulate_steps": rng.choice([1, 1, 2]),
         "max_grad_norm": rng.choice([None, 0.5]),
         "tasks": tasks,
     }
+
+
+SKIPPED = "skipped"
 
 
 def check(cfg: dict[str, Any]) -> str | None:
@@ -97,10 +104,13 @@ def check(cfg: dict[str, Any]) -> str | None:
             prefetch=cfg["prefetch"],
             recompute=cfg["recompute"],
             policy=cfg["policy"],
+            max_layers_per_shard=cfg["max_layers_per_shard"],
             **options,
         )
-    except ShardTooLargeError:
-        return None  # a layer alone does not fit this budget: not a schedule to check
+    except (ShardTooLargeError, InvalidTaskError):
+        # A layer alone, or a batch's kept graphs, do not fit this budget (refused before
+        # training): not a schedule to check.
+        return SKIPPED
     try:
         h.validate()
     except ScheduleError as err:
@@ -135,15 +145,18 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     deadline = time.monotonic() + args.minutes * 60
-    rounds = bad = 0
+    rounds = bad = skipped = 0
     while (rounds < 10) if args.quick else (time.monotonic() < deadline):
         cfg = draw(rng)
         rounds += 1
         problem = check(cfg)
-        if problem is not None:
+        if problem is SKIPPED:
+            skipped += 1
+        elif problem is not None:
             bad += 1
             print(f"round {rounds}: {cfg}\n{problem}\n")
     print(f"budget_stress: {rounds} rounds, {bad} broke a rule or parity")
+    print(f"({skipped} configurations refused before training: a layer or a batch too large)")
     return 1 if bad else 0
 
 

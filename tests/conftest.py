@@ -104,6 +104,14 @@ def budget_3_shards() -> int:
     return 24_000
 
 
+def shards_3(recompute: bool, budget: int = 24_000) -> dict[str, int]:
+    """``train_models`` arguments that cut mlp() into at least 3 shards under a budget:
+    without recompute, one within which a batch's kept graphs fit (4 shards)."""
+    if recompute:
+        return {"device_memory": budget}
+    return {"device_memory": 40_000, "max_layers_per_shard": 3}
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if torch.cuda.is_available():
         return

@@ -74,10 +74,7 @@ def test_cuda_single_task_prefetches_its_next_shard_within_budget() -> None:
     assert_same_model(task.model, ref.model, atol=1e-5, rtol=1e-4)
 
 
-def test_cuda_waiting_activations_are_parked_within_budget() -> None:
-    """Activation-heavy tasks taking turns on one GPU: the preempted tasks' boundary
-    tensors go to pinned host memory when they would not fit; peak memory stays within
-    the budget and float64 training equals plain training on the GPU exactly."""
+def _activation_heavy_tasks() -> dict[str, th.ModelTask]:
     torch.manual_seed(0)
     width, batch, depth = 64, 4096, 6
     tasks = {}
@@ -94,6 +91,14 @@ def test_cuda_waiting_activations_are_parked_within_budget() -> None:
         tasks[f"t{i}"] = th.ModelTask(
             model, torch.nn.MSELoss(), lambda p: torch.optim.Adam(p, lr=1e-3), data
         )
+    return tasks
+
+
+def test_cuda_waiting_activations_are_parked_within_budget() -> None:
+    """Activation-heavy tasks taking turns on one GPU: the preempted tasks' boundary
+    tensors go to pinned host memory when they would not fit; peak memory stays within
+    the budget and float64 training equals plain training on the GPU exactly."""
+    tasks = _activation_heavy_tasks()
     refs = {k: plain_copy(t) for k, t in tasks.items()}
     budget = 24 * 2**20  # 2 MiB per boundary tensor: 4 tasks' would not fit beside a shard
     torch.cuda.synchronize()
@@ -145,3 +150,36 @@ def test_cuda_keeping_graphs_over_budget_is_refused() -> None:
         pytest.raises(th.exceptions.InvalidTaskError, match="recompute=True"),
     ):
         engine.add_task("a", task, seed=0)
+
+
+def test_cuda_kept_graphs_of_several_tasks_stay_within_budget() -> None:
+    """recompute=False with four tasks on one GPU: each batch's kept graphs are reserved,
+    and a batch starts only where they fit beside those in flight (a budget of 1.6 kept
+    batches: one at a time), so peak memory stays within it; float64 parity holds."""
+    tasks = _activation_heavy_tasks()
+    refs = {k: plain_copy(t) for k, t in tasks.items()}
+    with th.Engine(devices=["cuda:0"], recompute=False, max_layers_per_shard=2) as engine:
+        engine.add_task("probe", plain_copy(tasks["t0"]))
+        budget = int(1.6 * engine.plan("probe").kept_peak_bytes())
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    h = th.train_models(
+        tasks,
+        devices=["cuda:0"],
+        device_memory=budget,
+        epochs=2,
+        seed=0,
+        recompute=False,
+        max_layers_per_shard=2,
+        policy="round_robin",
+    )
+    peak = torch.cuda.max_memory_allocated() - base
+    assert peak <= budget, (peak, budget)
+    assert h.kept_graphs and len(h.plans["t0"]) >= 3
+    h.validate()
+    for k, t in tasks.items():
+        want = th.train_plain(refs[k], 2, seed=0, device="cuda:0")
+        refs[k].model.cpu()
+        assert_same_history(h[k], want)
+        assert_same_model(t.model, refs[k].model)

@@ -286,6 +286,22 @@ def test_waiting_activations_are_parked_to_keep_the_device_within_budget() -> No
             torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
+def _mixed() -> dict[str, th.ModelTask]:
+    return {
+        "a": _wide(0, 64, 6, batch=1024),
+        "b": _wide(1, 256, 3, batch=64),
+        "c": _wide(2, 64, 4, batch=512),
+        "d": _wide(3, 128, 4, batch=256),
+    }
+
+
+def _budget(recompute: bool) -> dict[str, int]:
+    # Kept graphs: 6, 0.75, 2 and 2 MiB per batch, 10.75 MiB for all four at once.
+    if recompute:
+        return {"device_memory": 3 * 2**20}
+    return {"device_memory": 7 * 2**20, "max_layers_per_shard": 2}
+
+
 @pytest.mark.parametrize("policy", ["lrtf", "round_robin", "fifo"])
 @pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("prefetch", [True, False])
@@ -295,19 +311,15 @@ def test_mixed_tasks_stay_within_budget_from_the_trace(
 ) -> None:
     """Four tasks of different shapes (state-heavy, activation-heavy) under a tight budget
     on one or two copying devices: the trace's memory replay (shard state, the running
-    op's activations, other tasks' waiting boundary tensors) never exceeds the budget, and
-    every task equals its plain training."""
-    tasks = {
-        "a": _wide(0, 64, 6, batch=1024),
-        "b": _wide(1, 256, 3, batch=64),
-        "c": _wide(2, 64, 4, batch=512),
-        "d": _wide(3, 128, 4, batch=256),
-    }
+    op's activations, other tasks' waiting boundary tensors; without recompute, the
+    batches' kept graphs) never exceeds the budget, and every task equals its plain
+    training."""
+    tasks = _mixed()
     refs = {k: copy.deepcopy(t.model) for k, t in tasks.items()}
     h = th.train_models(
         tasks,
         devices=["cpu"] * devices,
-        device_memory=3 * 2**20,
+        **_budget(recompute),
         epochs=2,
         seed=0,
         copy_on_cpu=True,
@@ -315,6 +327,7 @@ def test_mixed_tasks_stay_within_budget_from_the_trace(
         recompute=recompute,
         policy=policy,
     )
+    assert h.kept_graphs is not recompute
     h.validate()
     # Two emulated devices run one intra-op thread each: so does the reference (a matmul's
     # float32 sums depend on how it is split across threads).
@@ -328,3 +341,38 @@ def test_mixed_tasks_stay_within_budget_from_the_trace(
                 torch.testing.assert_close(p, q, rtol=0, atol=0)
     finally:
         torch.set_num_threads(threads)
+
+
+def test_kept_graphs_of_a_batch_stay_on_one_device_and_are_admitted_within_budget(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """recompute=False on copying devices: every op of a batch runs on the device of its
+    first forward (its graphs are there), and a batch starts only beside the batches in
+    flight that leave it room. Without the reservations (the engine before them) the
+    same run goes over budget in the trace's replay, which counts kept graphs."""
+    from tune_hydra.engine.workers import DeviceWorker
+
+    def run() -> th.History:
+        return th.train_models(
+            _mixed(),
+            devices=["cpu", "cpu"],
+            **_budget(False),
+            epochs=1,
+            seed=0,
+            copy_on_cpu=True,
+            recompute=False,
+            policy="round_robin",
+        )
+
+    h = run()
+    h.validate()
+    first: dict[str, str] = {}
+    for e in sorted(h.trace.events, key=lambda e: e.start):
+        if not e.is_compute:
+            continue
+        if e.shard == 0 and e.op in ("F", "L"):
+            first[e.task] = e.device
+        assert e.device == first[e.task], e  # the batch's graph is on that device
+    monkeypatch.setattr(DeviceWorker, "reserve", lambda self, task, nbytes: None)
+    with pytest.raises(th.exceptions.ScheduleError, match="kept graphs"):
+        run().validate()

@@ -257,3 +257,42 @@ def test_validate_counts_waiting_boundary_tensors_until_used_or_parked() -> None
         Trace.from_events(before).validate(state_budget=110, activation_bytes=acts)
     Trace.from_events(before).validate(state_budget=115, activation_bytes=acts)
     Trace.from_events(after).validate(state_budget=100, activation_bytes=acts)
+
+
+def test_validate_counts_a_kept_batch_from_its_first_forward_to_its_first_backward() -> None:
+    """With ``kept_bytes`` a task's batch holds that many bytes on the device of its first
+    forward, from that op's start to the end of its shard-0 backward (or of the op that
+    leaves the batch, such as an eval); its own ops' activations are inside it."""
+
+    def op(task: str, kind: str, shard: int, start: float, device: str = "cuda:0") -> TraceEvent:
+        return TraceEvent(device, task, shard, kind, start, start + 1.0)
+
+    acts = {(t, s): 50 for t in "ab" for s in (0, 1)}
+    a_batch = [op("a", "F", 0, 0.0), op("a", "L", 1, 1.0), op("a", "B", 0, 2.0)]
+    b_batch = [op("b", "F", 0, 3.0), op("b", "L", 1, 4.0), op("b", "B", 0, 5.0)]
+    one_after_another = Trace.from_events([*a_batch, *b_batch])
+    # 70 kept bytes; the running op's 50 are inside them, not on top.
+    one_after_another.validate(
+        state_budget=70, activation_bytes=acts, kept_bytes={"a": 70, "b": 70}
+    )
+    with pytest.raises(ScheduleError, match="70 bytes of batches' kept graphs"):
+        one_after_another.validate(
+            state_budget=69, activation_bytes=acts, kept_bytes={"a": 70, "b": 70}
+        )
+    # b's batch starts while a's is in flight (a's backward not done yet): 140 at once.
+    a_late = [op("a", "F", 0, 0.0), op("a", "L", 1, 1.0), op("a", "B", 0, 4.0)]
+    b_early = [op("b", "F", 0, 2.0), op("b", "L", 1, 3.0), op("b", "B", 0, 5.0)]
+    overlapping = Trace.from_events([*a_late, *b_early])
+    kept = {"a": 70, "b": 70}
+    with pytest.raises(ScheduleError, match="140 bytes of batches' kept graphs"):
+        overlapping.validate(state_budget=100, activation_bytes=acts, kept_bytes=kept)
+    # On another device it does not count here.
+    b_elsewhere = [op("b", "F", 0, 2.0, "cuda:1"), op("b", "L", 1, 3.0, "cuda:1")]
+    Trace.from_events([*a_late, *b_elsewhere]).validate(
+        state_budget=100, activation_bytes=acts, kept_bytes=kept
+    )
+    # A forward that found no data, then an eval: the batch ends with that forward.
+    empty = [op("a", "F", 0, 0.0), op("b", "F", 0, 1.0), op("b", "L", 1, 2.0), op("a", "E", 0, 3.0)]
+    Trace.from_events(empty).validate(state_budget=100, activation_bytes=acts, kept_bytes=kept)
+    # Without kept_bytes the same trace counts only each running op's activations.
+    overlapping.validate(state_budget=50, activation_bytes=acts)

@@ -9,12 +9,12 @@ from __future__ import annotations
 import concurrent.futures
 import threading
 import traceback
-import warnings
 from typing import Any
 
 import torch
 
 from tune_hydra.engine.boundary import split_batch
+from tune_hydra.engine.kept import KeptGraphs
 from tune_hydra.engine.ops import Op
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
 from tune_hydra.engine.policies import BasePolicy, Candidate, get_policy
@@ -37,7 +37,6 @@ from tune_hydra.exceptions import (
     ScheduleError,
     TaskFailedError,
     TuneHydraError,
-    format_bytes,
 )
 
 
@@ -56,7 +55,10 @@ class Engine:
         recompute: re-run forward in backward instead of keeping activations; default
             ``True`` on GPUs (activations would occupy device memory) and ``False`` on the
             CPU (where the "device" is host memory and recomputing only costs time).
-        copy_on_cpu: really copy shard state on CPU "devices" (exercises the spill path).
+            Without it, on a device that copies, each batch's kept graphs are reserved in
+            ``device_memory`` (see ``tune_hydra.engine.kept``).
+        copy_on_cpu: really copy shard state on CPU "devices": they then run the way a
+            GPU does (spills, budgets, and ``recompute`` on by default).
         max_layers_per_shard: cut finer than the budget requires.
 
     Example:
@@ -90,13 +92,7 @@ class Engine:
         self.policy = get_policy(policy)
         self.prefetch = prefetch
         gpu = any(d.type == "cuda" for d in self.devices)
-        self.recompute = gpu if recompute is None else recompute
-        if not self.recompute and sum(d.type == "cuda" for d in self.devices) > 1:
-            raise InvalidTaskError(
-                "recompute=False keeps each shard's autograd graph on the GPU that ran its "
-                "forward, so its backward could not move to another GPU; use recompute=True "
-                "(the default on GPUs) or a single GPU"
-            )
+        self.recompute = (gpu or copy_on_cpu) if recompute is None else recompute
         self.copy_on_cpu = copy_on_cpu
         self.max_layers_per_shard = max_layers_per_shard
         n_cpu = sum(d.type == "cpu" for d in self.devices)
@@ -123,6 +119,7 @@ class Engine:
             for i, d in enumerate(self.devices)
         ]
         self._max_depth = max(w.depth for w in self.workers)
+        self._kept = KeptGraphs(not self.recompute and any(w.copy for w in self.workers))
         self._op_sum = 0.0  # all measured op durations, for unmeasured tasks' estimates
         self._op_n = 0
         self._cv = threading.Condition(threading.RLock())
@@ -194,15 +191,15 @@ class Engine:
             costs, budget, prefetch=self.prefetch, max_layers_per_shard=self.max_layers_per_shard
         )
         pin = any(d.type == "cuda" for d in self.devices)
-        if pin and not self.recompute:
-            self._check_kept_graphs(name, plan)
         with self._cv:
             if name in self._tasks:
                 raise InvalidTaskError(
                     f"a task named {name!r} is already registered; "
                     f"remove it first or pick another name"
                 )
+            self._kept.check(name, plan)
             runner = TaskRunner(name, task, plan, layers, options, order=self._order, pin=pin)
+            runner.budgeted_graphs = self._kept.active
             entry = TaskRecord(name, task, plan, options, self._order, runner)
             entry.batches_per_iter = batches_per_iter(task, options)
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
@@ -210,23 +207,11 @@ class Engine:
             self._order += 1
         return len(plan)
 
-    def _check_kept_graphs(self, name: str, plan: ShardPlan) -> None:
-        """With ``recompute=False`` a GPU keeps every shard's graph until its backward:
-        the plan's one-shard-at-a-time budget does not bound that."""
-        if plan.budget is not None and plan.kept_peak_bytes() > plan.budget:
-            raise InvalidTaskError(
-                f"task {name!r}: recompute=False keeps all {len(plan)} shards' activations "
-                f"on the GPU until their backward: {format_bytes(plan.kept_peak_bytes())} "
-                f"at once, over device_memory={format_bytes(plan.budget)}; use "
-                f"recompute=True (the default on GPUs) or raise device_memory"
-            )
-        if self._tasks:
-            warnings.warn(
-                "recompute=False with several tasks on a GPU: each task's kept activations "
-                "stay on the GPU beside the other tasks' work, and device_memory does not "
-                "bound them; use recompute=True (the default on GPUs)",
-                stacklevel=3,
-            )
+    @property
+    def keeps_graphs(self) -> bool:
+        """Whether batches' forward graphs are kept, and reserved, on devices that copy
+        (``recompute=False`` there; see ``tune_hydra.engine.kept``)."""
+        return self._kept.active
 
     def plan(self, name: str) -> ShardPlan:
         """The shard plan of a registered task."""
@@ -322,6 +307,7 @@ class Engine:
                 name, entry.task, entry.plan, layers, entry.options, order=entry.order, pin=pin
             )
             runner.set_state(state)
+            runner.budgeted_graphs = self._kept.active
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
             self._cancel_futures(entry)
             self._note_carry(entry, None)
@@ -393,6 +379,7 @@ class Engine:
                 w.release(store)
 
     def _cancel_futures(self, entry: TaskRecord) -> None:
+        self._kept.end(entry, drop=True)
         for p in entry.pending:
             p.future.cancel()
         entry.pending.clear()
@@ -422,6 +409,7 @@ class Engine:
             err = wrapped
         entry.error = err
         entry.runner.current = None
+        self._kept.end(entry, drop=True)
         for p in entry.pending:
             p.future.set_exception(err)
         entry.pending.clear()
@@ -449,6 +437,7 @@ class Engine:
                 self._cancel_futures(entry)
             else:
                 self._advance(entry)
+                self._kept.end(entry)
                 entry.ready_since = self.clock()
             self._note_carry(entry, worker, a.left if err is None else 0)
             wake = err is not None or entry.cancelled or self._closed
@@ -511,6 +500,9 @@ class Engine:
         for e in self._tasks.values():
             op = e.runner.current
             if e.assigned is None and e.error is None and not e.cancelled and op is not None:
+                if self._kept.blocks(e, op, w):
+                    waiting = True  # its batch's graph is elsewhere, or no room for one here
+                    continue
                 if w.assigned and not w.fits(e.runner.shards[op.shard].store):
                     waiting = True  # would not fit beside the running op: not here, not now
                     continue
@@ -544,12 +536,14 @@ class Engine:
         # that device's LRU eviction, or by this device's copy thread taking it over).
         store = entry.runner.shards[op.shard].store
         runner = entry.runner
+        self._kept.begin(entry, op, w)
         a = Assignment(
             op,
             store,
             run=lambda dev: runner.execute(op, dev),
             done=lambda a, err: self._on_done(entry, a, err),
-            carry_bytes=runner.carry_bytes if w.copy else None,
+            # Inside a batch's reservation its boundary tensors are counted already.
+            carry_bytes=runner.carry_bytes if w.copy and entry.kept_on is None else None,
             start=(lambda: self._note_carry(entry, None)) if w.copy else None,
         )
         entry.assigned = w

@@ -49,6 +49,7 @@ class TaskRecord:
     known_sum: float = 0.0
     known_n: int = 0
     candidate: Candidate | None = None  # the last offer to the policy, while still true
+    kept_on: DeviceWorker | None = None  # the device holding its batch's kept graphs
 
     def record(self, kind: str, shard: int, seconds: float) -> None:
         """Fold one measured op duration (per micro-batch) into the estimates."""

@@ -161,6 +161,9 @@ class TaskRunner:
         self._gen: Generator[Op | None, None, None] = self._life()
         self.current: Op | None = next(self._gen)
         self.on_iteration: Callable[[dict[str, Any]], None] | None = None
+        # Set by the engine when a batch's kept graphs are reserved on a copying device
+        # (tune_hydra.engine.kept): one micro-batch's graphs at a time, as on a GPU.
+        self.budgeted_graphs = False
 
     # -- the operation sequence ---------------------------------------------------------
 
@@ -250,6 +253,13 @@ class TaskRunner:
             finally:
                 self._carry_lock.release()
 
+    def drop_batch(self) -> None:
+        """Let go of the batch in progress (its kept graphs, saved inputs and boundary
+        tensors): the task failed or was cancelled, and will not go on with it."""
+        with self._carry_lock:
+            self._inputs, self._outputs, self._rng_at = {}, {}, {}
+            self._carries, self._carry, self._targets = [], None, []
+
     def next_shard(self, op: Op) -> int | None:
         """The shard the task's op after ``op`` will most likely use (for prefetching it
         while ``op`` runs); ``None`` when that is ``op``'s own shard or unknown."""
@@ -271,8 +281,9 @@ class TaskRunner:
         rng_free = all(
             s.cpu_rng is False and (s.cuda_rng is False or not self._on_gpu) for s in self.shards
         )
-        # Kept graphs of a whole group would sit in GPU memory the plan did not budget for.
-        if not rng_free or (self._on_gpu and not self.options.recompute):
+        # Kept graphs of a whole group would sit in device memory the plan did not budget.
+        kept = not self.options.recompute and (self._on_gpu or self.budgeted_graphs)
+        if not rng_free or kept:
             return 1
         count = k - b % k
         return count if left is None else max(1, min(count, left))

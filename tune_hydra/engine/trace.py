@@ -185,6 +185,7 @@ class Trace:
         tolerance: float = 0.0,
         state_budget: int | Mapping[str, int] | None = None,
         activation_bytes: Mapping[tuple[str, int], int] | None = None,
+        kept_bytes: Mapping[str, int] | None = None,
     ) -> None:
         """Check the schedule's rules.
 
@@ -201,6 +202,11 @@ class Trace:
                 Boundary tensors ops left waiting (``carry_bytes``) count from the op's
                 end until their task's next op starts (it takes them to its device, as
                 part of its activations) or a ``carry_out`` parks them.
+            kept_bytes: with ``state_budget``, for tasks that kept their forward graphs
+                (``recompute=False`` on a device that copies), the bytes one batch holds:
+                counted on the device of its first forward from that op's start to the end
+                of its first shard's backward, its ops' activations and boundary tensors
+                inside it.
 
         Raises:
             ScheduleError: an event ends before it starts, two compute operations overlap on
@@ -218,7 +224,7 @@ class Trace:
         _check_sequential(compute, lambda e: e.device, "device", tolerance)
         _check_sequential(compute, lambda e: e.task, "task", tolerance)
         if state_budget is not None:
-            _check_memory(events, state_budget, activation_bytes or {})
+            _check_memory(events, state_budget, activation_bytes or {}, kept_bytes or {})
 
     def table(self, limit: int | None = None) -> str:
         """A fixed-width table of the events sorted by start time.
@@ -273,13 +279,37 @@ def _check_sequential(events: list[TraceEvent], key: Any, what: str, tolerance: 
                 latest = e
 
 
+def _batches(
+    events: list[TraceEvent], kept: Mapping[str, int]
+) -> list[tuple[float, float, TraceEvent]]:
+    """Each kept-graph batch as ``(start, end, its first op)``: from its first shard's
+    forward to the end of the last op of the batch (its first shard's backward)."""
+    out = []
+    ops = sorted((e for e in events if e.is_compute and e.task in kept), key=lambda e: e.start)
+    first: dict[str, TraceEvent] = {}
+    last: dict[str, float] = {}
+    for e in ops:
+        opening = e.shard == 0 and e.op in ("F", "L")
+        if e.task in first and (opening or e.op not in ("F", "L", "B")):
+            out.append((first[e.task].start, last[e.task], first.pop(e.task)))
+        if opening:
+            first[e.task] = e
+        if e.task in first:
+            last[e.task] = e.end
+            if e.shard == 0 and e.op in ("L", "B"):  # the batch's last op
+                out.append((first[e.task].start, e.end, first.pop(e.task)))
+    out.extend((e.start, last[t], e) for t, e in first.items())
+    return out
+
+
 def _check_memory(
     events: list[TraceEvent],
     budget: int | Mapping[str, int],
     acts: Mapping[tuple[str, int], int],
+    kept: Mapping[str, int],
 ) -> None:
     # Replay in time order; at equal times frees (end of a copy_out or carry_out, end of
-    # an op) come before allocations (start of a copy_in, start of an op).
+    # an op or a batch) come before allocations (start of a copy_in, an op, a batch).
     steps = []
     for i, e in enumerate(events):
         if e.op in ("copy_out", "carry_out"):
@@ -289,15 +319,23 @@ def _check_memory(
         elif e.is_compute:
             steps.append((e.end, 0, i, e, "done"))
             steps.append((e.start, 1, i, e, "run"))
+    for j, (start, end, e) in enumerate(_batches(events, kept), 1):
+        steps.append((end, 0, len(events) + j, e, "unreserve"))
+        steps.append((start, 1, -j, e, "reserve"))  # before its first op starts
     steps.sort(key=lambda step: step[:3])
     held: dict[str, dict[tuple[str, int], TraceEvent]] = {}
     where: dict[tuple[str, int], str] = {}
     running: dict[str, TraceEvent] = {}
     carries: dict[str, dict[str, TraceEvent]] = {}  # device -> task -> the op that left it
+    reserved: dict[str, dict[str, int]] = {}  # device -> task -> its batch's kept bytes
     for _, _, _, e, what in steps:
         key = (e.task, e.shard)
         on = held.setdefault(e.device, {})
         waiting = carries.setdefault(e.device, {})
+        batches = reserved.setdefault(e.device, {})
+        if what == "unreserve":
+            batches.pop(e.task, None)
+            continue
         if what == "free":
             if e.op == "carry_out":
                 waiting.pop(e.task, None)
@@ -311,7 +349,9 @@ def _check_memory(
             if e.carry_bytes:
                 waiting[e.task] = e
             continue
-        if what == "run":
+        if what == "reserve":
+            batches[e.task] = kept[e.task]
+        elif what == "run":
             running[e.device] = e
             for other in carries.values():  # its input moves to the op: its activations
                 other.pop(e.task, None)
@@ -323,9 +363,10 @@ def _check_memory(
             on[key] = e
         limit = budget if isinstance(budget, int) else budget.get(e.device)
         op = running.get(e.device)
-        act = acts.get((op.task, op.shard), 0) if op is not None else 0
-        carried = sum(x.carry_bytes for x in waiting.values())
-        total = sum(x.bytes_moved for x in on.values()) + act + carried
+        act = acts.get((op.task, op.shard), 0) if op is not None and op.task not in batches else 0
+        carried = sum(x.carry_bytes for t, x in waiting.items() if t not in batches)
+        graphs = sum(batches.values())
+        total = sum(x.bytes_moved for x in on.values()) + act + carried + graphs
         if limit is not None and total > limit:
             rows = sorted(
                 [*on.values(), *([op] if op is not None else []), *waiting.values()],
@@ -334,6 +375,7 @@ def _check_memory(
             raise ScheduleError(
                 f"device {e.device!r} holds {total} bytes (shard state"
                 + (f" + {act} bytes of the running op's activations" if act else "")
+                + (f" + {graphs} bytes of batches' kept graphs" if graphs else "")
                 + (f" + {carried} bytes other tasks' ops left waiting" if carried else "")
                 + f"), over its budget of {limit} bytes, at {e.start:.6f} s:\n"
                 + _rows(rows)

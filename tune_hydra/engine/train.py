@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from tune_hydra.engine.engine import Engine
+from tune_hydra.engine.kept import kept_bytes
 from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.engine.policies import BasePolicy
 from tune_hydra.engine.task import ModelTask
@@ -22,22 +23,25 @@ class History(dict[str, list[dict[str, Any]]]):
     trace: Trace
     summary: dict[str, Any]
     plans: dict[str, ShardPlan]
+    kept_graphs: bool = False  # batches' graphs were kept on devices that copy
 
     def validate(self, tolerance: float = 0.0) -> None:
         """Check the run's schedule from its trace: every task's operations one after
         another, one operation at a time per device, and (when the plans had a budget)
         the shard state held on each device plus the running operation's activations
-        never over ``device_memory``.
+        (and, when graphs were kept, the batches in flight) never over ``device_memory``.
 
         Raises:
             ScheduleError: a rule was broken; the message shows the offending rows.
         """
         budgets = {p.budget for p in self.plans.values() if p.budget is not None}
         acts = {(n, s.index): s.activation_bytes for n, p in self.plans.items() for s in p.shards}
+        kept = {n: kept_bytes(p) for n, p in self.plans.items()} if self.kept_graphs else None
         self.trace.validate(
             tolerance,
             state_budget=min(budgets) if budgets else None,
             activation_bytes=acts,
+            kept_bytes=kept,
         )
 
 
@@ -142,6 +146,7 @@ def train_models(
         history.plans = {name: engine.plan(name) for name in tasks}
         history.summary = engine.summary()
         history.trace = engine.trace
+        history.kept_graphs = engine.keeps_graphs
     if errors:
         raise TrainingError(errors, dict(history))
     return history

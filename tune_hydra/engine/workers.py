@@ -104,6 +104,10 @@ class DeviceWorker:
         # over budget, they are parked in host memory (those of running tasks cannot be,
         # and are then ignored: their owners may be waiting for this very device).
         self.carries: dict[str, Carry] = {}
+        # With recompute=False, the device memory each task's batch in flight here may hold
+        # (its forward graphs, kept until their backward; set by the engine): its ops'
+        # activations and boundary tensors are inside it.
+        self.reserved: dict[str, int] = {}
         self.parked_bytes = 0
         self._incoming: ShardStore | None = None  # the store the copy thread is bringing in
         self.last_park_error: Exception | None = None
@@ -281,14 +285,38 @@ class DeviceWorker:
 
     def _peak(self, stores: Iterable[ShardStore], carries: bool) -> int:
         """The most bytes beside shard state while one of ``stores`` runs: its activations
+        (unless inside its task's reservation), the reservations of batches in flight
         and, with ``carries``, the other tasks' waiting boundary tensors (a task's own are
         its op's input, part of its activations)."""
-        if not carries:
-            return max(s.activation_bytes for s in stores)
         with self._lock:
-            waiting = {t: c.nbytes for t, c in self.carries.items()}
-        total = sum(waiting.values())
-        return max(s.activation_bytes + total - waiting.get(s.name[0], 0) for s in stores)
+            waiting = {t: c.nbytes for t, c in self.carries.items()} if carries else {}
+            reserved = dict(self.reserved)
+        total = sum(waiting.values()) + sum(reserved.values())
+        return max(
+            (0 if s.name[0] in reserved else s.activation_bytes) + total - waiting.get(s.name[0], 0)
+            for s in stores
+        )
+
+    def reserve(self, task: str, nbytes: int | None) -> None:
+        """Hold ``nbytes`` for ``task``'s batch in flight here (``None``: release it)."""
+        with self._lock:
+            if nbytes is None:
+                self.reserved.pop(task, None)
+            else:
+                self.reserved[task] = nbytes
+
+    def admits(self, nbytes: int, room: int) -> bool:
+        """Whether a task may start a batch (or run an op outside one) needing ``nbytes``
+        here beside the batches in flight, the activations of the other ops assigned here
+        and ``room`` bytes of shard state. Always on an idle device: each plan fits the
+        budget on its own."""
+        if self.budget is None:
+            return True
+        with self._lock:
+            held = sum(self.reserved.values())
+            queued = list(self.assigned)
+            held += sum(a.store.activation_bytes for a in queued if a.op.task not in self.reserved)
+        return (not held and not queued) or held + nbytes + room <= self.budget
 
     def set_carry(self, task: str, carry: Carry | None) -> None:
         """Record (or, with ``None``, forget) what ``task`` left waiting here."""
@@ -345,9 +373,10 @@ class DeviceWorker:
                 if store is not None:
                     stores[id(store)] = store
             waiting = {t: c.nbytes for t, c in self.carries.items()}
-        state = sum(s.state_bytes for s in stores.values())
+            reserved = dict(self.reserved)
+        state = sum(s.state_bytes for s in stores.values()) + sum(reserved.values())
         nxt = queued[0].op.task if queued else None
-        act = queued[0].store.activation_bytes if queued else 0
+        act = queued[0].store.activation_bytes if queued and nxt not in reserved else 0
         over = state + act + sum(waiting.values()) - waiting.get(nxt or "", 0) - self.budget
         if over > 0:  # between two ops of this thread: its own stream made them
             self.park_carries(over, nxt, {x.op.task for x in queued}, self.compute_stream)

@@ -1,0 +1,106 @@
+"""Device memory for the autograd graphs that ``recompute=False`` keeps through a batch.
+
+Without recompute, every shard's forward keeps its graph (its saved activations) on the
+device until that shard's backward, so one batch of a task holds all its shards'
+activations at once (``ShardPlan.kept_peak_bytes``), and those of several tasks add up.
+On a device that copies (a GPU, or ``copy_on_cpu``) the engine therefore
+
+- refuses a task whose batch alone would not fit the budget (:meth:`KeptGraphs.check`);
+- *reserves* a task's kept bytes on the device where its batch starts (its first forward)
+  until its first shard's backward ends, and keeps every op of that batch on that device
+  (the graph cannot move);
+- starts a batch, or runs an op outside one (eval, a deferred step), on a device only if
+  it fits beside the batches in flight there, the other queued ops' activations and room
+  for the resident shard states (:meth:`DeviceWorker.admits`); an idle device always
+  admits, so every task makes progress.
+
+The boundary tensors of a batch in flight are inside its reservation (the forward's are
+views of kept outputs: parking them would free nothing), so they are not tracked as
+carries.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from tune_hydra.engine.ops import Op, OpKind
+from tune_hydra.engine.partition import ShardPlan
+from tune_hydra.exceptions import InvalidTaskError, format_bytes
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.records import TaskRecord
+    from tune_hydra.engine.workers import DeviceWorker
+
+
+def starts_batch(op: Op) -> bool:
+    """Whether ``op`` is a task's first op of a batch (its first shard's forward)."""
+    return op.shard == 0 and op.kind in (OpKind.FORWARD, OpKind.LAST)
+
+
+def in_batch(op: Op | None) -> bool:
+    """Whether ``op`` continues a batch (a later shard's forward, or a backward)."""
+    return op is not None and not starts_batch(op) and op.kind in _BATCH
+
+
+_BATCH = frozenset((OpKind.FORWARD, OpKind.LAST, OpKind.BACKWARD))
+
+
+def kept_bytes(plan: ShardPlan) -> int:
+    """The activations one batch keeps on its device at most: every shard's at once."""
+    return sum(s.activation_bytes for s in plan.shards)
+
+
+class KeptGraphs:
+    """The engine's reservations for kept graphs (active with ``recompute=False``)."""
+
+    def __init__(self, active: bool) -> None:
+        self.active = active
+        self._max_state = 0  # the largest shard state of any task seen (room to keep)
+
+    def check(self, name: str, plan: ShardPlan) -> None:
+        """Refuse a task whose one batch would not fit ``device_memory`` on its own."""
+        if not self.active:
+            return
+        if plan.budget is not None and plan.kept_peak_bytes() > plan.budget:
+            raise InvalidTaskError(
+                f"task {name!r}: recompute=False keeps all {len(plan)} shards' activations "
+                f"on the device until their backward: {format_bytes(plan.kept_peak_bytes())} "
+                f"at once, over device_memory={format_bytes(plan.budget)}; use "
+                f"recompute=True (the default on GPUs) or raise device_memory"
+            )
+        self._max_state = max(self._max_state, *(s.state_bytes for s in plan.shards))
+
+    def blocks(self, entry: TaskRecord, op: Op, w: DeviceWorker) -> bool:
+        """Whether ``entry``'s ``op`` may not go to ``w`` now: its batch's graph is on
+        another device, or it would not fit beside the batches in flight on ``w``."""
+        if entry.kept_on is not None:
+            return entry.kept_on is not w
+        if not self.active or not w.copy:
+            return False
+        if starts_batch(op):
+            need = kept_bytes(entry.plan)
+        elif op.kind is OpKind.EVAL:
+            need = entry.plan.shards[op.shard].activation_bytes
+        else:
+            need = 0
+        return not w.admits(need, w.depth * self._max_state)
+
+    def begin(self, entry: TaskRecord, op: Op, w: DeviceWorker) -> None:
+        """Reserve the batch ``op`` starts on ``w`` (called as it is assigned there)."""
+        if self.active and w.copy and starts_batch(op):
+            entry.kept_on = w
+            w.reserve(entry.name, kept_bytes(entry.plan))
+
+    def end(self, entry: TaskRecord, *, drop: bool = False) -> None:
+        """Release the task's reservation once its batch is over: its next op is outside
+        it, or ``drop`` (the task failed, was cancelled or leaves: its batch's tensors
+        are dropped here first)."""
+        w = entry.kept_on
+        if w is None:
+            return
+        if drop:
+            entry.runner.drop_batch()
+        elif in_batch(entry.runner.current):
+            return
+        w.reserve(entry.name, None)
+        entry.kept_on = None
