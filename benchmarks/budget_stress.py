@@ -77,7 +77,7 @@ def draw(rng: random.Random) -> dict[str, Any]:
         "policy": rng.choice(["lrtf", "round_robin", "fifo"]),
         # Kept graphs (no recompute) hold a whole batch's activations: larger budgets,
         # and cuts finer than they need so that batches span several shards.
-        "budget_mib": rng.choice([3, 4, 6] if recompute else [8, 12, 16]),
+        "budget_mib": rng.choice([3, 4, 6] if recompute else [12, 16, 24, 32]),
         "max_layers_per_shard": None if recompute else rng.choice([None, 2, 3]),
         "accumulate_steps": rng.choice([1, 1, 2]),
         "max_grad_norm": rng.choice([None, 0.5]),
