@@ -376,3 +376,34 @@ def test_kept_graphs_of_a_batch_stay_on_one_device_and_are_admitted_within_budge
     monkeypatch.setattr(DeviceWorker, "reserve", lambda self, task, nbytes: None)
     with pytest.raises(th.exceptions.ScheduleError, match="kept graphs"):
         run().validate()
+
+
+def test_a_copy_that_can_never_fit_fails_its_task_instead_of_hanging(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Admitting every batch (a broken admission) lets kept graphs of tasks queued behind
+    an op hold the room that op needs: nothing ahead of it can free it. The copy thread
+    fails that op's task with a ScheduleError after a while; the others finish."""
+    from tune_hydra.engine import workers
+    from tune_hydra.engine.workers import DeviceWorker
+
+    monkeypatch.setattr(workers, "_STUCK_S", 0.5)
+    monkeypatch.setattr(DeviceWorker, "admits", lambda self, nbytes, room: True)
+    with pytest.raises(th.exceptions.TrainingError) as info:
+        th.train_models(
+            _mixed(),
+            devices=["cpu"],
+            **_budget(False),
+            epochs=1,
+            seed=0,
+            copy_on_cpu=True,
+            recompute=False,
+            policy="round_robin",
+        )
+    errors = info.value.errors
+    assert errors and len(errors) < 4
+    for err in errors.values():
+        assert isinstance(err, th.exceptions.ScheduleError), err
+        assert "nothing ahead of it will free room" in str(err)
+    for name in set(_mixed()) - set(errors):
+        assert info.value.history[name], name  # trained to the end

@@ -24,8 +24,10 @@ import torch
 from tune_hydra.engine.ops import Op
 from tune_hydra.engine.spill import ShardStore
 from tune_hydra.engine.trace import Trace, TraceEvent
+from tune_hydra.exceptions import ScheduleError, format_bytes
 
 _POLL_S = 0.2  # every blocking wait wakes up this often to notice a close
+_STUCK_S = 10.0  # a needed copy with nothing ahead of it that could free room: a bug
 
 
 @dataclass
@@ -388,15 +390,29 @@ class DeviceWorker:
         run before it: those assigned ahead of ``op``, or all assigned ones for a
         speculative prefetch (count and bytes). If even those do not fit, wait for the
         running op to end (``wait``) or give up (returns False)."""
+        stuck_since = None
         while True:
             queued = list(self.assigned)
             if op is not None and any(x is op for x in queued):
                 queued = queued[: next(i for i, x in enumerate(queued) if x is op)]
             keep = [x.store for x in queued] + [incoming]
-            if self._need(keep, carries=not wait) is None:
+            over = self._need(keep, carries=not wait)
+            if over is None:
                 break
             if not wait or self._closing:
                 return False
+            # Nothing runs ahead of this op, yet it does not fit: only ops queued behind it
+            # could free the room. Fail the op (its task) rather than hang every task.
+            now = time.monotonic()
+            stuck_since = (stuck_since or now) if not queued else None
+            if stuck_since is not None and now - stuck_since > _STUCK_S:
+                raise ScheduleError(
+                    f"device {self.label}: shard {incoming.name} does not fit its budget "
+                    f"({format_bytes(over)} over) beside what the device holds "
+                    f"({format_bytes(sum(self.reserved.values()))} reserved for kept "
+                    f"graphs), and nothing ahead of it will free room; this is a "
+                    f"tune_hydra bug, please report it"
+                )
             with self._op_done:
                 self._op_done.wait(_POLL_S)
         if wait:  # a needed copy: park waiting boundary tensors that leave it no room
