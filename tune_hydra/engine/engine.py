@@ -497,10 +497,11 @@ class Engine:
         default_op_s = self._op_sum / self._op_n if self._op_n else 1.0
         entries = []
         waiting = False
+        kept = self._kept.active
         for e in self._tasks.values():
             op = e.runner.current
             if e.assigned is None and e.error is None and not e.cancelled and op is not None:
-                if self._kept.blocks(e, op, w):
+                if kept and self._kept.blocks(e, op, w):
                     waiting = True  # its batch's graph is elsewhere, or no room for one here
                     continue
                 if w.assigned and not w.fits(e.runner.shards[op.shard].store):
