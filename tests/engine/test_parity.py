@@ -222,8 +222,8 @@ def _inplace_mlp() -> nn.Sequential:
 def test_layers_that_write_their_input_in_place(recompute: bool, cut: int | None) -> None:
     """``ReLU(inplace=True)`` and kin as the first layer of a shard: torch refuses an
     in-place write to a leaf that requires grad, and a recompute must start from the input
-    as it was before the write. Such shards compute on a clone (found on their first
-    visit); the others take their input as is. Training equals plain PyTorch exactly."""
+    as it was before the write. Such shards compute on a clone (found by the layer
+    probe); the others take their input as is. Training equals plain PyTorch exactly."""
     task = make_task(_inplace_mlp(), "adam")
     ref = plain_copy(task)
     with th.Engine(
@@ -240,6 +240,31 @@ def test_layers_that_write_their_input_in_place(recompute: bool, cut: int | None
         first = shard.module[0]
         writes = isinstance(first, inplace) and shard.index > 0  # shard 0 starts with Linear
         assert shard.mutates_input is writes, (shard.index, first)
+
+
+def test_shards_that_do_not_write_their_input_never_clone_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe tells which shards write their input, so the others take it as is from
+    their first visit on (no input-sized copy beyond the plan)."""
+    from tune_hydra.engine import boundary, runner
+
+    clones: list[int] = []
+
+    def counting(obj: object) -> object:
+        clones.append(1)
+        return boundary.clone(obj)
+
+    monkeypatch.setattr(runner, "clone", counting)
+    task = make_task(mlp(), "adam")
+    ref = plain_copy(task)
+    h = th.train_models(
+        {"a": task}, devices=["cpu"], max_layers_per_shard=2, copy_on_cpu=True, seed=4
+    )
+    assert len(h.plans["a"]) == 5 and not any(s.writes_input for s in h.plans["a"].shards)
+    assert clones == []
+    assert_same_history(h["a"], th.train_plain(ref, 1, seed=4))
+    assert_same_model(task.model, ref.model)
 
 
 def test_a_layer_that_writes_its_input_only_sometimes_is_refused() -> None:

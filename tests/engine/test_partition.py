@@ -126,3 +126,53 @@ def test_the_probe_leaves_no_tensor_behind() -> None:
     for _ in range(3):
         probe()
     assert tensors() - before == set()
+
+
+def test_the_probe_finds_which_shards_write_their_input_in_place() -> None:
+    """A shard writes its input if a layer writes in place what it gets while the layers
+    before it in the shard passed their input through (Identity, in-place ReLUs)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(4, 4),
+        nn.ReLU(inplace=True),  # writes (and returns) its input
+        nn.Identity(),  # passes its input through
+        nn.ReLU(inplace=True),
+        nn.Linear(4, 4),
+        nn.ReLU(),  # a new tensor
+        nn.ReLU(inplace=True),
+    )
+    costs = layer_costs(model_layers(model), OPTIMIZERS["sgd"], torch.randn(3, 4))
+    assert [(c.writes_input, c.passes_input) for c in costs] == [
+        (False, False),
+        (True, True),
+        (False, True),
+        (True, True),
+        (False, False),
+        (False, False),
+        (True, True),
+    ]
+    # Pairs: [Linear, ReLU(inplace)] writes only what Linear made; [Identity,
+    # ReLU(inplace)] writes its input through the pass-through; [Linear, ReLU] not.
+    cuts = {1: [False, True, False, True, False, False, True], 2: [False, True, False, True]}
+    for size, want in cuts.items():
+        plan = plan_shards(costs, None, max_layers_per_shard=size)
+        assert [s.writes_input for s in plan.shards] == want, size
+    plan = plan_shards(costs, None, max_layers_per_shard=3)  # [ReLU(inplace), Identity, ...]
+    assert [s.writes_input for s in plan.shards][1] is True
+
+
+def test_a_non_tensor_input_leaves_it_unknown() -> None:
+    class Pair(nn.Module):
+        def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return x, x * 2
+
+    class Sum(nn.Module):
+        def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return pair[0] + pair[1]
+
+    costs = layer_costs(
+        model_layers(nn.Sequential(Pair(), Sum())), OPTIMIZERS["sgd"], torch.randn(2, 3)
+    )
+    assert [(c.writes_input, c.passes_input) for c in costs] == [(False, None), (None, None)]
+    plan = plan_shards(costs, None, max_layers_per_shard=1)
+    assert [s.writes_input for s in plan.shards] == [None, None]

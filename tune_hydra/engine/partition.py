@@ -24,7 +24,8 @@ from tune_hydra.exceptions import ShardTooLargeError, format_bytes
 
 @dataclass(frozen=True, slots=True)
 class LayerCost:
-    """Measured or estimated bytes of one layer."""
+    """Measured or estimated bytes of one layer, and how it treats its input (from the
+    probe; ``None``: not known, e.g. a non-tensor input)."""
 
     name: str
     param_bytes: int
@@ -32,6 +33,8 @@ class LayerCost:
     optimizer_bytes: int
     buffer_bytes: int
     activation_bytes: int
+    writes_input: bool | None = None  # in place, like ReLU(inplace=True)
+    passes_input: bool | None = None  # returns its input or a view of it
 
     @property
     def state_bytes(self) -> int:
@@ -52,6 +55,9 @@ class ShardSpec:
     layer_names: tuple[str, ...]
     state_bytes: int
     activation_bytes: int
+    # Whether the shard writes into its input in place (then it computes on a clone);
+    # None: not known from the probe, found on the shard's first visit.
+    writes_input: bool | None = None
 
     @property
     def total_bytes(self) -> int:
@@ -169,7 +175,17 @@ def probe_activations(
     backward (parameters excluded) plus the layer's output. The model's buffers and the
     global RNG are restored afterwards.
     """
-    out: list[int] = []
+    return [act for act, _, _ in _probe(layers, sample, autocast_dtype)]
+
+
+def _probe(
+    layers: list[tuple[str, nn.Module]],
+    sample: Any,
+    autocast_dtype: torch.dtype | None,
+) -> list[tuple[int, bool | None, bool | None]]:
+    """Per layer: activation bytes (see :func:`probe_activations`), whether it wrote its
+    input in place, and whether it returned its input (or a view of it)."""
+    out: list[tuple[int, bool | None, bool | None]] = []
     mods = [m for _, m in layers]
     params = {p.data_ptr() for m in mods for p in m.parameters()}
     with _preserved(mods):
@@ -186,6 +202,7 @@ def probe_activations(
                 return t.detach()
 
             inp = _detach_grad(x)
+            version = inp._version if isinstance(inp, torch.Tensor) else None
             autocast = (
                 torch.autocast("cpu", dtype=autocast_dtype)
                 if autocast_dtype is not None
@@ -197,7 +214,12 @@ def probe_activations(
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
             ):
                 y = module(inp)
-            out.append(sum(seen.values()) + tensor_bytes(y))
+            writes = passes = None
+            if version is not None:
+                writes = inp._version != version
+                if isinstance(y, torch.Tensor):
+                    passes = y.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
+            out.append((sum(seen.values()) + tensor_bytes(y), writes, passes))
             x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
     return out
 
@@ -254,13 +276,14 @@ def layer_costs(
 ) -> list[LayerCost]:
     """Every layer's bytes: state from tensor sizes; activations from a probe forward on
     the CPU, or measured on ``device`` when it is a GPU (the larger of the two)."""
-    acts = probe_activations(layers, sample, autocast_dtype)
+    probed = _probe(layers, sample, autocast_dtype)
+    acts = [act for act, _, _ in probed]
     if device is not None and device.type == "cuda":
         peaks = probe_cuda_peaks(layers, sample, device, autocast_dtype)
         acts = [max(a, pk) for a, pk in zip(acts, peaks, strict=True)]
     factors: dict[torch.dtype, float] = {}
     costs = []
-    for (name, module), act in zip(layers, acts, strict=True):
+    for (name, module), act, (_, writes, passes) in zip(layers, acts, probed, strict=True):
         params = [p for p in module.parameters() if p.requires_grad]
         pbytes = sum(p.numel() * p.element_size() for p in module.parameters())
         gbytes = sum(p.numel() * p.element_size() for p in params)
@@ -270,7 +293,7 @@ def layer_costs(
                 factors[p.dtype] = optimizer_state_factor(optimizer, p.dtype)
             obytes += math.ceil(factors[p.dtype] * p.numel() * p.element_size())
         bbytes = sum(b.numel() * b.element_size() for b in module.buffers())
-        costs.append(LayerCost(name, pbytes, gbytes, obytes, bbytes, act))
+        costs.append(LayerCost(name, pbytes, gbytes, obytes, bbytes, act, writes, passes))
     return costs
 
 
@@ -356,10 +379,25 @@ def plan_shards(
             layer_names=tuple(c.name for c in costs[a:b]),
             state_bytes=sum(c.state_bytes for c in costs[a:b]),
             activation_bytes=sum(c.activation_bytes for c in costs[a:b]),
+            writes_input=_writes_input(costs[a:b]),
         )
         for k, (a, b) in enumerate(spans)
     )
     return ShardPlan(shards, budget, prefetch, tuple(costs))
+
+
+def _writes_input(costs: list[LayerCost]) -> bool | None:
+    """Whether a shard of these layers writes into its own input: a layer writes into
+    what it gets, and what it gets is the shard's input while the layers before it
+    returned their input as is (or a view)."""
+    for c in costs:
+        if c.writes_input is None:
+            return None
+        if c.writes_input:
+            return True
+        if not c.passes_input:
+            return c.passes_input  # False: later layers get a new tensor; None: unknown
+    return False
 
 
 def _split_long(spans: list[tuple[int, int]], limit: int) -> list[tuple[int, int]]:

@@ -71,7 +71,8 @@ class ShardRuntime:
     # that never drew skips installing that generator, and the CPU lock.
     cpu_rng: bool | None = None
     # Whether its first layer writes into its input in place (ReLU(inplace=True) right
-    # after a cut); None: not seen yet, treated as True. Such a shard computes on a clone.
+    # after a cut), from the layer probe; None: not known, the first visit computes on a
+    # clone and finds out. A shard that writes always computes on a clone.
     mutates_input: bool | None = None
     cuda_rng: bool | None = None
     pending_step: bool = False
@@ -125,6 +126,7 @@ class TaskRunner:
                         name=(name, spec.index),
                         footprint=(spec.state_bytes, spec.activation_bytes),
                     ),
+                    mutates_input=spec.writes_input,
                 )
             )
         self.rng = rng.seeded_state(options.seed)
@@ -471,10 +473,10 @@ class TaskRunner:
             shard.mutates_input = wrote
         elif wrote:
             raise InvalidModelError(
-                f"task {self.name!r}: shard {shard.index} wrote into its input in place on "
-                f"a later visit but not on its first; the engine keeps that input for the "
-                f"backward. Make the layer's in-place write unconditional, or use "
-                f"inplace=False"
+                f"task {self.name!r}: shard {shard.index} wrote into its input in place, "
+                f"which it did not when probed at add_task (or on its first visit); the "
+                f"engine keeps that input for the backward. Make the layer's in-place write "
+                f"unconditional, or use inplace=False"
             )
 
     def _backward_op(self, shard: ShardRuntime, device: torch.device, batch: int, j: int) -> None:
