@@ -137,3 +137,17 @@ def test_concurrent_registrations_build_identical_models(actor: Any) -> None:
             assert all(torch.equal(state[k], states[0][k]) for k in state)
         for i in range(8):
             _call(actor.deregister(f"t{i}"))
+
+
+def test_recompute_reaches_the_engine() -> None:
+    """HydraExecutor(recompute=...) is passed through the actor's engine options."""
+    from tune_hydra.tune.executor import HydraExecutor
+
+    assert HydraExecutor(recompute=True).recompute is True
+    a = EngineActor({**ENGINE, "recompute": True}, {"seed": 5})
+    try:
+        assert _call(a.register("a", "t1", BLOB, {"lr": 0.01})) == 2
+        assert a._engine.recompute is True
+        assert [r["iteration"] for r in _call(a.train("a", "t1", 1))] == [1]
+    finally:
+        _call(a.close())

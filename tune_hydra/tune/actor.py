@@ -114,7 +114,7 @@ class EngineActor:
 
     Args:
         engine_kwargs: keyword arguments of ``Engine(...)`` (devices, device_memory, policy,
-            prefetch).
+            prefetch, recompute).
         task_options: keyword arguments of ``Engine.add_task`` shared by every trial (seed,
             max_grad_norm, accumulate_steps, precision, iteration_batches).
         engine_class: ``"module:Class"`` of the engine (tests may swap in a stub).

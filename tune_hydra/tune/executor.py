@@ -123,6 +123,10 @@ class HydraExecutor:
         policy: the engine's scheduling policy (``"lrtf"``, ``"fifo"``, ``"round_robin"`` or a
             policy instance).
         prefetch: copy the next shard in while the current one computes.
+        recompute: re-run each shard's forward in its backward instead of keeping its
+            graph; default ``True`` on GPUs, ``False`` on CPU devices. Without it each
+            trial's batch reserves its kept activations in ``device_memory``, so fewer
+            trials run at once on a GPU (see ``tune_hydra.engine.Engine``).
         iteration_batches: None: one Tune iteration is one epoch; N: N batches.
         seed, max_grad_norm, accumulate_steps, precision: per-task engine options
             (``Engine.add_task``), the same for every trial.
@@ -141,6 +145,7 @@ class HydraExecutor:
         policy: Any = "lrtf",
         *,
         prefetch: bool = True,
+        recompute: bool | None = None,
         iteration_batches: int | None = None,
         seed: int | None = None,
         max_grad_norm: float | None = None,
@@ -172,6 +177,7 @@ class HydraExecutor:
         self.device_memory = device_memory
         self.policy = policy
         self.prefetch = prefetch
+        self.recompute = recompute
         self.iteration_batches = iteration_batches
         self.task_options: dict[str, Any] = {
             "seed": seed,
@@ -274,6 +280,7 @@ class HydraExecutor:
             "device_memory": self.device_memory,
             "policy": self.policy,
             "prefetch": self.prefetch,
+            "recompute": self.recompute,
         }
         threads = self.torch_threads or max(1, int(res.get("CPU", 1)))
         cls = ray.remote(concurrency_groups={CONTROL_GROUP: 32})(EngineActor)  # type: ignore[call-overload]
