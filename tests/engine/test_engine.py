@@ -5,13 +5,23 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
+from typing import Any
 
 import pytest
 import torch
 
 import tune_hydra as th
-from tests.conftest import assert_same_history, assert_same_model, make_task, mlp, plain_copy
+from tests.conftest import (
+    assert_same_history,
+    assert_same_model,
+    make_task,
+    mlp,
+    plain_copy,
+    shards_3,
+)
 from tune_hydra.engine import Engine
+from tune_hydra.engine.kept import kept_bytes
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -166,3 +176,61 @@ def test_a_task_removed_mid_run_leaves_the_device_within_budget() -> None:
     th.train_plain(ref, 2, seed=0)
     assert_same_model(other.model, ref.model)
     assert state["iteration"] == 2
+
+
+@pytest.mark.parametrize("how", ["cancel", "remove", "fail"])
+def test_a_task_leaving_mid_batch_releases_its_kept_graphs(how: str) -> None:
+    """recompute=False on a copying device: a task cancelled, removed or failing while its
+    batch's graphs are reserved lets them go (its batch's tensors dropped), so the tasks
+    that stay are admitted and train exactly as plain PyTorch; nothing stays reserved."""
+    others = {k: make_task(mlp(seed=i), "adam", n=12) for i, k in enumerate(("b", "c"), 1)}
+    refs = {k: plain_copy(t) for k, t in others.items()}
+    stop = make_task(mlp(), "sgd", n=400)
+    if how == "fail":
+        stop.loss_fn = _fails_later(stop.loss_fn, after=30)
+    opts = shards_3(False)
+    with Engine(
+        ["cpu"],
+        opts["device_memory"],
+        copy_on_cpu=True,
+        recompute=False,
+        max_layers_per_shard=opts["max_layers_per_shard"],
+        policy="round_robin",
+    ) as eng:
+        assert eng.keeps_graphs
+        for name, task in {"stop": stop, **others}.items():
+            eng.add_task(name, task, seed=0)
+        plans = {n: eng.plan(n) for n in eng.tasks()}
+        doomed = eng.train("stop", 1)
+        futures = {k: eng.train(k, 2) for k in others}
+        if how != "fail":
+            deadline = time.monotonic() + 60
+            while eng._tasks["stop"].kept_on is None and time.monotonic() < deadline:
+                time.sleep(0.001)  # until its batch is in flight
+            (eng.cancel if how == "cancel" else eng.remove_task)("stop")
+        for fut in futures.values():
+            fut.result(timeout=120)
+        assert eng.workers[0].reserved == {}
+        if how != "remove":
+            assert eng._tasks["stop"].kept_on is None
+            assert eng._tasks["stop"].runner._outputs == {}
+        trace = eng.trace
+    assert doomed.cancelled() or doomed.exception() is not None
+    acts = {(n, s.index): s.activation_bytes for n, p in plans.items() for s in p.shards}
+    kept = {n: kept_bytes(p) for n, p in plans.items()}
+    trace.validate(state_budget=opts["device_memory"], activation_bytes=acts, kept_bytes=kept)
+    for k, t in others.items():
+        th.train_plain(refs[k], 2, seed=0)
+        assert_same_model(t.model, refs[k].model)
+
+
+def _fails_later(loss_fn: Any, after: int) -> Any:
+    calls = [0]
+
+    def fn(out: Any, target: Any) -> Any:
+        calls[0] += 1
+        if calls[0] > after:
+            raise RuntimeError("boom")
+        return loss_fn(out, target)
+
+    return fn
