@@ -234,3 +234,38 @@ def _fails_later(loss_fn: Any, after: int) -> Any:
         return loss_fn(out, target)
 
     return fn
+
+
+def test_a_leaked_kept_graph_reservation_is_reported_not_waited_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """If a reservation outlived its batch (a bug: here a cancel that forgets to release
+    it), the other tasks could never be admitted; the dispatcher reports it to every
+    waiting caller instead of letting them wait forever."""
+    from tune_hydra.engine.kept import KeptGraphs
+
+    real_end = KeptGraphs.end
+
+    def leaky_end(self: KeptGraphs, entry: Any, *, drop: bool = False) -> None:
+        if not drop:
+            real_end(self, entry)
+
+    monkeypatch.setattr(KeptGraphs, "end", leaky_end)
+    opts = shards_3(False)
+    with Engine(
+        ["cpu"],
+        opts["device_memory"],
+        copy_on_cpu=True,
+        recompute=False,
+        max_layers_per_shard=opts["max_layers_per_shard"],
+    ) as eng:
+        eng.add_task("stop", make_task(mlp(), "sgd", n=400), seed=0)
+        eng.add_task("other", make_task(mlp(seed=1), "adam", n=12), seed=0)
+        eng.train("stop", 1)
+        deadline = time.monotonic() + 60
+        while eng._tasks["stop"].kept_on is None and time.monotonic() < deadline:
+            time.sleep(0.001)
+        eng.cancel("stop")
+        other = eng.train("other", 2)
+        with pytest.raises(th.exceptions.ScheduleError, match="no batch in flight"):
+            other.result(timeout=60)

@@ -472,6 +472,7 @@ class Engine:
                                 f"the worker of device {w.label} stopped ({w.last_error!r}); "
                                 f"this is a tune_hydra bug, please report it"
                             ) from w.last_error
+                    self._kept.audit(self._tasks, self.workers)
                     self._dispatch()
                     self._cv.wait(_POLL_S)
         except BaseException as err:  # surface to every waiting caller

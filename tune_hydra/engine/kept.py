@@ -21,11 +21,12 @@ carries.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from tune_hydra.engine.ops import Op, OpKind
 from tune_hydra.engine.partition import ShardPlan
-from tune_hydra.exceptions import InvalidTaskError, format_bytes
+from tune_hydra.exceptions import InvalidTaskError, ScheduleError, format_bytes
 
 if TYPE_CHECKING:
     from tune_hydra.engine.records import TaskRecord
@@ -90,6 +91,22 @@ class KeptGraphs:
         if self.active and w.copy and starts_batch(op):
             entry.kept_on = w
             w.reserve(entry.name, kept_bytes(entry.plan))
+
+    def audit(self, tasks: Mapping[str, TaskRecord], workers: Sequence[DeviceWorker]) -> None:
+        """Raise if a device holds a reservation no batch in flight owns (a task gone,
+        elsewhere, or failed or cancelled with no op left to run): its room would never
+        come back and the other tasks would wait for it forever. Called under the
+        engine's lock."""
+        for w in workers:
+            for name in list(w.reserved):
+                e = tasks.get(name)
+                dead = e is not None and e.assigned is None and (e.cancelled or e.error)
+                if e is None or e.kept_on is not w or dead:
+                    raise ScheduleError(
+                        f"device {w.label} holds device memory for the kept graphs of task "
+                        f"{name!r}, which has no batch in flight there; this is a tune_hydra "
+                        f"bug, please report it"
+                    )
 
     def end(self, entry: TaskRecord, *, drop: bool = False) -> None:
         """Release the task's reservation once its batch is over: its next op is outside
