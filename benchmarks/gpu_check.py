@@ -15,7 +15,9 @@ Needs only torch and the engine (``tune_hydra.engine``; never Ray, never
 3. **peak memory**: ``torch.cuda.max_memory_allocated`` during the spilled run / budget
    (goal <= 1.0).
 4. **multi-task utilization**: ``--tasks`` smaller models spilled on one GPU, prefetch on
-   and off: device utilization and wall time.
+   and off: device utilization and wall time. Then the same models under a budget of 1.5
+   kept batches, keeping graphs (``recompute=False``, reserved per batch) vs recomputing:
+   tokens/s of each, and the kept run's peak memory / budget (goal <= 1.0).
 5. **parity**: a small float32 model trained by the engine on the GPU (TF32 off) vs the
    same model trained plainly on the CPU: max relative loss and parameter differences.
 
@@ -342,6 +344,39 @@ class Check:
                 "parked_bytes": sum(d["parked_bytes"] for d in h.summary["devices"].values()),
             }
 
+    def kept_vs_recompute(self) -> None:
+        """The multi-task models at a budget of 1.5 of one task's kept batch: keeping the
+        forward graphs (``recompute=False``: a batch's graphs reserved, about one batch in
+        flight) vs recomputing them (more tasks in flight, a third more compute)."""
+        cfg = self.cfg
+        models = [make_gpt(cfg, cfg.task_layers) for _ in range(cfg.tasks)]
+        with th.Engine(devices=[self.device], recompute=False, **self.engine_kw) as eng:
+            eng.add_task("probe", self._task(copy.deepcopy(models[0])), precision="bf16")
+            budget = int(1.5 * eng.plan("probe").kept_peak_bytes())
+        for recompute in (False, True):
+            tasks = {f"m{i}": self._task(copy.deepcopy(m)) for i, m in enumerate(models)}
+            self._reset_peak()
+            t0 = time.perf_counter()
+            h = th.train_models(
+                tasks,
+                devices=[self.device],
+                device_memory=budget,
+                epochs=1,
+                precision="bf16",
+                seed=0,
+                recompute=recompute,
+                **self.engine_kw,
+            )
+            self.results["multitask_recompute" if recompute else "multitask_kept"] = {
+                "budget_bytes": budget,
+                "wall_s": time.perf_counter() - t0,
+                "utilization": max(h.trace.utilization().values()),
+                "tokens_s": tokens_per_s(h, self.tokens),
+                "shards": h["m0"][0]["num_shards"],
+                "trace_memory": memory_replay(h, budget),
+                "peak_over_budget": self._peak() / budget if self.gpu else None,
+            }
+
     def parity(self) -> None:
         cfg = self.cfg
         small = Config(
@@ -405,6 +440,7 @@ def _fmt(v: Any, spec: str = ".3g") -> str:
 def table(r: dict[str, Any], errors: dict[str, str]) -> str:
     """The summary table (printed last)."""
     mt_on, mt_off = r.get("multitask_prefetch_on", {}), r.get("multitask_prefetch_off", {})
+    kept, rec = r.get("multitask_kept", {}), r.get("multitask_recompute", {})
     par = r.get("parity", {})
     rows = [
         ("spilled tokens/s", _fmt(r.get("spilled_tokens_s")), f"{r.get('spilled_shards')} shards"),
@@ -438,6 +474,17 @@ def table(r: dict[str, Any], errors: dict[str, str]) -> str:
             "multi-task util, prefetch off",
             _fmt(mt_off.get("utilization"), ".0%"),
             f"{_fmt(mt_off.get('tokens_s'))} tok/s",
+        ),
+        (
+            "kept graphs tok/s",
+            _fmt(kept.get("tokens_s")),
+            f"recompute: {_fmt(rec.get('tokens_s'))} tok/s at the same "
+            f"{_fmt((kept.get('budget_bytes') or 0) / 2**30)} GiB",
+        ),
+        (
+            "kept graphs peak / budget",
+            _fmt(kept.get("peak_over_budget")),
+            f"goal <= 1.0; replay {str(kept.get('trace_memory', 'n/a'))[:30]}",
         ),
         ("fp32 parity loss rel", _fmt(par.get("loss_rel"), ".2e"), "vs plain on CPU"),
         (
@@ -480,6 +527,7 @@ def main(argv: list[str] | None = None) -> int:
     check.guarded("spilled vs resident", check.spilled_vs_resident)
     check.guarded("accelerate", check.accelerate)
     check.guarded("multitask", check.multitask)
+    check.guarded("kept vs recompute", check.kept_vs_recompute)
     check.guarded("parity", check.parity)
     check.results["errors"] = check.errors
     if args.out:

@@ -67,12 +67,17 @@ def test_gpu_check_tiny(tmp_path: Path) -> None:
     path = tmp_path / "gpu.json"
     out = _run("gpu_check.py", "--tiny", "--out", str(path))
     last = out.strip().splitlines()
-    assert any(line.startswith("spilled / resident") for line in last[-14:])
+    assert any(line.startswith("spilled / resident") for line in last[-20:])
+    assert any(line.startswith("kept graphs peak / budget") for line in last[-20:])
     assert "ERROR" not in out
     figures = json.loads(path.read_text())
     assert figures["parity"]["ok"] is True
     assert figures["spilled_trace_memory"] == "ok"
     assert figures["multitask_prefetch_on"]["trace_memory"] == "ok"
+    assert figures["multitask_kept"]["trace_memory"] == "ok"
+    assert (
+        figures["multitask_recompute"]["budget_bytes"] == figures["multitask_kept"]["budget_bytes"]
+    )
     assert figures["spilled_shards"] >= 2 and figures["resident_shards"] == 1
 
 
