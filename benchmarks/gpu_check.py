@@ -312,37 +312,43 @@ class Check:
         if "spilled_tokens_s" in self.results:
             self.results["spilled_over_accelerate"] = self.results["spilled_tokens_s"] / tps
 
+    def _multitask_run(self, models: list[nn.Sequential], budget: int, **kw: Any) -> dict:
+        """Train copies of ``models`` together on the device under ``budget``; figures."""
+        tasks = {f"m{i}": self._task(copy.deepcopy(m)) for i, m in enumerate(models)}
+        self._reset_peak()
+        t0 = time.perf_counter()
+        h = th.train_models(
+            tasks,
+            devices=[self.device],
+            device_memory=budget,
+            epochs=1,
+            precision="bf16",
+            seed=0,
+            **kw,
+            **self.engine_kw,
+        )
+        return {
+            "budget_bytes": budget,
+            "wall_s": time.perf_counter() - t0,
+            "trace_wall_s": h.trace.wall_s(),
+            "utilization": max(h.trace.utilization().values()),
+            "tokens_s": tokens_per_s(h, self.tokens),
+            "shards": h["m0"][0]["num_shards"],
+            "trace_memory": memory_replay(h, budget),
+            # Other tasks' waiting activations count too (parked to host when needed).
+            "peak_over_budget": self._peak() / budget if self.gpu else None,
+            "parked_bytes": sum(d["parked_bytes"] for d in h.summary["devices"].values()),
+        }
+
     def multitask(self) -> None:
         cfg = self.cfg
         models = [make_gpt(cfg, cfg.task_layers) for _ in range(cfg.tasks)]
         budget, _ = spill_budget(models[0], self.data[0][0], cfg.budget_frac, torch.bfloat16)
         for prefetch in (True, False):
-            tasks = {f"m{i}": self._task(copy.deepcopy(m)) for i, m in enumerate(models)}
-            self._reset_peak()
-            t0 = time.perf_counter()
-            h = th.train_models(
-                tasks,
-                devices=[self.device],
-                device_memory=budget,
-                epochs=1,
-                precision="bf16",
-                seed=0,
-                prefetch=prefetch,
-                **self.engine_kw,
-            )
             key = "on" if prefetch else "off"
-            util = h.trace.utilization()
-            self.results[f"multitask_prefetch_{key}"] = {
-                "wall_s": time.perf_counter() - t0,
-                "trace_wall_s": h.trace.wall_s(),
-                "utilization": max(util.values()),
-                "tokens_s": tokens_per_s(h, self.tokens),
-                "shards": h["m0"][0]["num_shards"],
-                "trace_memory": memory_replay(h, budget),
-                # Other tasks' waiting activations count too (parked to host when needed).
-                "peak_over_budget": self._peak() / budget if self.gpu else None,
-                "parked_bytes": sum(d["parked_bytes"] for d in h.summary["devices"].values()),
-            }
+            self.results[f"multitask_prefetch_{key}"] = self._multitask_run(
+                models, budget, prefetch=prefetch
+            )
 
     def kept_vs_recompute(self) -> None:
         """The multi-task models at a budget of 1.5 of one task's kept batch: keeping the
@@ -354,28 +360,8 @@ class Check:
             eng.add_task("probe", self._task(copy.deepcopy(models[0])), precision="bf16")
             budget = int(1.5 * eng.plan("probe").kept_peak_bytes())
         for recompute in (False, True):
-            tasks = {f"m{i}": self._task(copy.deepcopy(m)) for i, m in enumerate(models)}
-            self._reset_peak()
-            t0 = time.perf_counter()
-            h = th.train_models(
-                tasks,
-                devices=[self.device],
-                device_memory=budget,
-                epochs=1,
-                precision="bf16",
-                seed=0,
-                recompute=recompute,
-                **self.engine_kw,
-            )
-            self.results["multitask_recompute" if recompute else "multitask_kept"] = {
-                "budget_bytes": budget,
-                "wall_s": time.perf_counter() - t0,
-                "utilization": max(h.trace.utilization().values()),
-                "tokens_s": tokens_per_s(h, self.tokens),
-                "shards": h["m0"][0]["num_shards"],
-                "trace_memory": memory_replay(h, budget),
-                "peak_over_budget": self._peak() / budget if self.gpu else None,
-            }
+            key = "multitask_recompute" if recompute else "multitask_kept"
+            self.results[key] = self._multitask_run(models, budget, recompute=recompute)
 
     def parity(self) -> None:
         cfg = self.cfg

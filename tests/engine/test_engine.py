@@ -188,15 +188,7 @@ def test_a_task_leaving_mid_batch_releases_its_kept_graphs(how: str) -> None:
     stop = make_task(mlp(), "sgd", n=400)
     if how == "fail":
         stop.loss_fn = _fails_later(stop.loss_fn, after=30)
-    opts = shards_3(False)
-    with Engine(
-        ["cpu"],
-        opts["device_memory"],
-        copy_on_cpu=True,
-        recompute=False,
-        max_layers_per_shard=opts["max_layers_per_shard"],
-        policy="round_robin",
-    ) as eng:
+    with _keeping_engine(policy="round_robin") as eng:
         assert eng.keeps_graphs
         for name, task in {"stop": stop, **others}.items():
             eng.add_task(name, task, seed=0)
@@ -204,9 +196,7 @@ def test_a_task_leaving_mid_batch_releases_its_kept_graphs(how: str) -> None:
         doomed = eng.train("stop", 1)
         futures = {k: eng.train(k, 2) for k in others}
         if how != "fail":
-            deadline = time.monotonic() + 60
-            while eng._tasks["stop"].kept_on is None and time.monotonic() < deadline:
-                time.sleep(0.001)  # until its batch is in flight
+            _until_in_batch(eng, "stop")
             (eng.cancel if how == "cancel" else eng.remove_task)("stop")
         for fut in futures.values():
             fut.result(timeout=120)
@@ -218,10 +208,30 @@ def test_a_task_leaving_mid_batch_releases_its_kept_graphs(how: str) -> None:
     assert doomed.cancelled() or doomed.exception() is not None
     acts = {(n, s.index): s.activation_bytes for n, p in plans.items() for s in p.shards}
     kept = {n: kept_bytes(p) for n, p in plans.items()}
-    trace.validate(state_budget=opts["device_memory"], activation_bytes=acts, kept_bytes=kept)
+    budget = shards_3(False)["device_memory"]
+    trace.validate(state_budget=budget, activation_bytes=acts, kept_bytes=kept)
     for k, t in others.items():
         th.train_plain(refs[k], 2, seed=0)
         assert_same_model(t.model, refs[k].model)
+
+
+def _keeping_engine(**kw: Any) -> Engine:
+    """One copying CPU device keeping graphs, under a budget that fits one mlp() batch."""
+    opts = shards_3(False)
+    return Engine(
+        ["cpu"],
+        opts["device_memory"],
+        copy_on_cpu=True,
+        recompute=False,
+        max_layers_per_shard=opts["max_layers_per_shard"],
+        **kw,
+    )
+
+
+def _until_in_batch(eng: Engine, name: str) -> None:
+    deadline = time.monotonic() + 60
+    while eng._tasks[name].kept_on is None and time.monotonic() < deadline:
+        time.sleep(0.001)
 
 
 def _fails_later(loss_fn: Any, after: int) -> Any:
@@ -251,20 +261,11 @@ def test_a_leaked_kept_graph_reservation_is_reported_not_waited_for(
             real_end(self, entry)
 
     monkeypatch.setattr(KeptGraphs, "end", leaky_end)
-    opts = shards_3(False)
-    with Engine(
-        ["cpu"],
-        opts["device_memory"],
-        copy_on_cpu=True,
-        recompute=False,
-        max_layers_per_shard=opts["max_layers_per_shard"],
-    ) as eng:
+    with _keeping_engine() as eng:
         eng.add_task("stop", make_task(mlp(), "sgd", n=400), seed=0)
         eng.add_task("other", make_task(mlp(seed=1), "adam", n=12), seed=0)
         eng.train("stop", 1)
-        deadline = time.monotonic() + 60
-        while eng._tasks["stop"].kept_on is None and time.monotonic() < deadline:
-            time.sleep(0.001)
+        _until_in_batch(eng, "stop")
         eng.cancel("stop")
         other = eng.train("other", 2)
         with pytest.raises(th.exceptions.ScheduleError, match="no batch in flight"):
