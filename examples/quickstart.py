@@ -11,13 +11,15 @@ Run::
     python examples/quickstart.py            # the README's main job
     python examples/quickstart.py --smoke    # a smaller run, used by the tests
 
-At the end it prints the best config, where that trial's ``model.pt`` is (load it with
+At the end it prints the best epoch of any trial (its config, val_loss and epoch), where
+the ``model.pt`` checkpointed right after that epoch is (load it with
 ``model.load_state_dict(torch.load(path))``), and writes a timeline PNG of shards on devices.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import os
 import shutil
@@ -120,6 +122,12 @@ def make_task(config: dict[str, Any]) -> th.ModelTask:
 
 
 # ---------------------------------------------------------------------------- the search
+def _best_epoch(analysis: Any, trial: Any) -> dict[str, Any]:
+    """The result of ``trial``'s epoch with the lowest ``val_loss``."""
+    history = analysis.trial_dataframes[trial.trial_id]
+    return dict(history.loc[history["val_loss"].idxmin()])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--samples", type=int, default=8, help="trials Optuna proposes")
@@ -130,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default="quickstart_output", help="results folder")
     parser.add_argument("--smoke", action="store_true", help="4 trials x 2 epochs (tests)")
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("optuna") is None:
+        parser.error('this example searches with OptunaSearch: pip install "tune_hydra[optuna]"')
     if args.smoke:
         args.samples, args.iterations, args.batches = 4, 2, 4
 
@@ -165,16 +175,21 @@ def main(argv: list[str] | None = None) -> int:
             name="quickstart",
             trial_executor=executor,
         )
-        best = analysis.best_trial
-        print("\n=== tune_hydra quickstart ===")
-        print(f"best config: {analysis.best_config}")
-        print(
-            f"best val_loss: {best.last_result['val_loss']:.4f} after "
-            f"{best.last_result['training_iteration']} epochs, "
-            f"{best.last_result['num_shards']} shards (perplexity "
-            f"{math.exp(best.last_result['val_loss']):.2f})"
-        )
+        # The best model is the best epoch of any trial (ASHA stops trials early, and a
+        # trial's last epoch need not be its best): report that epoch's metrics next to
+        # its checkpoint's model.pt (every epoch is checkpointed, so the checkpoint with
+        # the lowest val_loss is the one taken right after that epoch).
+        best = analysis.get_best_trial("val_loss", "min", scope="all")
         ckpt = analysis.get_best_checkpoint(best, metric="val_loss", mode="min")
+        epoch = _best_epoch(analysis, best)
+        print("\n=== tune_hydra quickstart ===")
+        print(f"best config: {best.config}")
+        print(
+            f"best val_loss: {epoch['val_loss']:.4f} at epoch {epoch['training_iteration']}"
+            f" of {best.last_result['training_iteration']} (the lowest of any trial's "
+            f"epochs; perplexity {math.exp(epoch['val_loss']):.2f}), "
+            f"{epoch['num_shards']} shards; its weights after that epoch:"
+        )
         if ckpt is not None:
             print(f"best model.pt: {Path(ckpt.path) / 'model.pt'}")
         shards = sorted({t.last_result.get("num_shards") for t in analysis.trials})

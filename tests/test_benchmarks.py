@@ -83,6 +83,7 @@ def test_gpu_check_tiny(tmp_path: Path) -> None:
 
 def test_gpu_session_script_without_a_gpu(tmp_path: Path) -> None:
     """The prepared GPU run works here too: GPU tests skip, gpu_check refuses, status 1."""
+    import shlex
     import shutil
 
     import pytest
@@ -90,9 +91,16 @@ def test_gpu_session_script_without_a_gpu(tmp_path: Path) -> None:
 
     if torch.cuda.is_available() or shutil.which("bash") is None:
         pytest.skip("needs bash and no CUDA device")
-    bin_dir = tmp_path / "bin"  # the script calls `python`; make it this interpreter
+    # The script calls `python`; make it this interpreter. A wrapper script, not a symlink:
+    # a symlink elsewhere to a virtualenv's python starts the base interpreter without the
+    # venv's packages (Python finds pyvenv.cfg next to the path it was started by).
+    bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
-    (bin_dir / "python").symlink_to(sys.executable)
+    wrapper = bin_dir / "python"
+    wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} "$@"\n')
+    wrapper.chmod(0o755)
+    env_of = [str(wrapper), "-c", "import sys; print(sys.prefix)"]
+    assert subprocess.run(env_of, capture_output=True, text=True).stdout.strip() == sys.prefix
     env = dict(os.environ, OUT=str(tmp_path), PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     proc = subprocess.run(
         ["bash", str(BENCH / "gpu_session.sh")],
@@ -105,3 +113,9 @@ def test_gpu_session_script_without_a_gpu(tmp_path: Path) -> None:
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "skipped" in (tmp_path / "gpu_tests.txt").read_text()
     assert "no CUDA device" in proc.stdout + proc.stderr
+
+
+def test_proxy_memory_quick() -> None:
+    out = _run("proxy_memory.py", "--quick", timeout=300)
+    for text in ("bare Trainable", "bare Trainable + torch", "tune_hydra proxy", "engine RSS"):
+        assert text in out

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import csv
 import importlib.util
 import os
 import subprocess
@@ -48,11 +49,43 @@ def test_quickstart_smoke(tmp_path: Path) -> None:
     quickstart = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(quickstart)
     best = ast.literal_eval(out.split("best config: ", 1)[1].splitlines()[0])
-    model = quickstart.make_task(best).model
+    task = quickstart.make_task(best)
+    model = task.model
     model.load_state_dict(torch.load(_model_pt(out)))
+    # The printed val_loss, epoch and model.pt agree: the lowest val_loss of any trial's
+    # epochs, reported at that epoch, and the model.pt reproduces it on the eval data.
+    line = out.split("best val_loss: ", 1)[1].splitlines()[0]
+    printed, epoch = float(line.split()[0]), int(line.split(" at epoch ", 1)[1].split()[0])
+    model.eval()
+    with torch.no_grad():
+        losses = [quickstart.lm_loss(model(x), y).item() for x, y in task.eval_data]
+    assert abs(sum(losses) / len(losses) - printed) < 1e-4, (losses, line)
+    rows = [
+        row
+        for progress in (tmp_path / "ray_results" / "quickstart").glob("*/progress.csv")
+        for row in csv.DictReader(progress.open())
+    ]
+    lowest = min(rows, key=lambda row: float(row["val_loss"]))
+    assert abs(float(lowest["val_loss"]) - printed) < 1e-4, (lowest, line)
+    assert int(lowest["training_iteration"]) == epoch, (lowest, line)
     assert (tmp_path / "timeline.png").is_file()
     shards = out.split("shards per model: ")[1].splitlines()[0]
     assert all(int(s) >= 2 for s in shards.strip("[]").split(",")), shards
+
+
+def test_quickstart_without_optuna_says_what_to_install() -> None:
+    """optuna is an extra: the example stops at once with the install command."""
+    code = (
+        "import runpy, sys; sys.modules['optuna'] = None; "
+        f"sys.argv = ['quickstart.py', '--smoke']; "
+        f"runpy.run_path({str(ROOT / 'examples' / 'quickstart.py')!r}, run_name='__main__')"
+    )
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert 'pip install "tune_hydra[optuna]"' in proc.stderr, proc.stderr
 
 
 def test_gpt2_model_selection_tiny(tmp_path: Path) -> None:

@@ -1,8 +1,8 @@
 """tune_hydra: Hydra's shard parallelism for Ray Tune.
 
 The engine (``ModelTask``, ``train_models``, ...) needs only torch; the Ray Tune front end
-(``run``, ``HydraExecutor``) is imported on first use, so ``import tune_hydra`` works
-where Ray is not installed.
+(``run``, ``HydraExecutor``, ``patch_tune``) is imported on first use, so
+``import tune_hydra`` works where Ray is not installed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ if TYPE_CHECKING:
         train_models,
         train_plain,
     )
-    from tune_hydra.tune import HydraExecutor, run
+    from tune_hydra.tune import HydraExecutor, patch_tune, run, unpatch_tune
 
 __version__ = "0.1.0"
 
@@ -39,6 +39,8 @@ _LAZY = {
     "train_plain": "tune_hydra.engine",
     "run": "tune_hydra.tune",
     "HydraExecutor": "tune_hydra.tune",
+    "patch_tune": "tune_hydra.tune",
+    "unpatch_tune": "tune_hydra.tune",
 }
 
 
@@ -57,9 +59,11 @@ __all__ = [
     "ModelTask",
     "TuneHydraError",
     "exceptions",
+    "patch_tune",
     "plot_timeline",
     "run",
     "save_trace",
     "train_models",
     "train_plain",
+    "unpatch_tune",
 ]

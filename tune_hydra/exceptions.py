@@ -133,6 +133,177 @@ class ScheduleError(TuneHydraError, RuntimeError):
     not ready)."""
 
 
+class TaskFactoryError(TuneHydraError, RuntimeError):
+    """The user's task factory raised inside the engine's process, or returned something
+    that is not a :class:`~tune_hydra.ModelTask`. The message holds the factory's
+    traceback."""
+
+
+class TaskFactoryTimeoutError(TaskFactoryError, TimeoutError):
+    """The user's task factory did not return within the configured timeout
+    (``HydraExecutor(factory_timeout_s=...)``)."""
+
+    def __init__(self, what: str, timeout_s: float) -> None:
+        self.what = what
+        self.timeout_s = timeout_s
+        super().__init__(
+            f"the task factory for {what} did not return within {timeout_s:g} s, so that "
+            f"trial failed; the other trials go on. Make make_task faster (load data once, "
+            f"outside it, or cache it on disk), or raise HydraExecutor(factory_timeout_s=...)."
+            f" The call keeps running in the background; its result will be dropped."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.what, self.timeout_s))
+
+
+class SharedModelError(InvalidTaskError):
+    """A task's model shares parameters or buffers with another task the same engine is
+    training (two tasks would then train one set of weights and corrupt each other).
+
+    Attributes:
+        task: the task that was refused.
+        owner: the registered task that already trains those tensors.
+        tensors: ``(name in task's model, name in owner's model)`` of each shared tensor.
+    """
+
+    def __init__(self, task: str, owner: str, tensors: list[tuple[str, str]]) -> None:
+        self.task = task
+        self.owner = owner
+        self.tensors = list(tensors)
+        shown = ", ".join(
+            f"{mine!r}" if mine == theirs else f"{mine!r} ({theirs!r} there)"
+            for mine, theirs in self.tensors[:6]
+        )
+        more = f" and {len(self.tensors) - 6} more" if len(self.tensors) > 6 else ""
+        super().__init__(
+            f"task {task!r}: its model shares {len(self.tensors)} tensor(s) with task "
+            f"{owner!r}, which this engine is training: {shown}{more}. Two tasks training "
+            f"the same tensors corrupt each other. Build a new model for every task: a "
+            f"module-level MODEL = Net() is shared by every trial in the engine's process, "
+            f"so build the model inside make_task(config) (or copy.deepcopy a template per "
+            f"task); or remove task {owner!r} before reusing its model."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.task, self.owner, self.tensors))
+
+
+class ReusedModelError(SharedModelError):
+    """The task factory returned a model (or a submodule of one) that an earlier trial of
+    the same engine already trained: a module-level model, reused after that trial ended.
+    In plain Tune each trial imports the module afresh; here the new trial would start
+    from the old trial's trained weights.
+
+    Attributes:
+        task: the trial that was refused.
+        owner: the earlier trial that trained the model.
+        tensors: ``(module name in the new model, "")`` of each reused module.
+    """
+
+    def __init__(self, task: str, owner: str, tensors: list[tuple[str, str]]) -> None:
+        self.task = task
+        self.owner = owner
+        self.tensors = list(tensors)
+        names = ", ".join(repr(m or "<the whole model>") for m, _ in self.tensors[:6])
+        InvalidTaskError.__init__(
+            self,
+            f"task {task!r}: the task factory returned modules that trial {owner!r} already "
+            f"trained ({names}): it would start from that trial's weights, not from a fresh "
+            f"model. A module-level MODEL = Net() is shared by every trial in the engine's "
+            f"process; build the model inside make_task(config).",
+        )
+
+
+class _Shown(str):
+    """A value's ``repr`` standing in for the value once an error is pickled (the value
+    itself may not pickle: a lambda given as a seed)."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+
+class InvalidOptionError(InvalidTaskError):
+    """A training option (``seed``, ``max_grad_norm``, ``accumulate_steps``,
+    ``precision``, ``iteration_batches``, ``max_layers_per_shard`` ...) has a bad value.
+
+    Attributes:
+        option: the option's name.
+        value: the value given (after pickling: its ``repr``).
+        expected: what the option takes, and how to fix the call.
+        where: who got it (``"task 'a'"``, ``"HydraExecutor"``, ``"train_models"``), or ``""``.
+    """
+
+    def __init__(self, option: str, value: Any, expected: str, where: str = "") -> None:
+        self.option = option
+        self.value = value
+        self.expected = expected
+        self.where = where
+        prefix = f"{where}: " if where else ""
+        super().__init__(f"{prefix}{option}={value!r} is not valid: {expected}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.option, _Shown(repr(self.value)), self.expected, self.where))
+
+
+class _TaskInputError(InvalidTaskError):
+    """A task's input is unusable; the message names the task, the input and the fix."""
+
+    def __init__(self, task: str, detail: str) -> None:
+        self.task = task
+        self.detail = detail
+        super().__init__(f"task {task!r}: {detail}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.task, self.detail))
+
+
+class InvalidOptimizerError(_TaskInputError, TypeError):
+    """A task's optimizer factory raised, or returned something that is not a
+    ``torch.optim.Optimizer`` (``None``, an object without ``step``)."""
+
+
+class DataMismatchError(_TaskInputError):
+    """A batch does not fit the model: a layer raised on it (inputs of another dtype or
+    shape than the model takes)."""
+
+
+class InvalidLossError(_TaskInputError):
+    """``loss_fn`` raised, or did not return a scalar tensor that autograd can
+    back-propagate (a per-sample loss, a detached value, a Python float)."""
+
+
+class CheckpointError(TuneHydraError, ValueError):
+    """A checkpoint could not be written, or failed verification when read: its manifest is
+    missing (an interrupted save) or wrong, a file differs from the manifest (stale,
+    truncated or foreign), or a file holds objects that safe loading refuses (a planted
+    pickle payload). Nothing of such a checkpoint is loaded.
+
+    Attributes:
+        checkpoint: the checkpoint directory.
+        file: the file at fault (``None``: the directory itself).
+        problem: what is wrong with it.
+        fix: what to do about it.
+    """
+
+    def __init__(
+        self,
+        checkpoint: str,
+        file: str | None,
+        problem: str,
+        fix: str = "Restore the trial from an earlier checkpoint (or start it afresh)",
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.file = file
+        self.problem = problem
+        self.fix = fix
+        what = file if file is not None else "the directory"
+        super().__init__(f"checkpoint {checkpoint}: {what} {problem}. {fix}.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.checkpoint, self.file, self.problem, self.fix))
+
+
 def format_bytes(n: float) -> str:
     """``1536`` -> ``'1.5 KiB'``."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):

@@ -64,9 +64,10 @@ def test_layer_too_large_names_it() -> None:
     task = th.ModelTask(
         model, nn.MSELoss(), OPTIMIZERS["sgd"], [(torch.randn(2, 4), torch.randn(2, 2))]
     )
-    with pytest.raises(th.exceptions.ShardTooLargeError) as info:
+    with pytest.raises(th.exceptions.TrainingError) as info:  # reported, as any bad task
         th.train_models({"a": task}, devices=["cpu"], device_memory="64KiB")
-    err = info.value
+    err = info.value.errors["a"]
+    assert isinstance(err, th.exceptions.ShardTooLargeError)
     assert isinstance(err, th.TuneHydraError) and isinstance(err, MemoryError)
     assert err.layer == "1" and err.budget == 65536 and err.nbytes > 65536
     assert "'1'" in str(err) and "65536 bytes" in str(err) and "device_memory" in str(err)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 import torch
@@ -77,3 +79,78 @@ def make_task(config: dict[str, Any]) -> th.ModelTask:
         train_data=data,
         eval_data=data[:2] if config.get("eval", True) else None,
     )
+
+
+def make_wide_task(config: dict[str, Any]) -> th.ModelTask:
+    """A wide MLP whose checkpoint takes long to write (for kill-during-save tests).
+
+    Config keys: ``width`` (4096: each hidden ``Linear(width, width)`` holds 64 MiB of
+    float32 weights, and SGD momentum as much again in ``hydra_state.pt``), ``layers`` (2).
+    """
+    width = int(config.get("width", 4096))
+    torch.manual_seed(0)
+    hidden = [nn.Linear(width, width) for _ in range(int(config.get("layers", 2)))]
+    return th.ModelTask(
+        model=nn.Sequential(nn.Linear(N_IN, width), *hidden, nn.Linear(width, 1)),
+        loss_fn=nn.MSELoss(),
+        optimizer=lambda params: torch.optim.SGD(params, lr=1e-5, momentum=0.9),
+        train_data=dataset(n_batches=1),
+    )
+
+
+class SlowData:
+    """Re-iterable batches that each take ``delay`` seconds to load."""
+
+    def __init__(self, batches: list[Any], delay: float) -> None:
+        self.batches, self.delay = batches, delay
+
+    def __iter__(self) -> Any:
+        for batch in self.batches:
+            time.sleep(self.delay)
+            yield batch
+
+
+def make_slow_task(config: dict[str, Any]) -> th.ModelTask:
+    """:func:`make_task` behind a slow factory or slow data.
+
+    Config keys: ``factory_sleep`` (seconds the factory sleeps first), ``hang`` (the
+    factory never returns), ``data_delay`` (seconds per training batch), ``started`` (a
+    path the factory creates as it starts), ``overrides`` (a dict merged into the config:
+    lets a grid search vary several keys together), plus :func:`make_task`'s keys.
+    """
+    config = {**config, **config.get("overrides", {})}
+    if config.get("started"):
+        open(config["started"], "w").close()
+    if config.get("hang"):
+        threading.Event().wait()
+    time.sleep(float(config.get("factory_sleep", 0.0)))
+    task = make_task(config)
+    delay = float(config.get("data_delay", 0.0))
+    if delay:
+        task.train_data = SlowData(list(task.train_data), delay)
+    return task
+
+
+def closure_factory(megabytes: int) -> Any:
+    """A task factory that closes over ``megabytes`` MB of data, as users' factories
+    close over a dataset."""
+    payload = torch.ones(megabytes * 2**20 // 4)
+
+    def make_big_task(config: dict[str, Any]) -> th.ModelTask:
+        task = make_task(config)
+        task.extra["payload_sum"] = float(payload[:10].sum())
+        return task
+
+    return make_big_task
+
+
+SHARED_MODEL = build_model(16, torch.float32)
+"""A module-level model: the careless pattern :func:`make_shared_task` uses."""
+
+
+def make_shared_task(config: dict[str, Any]) -> th.ModelTask:
+    """:func:`make_task`, but returning the module-level :data:`SHARED_MODEL` (safe in
+    plain Tune, where every trial imports the module afresh; refused by the engine)."""
+    task = make_task(config)
+    task.model = SHARED_MODEL
+    return task

@@ -21,7 +21,7 @@ from tune_hydra.engine.policies import BasePolicy, Candidate, get_policy
 from tune_hydra.engine.records import PendingIterations, TaskRecord, batches_per_iter
 from tune_hydra.engine.rng import CPU_RNG_LOCK
 from tune_hydra.engine.runner import TaskRunner, TrainOptions
-from tune_hydra.engine.task import ModelTask, model_layers
+from tune_hydra.engine.task import ModelTask, OwnedTensors, model_layers, owned_tensors
 from tune_hydra.engine.trace import Trace
 from tune_hydra.engine.units import device_capacity, parse_bytes, resolve_devices
 from tune_hydra.engine.workers import (
@@ -33,11 +33,14 @@ from tune_hydra.engine.workers import (
 )
 from tune_hydra.exceptions import (
     EmptyDataError,
+    InvalidModelError,
     InvalidTaskError,
     ScheduleError,
+    SharedModelError,
     TaskFailedError,
     TuneHydraError,
 )
+from tune_hydra.options import check_max_layers_per_shard, check_seed, check_task_options
 
 
 class Engine:
@@ -59,7 +62,12 @@ class Engine:
             ``device_memory`` (see ``tune_hydra.engine.kept``).
         copy_on_cpu: really copy shard state on CPU "devices": they then run the way a
             GPU does (spills, budgets, and ``recompute`` on by default).
-        max_layers_per_shard: cut finer than the budget requires.
+        max_layers_per_shard: cut finer than the budget requires (an int >= 1, or None).
+
+    Raises:
+        InvalidOptionError: a bad ``max_layers_per_shard``.
+        UnknownDeviceError, BudgetFormatError, UnknownPolicyError: a bad device, budget or
+            policy.
 
     Example:
         >>> import torch
@@ -87,6 +95,7 @@ class Engine:
         copy_on_cpu: bool = False,
         max_layers_per_shard: int | None = None,
     ) -> None:
+        max_layers_per_shard = check_max_layers_per_shard(max_layers_per_shard, where="Engine")
         self.devices = resolve_devices(devices)
         self.budget = parse_bytes(device_memory)
         self.policy = get_policy(policy)
@@ -124,6 +133,9 @@ class Engine:
         self._op_n = 0
         self._cv = threading.Condition(threading.RLock())
         self._tasks: dict[str, TaskRecord] = {}
+        # Tasks being added (between their checks and their registration): the tensors
+        # they claim, so that two concurrent add_task calls cannot share a model either.
+        self._adding: dict[str, OwnedTensors] = {}
         self._order = 0
         self._closed = False
         self._broken: BaseException | None = None
@@ -153,9 +165,19 @@ class Engine:
     ) -> int:
         """Partition ``task``'s model and register it; returns the number of shards.
 
+        A task's model must be its own: parameters or buffers that another task of this
+        engine trains (until that task is removed) are refused, since the two would train
+        one set of weights. Weights tied within the model are fine.
+
         Raises:
+            SharedModelError: the model shares tensors with another registered task.
             ShardTooLargeError: a layer does not fit ``device_memory``.
-            InvalidTaskError: a bad option or an empty ``train_data``.
+            InvalidOptionError: a bad option (``seed``, ``max_grad_norm``,
+                ``accumulate_steps``, ``precision``, ``iteration_batches``).
+            InvalidModelError: the model is not sequential, or has nothing to train.
+            InvalidOptimizerError: the optimizer factory does not build an optimizer.
+            DataMismatchError: a layer fails on the first batch of ``train_data``.
+            InvalidTaskError: an empty ``train_data``, a name in use, or another bad input.
         """
         if not isinstance(task, ModelTask):
             raise InvalidTaskError(
@@ -171,7 +193,27 @@ class Engine:
             iteration_batches,
             self.recompute,
         )
-        layers = model_layers(task.model)  # type: ignore[arg-type]
+        # Before anything touches the model: it may be another task's, on a device now.
+        claim = owned_tensors(task.model)  # type: ignore[arg-type]
+        with self._cv:
+            self._check_name(name)
+            # Claimed at once, with a snapshot of the others: a task added after this sees
+            # the claim, one added before is in the snapshot (read without the lock, so
+            # that the dispatcher does not wait on it).
+            others = [(n, e.runner) for n, e in self._tasks.items()]
+            claims = list(self._adding.items())
+            self._adding[name] = claim
+        try:
+            _check_shared(name, claim, others, claims)
+            return self._add(name, task, options)
+        finally:
+            with self._cv:
+                if self._adding.get(name) is claim:
+                    del self._adding[name]
+
+    def _add(self, name: str, task: ModelTask, options: TrainOptions) -> int:
+        layers = model_layers(task.model, name)  # type: ignore[arg-type]
+        _check_trainable(name, task.model)  # type: ignore[arg-type]
         task.model.to("cpu")  # type: ignore[union-attr]
         dtype = torch.bfloat16 if options.precision == "bf16" else None
         # Peeking at the data and probing the layers must not draw from any task's stream:
@@ -185,7 +227,7 @@ class Engine:
                     f"(inputs, targets) pair"
                 ) from None
             x, _ = split_batch(sample, name)
-            costs = layer_costs(layers, task.optimizer, x, dtype, device=self.devices[0])
+            costs = layer_costs(layers, task.optimizer, x, dtype, device=self.devices[0], task=name)
         budget = self._device_budget(self.devices[0])
         plan = plan_shards(
             costs, budget, prefetch=self.prefetch, max_layers_per_shard=self.max_layers_per_shard
@@ -200,12 +242,19 @@ class Engine:
             self._kept.check(name, plan)
             runner = TaskRunner(name, task, plan, layers, options, order=self._order, pin=pin)
             runner.budgeted_graphs = self._kept.active
+            runner.note_probe(x)
             entry = TaskRecord(name, task, plan, options, self._order, runner)
             entry.batches_per_iter = batches_per_iter(task, options)
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
             self._tasks[name] = entry
             self._order += 1
         return len(plan)
+
+    def _check_name(self, name: str) -> None:
+        if name in self._tasks or name in self._adding:
+            raise InvalidTaskError(
+                f"a task named {name!r} is already registered; remove it first or pick another name"
+            )
 
     @property
     def keeps_graphs(self) -> bool:
@@ -308,6 +357,7 @@ class Engine:
             )
             runner.set_state(state)
             runner.budgeted_graphs = self._kept.active
+            runner.probed = entry.runner.probed
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
             self._cancel_futures(entry)
             self._note_carry(entry, None)
@@ -568,22 +618,67 @@ def _options(
     iteration_batches: int | None,
     recompute: bool,
 ) -> TrainOptions:
-    if task.seed is not None:
-        seed = task.seed
-    if seed is None:
-        seed = torch.initial_seed()
-    if not isinstance(accumulate_steps, int) or accumulate_steps < 1:
-        raise InvalidTaskError(f"accumulate_steps must be an int >= 1, got {accumulate_steps!r}")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise InvalidTaskError(f"max_grad_norm must be > 0 or None, got {max_grad_norm!r}")
-    if precision in ("fp32", "float32"):
-        precision = None
-    if precision not in (None, "bf16"):
-        raise InvalidTaskError(f"precision must be None, 'fp32' or 'bf16', got {precision!r}")
-    if iteration_batches is not None and iteration_batches < 1:
-        raise InvalidTaskError(f"iteration_batches must be >= 1 or None, got {iteration_batches}")
+    where = f"task {name!r}"
+    task_seed = check_seed(task.seed, option="ModelTask.seed", where=where)
+    opts = check_task_options(
+        seed=seed,
+        max_grad_norm=max_grad_norm,
+        accumulate_steps=accumulate_steps,
+        precision=precision,
+        iteration_batches=iteration_batches,
+        where=where,
+    )
+    if task_seed is not None:
+        opts["seed"] = task_seed
+    if opts["seed"] is None:
+        opts["seed"] = torch.initial_seed()
     return TrainOptions(
-        int(seed), max_grad_norm, accumulate_steps, precision, iteration_batches, recompute
+        opts["seed"],
+        opts["max_grad_norm"],
+        opts["accumulate_steps"],
+        opts["precision"],
+        opts["iteration_batches"],
+        recompute,
+    )
+
+
+def _check_shared(
+    name: str,
+    claim: OwnedTensors,
+    registered: list[tuple[str, TaskRunner]],
+    adding: list[tuple[str, OwnedTensors]],
+) -> None:
+    """Refuse task ``name`` if its tensors are those of a registered task, or of a task
+    being added.
+
+    The registered tasks' tensors are read as they are now (their host copies of shards
+    on a device included), so no key outlives the tensor it was taken from.
+
+    Raises:
+        SharedModelError: naming the first such task and the shared tensors.
+    """
+    for owner, runner in registered:
+        shared = claim.shared_with(runner.owned_tensors())
+        if shared:
+            raise SharedModelError(name, owner, shared)
+    for owner, owned in adding:
+        shared = claim.shared_with(owned)
+        if shared:
+            raise SharedModelError(name, owner, shared)
+
+
+def _check_trainable(name: str, model: torch.nn.Module) -> None:
+    params = list(model.parameters())
+    if any(p.requires_grad for p in params):
+        return
+    what = (
+        f"all {len(params)} of its parameters have requires_grad=False"
+        if params
+        else "it has no parameters"
+    )
+    raise InvalidModelError(
+        f"task {name!r}: the model has nothing to train ({what}). Give it a layer with "
+        f"parameters, or unfreeze some with p.requires_grad_(True)"
     )
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import traceback
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,8 +19,15 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten, tree_map
 
-from tune_hydra.engine.task import OptimizerFactory
-from tune_hydra.exceptions import ShardTooLargeError, format_bytes
+from tune_hydra.engine.task import OptimizerFactory, describe, mismatch_hint
+from tune_hydra.exceptions import (
+    DataMismatchError,
+    InvalidOptimizerError,
+    ShardTooLargeError,
+    TuneHydraError,
+    format_bytes,
+)
+from tune_hydra.options import check_max_layers_per_shard
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,22 +128,93 @@ def tensor_bytes(obj: Any) -> int:
     return sum(t.numel() * t.element_size() for t in leaves if isinstance(t, torch.Tensor))
 
 
-def optimizer_state_factor(factory: OptimizerFactory, dtype: torch.dtype) -> float:
+def optimizer_state_factor(factory: OptimizerFactory, dtype: torch.dtype, task: str = "?") -> float:
     """Bytes of optimizer state per byte of parameter, measured on a dummy parameter.
 
     Only state the size of a parameter counts; scalars such as Adam's step stay on the
-    host.
+    host. This is also where a task's optimizer factory is first called, so it is checked
+    here.
+
+    Args:
+        factory: the task's optimizer factory.
+        dtype: the dtype of the parameters it will get.
+        task: the task's name, for errors.
+
+    Raises:
+        InvalidOptimizerError: the factory raised, returned something other than a
+            ``torch.optim.Optimizer``, or the optimizer's first ``step()`` raised.
     """
     probe = nn.Parameter(torch.zeros(64, dtype=dtype))
-    opt = factory([probe])
+    opt = build_optimizer(factory, [probe], task, "a list of parameters")
     probe.grad = torch.zeros_like(probe)
-    opt.step()
+    try:
+        opt.step()
+    except Exception as err:
+        if _not_ours(err):
+            raise
+        raise InvalidOptimizerError(
+            task,
+            f"the optimizer built by the factory ({type(opt).__name__}) raised "
+            f"{_what(err)} on its first step(){_string_hint(err)}",
+        ) from err
     per_param = sum(
         v.numel() * v.element_size()
         for v in opt.state[probe].values()
         if isinstance(v, torch.Tensor) and v.dim() > 0
     )
     return per_param / (probe.numel() * probe.element_size())
+
+
+def build_optimizer(
+    factory: OptimizerFactory, params: list[nn.Parameter], task: str, what: str
+) -> torch.optim.Optimizer:
+    """``factory(params)``, checked: a ``torch.optim.Optimizer`` or a clear error.
+
+    Args:
+        factory: the task's optimizer factory.
+        params: the parameters to give it.
+        task: the task's name, for errors.
+        what: what ``params`` are, for errors (``"the parameters of shard 1"``).
+
+    Raises:
+        InvalidOptimizerError: the factory raised or returned something else.
+    """
+    try:
+        opt = factory(params)
+    except Exception as err:
+        if _not_ours(err):
+            raise
+        raise InvalidOptimizerError(
+            task,
+            f"the optimizer factory raised {_what(err)} when called with {what}"
+            f"{_string_hint(err)}. It must build an optimizer from the parameters it gets, "
+            f"e.g. optimizer=lambda params: torch.optim.AdamW(params, lr=1e-3)",
+        ) from err
+    if not isinstance(opt, torch.optim.Optimizer):
+        got = "None" if opt is None else f"an object of type {type(opt).__name__}"
+        raise InvalidOptimizerError(
+            task,
+            f"the optimizer factory returned {got}, not a torch.optim.Optimizer. It must "
+            f"return the optimizer it builds, e.g. optimizer=lambda params: "
+            f"torch.optim.AdamW(params, lr=1e-3) (a def needs a return statement)",
+        )
+    return opt
+
+
+def _not_ours(err: BaseException) -> bool:
+    """Errors passed on as they are: tune_hydra's own, and running out of memory."""
+    return isinstance(err, (TuneHydraError, MemoryError, torch.OutOfMemoryError))
+
+
+def _what(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _string_hint(err: BaseException) -> str:
+    if "'str'" in str(err) or "str" in type(err).__name__:
+        return " (a hyperparameter given as a string? pass numbers, e.g. lr=float(config['lr']))"
+    return ""
 
 
 @contextlib.contextmanager
@@ -182,15 +261,20 @@ def _probe(
     layers: list[tuple[str, nn.Module]],
     sample: Any,
     autocast_dtype: torch.dtype | None,
+    task: str = "?",
 ) -> list[tuple[int, bool | None, bool | None]]:
     """Per layer: activation bytes (see :func:`probe_activations`), whether it wrote its
-    input in place, and whether it returned its input (or a view of it)."""
+    input in place, and whether it returned its input (or a view of it).
+
+    Raises:
+        DataMismatchError: a layer raised on the sample (named, with what it got).
+    """
     out: list[tuple[int, bool | None, bool | None]] = []
     mods = [m for _, m in layers]
     params = {p.data_ptr() for m in mods for p in m.parameters()}
     with _preserved(mods):
         x = sample
-        for _, module in layers:
+        for layer_name, module in layers:
             seen: dict[int, int] = {}
 
             def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
@@ -208,12 +292,17 @@ def _probe(
                 if autocast_dtype is not None
                 else contextlib.nullcontext()
             )
-            with (
-                torch.enable_grad(),
-                autocast,
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-            ):
-                y = module(inp)
+            try:
+                with (
+                    torch.enable_grad(),
+                    autocast,
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+                ):
+                    y = module(inp)
+            except Exception as err:
+                if _not_ours(err):
+                    raise
+                raise layer_error(task, layer_name, module, x, err, sample) from err
             writes = passes = None
             if version is not None:
                 writes = inp._version != version
@@ -222,6 +311,51 @@ def _probe(
             out.append((sum(seen.values()) + tensor_bytes(y), writes, passes))
             x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
     return out
+
+
+def layer_error(
+    task: str,
+    layer_name: str,
+    module: nn.Module,
+    inputs: Any,
+    err: BaseException,
+    batch: Any,
+    where: str = "the first batch of train_data (probed when the task was added)",
+    note: str = "",
+) -> DataMismatchError:
+    """The error for a layer that raised on a batch: names the layer, what it got, and,
+    when it can be told, what does not fit (see :func:`~tune_hydra.engine.task.mismatch_hint`).
+
+    Args:
+        task: the task's name.
+        layer_name: the layer's qualified name in the model.
+        module: the layer.
+        inputs: what the layer got.
+        err: what it raised.
+        batch: the batch's inputs (what the model got).
+        where: which batch, for the message.
+        note: more about the inputs, appended to what it got.
+    """
+    hint = mismatch_hint(inputs, module) or mismatch_hint(batch, module)
+    if not hint:  # not told apart from a fault of the layer's own: show where it raised
+        tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        hint = (
+            f"Make the data's inputs match what the model takes (shape, dtype), or, if the "
+            f"data is right, fix the layer.\n\nOriginal traceback:\n{tb}"
+        )
+    got = describe(inputs)
+    given = describe(batch)
+    also = "" if got == given else f"; the batch's inputs: {given}"
+    return DataMismatchError(
+        task,
+        f"layer {layer_name!r} ({_short(module)}) raised {_what(err)} on {where} (it got "
+        f"{got}{also}{note}). {hint}",
+    )
+
+
+def _short(module: nn.Module) -> str:
+    text = repr(module).splitlines()
+    return text[0] if len(text) == 1 else f"{type(module).__name__}(...)"
 
 
 def probe_cuda_peaks(
@@ -273,10 +407,15 @@ def layer_costs(
     sample: Any,
     autocast_dtype: torch.dtype | None = None,
     device: torch.device | None = None,
+    task: str = "?",
 ) -> list[LayerCost]:
     """Every layer's bytes: state from tensor sizes; activations from a probe forward on
-    the CPU, or measured on ``device`` when it is a GPU (the larger of the two)."""
-    probed = _probe(layers, sample, autocast_dtype)
+    the CPU, or measured on ``device`` when it is a GPU (the larger of the two).
+
+    ``task`` names the task in errors: a layer that raises on ``sample``
+    (:class:`~tune_hydra.exceptions.DataMismatchError`) or an optimizer factory that does
+    not build an optimizer (:class:`~tune_hydra.exceptions.InvalidOptimizerError`)."""
+    probed = _probe(layers, sample, autocast_dtype, task)
     acts = [act for act, _, _ in probed]
     if device is not None and device.type == "cuda":
         peaks = probe_cuda_peaks(layers, sample, device, autocast_dtype)
@@ -290,7 +429,7 @@ def layer_costs(
         obytes = 0
         for p in params:
             if p.dtype not in factors:
-                factors[p.dtype] = optimizer_state_factor(optimizer, p.dtype)
+                factors[p.dtype] = optimizer_state_factor(optimizer, p.dtype, task)
             obytes += math.ceil(factors[p.dtype] * p.numel() * p.element_size())
         bbytes = sum(b.numel() * b.element_size() for b in module.buffers())
         costs.append(LayerCost(name, pbytes, gbytes, obytes, bbytes, act, writes, passes))
@@ -329,7 +468,9 @@ def plan_shards(
 
     Raises:
         ShardTooLargeError: one layer alone does not fit.
+        InvalidOptionError: ``max_layers_per_shard`` is not None or an int >= 1.
     """
+    max_layers_per_shard = check_max_layers_per_shard(max_layers_per_shard)
     if budget is None:
         step = max_layers_per_shard or len(costs)
         spans = [(i, min(i + step, len(costs))) for i in range(0, len(costs), step)]

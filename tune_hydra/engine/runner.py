@@ -22,10 +22,11 @@ import threading
 import time
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from tune_hydra.engine import resume, rng
 from tune_hydra.engine.boundary import (
@@ -41,10 +42,17 @@ from tune_hydra.engine.boundary import (
     versions,
 )
 from tune_hydra.engine.ops import Op, OpKind
-from tune_hydra.engine.partition import ShardPlan
+from tune_hydra.engine.partition import ShardPlan, build_optimizer, layer_error
 from tune_hydra.engine.spill import ShardStore
-from tune_hydra.engine.task import ModelTask
-from tune_hydra.exceptions import EmptyDataError, InvalidModelError, NonFiniteLossError
+from tune_hydra.engine.task import ModelTask, OwnedTensors, describe, mismatch_hint, owned_tensors
+from tune_hydra.exceptions import (
+    DataMismatchError,
+    EmptyDataError,
+    InvalidLossError,
+    InvalidModelError,
+    NonFiniteLossError,
+    TuneHydraError,
+)
 
 
 @dataclass
@@ -113,7 +121,16 @@ class TaskRunner:
             seen.update(id(p) for p in params)
             # A shard of parameter-free layers (ReLU, Dropout alone) has nothing to step;
             # torch optimizers refuse an empty parameter list.
-            opt = task.optimizer(params) if params else None
+            opt = (
+                build_optimizer(
+                    task.optimizer,
+                    params,
+                    name,
+                    f"the parameters of shard {spec.index} (layers {', '.join(spec.layer_names)})",
+                )
+                if params
+                else None
+            )
             self.shards.append(
                 ShardRuntime(
                     spec.index,
@@ -166,6 +183,30 @@ class TaskRunner:
         # Set by the engine when a batch's kept graphs are reserved on a copying device
         # (tune_hydra.engine.kept): one micro-batch's graphs at a time, as on a GPU.
         self.budgeted_graphs = False
+        # The signature and description of the batch probed at add_task (which the model
+        # took; see note_probe): a later batch that fails unlike it is a data mismatch.
+        self.probed: tuple[Any, str] | None = None
+
+    def note_probe(self, inputs: Any) -> None:
+        """Remember the structure, dtypes and shapes of the inputs the model was probed
+        with (not the tensors: a batch can be large)."""
+        self.probed = (_signature(inputs), describe(inputs))
+
+    def owned_tensors(self) -> OwnedTensors:
+        """The parameters and buffers this task trains, as they are now: the model's live
+        tensors and, for shards on a device, their host copies (see
+        :func:`~tune_hydra.engine.task.owned_tensors`)."""
+        host: list[tuple[Any, torch.Tensor]] = []
+        for s in self.shards:
+            store = s.store
+            with store.lock:  # a promotion may be adding host buffers right now
+                items = list(store._host.items())
+            for key, t in items:
+                if key[0] == "p":
+                    host.append((store.params[key[1]], t))
+                elif key[0] == "b":
+                    host.append((store.buffer_slots[key[1]], t))
+        return owned_tensors(self.task.model, host)  # type: ignore[arg-type]
 
     # -- the operation sequence ---------------------------------------------------------
 
@@ -434,9 +475,10 @@ class TaskRunner:
             same = keep_graph == torch.is_grad_enabled()
             grad_mode = _NULL if same else torch.set_grad_enabled(keep_graph)
             with grad_mode, self._autocast(device):
-                out = shard.module(arg)
+                out = self._call(shard, arg, batch, train=True)
                 if last:
-                    loss = self.task.loss_fn(out, to_device(self._targets[j], device))
+                    target = to_device(self._targets[j], device)
+                    loss = self._loss(out, target, batch, train=True)
         self._check_writes(shard, arg, before)
         if last:
             value = float(loss.item())
@@ -445,8 +487,18 @@ class TaskRunner:
             self._losses.append(value)
             if batch % k == 0 and shard.optimizer is not None:
                 shard.optimizer.zero_grad()
-            # loss / 1 is loss bit for bit; skipping it saves an op and an autograd node
-            (loss / k if k > 1 else loss).backward()
+            try:
+                # loss / 1 is loss bit for bit; skipping it saves an op and an autograd node
+                (loss / k if k > 1 else loss).backward()
+            except Exception as err:
+                hint = "" if _not_ours(err) else _target_hint(out, target)
+                if not hint:
+                    raise
+                raise DataMismatchError(
+                    self.name,
+                    f"the backward of the loss raised {_what(err)} on "
+                    f"{self._where(batch, True)}: {hint}",
+                ) from err
             self._carries[j] = grads_of(inp) if i > 0 else None
             self._after_backward(shard, batch)
             return
@@ -562,9 +614,10 @@ class TaskRunner:
         shard.module.eval()
         try:
             with self._stream(shard, device), torch.no_grad(), self._autocast(device):
-                out = shard.module(x)
+                out = self._call(shard, x, len(self._eval_losses), train=False)
                 if i == len(self.shards) - 1:
-                    loss = self.task.loss_fn(out, to_device(self._target, device))
+                    target = to_device(self._target, device)
+                    loss = self._loss(out, target, len(self._eval_losses), train=False)
                     self._eval_losses.append(float(loss.item()))
                     out = None
         finally:
@@ -572,6 +625,96 @@ class TaskRunner:
         self._carry = out
 
     _total_norm: torch.Tensor | None = None
+
+    # -- errors that name the input at fault ----------------------------------------------
+
+    def _where(self, batch: int, train: bool) -> str:
+        if train:
+            return f"batch {batch} of epoch {self.epoch} of train_data"
+        return f"batch {batch} of eval_data (after epoch {self.epoch})"
+
+    def _call(self, shard: ShardRuntime, arg: Any, batch: int, *, train: bool) -> Any:
+        """``shard.module(arg)``; a failure on a batch unlike the probed one, or of
+        another dtype than the layer, becomes a :class:`DataMismatchError`."""
+        try:
+            return shard.module(arg)
+        except Exception as err:
+            mismatch = self._data_mismatch(shard, arg, err, self._where(batch, train))
+            if mismatch is None:
+                raise
+            raise mismatch from err
+
+    def _data_mismatch(
+        self, shard: ShardRuntime, arg: Any, err: BaseException, where: str
+    ) -> DataMismatchError | None:
+        """The error to raise for ``err`` from the first shard's forward on ``arg``, when
+        the data can be told to be at fault; ``None`` otherwise (it is raised as is)."""
+        if shard.index != 0 or _not_ours(err):
+            return None
+        names = self.plan.shards[0].layer_names
+        layers = {id(m): (n, m) for n, m in zip(names, shard.module, strict=True)}
+        found = None
+        tb = err.__traceback__
+        while tb is not None:  # the innermost frame of one of the shard's layers
+            obj = tb.tb_frame.f_locals.get("self")
+            hit = layers.get(id(obj))
+            if hit is not None and hit[1] is obj:
+                found = hit
+            tb = tb.tb_next
+        if found is None:
+            return None
+        layer_name, module = found
+        first = module is shard.module[0]
+        hint = mismatch_hint(arg, module, shapes=first)
+        probed = self.probed
+        unlike = probed is not None and _signature(arg) != probed[0]
+        if not hint and not unlike:
+            return None
+        note = (
+            f"; the batch probed when the task was added: {probed[1]}" if probed and unlike else ""
+        )
+        return layer_error(self.name, layer_name, module, arg, err, arg, where, note=note)
+
+    def _loss(self, out: Any, target: Any, batch: int, *, train: bool) -> torch.Tensor:
+        """``loss_fn(out, target)``, checked to be a scalar tensor (that requires grad,
+        in training); a failure with targets that do not fit the output is a
+        :class:`DataMismatchError`."""
+        try:
+            loss = self.task.loss_fn(out, target)
+        except Exception as err:
+            where = self._where(batch, train)
+            hint = "" if _not_ours(err) else _target_hint(out, target)
+            if not hint:
+                raise
+            raise DataMismatchError(
+                self.name, f"loss_fn(output, target) raised {_what(err)} on {where}: {hint}"
+            ) from err
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            self._bad_loss(loss, self._where(batch, train))
+        if train and not loss.requires_grad:
+            raise InvalidLossError(
+                self.name,
+                f"loss_fn returned a tensor that does not require grad on "
+                f"{self._where(batch, train)}, so nothing can be back-propagated. Compute it "
+                f"from the model's output, without .detach(), torch.no_grad() or a detour "
+                f"through numbers",
+            )
+        return loss
+
+    def _bad_loss(self, loss: Any, where: str) -> NoReturn:
+        if not isinstance(loss, torch.Tensor):
+            raise InvalidLossError(
+                self.name,
+                f"loss_fn returned a {type(loss).__name__}, not a tensor, on {where}. Return "
+                f"the loss tensor itself (not loss.item() or a number): the engine "
+                f"back-propagates it",
+            )
+        raise InvalidLossError(
+            self.name,
+            f"loss_fn returned a tensor of shape {list(loss.shape)}, not a scalar, on "
+            f"{where}. Reduce it to one number (loss.mean(), or reduction='mean': "
+            f"reduction='none' gives one loss per sample)",
+        )
 
     # -- checkpoints (tune_hydra.engine.resume) -------------------------------------------
 
@@ -585,6 +728,45 @@ class TaskRunner:
 
 
 _NULL = contextlib.nullcontext()  # reusable: nullcontext keeps no state
+
+
+def _not_ours(err: BaseException) -> bool:
+    """Errors passed on as they are: tune_hydra's own, and running out of memory."""
+    return isinstance(err, (TuneHydraError, MemoryError, torch.OutOfMemoryError))
+
+
+def _what(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _signature(obj: Any) -> Any:
+    """A batch's structure, dtypes and shapes but for the batch dimension (the last
+    batch of an epoch may be smaller)."""
+    flat, spec = tree_flatten(obj)
+    return (
+        str(spec),
+        [(t.dtype, tuple(t.shape[1:])) if isinstance(t, torch.Tensor) else type(t) for t in flat],
+    )
+
+
+def _target_hint(out: Any, target: Any) -> str:
+    """What about ``target`` does not fit ``out`` (batch size, floating dtype), or ``""``."""
+    if not isinstance(out, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return ""
+    shown = f"the model's output is {describe(out)}, the target {describe(target)}"
+    if out.dim() and target.dim() and out.shape[0] != target.shape[0]:
+        return (
+            f"{shown}: a batch of {target.shape[0]} targets for {out.shape[0]} inputs. Give "
+            f"every batch one target per input"
+        )
+    if out.is_floating_point() and target.is_floating_point() and out.dtype != target.dtype:
+        o = str(out.dtype).removeprefix("torch.")
+        return (
+            f"{shown}: the targets are another dtype than the model's output. Convert them "
+            f"(target.to(torch.{o}) in the data)"
+        )
+    return ""
 
 
 def _tied_error(names: tuple[str, ...]) -> Exception:

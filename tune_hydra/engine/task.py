@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from tune_hydra.exceptions import InvalidModelError, InvalidTaskError
 
@@ -90,15 +91,23 @@ class ModelTask:
                 )
 
 
-def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
+def model_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, nn.Module]]:
     """The model's layers in execution order, as ``(qualified name, module)``.
 
     Nested ``nn.Sequential`` containers are flattened so the partitioner may cut inside
     them; any other module is one indivisible layer.
+
+    Args:
+        model: the task's model.
+        task: the task's name, for errors.
+
+    Raises:
+        InvalidModelError: not an ``nn.Sequential``, or no layers.
     """
+    of = f"task {task!r}: " if task is not None else ""
     if not isinstance(model, nn.Sequential):
         raise InvalidModelError(
-            f"model must be an nn.Sequential (or a list of modules executed in order), not "
+            f"{of}model must be an nn.Sequential (or a list of modules executed in order), not "
             f"{type(model).__name__}: the engine cuts the model into sequential shards. Wrap "
             f"your layers in nn.Sequential(...) in the order forward() runs them"
         )
@@ -114,5 +123,162 @@ def model_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
     visit("", model)
     if not layers:
-        raise InvalidModelError("model has no layers; give it at least one module")
+        raise InvalidModelError(f"{of}model has no layers; give it at least one module")
     return layers
+
+
+# -- which tensors a model holds (to refuse two tasks training the same ones) -------------
+
+TensorKey = tuple[Any, ...]
+
+
+@dataclass
+class OwnedTensors:
+    """What a task trains, as keys that two models sharing a tensor have in common.
+
+    Keys are ``("param", id)`` for a parameter object, ``("slot", id(module), name)`` for
+    a module's buffer slot, ``("buffer", id)`` for a buffer tensor object and
+    ``("storage", data_ptr)`` for the memory of a tensor on the CPU (so that two
+    parameter objects viewing one storage are caught too). ``refs`` holds the objects the
+    keys were taken from, so that no id or address is reused while the keys are kept.
+
+    Attributes:
+        keys: key -> the tensor's qualified name in the model (the first one, for a
+            tensor tied within the model).
+        refs: the keyed objects, kept alive.
+    """
+
+    keys: dict[TensorKey, str] = field(default_factory=dict)
+    refs: list[Any] = field(default_factory=list)
+
+    def add(self, key: TensorKey, name: str, obj: Any) -> None:
+        if key not in self.keys:
+            self.keys[key] = name
+            self.refs.append(obj)
+
+    def add_storage(self, t: torch.Tensor, name: str) -> None:
+        """Key the CPU memory behind ``t`` (not on devices: a shard's device copies are
+        the engine's own, and other tasks reach them only through shared objects)."""
+        if t.device.type != "cpu" or t.layout is not torch.strided:
+            return
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr and storage.nbytes():
+            self.add(("storage", ptr), name, storage)
+
+    def shared_with(self, other: OwnedTensors) -> list[tuple[str, str]]:
+        """``(name here, name there)`` of every tensor both hold, in this model's order."""
+        pairs: dict[tuple[str, str], None] = {}
+        for key, name in self.keys.items():
+            theirs = other.keys.get(key)
+            if theirs is not None:
+                pairs[(name, theirs)] = None
+        return list(pairs)
+
+
+def owned_tensors(model: nn.Module, host: Iterable[tuple[Any, torch.Tensor]] = ()) -> OwnedTensors:
+    """The parameters and buffers ``model`` holds now, keyed (see :class:`OwnedTensors`).
+
+    Args:
+        model: the task's model.
+        host: more tensors of the model's, as ``(parameter or (module, buffer name),
+            tensor)``: the host copies of shards that are on a device right now.
+
+    Example:
+        >>> from torch import nn
+        >>> a = nn.Sequential(nn.Linear(2, 2))
+        >>> b = nn.Sequential(nn.ReLU(), a[0])
+        >>> owned_tensors(b).shared_with(owned_tensors(a))
+        [('1.weight', '0.weight'), ('1.bias', '0.bias')]
+    """
+    owned = OwnedTensors()
+    names: dict[int, str] = {}  # id(parameter) / id(module) -> qualified name
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        names.setdefault(id(module), prefix)
+        for pname, p in module._parameters.items():
+            if p is None:
+                continue
+            qual = names.setdefault(id(p), dot + pname)
+            owned.add(("param", id(p)), qual, p)
+            owned.add_storage(p.data, qual)
+        for bname, b in module._buffers.items():
+            qual = dot + bname
+            owned.add(("slot", id(module), bname), qual, module)
+            if b is not None:
+                owned.add(("buffer", id(b)), qual, b)
+                owned.add_storage(b, qual)
+    for holder, t in host:
+        if isinstance(holder, tuple):
+            module, bname = holder
+            prefix = names.get(id(module), "?")
+            qual = f"{prefix}.{bname}" if prefix else bname
+            owned.add(("buffer", id(t)), qual, t)
+        else:
+            qual = names.get(id(holder), "?")
+        owned.add_storage(t, qual)
+    return owned
+
+
+# -- describing data, for errors ------------------------------------------------------------
+
+
+def describe(obj: Any, limit: int = 4) -> str:
+    """``float32[6, 8]`` for a tensor; a tuple / list / dict of them likewise (short)."""
+    if isinstance(obj, torch.Tensor):
+        dtype = str(obj.dtype).removeprefix("torch.")
+        return f"{dtype}{list(obj.shape)}"
+    if isinstance(obj, (tuple, list)):
+        parts = [describe(o, limit) for o in obj[:limit]]
+        more = ", ..." if len(obj) > limit else ""
+        return (
+            f"({', '.join(parts)}{more})"
+            if isinstance(obj, tuple)
+            else f"[{', '.join(parts)}{more}]"
+        )
+    if isinstance(obj, dict):
+        items = [f"{k!r}: {describe(v, limit)}" for k, v in list(obj.items())[:limit]]
+        more = ", ..." if len(obj) > limit else ""
+        return "{" + ", ".join(items) + more + "}"
+    return f"a {type(obj).__name__}"
+
+
+def _floating_dtypes(obj: Any) -> set[torch.dtype]:
+    leaves, _ = tree_flatten(obj)
+    return {t.dtype for t in leaves if isinstance(t, torch.Tensor) and t.is_floating_point()}
+
+
+def mismatch_hint(inputs: Any, layer: nn.Module, *, shapes: bool = True) -> str:
+    """What about ``inputs`` does not fit ``layer``, when that can be told: a floating
+    dtype other than the layer's parameters', or (with ``shapes``: ``inputs`` are what
+    the layer got) a ``Linear`` / ``Conv`` input of another width; ``""`` otherwise."""
+    got = _floating_dtypes(inputs)
+    want = {p.dtype for p in layer.parameters() if p.is_floating_point()}
+    if len(got) == 1 and len(want) == 1 and got != want:
+        g = str(next(iter(got))).removeprefix("torch.")
+        w = str(next(iter(want))).removeprefix("torch.")
+        return (
+            f"The inputs are {g} but the model is {w}: convert one of them (the data with "
+            f".to(torch.{w}), or the model with model.to(torch.{g}))."
+        )
+    if not shapes or not isinstance(inputs, torch.Tensor):
+        return ""
+    if isinstance(layer, nn.Linear) and inputs.dim() >= 1 and inputs.shape[-1] != layer.in_features:
+        return (
+            f"The layer takes {layer.in_features} features in the last dimension, the input "
+            f"has {inputs.shape[-1]}: fix the data's shape or the layer's in_features."
+        )
+    if isinstance(layer, nn.modules.conv._ConvNd):
+        dims = len(layer.kernel_size)
+        if inputs.dim() not in (dims + 1, dims + 2):
+            return (
+                f"The layer takes {dims + 2}-d inputs (batch, channels, {dims} spatial), the "
+                f"input is {inputs.dim()}-d: fix the data's shape."
+            )
+        channels = inputs.shape[inputs.dim() - dims - 1]
+        if channels != layer.in_channels:
+            return (
+                f"The layer takes {layer.in_channels} channels, the input has {channels}: "
+                f"fix the data's shape or the layer's in_channels."
+            )
+    return ""

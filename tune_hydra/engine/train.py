@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -13,7 +14,8 @@ from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.engine.policies import BasePolicy
 from tune_hydra.engine.task import ModelTask
 from tune_hydra.engine.trace import Trace
-from tune_hydra.exceptions import InvalidTaskError, TrainingError
+from tune_hydra.exceptions import InvalidTaskError, TaskFailedError, TrainingError, TuneHydraError
+from tune_hydra.options import check_max_layers_per_shard, check_positive_int, check_task_options
 
 
 class History(dict[str, list[dict[str, Any]]]):
@@ -94,7 +96,13 @@ def train_models(
 
     Raises:
         TrainingError: some tasks failed; the others finished (see ``.errors`` and
-            ``.history``).
+            ``.history``). A task refused at registration (a bad model, optimizer factory
+            or data, a layer over ``device_memory``, a model another task trains too ...)
+            is reported there with an empty history, and does not stop the others.
+        InvalidOptionError: an option of the call itself is bad (``epochs``, ``seed``,
+            ``max_grad_norm``, ``accumulate_steps``, ``precision``,
+            ``max_layers_per_shard``): no task is trained.
+        InvalidTaskError: ``tasks`` is not a non-empty dict.
 
     Example:
         >>> import torch
@@ -109,14 +117,17 @@ def train_models(
     """
     if not isinstance(tasks, Mapping) or not tasks:
         raise InvalidTaskError("tasks must be a non-empty dict {name: ModelTask}")
-    for name, task in tasks.items():
-        if not isinstance(task, ModelTask):
-            raise InvalidTaskError(
-                f"tasks[{name!r}] must be a tune_hydra.ModelTask, not {type(task).__name__}"
-            )
-    if not isinstance(epochs, int) or isinstance(epochs, bool) or epochs < 1:
-        raise InvalidTaskError(f"epochs must be an int >= 1, got {epochs!r}")
-    history = History()
+    where = "train_models"
+    check_positive_int(epochs, "epochs", meaning="epochs to train every task", where=where)
+    check_task_options(
+        seed=seed,
+        max_grad_norm=max_grad_norm,
+        accumulate_steps=accumulate_steps,
+        precision=precision,
+        where=where,
+    )
+    check_max_layers_per_shard(max_layers_per_shard, where=where)
+    history = History({name: [] for name in tasks})  # in the order of ``tasks``
     errors: dict[str, BaseException] = {}
     with Engine(
         devices,
@@ -127,26 +138,47 @@ def train_models(
         copy_on_cpu=copy_on_cpu,
         max_layers_per_shard=max_layers_per_shard,
     ) as engine:
+        added = []
         for name, task in tasks.items():
-            engine.add_task(
-                name,
-                task,
-                seed=seed,
-                max_grad_norm=max_grad_norm,
-                accumulate_steps=accumulate_steps,
-                precision=precision,
-            )
-        futures = {name: engine.train(name, epochs) for name in tasks}
+            try:
+                if not isinstance(task, ModelTask):
+                    raise InvalidTaskError(
+                        f"tasks[{name!r}] must be a tune_hydra.ModelTask, not {type(task).__name__}"
+                    )
+                engine.add_task(
+                    name,
+                    task,
+                    seed=seed,
+                    max_grad_norm=max_grad_norm,
+                    accumulate_steps=accumulate_steps,
+                    precision=precision,
+                )
+            except Exception as err:  # a bad task is reported; the others train
+                errors[name] = _as_task_error(name, err)
+            else:
+                added.append(name)
+        futures = {name: engine.train(name, epochs) for name in added}
         for name, fut in futures.items():
             try:
                 history[name] = fut.result()
             except Exception as err:  # one task's failure is reported, not fatal
                 errors[name] = err
                 history[name] = list(engine._tasks[name].runner.history)
-        history.plans = {name: engine.plan(name) for name in tasks}
+        history.plans = {name: engine.plan(name) for name in added}
         history.summary = engine.summary()
         history.trace = engine.trace
         history.kept_graphs = engine.keeps_graphs
     if errors:
         raise TrainingError(errors, dict(history))
     return history
+
+
+def _as_task_error(name: str, err: Exception) -> TuneHydraError:
+    """``err`` from registering task ``name``, as a :class:`TuneHydraError` (an error of
+    tune_hydra's own as it is; any other one wrapped, with its traceback)."""
+    if isinstance(err, TuneHydraError):
+        return err
+    tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+    wrapped = TaskFailedError(name, f"{type(err).__name__}: {err} (when added)", tb)
+    wrapped.__cause__ = err
+    return wrapped

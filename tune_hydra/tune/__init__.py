@@ -1,4 +1,4 @@
-"""Ray Tune front end: :func:`run` and :class:`HydraExecutor`.
+"""Ray Tune front end: :func:`run`, :class:`HydraExecutor` and :func:`patch_tune`.
 
 Importing this package imports Ray but never torch; the engine (and torch) load in the
 engine actors only.
@@ -14,9 +14,11 @@ from tune_hydra.tune.errors import (
     MissingMetricError,
     NotATaskFactoryError,
     TaskFactoryError,
+    TaskFactoryTimeoutError,
     TrialNotRegisteredError,
 )
 from tune_hydra.tune.executor import HydraExecutor
+from tune_hydra.tune.patch import patch_tune, unpatch_tune
 from tune_hydra.tune.run import run
 
 __all__ = [
@@ -28,6 +30,9 @@ __all__ = [
     "MissingMetricError",
     "NotATaskFactoryError",
     "TaskFactoryError",
+    "TaskFactoryTimeoutError",
     "TrialNotRegisteredError",
+    "patch_tune",
     "run",
+    "unpatch_tune",
 ]

@@ -20,18 +20,22 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import importlib
-import json
 import os
 import pickle
 import threading
 import traceback
+import weakref
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import ray
 
-from tune_hydra.exceptions import TuneHydraError
+# The checkpoint file names live in tune_hydra.checkpoint (torch-free); re-exported here.
+from tune_hydra.checkpoint import META_FILE as META_FILE
+from tune_hydra.checkpoint import MODEL_FILE as MODEL_FILE
+from tune_hydra.checkpoint import STATE_FILE as STATE_FILE
+from tune_hydra.checkpoint import config_digest, plan_layers, read_checkpoint, write_checkpoint
+from tune_hydra.exceptions import CheckpointError, TuneHydraError
 from tune_hydra.tune.errors import (
     EngineError,
     EngineUnavailableError,
@@ -40,15 +44,10 @@ from tune_hydra.tune.errors import (
 )
 
 ENGINE_ACTOR_PREFIX = "tune_hydra_engine"
-MODEL_FILE = "model.pt"
-"""The whole model's ``state_dict`` (user's keys): ``model.load_state_dict(torch.load(p))``."""
-STATE_FILE = "hydra_state.pt"
-"""Everything else needed to resume exactly: optimizer states, RNG, epoch, iteration."""
-META_FILE = "hydra_meta.json"
-"""Human-readable facts about the checkpoint (iteration, epoch, files)."""
 CONTROL_GROUP = "control"
 DEFAULT_ENGINE_CLASS = "tune_hydra.engine:Engine"
-_CONFIG_KEY = "_tune_config"
+DEFAULT_FACTORY_TIMEOUT_S = 600.0
+"""How long a task factory may take by default (``HydraExecutor(factory_timeout_s=...)``)."""
 
 
 def engine_actor_name(run_id: str, node_id: str) -> str:
@@ -120,6 +119,16 @@ class EngineActor:
         engine_class: ``"module:Class"`` of the engine (tests may swap in a stub).
         torch_threads: ``torch.set_num_threads`` for CPU work; None leaves torch's default.
         node_label: prefix of the device labels in :meth:`trace` (tells nodes apart).
+        factories: where the experiment's pickled task factories are read from (a
+            :class:`~tune_hydra.tune.factories.FactoryStore`, or a ``{id: blob}`` dict when
+            hosted without Ray).
+        secret: the executor's key for driver-side calls (cancel, hints, deregister,
+            listing); a trial's own calls use the token it registered with.
+        factory_timeout_s: how long one factory call may take (None: no limit).
+
+    Ownership: every call that reads or changes a trial needs that trial's token (the
+    proxy that registered it) or the executor's ``secret`` (its driver), so another
+    experiment's driver on the same cluster cannot stop or free this one's trials.
     """
 
     def __init__(
@@ -129,18 +138,28 @@ class EngineActor:
         engine_class: str = DEFAULT_ENGINE_CLASS,
         torch_threads: int | None = None,
         node_label: str = "",
+        factories: Any = None,
+        secret: str = "",
+        factory_timeout_s: float | None = DEFAULT_FACTORY_TIMEOUT_S,
     ) -> None:
         self._engine_kwargs = engine_kwargs
         self._task_options = task_options
         self._engine_class = engine_class
         self._torch_threads = torch_threads
         self._node_label = node_label
+        self._store: Any = factories if factories is not None else {}
+        self._secret = secret
+        self._factory_timeout_s = factory_timeout_s
         self._engine: Any = None
         self._lock = threading.RLock()  # registry is touched from two event-loop threads
         self._regs: dict[str, _Registration] = {}
         self._hints: dict[str, int] = {}
-        self._factories: dict[bytes, Callable[[dict[str, Any]], Any]] = {}
+        self._factories: dict[str, Callable[[dict[str, Any]], Any]] = {}  # id -> factory
         self._counter = 0
+        # Trials whose factory is running: key -> (owner token, future that aborts the wait)
+        self._building: dict[str, tuple[str, asyncio.Future[None]]] = {}
+        # Every module a trial trained here -> that trial (weakly: a freed model leaves).
+        self._trained: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._build_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hydra-ctl")
 
@@ -167,9 +186,19 @@ class EngineActor:
         except TuneHydraError as err:
             raise _portable(err) from None
 
+    def _driver(self, secret: str) -> None:
+        """Refuse a driver-side call that does not carry this executor's secret."""
+        if not self._secret or secret != self._secret:
+            raise TrialNotRegisteredError(
+                "this call needs the key of the HydraExecutor that started this engine; "
+                "another experiment's driver cannot change or list its trials"
+            )
+
     def _owned(self, key: str, token: str) -> _Registration:
         with self._lock:
             reg = self._regs.get(key)
+        if reg is not None and self._secret and token == self._secret:
+            return reg  # the executor's own driver
         if reg is None or reg.token != token:
             why = (
                 "the engine does not know it (the engine actor restarted, or the trial "
@@ -184,49 +213,96 @@ class EngineActor:
             )
         return reg
 
-    def _factory(self, blob: bytes) -> Callable[[dict[str, Any]], Any]:
+    def _factory(self, factory_id: str) -> Callable[[dict[str, Any]], Any]:
+        """The experiment's factory: read from the store once, then kept here until
+        :meth:`release_factory` (one copy per engine, none in the trial processes)."""
         with self._lock:
-            fn = self._factories.get(blob)
-        if fn is None:
+            fn = self._factories.get(factory_id)
+        if fn is not None:
+            return fn
+        blob = self._store.get(factory_id)
+        if blob is None:
+            raise TaskFactoryError(
+                f"the task factory {factory_id[:8]} is not available: its experiment ended "
+                f"(th.run returned, or the HydraExecutor was shut down) and released it. Get "
+                f"a new trainable with executor.trainable(make_task) for a new experiment"
+            )
+        try:
             fn = ray.cloudpickle.loads(blob)
-            with self._lock:
-                self._factories[blob] = fn
-        return fn
+        except Exception:
+            raise TaskFactoryError(
+                f"the task factory could not be unpickled in the engine's process; install "
+                f"what it imports on every engine node. Traceback:\n{traceback.format_exc()}"
+            ) from None
+        with self._lock:
+            return self._factories.setdefault(factory_id, fn)
 
-    def _build(self, key: str, token: str, blob: bytes, config: dict[str, Any]) -> int:
-        """Build the trial's task with the factory and add it to the engine (blocking).
+    async def _make_task(
+        self, key: str, token: str, factory_id: str, config: dict[str, Any]
+    ) -> Any:
+        """Call the factory in its own thread, on a private RNG (no lock is held, so a
+        slow factory delays no other trial) and wait at most ``factory_timeout_s``, or
+        until the trial is cancelled (Tune stopped it, the driver was interrupted). No
+        thread of ours waits with it: a factory that hangs costs only its own thread."""
+        from tune_hydra.engine.factory import start_factory
+        from tune_hydra.exceptions import TaskFactoryTimeoutError
 
-        Registrations run one at a time: a factory's seeded draws and ``add_task``'s peek
-        at the data (which saves and restores torch's global generator) must not interleave
-        with another registration's.
-        """
+        factory = await self._offload(self._factory, factory_id)
+        what = f"trial {key} (config {config!r})"
+        seed = self._task_options.get("seed")
+        future = start_factory(factory, dict(config), what=what, seed=seed)
+        result = asyncio.wrap_future(future)
+        abort = asyncio.get_running_loop().create_future()
+        self._building[key] = (token, abort)  # only touched in the control group's loop
+        try:
+            done, _ = await asyncio.wait(
+                {result, abort}, timeout=self._factory_timeout_s, return_when="FIRST_COMPLETED"
+            )
+        finally:
+            if self._building.get(key, (None, None))[1] is abort:
+                del self._building[key]
+        if result in done:
+            return result.result()
+        future.cancel()  # a late result is dropped
+        if abort in done:
+            raise EngineUnavailableError(
+                f"trial {key!r} was stopped while its task factory was still running (Tune "
+                f"stopped or paused it, or the experiment was interrupted)"
+            )
+        raise TaskFactoryTimeoutError(what, float(self._factory_timeout_s or 0.0))
+
+    def _abort_build(self, key: str, token: str) -> None:
+        """Stop waiting for trial ``key``'s factory (its owner or our driver asks)."""
+        token_and_abort = self._building.get(key)
+        if token_and_abort is None:
+            return
+        owner, abort = token_and_abort
+        if token != owner and not (self._secret and token == self._secret):
+            raise TrialNotRegisteredError(
+                f"trial {key!r} is being registered by someone else; only its owner or "
+                f"its experiment's driver can stop it"
+            )
+        if not abort.done():
+            abort.set_result(None)
+
+    def _build(self, key: str, token: str, task: Any, config: dict[str, Any]) -> int:
+        """Add the trial's freshly built task to the engine (blocking); returns its
+        number of shards. One at a time: two copies of one trial (PBT) registering at once
+        must not both replace the older registration."""
         with self._build_lock:
-            return self._build_one(key, token, blob, config)
+            return self._build_one(key, token, task, config)
 
-    def _build_one(self, key: str, token: str, blob: bytes, config: dict[str, Any]) -> int:
+    def _build_one(self, key: str, token: str, task: Any, config: dict[str, Any]) -> int:
         from tune_hydra.engine.task import ModelTask
 
         eng = self._ensure_engine()
-        try:
-            factory = self._factory(blob)
-            # Factories seed and draw from torch's global CPU generator (torch.manual_seed,
-            # weight init); it is shared with other registrations and the engine's workers,
-            # so build under the engine's RNG lock or concurrent builds get each other's draws.
-            from tune_hydra.engine.rng import CPU_RNG_LOCK
-
-            with CPU_RNG_LOCK:
-                task = factory(dict(config))
-        except Exception:
-            raise TaskFactoryError(
-                f"the task factory raised for trial {key} (config {config!r}); fix make_task, "
-                f"the other trials go on. Factory traceback:\n{traceback.format_exc()}"
-            ) from None
         if not isinstance(task, ModelTask):
             raise TaskFactoryError(
                 f"the task factory returned {type(task).__name__} for trial {key}, not a "
                 f"tune_hydra.ModelTask; make_task(config) must return "
                 f"th.ModelTask(model=..., loss_fn=..., optimizer=..., train_data=...)"
             )
+        self._check_fresh(key, task.model)
         with self._lock:
             old = self._regs.pop(key, None)
             self._counter += 1
@@ -235,48 +311,78 @@ class EngineActor:
             eng.remove_task(old.name)
         n_shards = int(eng.add_task(name, task, **self._task_options))
         with self._lock:
+            for module in task.model.modules():  # type: ignore[union-attr]
+                self._trained[module] = key
             self._regs[key] = _Registration(key, token, name, dict(config))
             hint = self._hints.get(key)
         if hint is not None:
             eng.set_remaining(name, hint)
         return n_shards
 
-    def _save(self, reg: _Registration, path: str) -> dict[str, Any]:
-        import torch
+    def _check_fresh(self, key: str, model: Any) -> None:
+        """Refuse modules that an earlier, finished trial trained here (the engine itself
+        refuses those of live trials)."""
+        from tune_hydra.exceptions import ReusedModelError
 
-        state = dict(self._ensure_engine().get_state(reg.name))
+        reused: dict[str, list[tuple[str, str]]] = {}
+        with self._lock:
+            live = {reg.key for reg in self._regs.values()}
+            for name, module in model.named_modules():
+                owner = self._trained.get(module)
+                # A live owner: the engine refuses it, naming the shared tensors.
+                if owner is not None and owner != key and owner not in live:
+                    reused.setdefault(owner, []).append((name, ""))
+        if reused:
+            owner, modules = next(iter(reused.items()))
+            raise ReusedModelError(key, owner, modules)
+
+    def _save(self, reg: _Registration, path: str) -> dict[str, Any]:
+        """Write the trial's checkpoint into ``path`` (atomic files, manifest last); the
+        manifest records a digest of the trial's config, not the config itself."""
+        eng = self._ensure_engine()
+        state = dict(eng.get_state(reg.name))
         model = state.pop("model")
-        state[_CONFIG_KEY] = reg.config
-        out = Path(path)
-        out.mkdir(parents=True, exist_ok=True)
-        torch.save(model, out / MODEL_FILE)
-        torch.save(state, out / STATE_FILE)
-        meta = {
-            "format": 1,
-            "trial_id": reg.key,
-            "iteration": state.get("iteration"),
-            "epoch": state.get("epoch"),
-            "files": {"model": MODEL_FILE, "state": STATE_FILE},
-        }
-        (out / META_FILE).write_text(json.dumps(meta, default=str, indent=1))
-        return meta
+        plan_of = getattr(eng, "plan", None)  # test engines may not have one
+        return write_checkpoint(
+            path,
+            model,
+            state,
+            trial_id=reg.key,
+            config=reg.config,
+            shards=plan_layers(plan_of(reg.name)) if callable(plan_of) else None,
+        )
 
     def _load(self, reg: _Registration, path: str) -> None:
-        import torch
-
-        src = Path(path)
-        if not (src / MODEL_FILE).exists() or not (src / STATE_FILE).exists():
-            raise EngineError(
-                f"{src} is not a tune_hydra checkpoint (it lacks {MODEL_FILE} or {STATE_FILE}); "
-                f"restore from a checkpoint written by a HydraExecutor trial"
-            )
+        """Verify the checkpoint in ``path`` and restore the trial from it. If it was
+        written under another config (a PBT exploit), the optimizers keep the new config's
+        hyperparameters."""
         eng = self._ensure_engine()
-        model = torch.load(src / MODEL_FILE, map_location="cpu", weights_only=True)
-        # Our own file (RNG states, optimizer states): not a user-supplied pickle.
-        state = torch.load(src / STATE_FILE, map_location="cpu", weights_only=False)
-        old_config = state.pop(_CONFIG_KEY, None)
+        model, state, manifest = read_checkpoint(path)  # CheckpointError: nothing loaded
+        saved_plan = manifest.get("shards")
+        plan_of = getattr(eng, "plan", None)
+        plan = plan_layers(plan_of(reg.name)) if callable(plan_of) else None
+        if saved_plan is not None and plan is not None and saved_plan != plan:
+            i = next(
+                (i for i, (a, b) in enumerate(zip(saved_plan, plan, strict=False)) if a != b),
+                min(len(saved_plan), len(plan)),
+            )
+            raise CheckpointError(
+                path,
+                META_FILE,
+                f"records a plan of {len(saved_plan)} shards, but trial {reg.key}'s model is "
+                f"now cut into {len(plan)} (first difference at shard {i}: "
+                f"{saved_plan[i] if i < len(saved_plan) else 'none'} in the checkpoint, "
+                f"{plan[i] if i < len(plan) else 'none'} now)",
+                "Restore with the same model and the same device_memory as the run that "
+                "wrote the checkpoint",
+            )
         state["model"] = model
-        if old_config is not None and old_config != reg.config and "optimizers" in state:
+        saved_digest = manifest.get("config_digest")
+        if (
+            saved_digest is not None
+            and saved_digest != config_digest(reg.config)
+            and "optimizers" in state
+        ):
             fresh = eng.get_state(reg.name)
             state["optimizers"] = _merge_hyperparameters(
                 state["optimizers"], fresh.get("optimizers")
@@ -291,10 +397,34 @@ class EngineActor:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def register(self, key: str, token: str, blob: bytes, config: dict[str, Any]) -> int:
-        """Build trial ``key``'s task and add it to the engine; it replaces any older
-        registration of ``key``. Returns the number of shards."""
-        return int(await self._offload(self._build, key, token, blob, config))
+    async def register(self, key: str, token: str, factory_id: str, config: dict[str, Any]) -> int:
+        """Build trial ``key``'s task with the experiment's factory ``factory_id`` and add
+        it to the engine; it replaces any older registration of ``key`` and belongs to
+        ``token`` from now on. Returns the number of shards."""
+        try:
+            task = await self._make_task(key, token, factory_id, config)
+        except TuneHydraError as err:
+            raise _portable(err) from None
+        return int(await self._offload(self._build, key, token, task, config))
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def abort_builds(self, secret: str) -> int:
+        """Stop waiting for every factory still running (the driver was interrupted), so
+        that those trials end at once instead of when their factories return. Returns how
+        many were waiting."""
+        self._driver(secret)
+        keys = list(self._building)
+        for key in keys:
+            self._abort_build(key, secret)
+        return len(keys)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def release_factory(self, secret: str, factory_id: str) -> None:
+        """Forget an experiment's factory (it ended); trials still registered keep their
+        tasks."""
+        self._driver(secret)
+        with self._lock:
+            self._factories.pop(factory_id, None)
 
     async def train(self, key: str, token: str, iterations: int = 1) -> list[dict[str, Any]]:
         """Train ``iterations`` iterations of the trial; one metrics dict per iteration."""
@@ -327,8 +457,10 @@ class EngineActor:
         await self._offload(self._load, reg, path)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def set_remaining(self, key: str, iterations: int) -> None:
-        """LRTF hint: iterations the trial still has after those already granted."""
+    async def set_remaining(self, key: str, secret: str, iterations: int) -> None:
+        """LRTF hint from the driver: iterations the trial still has after those already
+        granted (kept for later if the trial has not registered yet)."""
+        self._driver(secret)
         with self._lock:
             self._hints[key] = int(iterations)
             reg = self._regs.get(key)
@@ -338,20 +470,30 @@ class EngineActor:
                 self._engine.set_remaining(reg.name, int(iterations))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def cancel(self, key: str) -> None:
-        """Drop the trial's granted-but-unstarted work (Tune stopped or paused it)."""
+    async def cancel(self, key: str, token: str) -> None:
+        """Drop the trial's granted-but-unstarted work (Tune stopped or paused it), or stop
+        waiting for its factory if it is still being built; needs the trial's token or the
+        executor's secret."""
+        self._abort_build(key, token)
         with self._lock:
             reg = self._regs.get(key)
-        if reg is not None and self._engine is not None:
+        if reg is None:
+            return
+        self._owned(key, token)
+        if self._engine is not None:
             with contextlib.suppress(TuneHydraError):
                 self._engine.cancel(reg.name)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def deregister(self, key: str, token: str | None = None) -> bool:
-        """Forget trial ``key`` (only if ``token`` owns it, when given). True if removed."""
+    async def deregister(self, key: str, token: str) -> bool:
+        """Forget trial ``key`` if ``token`` owns it (or is the executor's secret). True if
+        removed; False for a trial that is not registered or belongs to someone else."""
         with self._lock:
             reg = self._regs.get(key)
-            if reg is None or (token is not None and reg.token != token):
+            owner = reg is not None and (
+                reg.token == token or (bool(self._secret) and token == self._secret)
+            )
+            if reg is None or not owner:
                 return False
             del self._regs[key]
             self._hints.pop(key, None)
@@ -360,8 +502,10 @@ class EngineActor:
         return True
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def registered(self) -> dict[str, list[str]]:
-        """``{"trials": registered trial ids, "engine_tasks": the engine's task names}``."""
+    async def registered(self, secret: str) -> dict[str, list[str]]:
+        """``{"trials": registered trial ids, "engine_tasks": the engine's task names}``
+        (for the executor's driver only)."""
+        self._driver(secret)
         with self._lock:
             trials = sorted(self._regs)
         tasks = sorted(self._engine.tasks()) if self._engine is not None else []

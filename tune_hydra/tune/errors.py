@@ -6,7 +6,12 @@ that says how to fix the problem.
 
 from __future__ import annotations
 
-from tune_hydra.exceptions import InvalidTaskError, TuneHydraError
+from tune_hydra.exceptions import (
+    InvalidTaskError,
+    TaskFactoryError,
+    TaskFactoryTimeoutError,
+    TuneHydraError,
+)
 
 
 class InvalidExecutorError(TuneHydraError, TypeError):
@@ -15,11 +20,6 @@ class InvalidExecutorError(TuneHydraError, TypeError):
 
 class NotATaskFactoryError(InvalidTaskError, TypeError):
     """``run_or_experiment`` is not a task factory ``make_task(config) -> ModelTask``."""
-
-
-class TaskFactoryError(TuneHydraError, RuntimeError):
-    """The user's task factory raised inside the engine actor, or returned something that
-    is not a :class:`~tune_hydra.ModelTask`. The message holds the factory's traceback."""
 
 
 class MissingMetricError(TuneHydraError, ValueError):
@@ -55,5 +55,6 @@ __all__ = [
     "MissingMetricError",
     "NotATaskFactoryError",
     "TaskFactoryError",
+    "TaskFactoryTimeoutError",
     "TrialNotRegisteredError",
 ]

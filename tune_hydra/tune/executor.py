@@ -26,10 +26,12 @@ from tune_hydra.exceptions import TuneHydraError, UnknownPolicyError
 from tune_hydra.tune.actor import (
     CONTROL_GROUP,
     DEFAULT_ENGINE_CLASS,
+    DEFAULT_FACTORY_TIMEOUT_S,
     EngineActor,
     engine_actor_name,
 )
 from tune_hydra.tune.errors import EngineStartError, NotATaskFactoryError
+from tune_hydra.tune.factories import FactoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -43,16 +45,32 @@ _ACTIVE: dict[str, HydraExecutor] = {}
 _ACTIVE_LOCK = threading.Lock()
 
 
-def broadcast(method: str, *args: Any) -> None:
-    """Fire-and-forget ``method(*args)`` on every engine actor of every active executor."""
+def broadcast(method: str, key: str, *args: Any) -> None:
+    """Fire-and-forget ``method(key, secret, *args)`` on every engine actor of every active
+    executor, each call carrying its own executor's secret (the engine actors refuse
+    driver-side calls without it)."""
     with _ACTIVE_LOCK:
         executors = list(_ACTIVE.values())
     for ex in executors:
         for handle in ex._handles.values():
             try:
-                getattr(handle, method).remote(*args)
+                getattr(handle, method).remote(key, ex._secret, *args)
             except Exception:  # a dead actor must not break Tune's event loop
                 logger.debug("tune_hydra: %s on an engine actor failed", method, exc_info=True)
+
+
+def abort_builds() -> None:
+    """Fire-and-forget: every engine of every active executor stops waiting for the task
+    factories still running (the driver is being interrupted). Safe in a signal handler:
+    it only submits calls."""
+    with _ACTIVE_LOCK:
+        executors = list(_ACTIVE.values())
+    for ex in executors:
+        for handle in ex._handles.values():
+            try:
+                handle.abort_builds.remote(ex._secret)
+            except Exception:  # interrupted anyway: nothing more to do
+                logger.debug("tune_hydra: abort_builds on an engine actor failed", exc_info=True)
 
 
 def _unwrap(err: BaseException) -> BaseException:
@@ -99,9 +117,15 @@ class HydraExecutor:
     that ask for no CPU, only one slot (``{"CPU": 0, slot_resource: 1}``), so a node runs as
     many trials at once as it has slots, and every trial runs next to its engine.
 
-    This is a configuration and lifecycle object, **not** a Tune ``TrialExecutor`` (Ray
-    removed those in 2.7). Pass it as ``tune_hydra.run(make_task, ...,
-    trial_executor=HydraExecutor(...))``, or build ``tune.Tuner`` arguments from it::
+    This is a configuration and lifecycle object, **not** a Tune ``TrialExecutor``: Ray
+    deprecated custom trial executors in 2.3 and removed them in 2.7, so Ray's own
+    ``ray.tune.run(..., trial_executor=HydraExecutor(...))`` raises ``TypeError: run() got
+    an unexpected keyword argument 'trial_executor'``. Either call
+    ``tune_hydra.run(make_task, ..., trial_executor=HydraExecutor(...))`` (the same
+    arguments), or call ``th.patch_tune()`` once first, after which ``tune.run`` accepts
+    ``trial_executor=`` and forwards such calls to ``tune_hydra.run`` (see
+    :func:`tune_hydra.patch_tune`). For ``tune.Tuner``, build its arguments from the
+    executor::
 
         with th.HydraExecutor(device_memory="8GiB") as ex:
             tuner = tune.Tuner(
@@ -136,6 +160,17 @@ class HydraExecutor:
         slot_resource: the custom resource that marks engine nodes and trial slots.
         torch_threads: torch CPU threads in the engine actor (default: the node's CPUs).
         start_timeout_s: how long to wait for the engine actors to come up.
+        factory_timeout_s: how long one call of the task factory may take (default 600 s;
+            None: no limit). A factory that takes longer fails its trial with
+            ``TaskFactoryTimeoutError``; the other trials are never held up by a factory,
+            slow or not: it runs in its own thread on a private random generator.
+
+    Host memory: each running trial keeps its model, gradients and optimizer state in the
+    engine's process, and is also a Ray worker process of its own (about 200 MiB, even
+    though it computes nothing: see the README's sizing advice). The task factory is
+    stored once in the cluster and once in each engine, never in the trial processes, and
+    freed when the experiment ends (``th.run`` returns, :meth:`release`, or
+    :meth:`shutdown`).
     """
 
     def __init__(
@@ -155,20 +190,41 @@ class HydraExecutor:
         slot_resource: str = DEFAULT_SLOT_RESOURCE,
         torch_threads: int | None = None,
         start_timeout_s: float = 180.0,
+        factory_timeout_s: float | None = DEFAULT_FACTORY_TIMEOUT_S,
         _engine_class: str = DEFAULT_ENGINE_CLASS,
     ) -> None:
+        if factory_timeout_s is not None and (
+            isinstance(factory_timeout_s, bool)
+            or not isinstance(factory_timeout_s, (int, float))
+            or not factory_timeout_s > 0
+        ):
+            raise TuneHydraError(
+                f"factory_timeout_s must be a number of seconds > 0, or None for no limit, "
+                f"not {factory_timeout_s!r}"
+            )
         if isinstance(policy, str) and policy not in _KNOWN_POLICIES:
             raise UnknownPolicyError(
                 f"unknown policy {policy!r}; use one of {list(_KNOWN_POLICIES)} or an instance "
                 f"of tune_hydra.engine.policies.BasePolicy"
             )
-        if iteration_batches is not None and int(iteration_batches) < 1:
-            raise TuneHydraError(
-                f"iteration_batches must be None (one epoch) or a positive number of batches, "
-                f"not {iteration_batches!r}"
-            )
-        if slots_per_node is not None and int(slots_per_node) < 1:
-            raise TuneHydraError(f"slots_per_node must be >= 1, not {slots_per_node!r}")
+        # The engine's own rules (torch-free), checked here rather than in every trial.
+        from tune_hydra.options import check_positive_int, check_task_options
+
+        check_task_options(
+            seed=seed,
+            max_grad_norm=max_grad_norm,
+            accumulate_steps=accumulate_steps,
+            precision=precision,
+            iteration_batches=iteration_batches,
+            where="HydraExecutor",
+        )
+        check_positive_int(
+            slots_per_node,
+            "slots_per_node",
+            allow_none=True,
+            meaning="concurrent trials per node; None: the default",
+            where="HydraExecutor",
+        )
         if device_memory is not None:
             from tune_hydra.engine.units import parse_bytes  # fails fast on "8 gigs"
 
@@ -190,8 +246,14 @@ class HydraExecutor:
         self.slot_resource = slot_resource
         self.torch_threads = torch_threads
         self.start_timeout_s = start_timeout_s
+        self.factory_timeout_s = factory_timeout_s
         self._engine_class = _engine_class
         self.run_id = uuid.uuid4().hex[:10]
+        # Carried by this executor's driver-side calls (cancel, hints, deregister); another
+        # experiment's driver does not know it. Never leaves this process but for our actors.
+        self._secret = uuid.uuid4().hex
+        self._store = FactoryStore(self.run_id)
+        self._factory_ids: list[str] = []
         self._handles: dict[str, Any] = {}  # node id -> engine actor handle
         self._slots = 0
         self._fallback = False
@@ -232,15 +294,19 @@ class HydraExecutor:
             )
         handles: dict[str, Any] = {}
         slots = 0
-        for node in engine_nodes:
-            node_id = node["NodeID"]
-            res = node["Resources"]
-            slots += (
-                int(res[self.slot_resource])
-                if not self._fallback
-                else (self.slots_per_node or DEFAULT_SLOTS_PER_NODE)
-            )
-            handles[node_id] = self._create_actor(node_id, res, len(handles))
+        try:
+            for node in engine_nodes:
+                node_id = node["NodeID"]
+                res = node["Resources"]
+                slots += (
+                    int(res[self.slot_resource])
+                    if not self._fallback
+                    else (self.slots_per_node or DEFAULT_SLOTS_PER_NODE)
+                )
+                handles[node_id] = self._create_actor(node_id, res, len(handles))
+        except BaseException:
+            self._kill(handles)
+            raise
         self._slots = slots
         refs = {node: h.start.remote() for node, h in handles.items()}
         try:
@@ -282,6 +348,12 @@ class HydraExecutor:
             "prefetch": self.prefetch,
             "recompute": self.recompute,
         }
+        if num_gpus > int(res.get("GPU", 0)):
+            raise EngineStartError(
+                f"devices={self.devices!r} asks for {num_gpus} GPU(s), but node {node_id[:8]} "
+                f"has {int(res.get('GPU', 0))}: use devices='auto' (its GPUs, or its CPU), "
+                f"devices='cpu', or run on a node with GPUs"
+            )
         threads = self.torch_threads or max(1, int(res.get("CPU", 1)))
         cls = ray.remote(concurrency_groups={CONTROL_GROUP: 32})(EngineActor)  # type: ignore[call-overload]
         return cls.options(
@@ -299,6 +371,9 @@ class HydraExecutor:
             self._engine_class,
             threads,
             f"node{index}" if index or len(ray.nodes()) > 1 else "",
+            self._store,
+            self._secret,
+            self.factory_timeout_s,
         )
 
     @staticmethod
@@ -316,6 +391,8 @@ class HydraExecutor:
             return
         with _ACTIVE_LOCK:
             _ACTIVE.pop(self.run_id, None)
+        for factory_id in list(self._factory_ids):
+            self._drop_factory(factory_id)
         try:
             self._last_trace = self._gather_trace()
             self._last_summary = self._gather_summary()
@@ -354,16 +431,50 @@ class HydraExecutor:
 
         self.start()
         name = getattr(make_task, "__name__", "make_task")
+        # Stored once in the cluster; the trial processes carry only its id.
+        factory_id = self._store.put(ray.cloudpickle.dumps(make_task))
+        self._factory_ids.append(factory_id)
         cls = type(
             f"Hydra_{name}",
             (HydraTrainable,),
             {
-                "_factory_blob": ray.cloudpickle.dumps(make_task),
+                "_factory_id": factory_id,
                 "_run_id": self.run_id,
                 "__module__": HydraTrainable.__module__,
             },
         )
         return tune.with_resources(cls, self.trial_resources)
+
+    def release(self, trainable: Any) -> None:
+        """Free the task factory of a trainable made by :meth:`trainable` (in the cluster
+        and in every engine), once its experiment is over. ``th.run`` does this itself;
+        call it between ``Tuner.fit`` calls that each made a new trainable, or let
+        :meth:`shutdown` free them all. Trials of that trainable cannot start afterwards."""
+        factory_id = getattr(trainable, "_factory_id", None)
+        if factory_id is None:  # tune.with_resources wraps our class in a subclass
+            factory_id = next(
+                (getattr(c, "_factory_id", None) for c in getattr(trainable, "__mro__", ())),
+                None,
+            )
+        if not factory_id:
+            raise TuneHydraError(
+                f"{trainable!r} was not made by HydraExecutor.trainable(); nothing to release"
+            )
+        self._drop_factory(factory_id)
+
+    def _drop_factory(self, factory_id: str) -> None:
+        if factory_id in self._factory_ids:
+            self._factory_ids.remove(factory_id)
+        refs = []
+        for handle in self._handles.values():
+            with contextlib.suppress(Exception):  # a dead engine holds nothing
+                refs.append(handle.release_factory.remote(self._secret, factory_id))
+        with contextlib.suppress(Exception):
+            ray.get(refs, timeout=30)
+        try:
+            self._store.delete(factory_id)
+        except Exception:
+            logger.warning("tune_hydra: could not free a task factory", exc_info=True)
 
     def scheduler(
         self, base: Any = None, *, stop: Any = None, max_iterations: int | None = None
@@ -399,7 +510,7 @@ class HydraExecutor:
 
     def registered_trials(self) -> dict[str, dict[str, list[str]]]:
         """Per node: the trials the engine actor knows and the engine's task names."""
-        refs = {node: h.registered.remote() for node, h in self._handles.items()}
+        refs = {node: h.registered.remote(self._secret) for node, h in self._handles.items()}
         return {node: ray.get(ref, timeout=60) for node, ref in refs.items()}
 
     def _gather_trace(self) -> list[Any]:

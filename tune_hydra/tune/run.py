@@ -128,6 +128,7 @@ def run(
         )
     ex = trial_executor
     owns = not ex.started
+    trainable = None
     try:
         trainable = ex.trainable(run_or_experiment)
         kwargs["scheduler"] = ex.scheduler(kwargs.get("scheduler"), stop=kwargs.get("stop"))
@@ -138,6 +139,8 @@ def run(
     finally:
         if owns:
             ex.shutdown()
+        elif trainable is not None and ex.started:
+            ex.release(trainable)  # the experiment is over: free its factory everywhere
 
 
 def _signature() -> inspect.Signature:

@@ -14,6 +14,8 @@ key we registered under is remembered separately.
 from __future__ import annotations
 
 import contextlib
+import os
+import tempfile
 import time
 import uuid
 from typing import Any, ClassVar
@@ -21,8 +23,10 @@ from typing import Any, ClassVar
 import ray
 from ray import tune
 
+from tune_hydra.checkpoint import discard_partial_save
 from tune_hydra.tune.actor import engine_actor_name
 from tune_hydra.tune.errors import EngineUnavailableError
+from tune_hydra.tune.factories import FactoryStore
 
 RESULT_KEYS = (
     "loss",
@@ -42,12 +46,13 @@ class HydraTrainable(tune.Trainable):
     """Proxy trainable; :meth:`HydraExecutor.trainable` makes a subclass per task factory.
 
     Class attributes (set on the subclass):
-        _factory_blob: the task factory, cloudpickled on the driver. It is only unpickled in
-            the engine actor, so the factory's imports (torch ...) never load here.
+        _factory_id: the id of the task factory the executor stored in the cluster (see
+            :mod:`tune_hydra.tune.factories`): only the engine actors load the factory, so
+            neither its bytes nor its imports (torch ...) ever reach a trial process.
         _run_id: the executor's id (part of the engine actors' names).
     """
 
-    _factory_blob: ClassVar[bytes] = b""
+    _factory_id: ClassVar[str] = ""
     _run_id: ClassVar[str] = ""
 
     def setup(self, config: dict[str, Any]) -> None:
@@ -64,13 +69,25 @@ class HydraTrainable(tune.Trainable):
             try:
                 self._actor = ray.get_actor(name)
             except ValueError:
-                raise EngineUnavailableError(
-                    f"no tune_hydra engine actor on this trial's node ({node_id}): the "
-                    f"HydraExecutor was shut down, or the node lacks the slot resource the "
-                    f"executor's trials ask for. Run trials through th.run(...) or "
-                    f"executor.trainable(...) while the executor is started."
-                ) from None
+                raise EngineUnavailableError(self._no_engine_message(node_id)) from None
         return self._actor
+
+    def _no_engine_message(self, node_id: str) -> str:
+        if FactoryStore(self._run_id).get(self._factory_id) is not None:
+            # The experiment is live (its factory is stored): the engine died for good.
+            return (
+                f"the tune_hydra engine actor of this trial's node ({node_id}) is dead and "
+                f"was not restarted (killed, out of memory, or its node failed); its log is "
+                f"in Ray's session folder (logs/worker-*.err). Tune retries this trial from "
+                f"its last checkpoint if max_failures allows; restart the experiment with "
+                f"Tuner.restore(..., resume_errored=True) otherwise."
+            )
+        return (
+            f"no tune_hydra engine actor on this trial's node ({node_id}): its "
+            f"HydraExecutor was shut down (th.run returned, or its with-block ended) or "
+            f"released this trainable. Run trials through th.run(...), or "
+            f"executor.trainable(...) while the executor is started."
+        )
 
     def _call(self, method: str, *args: Any, retry: bool = True) -> Any:
         """Call an engine-actor method and wait; control calls wait out an actor restart."""
@@ -82,13 +99,22 @@ class HydraTrainable(tune.Trainable):
                 if not retry or time.monotonic() > deadline:
                     raise
                 time.sleep(0.5)
+            except ray.exceptions.ActorDiedError as err:
+                node_id = ray.get_runtime_context().get_node_id()
+                raise EngineUnavailableError(
+                    f"the tune_hydra engine actor of this trial's node ({node_id}) died "
+                    f"during its {method!r} call (killed, out of memory, or its node "
+                    f"failed); its log is in Ray's session folder (logs/worker-*.err). Tune "
+                    f"retries this trial from its last checkpoint if max_failures allows. "
+                    f"Ray said: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                ) from None
 
     def _ensure_registered(self) -> None:
         if self._key == self.trial_id:
             return
         self._deregister()
         self._num_shards = int(
-            self._call("register", self.trial_id, self._token, self._factory_blob, self.config)
+            self._call("register", self.trial_id, self._token, self._factory_id, self.config)
         )
         self._key = self.trial_id
 
@@ -111,10 +137,29 @@ class HydraTrainable(tune.Trainable):
         return out
 
     def save_checkpoint(self, checkpoint_dir: str) -> None:
-        # The engine actor is on this node, so it writes model.pt etc. straight into the
-        # directory: no model bytes pass through this process.
-        self._ensure_registered()
-        self._call("save", self._key, self._token, str(checkpoint_dir))
+        """Have the engine actor write the trial's checkpoint into ``checkpoint_dir``.
+
+        The engine actor is on this node, so it writes the files straight into the
+        directory: no model bytes pass through this process. If the save fails (the engine
+        died mid-save, the disk is full ...), what it left is removed here, since a killed
+        engine cannot: its temp files, and the directory itself when Tune's
+        ``Trainable.save`` made it for this save in the temp folder (Ray 2.60 removes that
+        directory only after a successful save).
+        """
+        before = set(os.listdir(checkpoint_dir)) if os.path.isdir(checkpoint_dir) else set()
+        try:
+            self._ensure_registered()
+            self._call("save", self._key, self._token, str(checkpoint_dir))
+        except Exception:
+            # tempfile.mkdtemp() of Trainable.save: a fresh "tmp..." folder in the temp dir
+            folder, name = os.path.split(os.path.abspath(checkpoint_dir))
+            made_by_tune = (
+                not before
+                and folder == os.path.abspath(tempfile.gettempdir())
+                and name.startswith(tempfile.gettempprefix())
+            )
+            discard_partial_save(checkpoint_dir, keep=before, remove_dir=made_by_tune)
+            raise
 
     def load_checkpoint(self, checkpoint: Any) -> None:
         self._ensure_registered()

@@ -1,0 +1,207 @@
+"""A task factory runs in its own thread on a private generator: it draws exactly what it
+would draw alone, disturbs no other thread's draws, holds no lock, and cannot hang its
+caller past a timeout."""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tune_hydra as th
+from tests.conftest import OPTIMIZERS, mlp
+from tune_hydra.engine import Engine
+from tune_hydra.engine.factory import call_factory, private_rng, start_factory
+from tune_hydra.engine.rng import CPU_RNG_LOCK
+from tune_hydra.engine.trace import COPY_OPS
+from tune_hydra.exceptions import TaskFactoryError, TaskFactoryTimeoutError
+
+
+def _draws(seed: int | None = 3) -> list[torch.Tensor]:
+    """What a typical factory draws: seeded data, module init, a shuffling loader."""
+    if seed is not None:
+        torch.manual_seed(seed)
+    out = [torch.randn(5), torch.rand(2, 3), torch.randint(0, 10, (4,)), torch.randperm(7)]
+    model = nn.Sequential(nn.Linear(8, 8), nn.Embedding(10, 4), nn.Conv2d(3, 4, 3))
+    out += [p.detach().clone() for p in model.parameters()]
+    out += [torch.empty(6).normal_(0, 2), torch.empty(6).bernoulli_(0.5)]
+    out += [torch.multinomial(torch.ones(5), 3), torch.empty(3, dtype=torch.long).random_(9)]
+    out += [nn.functional.dropout(torch.ones(10), 0.5, training=True), torch.randn_like(out[0])]
+    out += list(torch.utils.data.DataLoader(list(range(10)), batch_size=3, shuffle=True))
+    state = torch.get_rng_state()
+    out.append(torch.randn(2))
+    torch.set_rng_state(state)
+    out.append(torch.randn(2))  # the same two numbers again
+    return out
+
+
+class _Hammer:
+    """Another thread that reseeds and draws from the global generator nonstop (what the
+    engine's device threads do around every op), checking its own draws stay right."""
+
+    def __init__(self) -> None:
+        torch.manual_seed(99)
+        self.expected = torch.randn(50)
+        self.stop = threading.Event()
+        self.wrong = 0
+        self.rounds = 0
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self.stop.is_set():
+            torch.manual_seed(99)
+            if not torch.equal(torch.randn(50), self.expected):
+                self.wrong += 1
+            self.rounds += 1
+
+    def __enter__(self) -> _Hammer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join()
+
+
+def test_factory_draws_exactly_what_plain_code_draws_while_others_draw() -> None:
+    expected = _draws()
+    with _Hammer() as hammer:
+        got = call_factory(lambda _: _draws(), None, what="test", timeout_s=120)
+    assert hammer.rounds > 0 and hammer.wrong == 0  # the other thread was not disturbed
+    assert len(got) == len(expected)
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+
+
+def test_private_rng_leaves_the_global_generator_alone() -> None:
+    torch.manual_seed(5)
+    before = torch.get_rng_state()
+    with private_rng(seed=11):
+        torch.manual_seed(0)
+        torch.randn(100)
+        assert torch.initial_seed() == 0
+    assert torch.equal(torch.get_rng_state(), before)
+    assert torch.initial_seed() == 5
+
+
+def test_unseeded_factory_follows_the_given_seed() -> None:
+    a = call_factory(lambda _: _draws(seed=None), None, what="a", seed=7)
+    b = call_factory(lambda _: _draws(seed=None), None, what="b", seed=7)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True))
+    with private_rng(seed=7):
+        c = _draws(seed=None)
+    assert all(torch.equal(x, y) for x, y in zip(a, c, strict=True))
+
+
+def test_factory_error_carries_its_traceback() -> None:
+    def broken(config: dict[str, Any]) -> None:
+        raise KeyError("no such column")
+
+    with pytest.raises(TaskFactoryError, match=r"(?s)trial x.*Factory traceback.*no such column"):
+        call_factory(broken, {}, what="trial x", timeout_s=60)
+
+
+def test_factory_that_never_returns_times_out() -> None:
+    release = threading.Event()
+    start = time.monotonic()
+    with pytest.raises(TaskFactoryTimeoutError, match=r"within 0\.5 s") as info:
+        call_factory(lambda _: release.wait(), {}, what="trial y", timeout_s=0.5)
+    assert time.monotonic() - start < 5
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, th.TuneHydraError)
+    release.set()  # the abandoned call ends later; its result is dropped, not raised
+
+
+def test_cancelled_start_drops_a_late_result() -> None:
+    go = threading.Event()
+    future = start_factory(lambda _: go.wait(10) and "late", None, what="z")
+    assert future.cancel()
+    go.set()
+    time.sleep(0.2)
+    assert future.cancelled()
+
+
+class _SlowData:
+    """Re-iterable batches that take ``delay`` seconds each to load."""
+
+    def __init__(self, batches: list[Any], delay: float) -> None:
+        self.batches, self.delay = batches, delay
+
+    def __iter__(self) -> Any:
+        for b in self.batches:
+            time.sleep(self.delay)
+            yield b
+
+
+def _task(seed: int, delay: float = 0.0) -> th.ModelTask:
+    torch.manual_seed(seed)
+    data = [
+        (torch.randn(16, 8, dtype=torch.float64), torch.randint(0, 4, (16,))) for _ in range(10)
+    ]
+    return th.ModelTask(
+        mlp(dtype=torch.float64),
+        nn.CrossEntropyLoss(),
+        OPTIMIZERS["sgd"],
+        _SlowData(data, delay),
+        seed=seed,
+    )
+
+
+def _slow_factory_run(hold_lock: bool) -> tuple[float, float, list[float]]:
+    """Task a trains 8 epochs (about 4 s) while a factory sleeps 3 s; returns when the
+    factory returned, when a's last op ended (engine clock) and a's gaps between ops."""
+
+    def slow(_: object) -> th.ModelTask:
+        with CPU_RNG_LOCK if hold_lock else contextlib.nullcontext():  # the old behaviour
+            time.sleep(3.0)
+        return _task(2)
+
+    with Engine(devices="cpu") as engine:
+        engine.add_task("a", _task(1, delay=0.05))
+        pending = engine.train("a", 8)
+        time.sleep(0.3)
+        slow_task = call_factory(slow, None, what="slow", timeout_s=60)
+        built_at = engine.clock()
+        engine.add_task("b", slow_task)
+        engine.train("b", 1).result(timeout=120)
+        pending.result(timeout=120)
+        events = [e for e in engine.trace.events if e.task == "a" and e.op not in COPY_OPS]
+    starts = sorted(e.start for e in events)
+    return built_at, max(e.end for e in events), [b - a for a, b in itertools.pairwise(starts)]
+
+
+def test_a_slow_factory_does_not_hold_up_training() -> None:
+    """A factory sleeping 3 s while another task trains: that task's ops go on with no
+    gap longer than a batch or so (holding the RNG lock, as before, leaves a 3 s gap)."""
+    built_at, a_ended, gaps = _slow_factory_run(hold_lock=False)
+    assert a_ended > built_at  # a was still training when the factory returned
+    assert max(gaps) < 1.0, f"task a waited {max(gaps):.2f} s for the factory"
+
+
+def test_tasks_built_by_a_slow_factory_train_exactly() -> None:
+    expected = _task(2)
+    th.train_plain(expected, epochs=1, seed=2)
+    built = call_factory(lambda _: _task(2), None, what="b", timeout_s=60)
+    th.train_models({"b": built}, devices=["cpu"], epochs=1)
+    for p, q in zip(built.model.parameters(), expected.model.parameters(), strict=True):
+        assert torch.equal(p, q)
+
+
+def test_private_rng_survives_a_rewrapped_manual_seed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other code re-wraps ``torch.manual_seed`` (importing ``torch._dynamo`` does): the
+    factory thread's seeding must still reach its private generator."""
+    inner = torch.manual_seed
+
+    def rewrapped(seed: int) -> Any:
+        return inner(seed)
+
+    monkeypatch.setattr(torch, "manual_seed", rewrapped)
+    with _Hammer() as hammer:
+        got = call_factory(lambda _: _draws(), None, what="test", timeout_s=120)
+    assert hammer.wrong == 0
+    assert all(torch.equal(a, b) for a, b in zip(got, _draws(), strict=True))

@@ -1,0 +1,273 @@
+"""Checkpoints under Ray Tune: tampered checkpoints are refused on ``Tuner.restore`` (no
+code runs, no mix loads), and an engine killed mid-save leaves no temp file or folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ray import tune
+
+import tune_hydra as th
+from tests.test_checkpoint import plant_payload, replace_file
+from tests.tune import tune_tasks
+from tune_hydra.checkpoint import META_FILE, MODEL_FILE, STATE_FILE, config_digest, is_temp_name
+from tune_hydra.exceptions import CheckpointError
+from tune_hydra.tune import HydraExecutor
+from tune_hydra.tune.actor import EngineActor
+
+pytestmark = pytest.mark.integration
+
+BUDGET = "18KiB"  # 2 shards for the 16-wide float32 MLP
+SEED = 11
+
+
+def _error_text(result: Any) -> str:
+    """The trial's error, which must be a CheckpointError (as Ray re-raises it)."""
+    assert isinstance(result.error, CheckpointError), (result.config, result.error)
+    return str(result.error)
+
+
+def _checkpoints(trial_dir: Path) -> list[Path]:
+    return sorted(trial_dir.glob("checkpoint_*"))
+
+
+def _tamper(latest: Path, kind: str, marker: Path) -> None:
+    """Spoil the trial's latest checkpoint the way ``kind`` says."""
+    if kind == "payload":  # a payload whose digest was also put into the manifest
+        plant_payload(latest, marker, update_manifest=True)
+    elif kind == "stale":  # model.pt of the checkpoint before, over the latest one's
+        earlier = _checkpoints(latest.parent)[-2]
+        shutil.copyfile(earlier / MODEL_FILE, latest / MODEL_FILE)
+    elif kind == "garbage":
+        size = (latest / STATE_FILE).stat().st_size
+        (latest / STATE_FILE).write_bytes(os.urandom(size))
+
+
+def test_tuner_restore_refuses_tampered_checkpoints(
+    ray_session: Any, storage: str, tmp_path: Path
+) -> None:
+    fail = tmp_path / "fail-while-present"
+    fail.touch()
+    marker = tmp_path / "payload-ran"
+    kinds = ["payload", "stale", "garbage", "intact"]
+    space = {"lr": 0.02, "marker": str(fail), "once": False, "tamper": tune.grid_search(kinds)}
+    with HydraExecutor(devices="cpu", device_memory=BUDGET, seed=SEED) as ex:
+        tuner = tune.Tuner(
+            ex.trainable(tune_tasks.make_task),
+            param_space=space,
+            tune_config=tune.TuneConfig(
+                metric="val_loss",
+                mode="min",
+                scheduler=ex.scheduler(),
+                max_concurrent_trials=ex.max_concurrent_trials,
+            ),
+            run_config=tune.RunConfig(
+                name="tamper",
+                storage_path=storage,
+                stop={"training_iteration": 4},
+                checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1),
+                callbacks=ex.callbacks(),
+                verbose=0,
+            ),
+        )
+        first = tuner.fit()
+        assert first.num_errors == len(kinds)  # every trial failed in its third epoch
+        latest: dict[str, Path] = {}
+        for result in first:
+            assert result.metrics["training_iteration"] == 2
+            latest[result.config["tamper"]] = Path(result.checkpoint.path)
+            _tamper(latest[result.config["tamper"]], result.config["tamper"], marker)
+
+        fail.unlink()
+        restored = tune.Tuner.restore(
+            str(Path(storage) / "tamper"),
+            trainable=ex.trainable(tune_tasks.make_task),
+            resume_errored=True,
+        )
+        second = restored.fit()
+    by_kind = {r.config["tamper"]: r for r in second}
+
+    # the untouched checkpoint resumes and finishes: restore itself works
+    assert by_kind["intact"].error is None
+    assert by_kind["intact"].metrics["training_iteration"] == 4
+
+    payload = _error_text(by_kind["payload"])
+    assert "CheckpointError" in payload and STATE_FILE in payload
+    assert str(latest["payload"]) in payload and "weights_only" in payload
+    assert not marker.exists()  # the payload did not run in the engine ...
+    torch.load(latest["payload"] / STATE_FILE, weights_only=False)
+    assert marker.exists()  # ... though it runs wherever the file is loaded unsafely
+
+    stale = _error_text(by_kind["stale"])
+    assert "CheckpointError" in stale and str(latest["stale"]) in stale
+    assert f"{MODEL_FILE} has sha256" in stale and "stale" in stale
+
+    garbage = _error_text(by_kind["garbage"])
+    assert "CheckpointError" in garbage and str(latest["garbage"]) in garbage
+    assert f"{STATE_FILE} has sha256" in garbage
+    assert "earlier checkpoint" in garbage
+
+
+class _KillDuringSave(threading.Thread):
+    """SIGKILLs process ``pid`` the first time it holds a checkpoint temp file open (it is
+    then writing or hashing that file), and remembers the file."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.seen: Path | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        fd_dir = f"/proc/{self.pid}/fd"
+        while not self.stop.is_set():
+            try:
+                fds = os.listdir(fd_dir)
+            except OSError:  # the process is gone
+                return
+            for fd in fds:
+                try:
+                    target = os.readlink(f"{fd_dir}/{fd}")
+                except OSError:
+                    continue
+                if is_temp_name(os.path.basename(target)):
+                    os.kill(self.pid, signal.SIGKILL)
+                    self.seen = Path(target)
+                    return
+            time.sleep(0.001)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux /proc")
+def test_engine_killed_during_save_leaves_no_temp_files(ray_session: Any, storage: str) -> None:
+    with HydraExecutor(devices="cpu", device_memory="2GiB", seed=SEED) as ex:
+        (engine,) = ex.engines().values()
+        killer = _KillDuringSave(int(ray.get(engine.start.remote())["pid"]))
+        killer.start()
+        try:
+            analysis = th.run(
+                tune_tasks.make_wide_task,
+                config={"layers": 2},
+                stop={"training_iteration": 2},
+                checkpoint_freq=1,
+                max_failures=1,
+                storage_path=storage,
+                trial_executor=ex,
+                verbose=0,
+            )
+        finally:
+            killer.stop.set()
+            killer.join(10)
+    assert killer.seen is not None, "the engine was never seen writing a checkpoint"
+    save_dir = killer.seen.parent
+    # The save was interrupted: Tune's folder for it (made by Trainable.save in the trial
+    # process's temp dir) and the temp file in it are gone ...
+    assert str(save_dir).startswith(tempfile.gettempdir())
+    assert not save_dir.exists(), sorted(os.listdir(save_dir))
+    # ... nothing of it reached the trial's folder, and the retried trial saved normally.
+    (trial,) = analysis.trials
+    assert trial.num_failures == 1 and trial.status == "TERMINATED"
+    left = [p for p in Path(storage).rglob("*") if is_temp_name(p.name)]
+    assert left == []
+    final = Path(trial.checkpoint.path)
+    assert sorted(os.listdir(final)) == sorted([META_FILE, MODEL_FILE, STATE_FILE])
+    assert json.loads((final / META_FILE).read_text())["iteration"] == 2
+
+
+# ------------------------------------- the engine actor's _save/_load, called in-process
+ENGINE = {"devices": "cpu", "device_memory": BUDGET, "policy": "lrtf", "prefetch": True}
+
+
+@pytest.fixture
+def actor() -> Any:
+    a = EngineActor(ENGINE, {"seed": SEED})
+    yield a
+    if a._engine is not None:
+        a._engine.close()
+
+
+def _trial(actor: Any, key: str, config: dict[str, Any], iterations: int = 0) -> Any:
+    """Add trial ``key`` straight to the actor's engine; what ``_save``/``_load`` read of a
+    registration (trial id, engine task name, config)."""
+    eng = actor._ensure_engine()
+    eng.add_task(key, tune_tasks.make_task(config), seed=SEED)
+    if iterations:
+        eng.train(key, iterations).result(timeout=120)
+    return SimpleNamespace(key=key, token="t", name=key, config=config)
+
+
+def _lrs(actor: Any, key: str) -> list[float]:
+    state = actor._engine.get_state(key)
+    return [g["lr"] for opt in state["optimizers"] for g in opt["param_groups"]]
+
+
+def test_actor_writes_a_verified_manifest_without_the_config(actor: Any, tmp_path: Path) -> None:
+    config = {"lr": 0.01, "note": object()}  # not something a checkpoint may pickle
+    reg = _trial(actor, "a", config, iterations=2)
+    manifest = actor._save(reg, str(tmp_path))
+    assert manifest["format"] == 2 and manifest["iteration"] == 2 and manifest["trial_id"] == "a"
+    plan = actor._engine.plan("a")
+    assert manifest["shards"] == [list(s.layer_names) for s in plan.shards]
+    assert manifest["num_shards"] == len(plan.shards) == 2
+    assert manifest["config_digest"] == config_digest(config)
+    assert json.loads((tmp_path / META_FILE).read_text()) == manifest
+    assert sorted(os.listdir(tmp_path)) == sorted([META_FILE, MODEL_FILE, STATE_FILE])
+    state = torch.load(tmp_path / STATE_FILE, weights_only=True)  # plain data only
+    assert "_tune_config" not in state and state["iteration"] == 2
+
+
+def test_actor_load_merges_hyperparameters_only_for_another_config(
+    actor: Any, tmp_path: Path
+) -> None:
+    actor._save(_trial(actor, "a", {"lr": 0.01}, iterations=2), str(tmp_path))
+    moments = actor._engine.get_state("a")["optimizers"]
+    # Mark the checkpoint's own hyperparameters, to tell where a trial's lr came from.
+    state = torch.load(tmp_path / STATE_FILE, weights_only=True)
+    for opt in state["optimizers"]:
+        for group in opt["param_groups"]:
+            group["lr"] = 0.3
+    replace_file(tmp_path, STATE_FILE, state, update_manifest=True)
+    # PBT: a trial with a mutated lr takes the checkpoint: moments from it, lr its own
+    actor._load(_trial(actor, "b", {"lr": 0.05}), str(tmp_path))
+    state_b = actor._engine.get_state("b")
+    assert state_b["iteration"] == 2
+    assert _lrs(actor, "b") and set(_lrs(actor, "b")) == {0.05}
+    for got, want in zip(state_b["optimizers"], moments, strict=True):
+        for k, v in want["state"].items():
+            assert torch.equal(got["state"][k]["momentum_buffer"], v["momentum_buffer"])
+    # the same config (another dict, same digest) is a resume: lr from the checkpoint
+    actor._load(_trial(actor, "c", {"lr": 0.01}), str(tmp_path))
+    assert set(_lrs(actor, "c")) == {0.3}
+
+
+def test_actor_refuses_a_checkpoint_cut_differently(actor: Any, tmp_path: Path) -> None:
+    reg = _trial(actor, "a", {"lr": 0.01}, iterations=1)
+    actor._save(reg, str(tmp_path))
+    actor._engine.train("a", 1).result(timeout=120)
+    meta = json.loads((tmp_path / META_FILE).read_text())
+    meta["shards"] = [meta["shards"][0][:-1], [meta["shards"][0][-1], *meta["shards"][1]]]
+    (tmp_path / META_FILE).write_text(json.dumps(meta))
+    with pytest.raises(CheckpointError, match=r"(?s)first difference at shard 0.*device_memory"):
+        actor._load(reg, str(tmp_path))
+    assert actor._engine.get_state("a")["iteration"] == 2  # nothing was loaded
+
+
+def test_actor_names_the_checkpoint_of_an_interrupted_save(actor: Any, tmp_path: Path) -> None:
+    reg = _trial(actor, "a", {"lr": 0.01})
+    actor._save(reg, str(tmp_path))
+    (tmp_path / META_FILE).unlink()
+    with pytest.raises(CheckpointError, match="interrupted") as info:
+        actor._load(reg, str(tmp_path))
+    assert info.value.checkpoint == str(tmp_path) and info.value.file == META_FILE
+    assert isinstance(info.value, th.TuneHydraError)

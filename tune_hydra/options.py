@@ -1,0 +1,217 @@
+"""Validation of the training options shared by the engine and the Ray Tune front end.
+
+One set of rules, so that ``train_models``, ``Engine`` and ``HydraExecutor`` accept and
+refuse the same values, and refuse them where they are given (``HydraExecutor(...)``
+itself, not each trial later). This module imports neither torch nor Ray: the Tune
+front end validates its options without loading torch.
+
+Example:
+    >>> from tune_hydra.options import check_task_options
+    >>> opts = check_task_options(seed=3, precision="fp32", accumulate_steps=2)
+    >>> opts["seed"], opts["precision"], opts["accumulate_steps"]
+    (3, None, 2)
+    >>> try:
+    ...     check_task_options(precision="fp8", where="HydraExecutor")
+    ... except ValueError as err:
+    ...     print(str(err)[:43])
+    HydraExecutor: precision='fp8' is not valid
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import operator
+from typing import Any
+
+from tune_hydra.exceptions import InvalidOptionError
+
+#: ``torch.manual_seed`` takes seeds in this range.
+SEED_MIN = -(2**63)
+SEED_MAX = 2**64 - 1
+#: Accepted ``precision`` values; the first three all mean full precision (no autocast).
+PRECISIONS = (None, "fp32", "float32", "bf16")
+
+
+def _integer(value: Any) -> int | None:
+    """``value`` as a Python int if it is an integer (numpy's included), not a bool."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)
+    except TypeError:
+        return None
+
+
+def check_seed(seed: Any, *, option: str = "seed", where: str = "") -> int | None:
+    """A seed: ``None`` or an integer ``torch.manual_seed`` takes.
+
+    Args:
+        seed: the value given.
+        option: its name in the message (``"seed"``, ``"ModelTask.seed"``).
+        where: who got it, for the message (``"task 'a'"``).
+
+    Returns:
+        ``None``, or the seed as a Python int.
+
+    Raises:
+        InvalidOptionError: not an integer in ``[-2**63, 2**64 - 1]``.
+    """
+    if seed is None:
+        return None
+    value = _integer(seed)
+    if value is None or not SEED_MIN <= value <= SEED_MAX:
+        hint = (
+            f"; convert it: {option}=int({seed!r})"
+            if isinstance(seed, str) and seed.strip().lstrip("+-").isdigit()
+            else ""
+        )
+        raise InvalidOptionError(
+            option,
+            seed,
+            f"give an int in [-2**63, 2**64 - 1] (such as {option}=0), or None{hint}",
+            where,
+        )
+    return value
+
+
+def check_max_grad_norm(value: Any, *, where: str = "") -> float | None:
+    """``max_grad_norm``: ``None`` (no clipping) or a positive number.
+
+    Raises:
+        InvalidOptionError: a string, a bool, zero, a negative number or NaN.
+    """
+    if value is None:
+        return None
+    number = float(value) if isinstance(value, numbers.Real) else math.nan
+    if isinstance(value, bool) or not number > 0:
+        hint = f"; convert it: max_grad_norm=float({value!r})" if isinstance(value, str) else ""
+        raise InvalidOptionError(
+            "max_grad_norm",
+            value,
+            f"give a number > 0 (such as max_grad_norm=1.0), or None for no clipping{hint}",
+            where,
+        )
+    return number
+
+
+def check_positive_int(
+    value: Any, option: str, *, allow_none: bool = False, meaning: str = "", where: str = ""
+) -> int | None:
+    """An option that is an int ``>= 1`` (or ``None``, with ``allow_none``).
+
+    Args:
+        value: the value given.
+        option: its name.
+        allow_none: whether ``None`` is accepted (and returned).
+        meaning: what ``None`` means, or what the number counts, for the message.
+        where: who got it, for the message.
+
+    Raises:
+        InvalidOptionError: anything else (a string, a float, a bool, 0, -1).
+    """
+    if value is None and allow_none:
+        return None
+    number = _integer(value)
+    if number is None or number < 1:
+        alt = " or None" if allow_none else ""
+        raise InvalidOptionError(
+            option,
+            value,
+            f"give an int >= 1{alt}{f' ({meaning})' if meaning else ''}",
+            where,
+        )
+    return number
+
+
+def check_precision(value: Any, *, where: str = "") -> str | None:
+    """``precision``: ``None`` / ``"fp32"`` / ``"float32"`` (full precision, returned as
+    ``None``) or ``"bf16"`` (bfloat16 autocast).
+
+    Raises:
+        InvalidOptionError: anything else (``"fp8"``, ``"fp16"``, ``16``).
+    """
+    if value is None or (isinstance(value, str) and value in ("fp32", "float32")):
+        return None
+    if isinstance(value, str) and value == "bf16":
+        return value
+    raise InvalidOptionError(
+        "precision",
+        value,
+        "give None or 'fp32' (full precision) or 'bf16' (bfloat16 autocast); no other "
+        "precision is supported",
+        where,
+    )
+
+
+def check_task_options(
+    *,
+    seed: Any = None,
+    max_grad_norm: Any = None,
+    accumulate_steps: Any = 1,
+    precision: Any = None,
+    iteration_batches: Any = None,
+    where: str = "",
+) -> dict[str, Any]:
+    """Validate the per-task training options (those of ``Engine.add_task``).
+
+    Args:
+        seed: ``None`` or an int.
+        max_grad_norm: ``None`` or a number > 0.
+        accumulate_steps: an int >= 1.
+        precision: ``None``, ``"fp32"``, ``"float32"`` or ``"bf16"``.
+        iteration_batches: ``None`` (an iteration is an epoch) or an int >= 1.
+        where: who got them, for the messages (``"task 'a'"``, ``"HydraExecutor"``).
+
+    Returns:
+        The options normalized (ints as Python ints, full precision as ``None``).
+
+    Raises:
+        InvalidOptionError: the first bad option, naming it, its value and the fix.
+    """
+    return {
+        "seed": check_seed(seed, where=where),
+        "max_grad_norm": check_max_grad_norm(max_grad_norm, where=where),
+        "accumulate_steps": check_positive_int(
+            accumulate_steps,
+            "accumulate_steps",
+            meaning="batches whose gradients add up before one optimizer step; 1: none",
+            where=where,
+        ),
+        "precision": check_precision(precision, where=where),
+        "iteration_batches": check_positive_int(
+            iteration_batches,
+            "iteration_batches",
+            allow_none=True,
+            meaning="batches per iteration; None: one epoch",
+            where=where,
+        ),
+    }
+
+
+def check_max_layers_per_shard(value: Any, *, where: str = "") -> int | None:
+    """``max_layers_per_shard``: ``None`` (the budget alone decides) or an int >= 1.
+
+    Raises:
+        InvalidOptionError: anything else (``0``, ``-1``, ``"3"``).
+    """
+    return check_positive_int(
+        value,
+        "max_layers_per_shard",
+        allow_none=True,
+        meaning="the most layers in one shard; None: as many as the budget allows",
+        where=where,
+    )
+
+
+__all__ = [
+    "PRECISIONS",
+    "SEED_MAX",
+    "SEED_MIN",
+    "check_max_grad_norm",
+    "check_max_layers_per_shard",
+    "check_positive_int",
+    "check_precision",
+    "check_seed",
+    "check_task_options",
+]
