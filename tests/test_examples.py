@@ -94,3 +94,30 @@ def test_gpt2_model_selection_tiny(tmp_path: Path) -> None:
     assert "best config: lr=" in out
     assert _model_pt(out).is_file()
     assert (tmp_path / "timeline.png").is_file()
+
+
+def test_optuna_study_tiny(tmp_path: Path) -> None:
+    """th.optimize with a MedianPruner, no Ray: the best trial's model.pt loads strictly
+    into a freshly built network and gives the printed val_loss on the validation data."""
+    out = _run("optuna_study.py", "--tiny", "--output", str(tmp_path))
+    assert "best params: {'lr': " in out
+    path = _model_pt(out)
+    assert path.parent.parent == tmp_path and path.is_file()
+    import torch
+
+    spec = importlib.util.spec_from_file_location(
+        "optuna_study", ROOT / "examples" / "optuna_study.py"
+    )
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.conv_net()
+    model.load_state_dict(torch.load(path, weights_only=True), strict=True)
+    model.eval()
+    val = example.make_digits(256, 256, seed=2)  # the --tiny validation data
+    with torch.no_grad():
+        losses = [torch.nn.functional.nll_loss(model(x), y).item() for x, y in val]
+    printed = float(out.split("best val_loss: ", 1)[1].split()[0])
+    assert abs(sum(losses) / len(losses) - printed) < 1e-4, (losses, printed)
+    shards = out.split("shards per model: ", 1)[1].splitlines()[0]
+    assert shards == "[2]", shards

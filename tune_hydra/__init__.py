@@ -22,6 +22,8 @@ if TYPE_CHECKING:
         train_models,
         train_plain,
     )
+    from tune_hydra.optimize import optimize
+    from tune_hydra.planning import PlanReport, plan
     from tune_hydra.tune import HydraExecutor, patch_tune, run, unpatch_tune
 
 __version__ = "0.1.0"
@@ -37,6 +39,9 @@ _LAZY = {
     "save_trace": "tune_hydra.engine",
     "train_models": "tune_hydra.engine",
     "train_plain": "tune_hydra.engine",
+    "optimize": "tune_hydra.optimize",
+    "plan": "tune_hydra.planning",
+    "PlanReport": "tune_hydra.planning",
     "run": "tune_hydra.tune",
     "HydraExecutor": "tune_hydra.tune",
     "patch_tune": "tune_hydra.tune",
@@ -48,7 +53,10 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         import importlib
 
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        if name in globals():  # the import bound a submodule of that name (optimize):
+            globals()[name] = value  # the function it exports takes its place
+        return value
     raise AttributeError(f"module 'tune_hydra' has no attribute {name!r}")
 
 
@@ -57,9 +65,12 @@ __all__ = [
     "History",
     "HydraExecutor",
     "ModelTask",
+    "PlanReport",
     "TuneHydraError",
     "exceptions",
+    "optimize",
     "patch_tune",
+    "plan",
     "plot_timeline",
     "run",
     "save_trace",

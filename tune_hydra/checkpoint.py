@@ -202,7 +202,9 @@ def write_checkpoint(
         config: the trial's Tune config; only its :func:`config_digest` is stored (a
             restore compares digests to tell a PBT exploit, which brings a mutated config,
             from a plain resume).
-        shards: the layer names of each shard, in order (the shard plan).
+        shards: the layer names of each shard, in order (the shard plan). A record of how
+            the model was cut: the state keeps optimizer state per parameter, so a restore
+            under another plan (another ``device_memory``) re-shards it.
 
     Returns:
         The manifest that was written.

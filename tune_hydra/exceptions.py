@@ -273,6 +273,13 @@ class InvalidLossError(_TaskInputError):
     back-propagate (a per-sample loss, a detached value, a Python float)."""
 
 
+class ResumeStateError(_TaskInputError):
+    """A resume state (``Engine.get_state()``, a checkpoint) does not fit the task it is
+    restored into: it names parameters the model does not have or lacks some, or it is of
+    the older per-shard layout and the model is now cut into another number of shards.
+    The message says which, and what to restore it into instead."""
+
+
 class CheckpointError(TuneHydraError, ValueError):
     """A checkpoint could not be written, or failed verification when read: its manifest is
     missing (an interrupted save) or wrong, a file differs from the manifest (stale,
@@ -302,6 +309,63 @@ class CheckpointError(TuneHydraError, ValueError):
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.checkpoint, self.file, self.problem, self.fix))
+
+
+class UnknownMetricError(TuneHydraError, ValueError):
+    """``th.optimize(metric=...)`` names a value that training does not report each epoch
+    (the message lists those it does), or the study's direction does not suit it."""
+
+
+class InvalidStudyError(TuneHydraError, TypeError):
+    """``th.optimize`` got something other than a single-objective ``optuna.Study``, or a
+    task factory that is not callable."""
+
+
+class UnknownOptionError(TuneHydraError, TypeError):
+    """A keyword option that the function does not take (a typo, or an option of another
+    front end); the message lists the options it takes."""
+
+
+class SystematicTaskError(TuneHydraError, RuntimeError):
+    """A mistake that every trial of an experiment would repeat, whatever its config: the
+    task factory is not one (it returns no ``ModelTask``, or it is a function trainable
+    that calls ``tune.report``), the model's type cannot be cut into shards, or the
+    trials lost their engine slots. The Tune front end stops the experiment at the first
+    trial that hits one and ``th.run`` raises it, instead of failing every trial with the
+    same traceback. Mistakes that depend on the config (a layer over budget for one
+    width, a factory raising for one config, a NaN loss) fail that trial alone.
+
+    Attributes:
+        trial: the trial that hit it first (``""``: found before any trial started).
+        problem: what is wrong.
+        fix: what to change.
+    """
+
+    def __init__(self, trial: str, problem: str, fix: str) -> None:
+        self.trial = trial
+        self.problem = problem
+        self.fix = fix
+        text = f"{problem}. {fix}."
+        if trial:
+            text = (
+                f"trial {trial}: {text} Every trial would fail the same way, so the "
+                f"experiment stops at the first one."
+            )
+        super().__init__(text)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.trial, self.problem, self.fix))
+
+
+class NotATaskError(SystematicTaskError, TaskFactoryError, TypeError):
+    """The task factory returned something that is not a :class:`~tune_hydra.ModelTask`
+    (a function trainable passed by mistake returns None after running its own training
+    loop and calling ``tune.report``)."""
+
+
+class UncuttableModelError(SystematicTaskError, InvalidModelError):
+    """The model the task factory built is of a type the engine cannot cut into
+    sequential shards (the engine's :class:`InvalidModelError`, for a whole experiment)."""
 
 
 def format_bytes(n: float) -> str:

@@ -209,7 +209,7 @@ def _trial(actor: Any, key: str, config: dict[str, Any], iterations: int = 0) ->
 
 def _lrs(actor: Any, key: str) -> list[float]:
     state = actor._engine.get_state(key)
-    return [g["lr"] for opt in state["optimizers"] for g in opt["param_groups"]]
+    return [g["lr"] for g in state["optimizer"]["param_groups"]]
 
 
 def test_actor_writes_a_verified_manifest_without_the_config(actor: Any, tmp_path: Path) -> None:
@@ -231,36 +231,69 @@ def test_actor_load_merges_hyperparameters_only_for_another_config(
     actor: Any, tmp_path: Path
 ) -> None:
     actor._save(_trial(actor, "a", {"lr": 0.01}, iterations=2), str(tmp_path))
-    moments = actor._engine.get_state("a")["optimizers"]
+    moments = actor._engine.get_state("a")["optimizer"]["state"]
     # Mark the checkpoint's own hyperparameters, to tell where a trial's lr came from.
     state = torch.load(tmp_path / STATE_FILE, weights_only=True)
-    for opt in state["optimizers"]:
-        for group in opt["param_groups"]:
-            group["lr"] = 0.3
+    for group in state["optimizer"]["param_groups"]:
+        group["lr"] = 0.3
     replace_file(tmp_path, STATE_FILE, state, update_manifest=True)
     # PBT: a trial with a mutated lr takes the checkpoint: moments from it, lr its own
     actor._load(_trial(actor, "b", {"lr": 0.05}), str(tmp_path))
     state_b = actor._engine.get_state("b")
     assert state_b["iteration"] == 2
     assert _lrs(actor, "b") and set(_lrs(actor, "b")) == {0.05}
-    for got, want in zip(state_b["optimizers"], moments, strict=True):
-        for k, v in want["state"].items():
-            assert torch.equal(got["state"][k]["momentum_buffer"], v["momentum_buffer"])
+    assert sorted(state_b["optimizer"]["state"]) == sorted(moments)
+    for k, v in moments.items():
+        assert torch.equal(
+            state_b["optimizer"]["state"][k]["momentum_buffer"], v["momentum_buffer"]
+        )
     # the same config (another dict, same digest) is a resume: lr from the checkpoint
     actor._load(_trial(actor, "c", {"lr": 0.01}), str(tmp_path))
     assert set(_lrs(actor, "c")) == {0.3}
 
 
-def test_actor_refuses_a_checkpoint_cut_differently(actor: Any, tmp_path: Path) -> None:
-    reg = _trial(actor, "a", {"lr": 0.01}, iterations=1)
-    actor._save(reg, str(tmp_path))
-    actor._engine.train("a", 1).result(timeout=120)
-    meta = json.loads((tmp_path / META_FILE).read_text())
-    meta["shards"] = [meta["shards"][0][:-1], [meta["shards"][0][-1], *meta["shards"][1]]]
-    (tmp_path / META_FILE).write_text(json.dumps(meta))
-    with pytest.raises(CheckpointError, match=r"(?s)first difference at shard 0.*device_memory"):
-        actor._load(reg, str(tmp_path))
-    assert actor._engine.get_state("a")["iteration"] == 2  # nothing was loaded
+def test_actor_restores_a_checkpoint_cut_differently(tmp_path: Path) -> None:
+    """A checkpoint written under one budget restores into an engine of another, and a
+    PBT exploit across the two still takes the new config's lr; a checkpoint of the
+    older per-shard layout cut differently is refused with the fix."""
+    actors = [EngineActor({**ENGINE, "device_memory": b}, {"seed": SEED}) for b in (BUDGET, None)]
+    try:
+        two, one = actors
+        reg = _trial(two, "a", {"lr": 0.01}, iterations=1)
+        two._save(reg, str(tmp_path))
+        two._engine.train("a", 1).result(timeout=120)
+        want = two._engine.get_state("a")
+        assert len(two._engine.plan("a")) == 2
+        back = _trial(one, "b", {"lr": 0.01})
+        assert len(one._engine.plan("b")) == 1
+        one._load(back, str(tmp_path))
+        one._engine.train("b", 1).result(timeout=120)
+        got = one._engine.get_state("b")
+        for k, v in want["model"].items():
+            assert torch.equal(got["model"][k], v), k
+        for k, v in want["optimizer"]["state"].items():
+            assert torch.equal(
+                got["optimizer"]["state"][k]["momentum_buffer"], v["momentum_buffer"]
+            )
+        one._load(_trial(one, "c", {"lr": 0.07}), str(tmp_path))  # PBT: the new lr
+        assert set(_lrs(one, "c")) == {0.07}
+
+        # the older layout: one optimizer state_dict per shard, restorable under its cut only
+        state = torch.load(tmp_path / STATE_FILE, weights_only=True)
+        runner = two._engine._tasks["a"].runner
+        state["optimizers"] = [s.optimizer.state_dict() for s in runner.shards]
+        state["grads"] = [[None] * len(s.params) for s in runner.shards]
+        del state["optimizer"], state["param_grads"]
+        replace_file(tmp_path, STATE_FILE, state, update_manifest=True)
+        with pytest.raises(CheckpointError, match=r"(?s)older tune_hydra.*device_memory of the"):
+            one._load(_trial(one, "d", {"lr": 0.01}), str(tmp_path))
+        assert one._engine.get_state("d")["iteration"] == 0  # nothing was loaded
+        two._load(_trial(two, "e", {"lr": 0.05}), str(tmp_path))  # same cut: loads, PBT lr
+        assert two._engine.get_state("e")["iteration"] == 1 and set(_lrs(two, "e")) == {0.05}
+    finally:
+        for a in actors:
+            if a._engine is not None:
+                a._engine.close()
 
 
 def test_actor_names_the_checkpoint_of_an_interrupted_save(actor: Any, tmp_path: Path) -> None:

@@ -8,11 +8,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import ray
 import torch
 from ray import cloudpickle
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, HyperBandScheduler
 
 from tests.tune import tune_tasks
+from tune_hydra.exceptions import TuneHydraError
 from tune_hydra.tune.actor import MODEL_FILE, EngineActor, _merge_hyperparameters
 from tune_hydra.tune.errors import (
     EngineUnavailableError,
@@ -55,7 +57,7 @@ def test_register_train_save_load_with_mutated_config(actor: Any, tmp_path: Path
     _call(actor.register("b", "t2", BLOB, {"lr": 0.05}))
     _call(actor.load("b", "t2", str(tmp_path)))
     state = actor._engine.get_state(actor._regs["b"].name)
-    groups = [g for opt in state["optimizers"] for g in opt["param_groups"]]
+    groups = state["optimizer"]["param_groups"]
     assert groups and all(g["lr"] == 0.05 for g in groups)
     assert all(torch.equal(state["model"][k], saved[k]) for k in saved)
     assert state["iteration"] == 2
@@ -63,7 +65,7 @@ def test_register_train_save_load_with_mutated_config(actor: Any, tmp_path: Path
     _call(actor.register("c", "t3", BLOB, {"lr": 0.01}))
     _call(actor.load("c", "t3", str(tmp_path)))
     state_c = actor._engine.get_state(actor._regs["c"].name)
-    assert all(g["lr"] == 0.01 for opt in state_c["optimizers"] for g in opt["param_groups"])
+    assert all(g["lr"] == 0.01 for g in state_c["optimizer"]["param_groups"])
 
 
 def test_ownership_token(actor: Any) -> None:
@@ -101,12 +103,33 @@ def test_hints_reach_the_engine(actor: Any) -> None:
 
 
 def test_merge_hyperparameters_keeps_state() -> None:
-    loaded = [{"state": {0: "m"}, "param_groups": [{"lr": 1.0, "params": [0]}]}]
-    fresh = [{"state": {}, "param_groups": [{"lr": 2.0, "params": [9]}]}]
-    assert _merge_hyperparameters(loaded, fresh) == [
-        {"state": {0: "m"}, "param_groups": [{"lr": 2.0, "params": [0]}]}
+    # per parameter: the checkpoint's state, the fresh groups (cut another way: 2 shards
+    # then, 1 now)
+    loaded = {
+        "state": {"0.weight": "m0", "2.weight": "m2"},
+        "param_groups": [{"lr": 1.0, "params": ["0.weight"]}, {"lr": 1.0, "params": ["2.weight"]}],
+    }
+    fresh = {"state": {}, "param_groups": [{"lr": 2.0, "params": ["0.weight", "2.weight"]}]}
+    assert _merge_hyperparameters(loaded, fresh) == {
+        "state": {"0.weight": "m0", "2.weight": "m2"},
+        "param_groups": [{"lr": 2.0, "params": ["0.weight", "2.weight"]}],
+    }
+    other_model = {"state": {}, "param_groups": [{"lr": 2.0, "params": ["0.weight"]}]}
+    assert _merge_hyperparameters(loaded, other_model) is loaded
+    assert _merge_hyperparameters(loaded, None) is loaded
+    # the older per-shard layout: group by group, in order
+    legacy = [
+        {"state": {0: "m"}, "param_groups": [{"lr": 1.0, "params": [0]}]},
+        None,  # a shard without parameters
+        {"state": {}, "param_groups": [{"lr": 1.0, "params": [0]}]},
     ]
-    assert _merge_hyperparameters(loaded, []) is loaded
+    two = {"param_groups": [{"lr": 2.0, "params": ["a"]}, {"lr": 3.0, "params": ["b"]}]}
+    assert _merge_hyperparameters(legacy, two) == [
+        {"state": {0: "m"}, "param_groups": [{"lr": 2.0, "params": [0]}]},
+        None,
+        {"state": {}, "param_groups": [{"lr": 3.0, "params": [0]}]},
+    ]
+    assert _merge_hyperparameters(legacy, fresh) is legacy  # 2 groups then, 1 now
 
 
 def test_scheduler_budget() -> None:
@@ -298,3 +321,224 @@ def test_a_module_level_model_is_refused_live_or_reused() -> None:
         _call(a.register("t1", "tok2", "s", {"lr": 0.01}))  # the same trial again: allowed
     finally:
         _call(a.close())
+
+
+# -- issue 13: fail once, Tune's wrappers, checkpoints by default (no Ray started) ---------
+
+
+def test_a_function_trainable_is_refused_before_any_trial() -> None:
+    import tune_hydra as th
+    from tune_hydra.tune.actor import tune_report_call
+    from tune_hydra.tune.executor import HydraExecutor
+
+    assert tune_report_call(tune_tasks.train_fn) == "ray.tune.report"
+    assert tune_report_call(tune_tasks.make_task) is None
+    ex = HydraExecutor(devices="cpu")
+    with pytest.raises(NotATaskFactoryError) as info:
+        th.run(tune_tasks.train_fn, metric="loss", mode="min", trial_executor=ex)
+    text = str(info.value)
+    assert "'train_fn' calls ray.tune.report(...): it is a function trainable" in text
+    assert "drop trial_executor" in text and "th.ModelTask" in text
+    with pytest.raises(NotATaskFactoryError, match="function trainable"):
+        ex.trainable(tune_tasks.train_fn)
+    assert not ex.started  # refused before any engine (or trial) started
+
+
+def test_a_metric_nobody_reports_is_refused_before_any_trial() -> None:
+    import tune_hydra as th
+    from tune_hydra.tune.errors import UnreportedMetricError
+    from tune_hydra.tune.executor import HydraExecutor
+    from tune_hydra.tune.run import _check_reported
+
+    ex = HydraExecutor(devices="cpu")
+    with pytest.raises(UnreportedMetricError) as info:
+        th.run(tune_tasks.make_task, metric="mean_accuracy", mode="max", trial_executor=ex)
+    text = str(info.value)
+    assert text.startswith("metric='mean_accuracy' is not reported")
+    for key in ("loss", "val_loss", "device_time_s", "training_iteration", "time_total_s"):
+        assert key in text, key
+    with pytest.raises(UnreportedMetricError, match="scheduler='accuracy'"):
+        th.run(
+            tune_tasks.make_task,
+            scheduler=ASHAScheduler(metric="accuracy", mode="max"),
+            trial_executor=ex,
+        )
+    assert isinstance(info.value, ValueError)
+    assert not ex.started
+    for ok in ("val_loss", "loss", "training_iteration", "time_total_s", "config/lr"):
+        _check_reported({"metric": ok, "mode": "min"})
+
+
+def test_with_resources_on_the_factory_is_refused() -> None:
+    from ray import tune
+
+    from tune_hydra.exceptions import SystematicTaskError
+    from tune_hydra.tune.errors import TrialResourcesError
+
+    def make(config: dict[str, Any]) -> Any:
+        return tune_tasks.make_task(config)
+
+    with pytest.raises(TrialResourcesError, match=r"without tune\.with_resources") as info:
+        check_task_factory(tune.with_resources(make, {"cpu": 2}))
+    assert isinstance(info.value, SystematicTaskError)
+
+
+def test_with_parameters_around_the_factory_is_unwrapped() -> None:
+    from ray import tune
+
+    from tune_hydra.tune.actor import BoundFactory
+    from tune_hydra.tune.executor import unwrap_with_parameters
+
+    data = tune_tasks.dataset()
+    wrapped = tune.with_parameters(tune_tasks.make_task_with, data=data)
+    check_task_factory(wrapped)
+    fn, params = unwrap_with_parameters(wrapped)  # type: ignore[misc]
+    assert fn is tune_tasks.make_task_with and list(params) == ["data"]
+    value = params["data"]  # what Tune holds: the value, or its reference once Ray is up
+    if isinstance(value, ray.ObjectRef):
+        value = ray.get(value)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(value, data, strict=True))
+    assert unwrap_with_parameters(tune_tasks.make_task) is None
+    with pytest.raises(NotATaskFactoryError, match=r"keyword arguments \['dataset'\]"):
+        check_task_factory(tune.with_parameters(tune_tasks.make_task, dataset=data))
+    with pytest.raises(NotATaskFactoryError, match="function trainable"):
+        check_task_factory(tune.with_parameters(tune_tasks.train_fn, data=data))
+
+    bound = BoundFactory(tune_tasks.make_task_with, {"data": data})
+    assert bound.__name__ == "make_task_with"
+    assert bound({"lr": 0.01}).train_data is data
+    copy = cloudpickle.loads(cloudpickle.dumps(bound))
+    assert copy.parameters["data"][0][0].shape == data[0][0].shape and copy._values is None
+
+
+@pytest.mark.filterwarnings("ignore:`report` is meant")  # hidden_train_fn reports, no session
+def test_systematic_mistakes_are_marked_and_config_ones_are_not() -> None:
+    from tune_hydra.exceptions import (
+        InvalidModelError,
+        NotATaskError,
+        ShardTooLargeError,
+        SystematicTaskError,
+        UncuttableModelError,
+    )
+
+    factories = {
+        name: cloudpickle.dumps(getattr(tune_tasks, name))
+        for name in ("make_no_task", "hidden_train_fn", "make_net_task", "make_task")
+    }
+    a = EngineActor(ENGINE, {"seed": 5}, factories=factories, secret=SECRET)
+    try:
+        with pytest.raises(NotATaskError) as info:
+            _call(a.register("t1", "tok", "make_no_task", {"lr": 0.01}))
+        err = info.value
+        assert isinstance(err, TaskFactoryError) and isinstance(err, TypeError)
+        assert err.trial == "t1" and "returned NoneType, not a tune_hydra.ModelTask" in str(err)
+        assert "function trainable passed by mistake" in str(err)
+        assert "experiment stops at the first one" in str(err)
+        with pytest.raises(NotATaskError, match="function trainable"):
+            _call(a.register("t2", "tok", "hidden_train_fn", {"lr": 0.01}))
+        with pytest.raises(UncuttableModelError, match=r"nn\.Sequential") as cut:
+            _call(a.register("t3", "tok", "make_net_task", {"lr": 0.01}))
+        assert isinstance(cut.value, InvalidModelError)
+        # config-dependent: that trial alone
+        for config in ({"fail": "factory"}, {"width": 512}):
+            with pytest.raises(Exception) as other:
+                _call(a.register("t4", "tok", "make_task", config))
+            assert not isinstance(other.value, SystematicTaskError)
+        assert isinstance(other.value, ShardTooLargeError)
+        # what tune.with_parameters around the trainable sends: keyword arguments
+        data = tune_tasks.dataset(n_batches=2)
+        a._store["with"] = cloudpickle.dumps(tune_tasks.make_task_with)
+        assert _call(a.register("t5", "tok", "with", {"lr": 0.01}, {"data": data})) == 2
+        assert len(_call(a.train("t5", "tok", 1))) == 1
+        assert _call(a.registered(SECRET))["trials"] == ["t5"]
+    finally:
+        _call(a.close())
+
+
+def test_stopper_keeps_tune_semantics_and_stops_all_on_a_systematic_mistake() -> None:
+    from ray.tune.stopper import MaximumIterationStopper
+
+    from tune_hydra.exceptions import NotATaskError
+    from tune_hydra.tune.callback import (
+        HydraStopper,
+        clear_systematic,
+        find_systematic,
+        systematic_error,
+    )
+    from tune_hydra.tune.scheduler import _budget_from_stop
+
+    stopper = HydraStopper("run-a", {"training_iteration": 3, "info/loss": 5})
+    assert not stopper("t", {"training_iteration": 2, "info": {"loss": 1}})
+    assert stopper("t", {"training_iteration": 3})
+    assert stopper("t", {"training_iteration": 1, "info": {"loss": 7}})
+    assert _budget_from_stop(stopper) == 3  # the scheduler wrapper still sees the budget
+    assert HydraStopper("r", lambda trial_id, result: result["x"] > 1)("t", {"x": 2})
+    counting = HydraStopper("r", MaximumIterationStopper(2))  # counts its own calls
+    assert [counting("t", {}), counting("t", {})] == [False, True]
+    assert not HydraStopper("r")("t", {"training_iteration": 99})
+    with pytest.raises(ValueError, match="Stopper"):
+        HydraStopper("r", 3)
+
+    mistake = NotATaskError("t1", "the task factory returned NoneType", "return a ModelTask")
+
+    class Wrapped(Exception):  # what Ray makes of an error raised in a trial
+        def __init__(self, cause: BaseException) -> None:
+            super().__init__("ray::train()")
+            self.cause = cause
+
+    assert find_systematic(Wrapped(Wrapped(mistake))) is mistake
+    assert find_systematic(Wrapped(ValueError("config-dependent"))) is None
+    assert find_systematic(None) is None
+
+    from tune_hydra.tune import callback as cb
+
+    assert not stopper.stop_all()
+    cb._SYSTEMATIC["run-a"] = mistake  # what HydraCallback records on the trial's error
+    try:
+        assert stopper.stop_all() and systematic_error("run-a") is mistake
+        assert not HydraStopper("run-b").stop_all()  # another executor's experiment
+    finally:
+        clear_systematic("run-a")
+    assert not stopper.stop_all()
+
+
+def test_callback_checkpoint_modes(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from ray.tune.result import DONE, SHOULD_CHECKPOINT
+
+    from tune_hydra.exceptions import NotATaskError
+    from tune_hydra.tune.callback import HydraCallback, clear_systematic, systematic_error
+    from tune_hydra.tune.executor import HydraExecutor
+
+    plain = SimpleNamespace(checkpoint_freq=0, checkpoint_at_end=None)
+    theirs = SimpleNamespace(checkpoint_freq=2, checkpoint_at_end=None)
+
+    def after(cb: HydraCallback, trial: Any, **result: Any) -> bool:
+        cb.on_trial_result(0, [], trial, result)
+        return bool(result.get(SHOULD_CHECKPOINT))
+
+    every, end = HydraCallback("r", "every"), HydraCallback("r", "end")
+    assert after(every, plain, **{SHOULD_CHECKPOINT: True})  # the proxy asked: kept
+    assert not after(every, theirs, **{SHOULD_CHECKPOINT: True})  # the run's setting rules
+    assert not after(end, plain) and after(end, plain, **{DONE: True})
+    assert not after(end, theirs, **{DONE: True})
+    assert not after(HydraCallback("r", None), plain, **{DONE: True})
+    copy = cloudpickle.loads(cloudpickle.dumps(end))
+    assert (copy.run_id, copy.checkpoint) == ("r", "end")
+
+    # a trial's pickled error -> recorded once for the executor
+    err_file = tmp_path / "error.pkl"
+    mistake = NotATaskError("t1", "the task factory returned NoneType", "return a ModelTask")
+    err_file.write_bytes(cloudpickle.dumps(mistake))
+    failed = SimpleNamespace(trial_id="t1", pickled_error_file=str(err_file))
+    try:
+        every.on_trial_error(0, [], failed)
+        assert str(systematic_error("r")) == str(mistake)
+    finally:
+        clear_systematic("r")
+
+    assert HydraExecutor(devices="cpu").checkpoint == "every"
+    assert HydraExecutor(devices="cpu", checkpoint=False).checkpoint is None
+    with pytest.raises(TuneHydraError, match="'every'"):
+        HydraExecutor(devices="cpu", checkpoint="sometimes")

@@ -154,3 +154,67 @@ def make_shared_task(config: dict[str, Any]) -> th.ModelTask:
     task = make_task(config)
     task.model = SHARED_MODEL
     return task
+
+
+# -- drop-in mistakes and Tune's wrappers (tests/tune/test_dropin_integration.py) ---------
+
+
+def train_fn(config: dict[str, Any]) -> None:
+    """A Ray Tune function trainable, passed where a task factory belongs by mistake."""
+    from ray import tune
+
+    task = make_task(config)
+    for epoch in range(2):
+        tune.report({"loss": float(epoch)})
+    del task
+
+
+def hidden_train_fn(config: dict[str, Any]) -> None:
+    """A function trainable whose ``report`` call its code does not name (it is looked up
+    by string), so only running it tells: it returns None."""
+    from ray import tune
+
+    report = getattr(tune, "re" + "port")
+    for epoch in range(2):
+        report({"loss": float(epoch)})
+
+
+def make_no_task(config: dict[str, Any]) -> th.ModelTask:
+    """A factory that forgot its ``return``."""
+    make_task(config)
+    return None  # type: ignore[return-value]
+
+
+class Net(nn.Module):
+    """A model with a ``forward()`` of its own: not a sequence of layers the engine can
+    cut."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(N_IN, 8), nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(torch.tanh(self.fc1(x)))
+
+
+def make_net_task(config: dict[str, Any]) -> th.ModelTask:
+    """:func:`make_task` with :class:`Net` as the model."""
+    task = make_task(config)
+    task.model = Net()
+    return task
+
+
+def make_task_with(
+    config: dict[str, Any], data: list[Any] | None = None, log: str | None = None
+) -> th.ModelTask:
+    """:func:`make_task` training on ``data`` (given by ``tune.with_parameters``); appends
+    ``"<pid> <id(data)>"`` to the file ``log`` on each call."""
+    if data is None:
+        raise ValueError("make_task_with needs data=...")
+    if log is not None:
+        with open(log, "a") as f:
+            f.write(f"{os.getpid()} {id(data)}\n")
+    task = make_task(config)
+    task.train_data = data
+    task.eval_data = data[:2]
+    return task

@@ -19,13 +19,16 @@ import asyncio
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import importlib
 import os
 import pickle
+import sys
 import threading
 import traceback
+import types
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import ray
@@ -55,6 +58,168 @@ def engine_actor_name(run_id: str, node_id: str) -> str:
     return f"{ENGINE_ACTOR_PREFIX}:{run_id}:{node_id}"
 
 
+def _ray_object(obj: Any) -> bool:
+    """Whether ``obj`` is a module or function of Ray."""
+    if isinstance(obj, types.ModuleType):
+        name = obj.__name__
+    else:
+        name = getattr(obj, "__module__", None) or ""
+    return name == "ray" or name.startswith("ray.")
+
+
+def _callable_function(obj: Any) -> types.FunctionType | None:
+    """The Python function behind a callable (a partial, a bound method, a wrapper, a
+    :class:`BoundFactory`, a callable instance), or None."""
+    for _ in range(8):
+        if isinstance(obj, types.FunctionType):
+            return obj
+        if isinstance(obj, BoundFactory):
+            obj = obj.fn
+        elif isinstance(obj, functools.partial):
+            obj = obj.func
+        elif isinstance(obj, types.MethodType):
+            obj = obj.__func__
+        elif getattr(obj, "__wrapped__", None) is not None:
+            obj = obj.__wrapped__
+        elif callable(obj) and not isinstance(obj, type):
+            obj = type(obj).__call__
+        else:
+            return None
+    return None
+
+
+def _code_objects(code: types.CodeType) -> Iterator[types.CodeType]:
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from _code_objects(const)
+
+
+def tune_report_call(fn: Any, depth: int = 2) -> str | None:
+    """How ``fn`` calls Ray's ``report`` (``"tune.report"``, ``"train.report"``,
+    ``"report"`` ...), read from its code without running it; None if it does not.
+
+    A function trainable (``def train(config): ... tune.report(...)``) passed where a
+    task factory belongs would run its whole training loop inside the engine's process,
+    with no Tune session to report to. The check reads the names the function's code
+    (and its nested functions) uses: ``report`` reached through one of Ray's modules or
+    imported from one. Functions of the same module that it calls, and functions it
+    closes over (``tune.with_parameters`` keeps the wrapped function in a closure), are
+    read too, ``depth`` calls deep. Cheap: nothing is run or imported.
+
+    Example:
+        >>> from ray import tune
+        >>> def train_fn(config):
+        ...     tune.report({"loss": 1.0})
+        >>> tune_report_call(train_fn)
+        'tune.report'
+        >>> tune_report_call(lambda config: None) is None
+        True
+    """
+    seen: set[int] = set()
+
+    def visit(obj: Any, level: int) -> str | None:
+        func = _callable_function(obj)
+        if func is None or id(func.__code__) in seen:
+            return None
+        seen.add(id(func.__code__))
+        cells = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=False))
+        closure: dict[str, Any] = {}
+        for name, cell in cells.items():
+            with contextlib.suppress(ValueError):  # an empty cell
+                closure[name] = cell.cell_contents
+        scope = getattr(func, "__globals__", {})
+
+        def lookup(name: str) -> Any:
+            if name in closure:
+                return closure[name]
+            if name in scope:
+                return scope[name]
+            # ``from ray import tune`` / ``import ray.train`` inside the function
+            return sys.modules.get(name) if name.split(".")[0] == "ray" else None
+
+        callees: list[Any] = []
+        for code in _code_objects(func.__code__):
+            names = code.co_names
+            if "report" in names:
+                for name in names:
+                    module = lookup(name)
+                    if not isinstance(module, types.ModuleType) or not _ray_object(module):
+                        continue
+                    if callable(getattr(module, "report", None)):
+                        return f"{name}.report"
+                    for attr in names:
+                        sub = getattr(module, attr, None)
+                        if isinstance(sub, types.ModuleType) and callable(
+                            getattr(sub, "report", None)
+                        ):
+                            return f"{name}.{attr}.report"
+                found = lookup("report")
+                if callable(found) and _ray_object(found):
+                    return "report"
+            callees.extend(
+                found
+                for found in map(lookup, names + code.co_freevars)
+                if isinstance(found, types.FunctionType) and found.__module__ == func.__module__
+            )
+        callees.extend(v for v in closure.values() if callable(v) and not _ray_object(v))
+        if level > 0:
+            for callee in callees:
+                hit = visit(callee, level - 1)
+                if hit is not None:
+                    return hit
+        return None
+
+    return visit(fn, depth)
+
+
+class BoundFactory:
+    """A task factory with keyword arguments bound to it, as ``tune.with_parameters``
+    binds them: calling it with a config calls ``fn(config, **parameters)``.
+
+    Parameters that are Ray ``ObjectRef``s (what ``tune.with_parameters`` keeps in Ray's
+    object store) are fetched on the first call, in the calling thread, and the values
+    are kept for the next calls: one copy per engine process, shared by the trials it
+    builds (as the data a factory closes over is), none in the trial processes. Pickling
+    keeps the references, never the fetched values.
+
+    Args:
+        fn: the user's task factory, ``fn(config, **parameters) -> ModelTask``.
+        parameters: keyword name -> ``ObjectRef`` or value.
+    """
+
+    def __init__(self, fn: Callable[..., Any], parameters: dict[str, Any]) -> None:
+        self.fn = fn
+        self.parameters = dict(parameters)
+        self._values: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def __name__(self) -> str:  # names the factory in errors
+        return str(getattr(self.fn, "__name__", "make_task"))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fn": self.fn, "parameters": self.parameters}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["fn"], state["parameters"])  # type: ignore[misc]
+
+    def values(self) -> dict[str, Any]:
+        """The parameters' values (fetched from the object store once)."""
+        with self._lock:
+            if self._values is None:
+                refs = {k: v for k, v in self.parameters.items() if isinstance(v, ray.ObjectRef)}
+                fetched = dict(zip(refs, ray.get(list(refs.values())), strict=True))
+                self._values = {k: fetched.get(k, v) for k, v in self.parameters.items()}
+            return self._values
+
+    def __call__(self, config: Any) -> Any:
+        return self.fn(config, **self.values())
+
+    def __repr__(self) -> str:
+        return f"BoundFactory({self.__name__}, {sorted(self.parameters)})"
+
+
 @dataclasses.dataclass
 class _Registration:
     key: str  # the Tune trial id
@@ -80,30 +245,60 @@ def _portable(err: BaseException) -> BaseException:
 
 
 def _merge_hyperparameters(loaded: Any, fresh: Any) -> Any:
-    """Optimizer states from a checkpoint, with the hyperparameters (``lr``, betas, ...)
+    """Optimizer state from a checkpoint, with the hyperparameters (``lr``, betas, ...)
     of freshly built optimizers.
 
     PBT restores a checkpoint into a trial with a *mutated* config: the moments must come
     from the checkpoint but the learning rate from the new config, as in a hand-written
-    PBT loop that sets ``lr`` after loading. Structures that do not match are left alone.
+    PBT loop that sets ``lr`` after loading.
+
+    ``loaded`` and ``fresh`` are the engine state's ``"optimizer"``: per-parameter state
+    and groups of parameter names (``tune_hydra.engine.resume``); the result keeps
+    ``loaded``'s per-parameter state with ``fresh``'s groups, so each parameter gets the
+    hyperparameters the new config gives it, however either was cut into shards. A
+    checkpoint of the older layout (``"optimizers"``: one ``state_dict`` per shard, which
+    restores under the same cut only) is merged group by group with ``fresh``'s groups,
+    listed in the same order. Structures that do not match are left alone.
+
+    Example:
+        >>> loaded = {"state": {"0.weight": {"momentum_buffer": 1.0}},
+        ...           "param_groups": [{"lr": 0.1, "params": ["0.weight"]}]}
+        >>> fresh = {"state": {}, "param_groups": [{"lr": 0.5, "params": ["0.weight"]}]}
+        >>> _merge_hyperparameters(loaded, fresh)["param_groups"]
+        [{'lr': 0.5, 'params': ['0.weight']}]
     """
-    if not isinstance(loaded, list) or not isinstance(fresh, list) or len(loaded) != len(fresh):
+    fresh_groups = fresh.get("param_groups") if isinstance(fresh, dict) else None
+    if not isinstance(fresh_groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in fresh_groups
+    ):
         return loaded
+    if isinstance(loaded, dict):
+        if not isinstance(loaded.get("param_groups"), list):
+            return loaded
+        old = {n for g in loaded["param_groups"] for n in g.get("params", ())}
+        new = {n for g in fresh_groups for n in g["params"]}
+        if old != new:
+            return loaded
+        return {**loaded, "param_groups": [dict(g) for g in fresh_groups]}
+    if not isinstance(loaded, list):
+        return loaded
+    # The older per-shard layout: its groups, shard after shard, pair with fresh's.
+    old_groups = [g for sd in loaded if isinstance(sd, dict) for g in sd.get("param_groups") or ()]
+    if len(old_groups) != len(fresh_groups) or any(
+        len(og.get("params", ())) != len(ng["params"])
+        for og, ng in zip(old_groups, fresh_groups, strict=True)
+    ):
+        return loaded
+    pairs = iter(fresh_groups)
     out = []
-    for old, new in zip(loaded, fresh, strict=True):
-        if (
-            isinstance(old, dict)
-            and isinstance(new, dict)
-            and isinstance(old.get("param_groups"), list)
-            and isinstance(new.get("param_groups"), list)
-            and len(old["param_groups"]) == len(new["param_groups"])
-        ):
+    for sd in loaded:
+        if isinstance(sd, dict) and isinstance(sd.get("param_groups"), list):
             groups = [
-                {**{k: v for k, v in ng.items() if k != "params"}, "params": og["params"]}
-                for og, ng in zip(old["param_groups"], new["param_groups"], strict=True)
+                {**{k: v for k, v in next(pairs).items() if k != "params"}, "params": og["params"]}
+                for og in sd["param_groups"]
             ]
-            old = {**old, "param_groups": groups}
-        out.append(old)
+            sd = {**sd, "param_groups": groups}
+        out.append(sd)
     return out
 
 
@@ -155,6 +350,8 @@ class EngineActor:
         self._regs: dict[str, _Registration] = {}
         self._hints: dict[str, int] = {}
         self._factories: dict[str, Callable[[dict[str, Any]], Any]] = {}  # id -> factory
+        # id -> the factory bound to each set of tune.with_parameters references
+        self._bound: dict[str, dict[tuple[tuple[str, str], ...], BoundFactory]] = {}
         self._counter = 0
         # Trials whose factory is running: key -> (owner token, future that aborts the wait)
         self._building: dict[str, tuple[str, asyncio.Future[None]]] = {}
@@ -237,17 +434,39 @@ class EngineActor:
         with self._lock:
             return self._factories.setdefault(factory_id, fn)
 
+    def _bind(
+        self, factory_id: str, factory: Callable[..., Any], params: dict[str, Any]
+    ) -> BoundFactory:
+        """``factory`` with the trial's ``tune.with_parameters`` parameters. Object
+        references are fetched once per engine (the bound factory is kept until the
+        experiment releases its factory); plain values come with every registration."""
+        if not all(isinstance(v, ray.ObjectRef) for v in params.values()):
+            return BoundFactory(factory, params)
+        key = tuple(sorted((k, v.hex()) for k, v in params.items()))
+        with self._lock:
+            bound = self._bound.setdefault(factory_id, {})
+            return bound.setdefault(key, BoundFactory(factory, params))
+
     async def _make_task(
-        self, key: str, token: str, factory_id: str, config: dict[str, Any]
+        self,
+        key: str,
+        token: str,
+        factory_id: str,
+        config: dict[str, Any],
+        params: dict[str, Any] | None = None,
     ) -> Any:
         """Call the factory in its own thread, on a private RNG (no lock is held, so a
         slow factory delays no other trial) and wait at most ``factory_timeout_s``, or
         until the trial is cancelled (Tune stopped it, the driver was interrupted). No
-        thread of ours waits with it: a factory that hangs costs only its own thread."""
+        thread of ours waits with it: a factory that hangs costs only its own thread.
+        ``params`` (from ``tune.with_parameters`` around the trainable) are passed to the
+        factory as keyword arguments."""
         from tune_hydra.engine.factory import start_factory
         from tune_hydra.exceptions import TaskFactoryTimeoutError
 
         factory = await self._offload(self._factory, factory_id)
+        if params:
+            factory = self._bind(factory_id, factory, params)
         what = f"trial {key} (config {config!r})"
         seed = self._task_options.get("seed")
         future = start_factory(factory, dict(config), what=what, seed=seed)
@@ -285,23 +504,61 @@ class EngineActor:
         if not abort.done():
             abort.set_result(None)
 
-    def _build(self, key: str, token: str, task: Any, config: dict[str, Any]) -> int:
+    def _build(
+        self, key: str, token: str, task: Any, config: dict[str, Any], factory_id: str = ""
+    ) -> int:
         """Add the trial's freshly built task to the engine (blocking); returns its
         number of shards. One at a time: two copies of one trial (PBT) registering at once
         must not both replace the older registration."""
         with self._build_lock:
-            return self._build_one(key, token, task, config)
+            return self._build_one(key, token, task, config, factory_id)
 
-    def _build_one(self, key: str, token: str, task: Any, config: dict[str, Any]) -> int:
+    def _not_a_task(self, key: str, factory_id: str, task: Any) -> Exception:
+        """The systematic error for a factory that returned ``task``, not a ModelTask."""
+        from tune_hydra.exceptions import NotATaskError
+
+        with self._lock:
+            factory = self._factories.get(factory_id)
+        call = tune_report_call(factory) if factory is not None else None
+        fix = (
+            "make_task(config) must build and return th.ModelTask(model=..., "
+            "loss_fn=..., optimizer=..., train_data=..., eval_data=...); tune_hydra runs "
+            "the training loop and reports loss and val_loss itself"
+        )
+        if call is not None or task is None:
+            ran = (
+                f"it calls {call}(...): it is a function trainable, whose training loop "
+                f"just ran inside the engine with no Tune session to report to"
+                if call is not None
+                else "a function trainable passed by mistake returns None like this"
+            )
+            fix += (
+                ". To run a function trainable as it is, drop trial_executor (th.run "
+                "then is tune.run) or use it with tune.Tuner directly; to train it "
+                "with tune_hydra, move its model, loss, optimizer and data into a "
+                "make_task(config)"
+            )
+            return NotATaskError(
+                key,
+                f"the task factory returned {type(task).__name__}, not a "
+                f"tune_hydra.ModelTask ({ran})",
+                fix,
+            )
+        return NotATaskError(
+            key,
+            f"the task factory returned {type(task).__name__}, not a tune_hydra.ModelTask",
+            fix,
+        )
+
+    def _build_one(
+        self, key: str, token: str, task: Any, config: dict[str, Any], factory_id: str = ""
+    ) -> int:
         from tune_hydra.engine.task import ModelTask
+        from tune_hydra.exceptions import InvalidModelError
 
         eng = self._ensure_engine()
         if not isinstance(task, ModelTask):
-            raise TaskFactoryError(
-                f"the task factory returned {type(task).__name__} for trial {key}, not a "
-                f"tune_hydra.ModelTask; make_task(config) must return "
-                f"th.ModelTask(model=..., loss_fn=..., optimizer=..., train_data=...)"
-            )
+            raise self._not_a_task(key, factory_id, task)
         self._check_fresh(key, task.model)
         with self._lock:
             old = self._regs.pop(key, None)
@@ -309,7 +566,10 @@ class EngineActor:
             name = key if not old and key not in eng.tasks() else f"{key}~{self._counter}"
         if old is not None:
             eng.remove_task(old.name)
-        n_shards = int(eng.add_task(name, task, **self._task_options))
+        try:
+            n_shards = int(eng.add_task(name, task, **self._task_options))
+        except InvalidModelError as err:
+            raise self._uncuttable(key, task, err) from err
         with self._lock:
             for module in task.model.modules():  # type: ignore[union-attr]
                 self._trained[module] = key
@@ -318,6 +578,24 @@ class EngineActor:
         if hint is not None:
             eng.set_remaining(name, hint)
         return n_shards
+
+    @staticmethod
+    def _uncuttable(key: str, task: Any, err: Exception) -> Exception:
+        """``err`` as an :class:`UncuttableModelError` when the model's *type* cannot be
+        cut (every config builds the same type), else ``err`` itself (a cut that fails for
+        this config's sizes fails this trial alone)."""
+        from tune_hydra.engine.task import model_layers
+        from tune_hydra.exceptions import InvalidModelError, UncuttableModelError
+
+        try:
+            model_layers(task.model, key)
+        except InvalidModelError:
+            return UncuttableModelError(
+                key,
+                f"the model the task factory built cannot be cut into shards: {err}",
+                "Every config builds a model of this type: change it in make_task",
+            )
+        return err
 
     def _check_fresh(self, key: str, model: Any) -> None:
         """Refuse modules that an earlier, finished trial trained here (the engine itself
@@ -355,38 +633,48 @@ class EngineActor:
     def _load(self, reg: _Registration, path: str) -> None:
         """Verify the checkpoint in ``path`` and restore the trial from it. If it was
         written under another config (a PBT exploit), the optimizers keep the new config's
-        hyperparameters."""
+        hyperparameters.
+
+        A checkpoint made with the model cut another way (another ``device_memory`` or
+        device count) restores exactly: its optimizer state is kept per parameter and the
+        engine rebuilds each shard's from it (``tune_hydra.engine.resume``). Only a
+        checkpoint of the older per-shard layout needs the cut it was made with."""
         eng = self._ensure_engine()
         model, state, manifest = read_checkpoint(path)  # CheckpointError: nothing loaded
         saved_plan = manifest.get("shards")
         plan_of = getattr(eng, "plan", None)
         plan = plan_layers(plan_of(reg.name)) if callable(plan_of) else None
+        legacy = "optimizers" in state  # one optimizer state_dict per shard
         if saved_plan is not None and plan is not None and saved_plan != plan:
             i = next(
                 (i for i, (a, b) in enumerate(zip(saved_plan, plan, strict=False)) if a != b),
                 min(len(saved_plan), len(plan)),
             )
-            raise CheckpointError(
-                path,
-                META_FILE,
-                f"records a plan of {len(saved_plan)} shards, but trial {reg.key}'s model is "
-                f"now cut into {len(plan)} (first difference at shard {i}: "
-                f"{saved_plan[i] if i < len(saved_plan) else 'none'} in the checkpoint, "
-                f"{plan[i] if i < len(plan) else 'none'} now)",
-                "Restore with the same model and the same device_memory as the run that "
-                "wrote the checkpoint",
+            diff = (
+                f"{len(saved_plan)} shard(s) in the checkpoint, {len(plan)} now; first "
+                f"difference at shard {i}: {saved_plan[i] if i < len(saved_plan) else 'none'} "
+                f"in the checkpoint, {plan[i] if i < len(plan) else 'none'} now"
+            )
+            if legacy:
+                raise CheckpointError(
+                    path,
+                    STATE_FILE,
+                    f"keeps optimizer state per shard (an older tune_hydra wrote it), and trial "
+                    f"{reg.key}'s model is now cut another way ({diff})",
+                    "Restore it once with the device_memory of the run that wrote it and save "
+                    "a new checkpoint: those restore under any device_memory",
+                )
+            import logging
+
+            logging.getLogger(__name__).info(
+                "tune_hydra: trial %s: re-sharding checkpoint %s (%s)", reg.key, path, diff
             )
         state["model"] = model
         saved_digest = manifest.get("config_digest")
-        if (
-            saved_digest is not None
-            and saved_digest != config_digest(reg.config)
-            and "optimizers" in state
-        ):
+        key = "optimizers" if legacy else "optimizer"
+        if saved_digest is not None and saved_digest != config_digest(reg.config) and key in state:
             fresh = eng.get_state(reg.name)
-            state["optimizers"] = _merge_hyperparameters(
-                state["optimizers"], fresh.get("optimizers")
-            )
+            state[key] = _merge_hyperparameters(state[key], fresh.get("optimizer"))
         eng.set_state(reg.name, state)
 
     # ------------------------------------------------------------ actor methods
@@ -397,15 +685,30 @@ class EngineActor:
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def register(self, key: str, token: str, factory_id: str, config: dict[str, Any]) -> int:
+    async def register(
+        self,
+        key: str,
+        token: str,
+        factory_id: str,
+        config: dict[str, Any],
+        params: dict[str, Any] | None = None,
+    ) -> int:
         """Build trial ``key``'s task with the experiment's factory ``factory_id`` and add
         it to the engine; it replaces any older registration of ``key`` and belongs to
-        ``token`` from now on. Returns the number of shards."""
+        ``token`` from now on. Returns the number of shards.
+
+        ``params``: keyword arguments for the factory from ``tune.with_parameters``
+        around the trainable (``ObjectRef``s, fetched once per engine, or values).
+
+        Raises:
+            NotATaskError: the factory returned no ModelTask (systematic).
+            UncuttableModelError: the model's type cannot be cut (systematic).
+        """
         try:
-            task = await self._make_task(key, token, factory_id, config)
+            task = await self._make_task(key, token, factory_id, config, params)
         except TuneHydraError as err:
             raise _portable(err) from None
-        return int(await self._offload(self._build, key, token, task, config))
+        return int(await self._offload(self._build, key, token, task, config, factory_id))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def abort_builds(self, secret: str) -> int:
@@ -425,6 +728,7 @@ class EngineActor:
         self._driver(secret)
         with self._lock:
             self._factories.pop(factory_id, None)
+            self._bound.pop(factory_id, None)
 
     async def train(self, key: str, token: str, iterations: int = 1) -> list[dict[str, Any]]:
         """Train ``iterations`` iterations of the trial; one metrics dict per iteration."""

@@ -8,9 +8,12 @@ from __future__ import annotations
 
 from tune_hydra.exceptions import (
     InvalidTaskError,
+    NotATaskError,
+    SystematicTaskError,
     TaskFactoryError,
     TaskFactoryTimeoutError,
     TuneHydraError,
+    UncuttableModelError,
 )
 
 
@@ -24,6 +27,18 @@ class NotATaskFactoryError(InvalidTaskError, TypeError):
 
 class MissingMetricError(TuneHydraError, ValueError):
     """A search algorithm or scheduler needs ``metric`` and ``mode`` but got none."""
+
+
+class UnreportedMetricError(MissingMetricError):
+    """``metric`` (of ``th.run``, its scheduler or its search algorithm) names a value that
+    tune_hydra's trials never report; the message lists the ones they do."""
+
+
+class TrialResourcesError(SystematicTaskError, InvalidExecutorError):
+    """A trial of a :class:`~tune_hydra.HydraExecutor` does not hold an engine slot: its
+    resource request was replaced (``tune.with_resources``, ``resources_per_trial``, a
+    ``PlacementGroupFactory``), so trials would hold CPUs instead of slots and run one at
+    a time."""
 
 
 class EngineStartError(TuneHydraError, RuntimeError):
@@ -53,8 +68,13 @@ __all__ = [
     "EngineUnavailableError",
     "InvalidExecutorError",
     "MissingMetricError",
+    "NotATaskError",
     "NotATaskFactoryError",
+    "SystematicTaskError",
     "TaskFactoryError",
     "TaskFactoryTimeoutError",
     "TrialNotRegisteredError",
+    "TrialResourcesError",
+    "UncuttableModelError",
+    "UnreportedMetricError",
 ]

@@ -13,6 +13,7 @@ import contextlib
 import inspect
 import logging
 import threading
+import types
 import uuid
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,10 +28,12 @@ from tune_hydra.tune.actor import (
     CONTROL_GROUP,
     DEFAULT_ENGINE_CLASS,
     DEFAULT_FACTORY_TIMEOUT_S,
+    BoundFactory,
     EngineActor,
     engine_actor_name,
+    tune_report_call,
 )
-from tune_hydra.tune.errors import EngineStartError, NotATaskFactoryError
+from tune_hydra.tune.errors import EngineStartError, NotATaskFactoryError, TrialResourcesError
 from tune_hydra.tune.factories import FactoryStore
 
 logger = logging.getLogger(__name__)
@@ -81,9 +84,101 @@ def _unwrap(err: BaseException) -> BaseException:
     return err
 
 
+_WARNED_CPU: set[str] = set()
+
+
+def check_trial_resources(run_id: str, trial: Any) -> None:
+    """Refuse, when Tune adds it, a trial of executor ``run_id`` whose resource request
+    holds no engine slot (``tune.with_resources`` around ``executor.trainable(...)``);
+    warn once when trials reserve CPUs beside their slot.
+
+    Raises:
+        TrialResourcesError: the trial would hold CPUs instead of a slot.
+    """
+    with _ACTIVE_LOCK:
+        ex = _ACTIVE.get(run_id)
+    if ex is None or ex._fallback:
+        return
+    pgf = getattr(trial, "placement_group_factory", None)
+    if pgf is None:
+        return
+    required = dict(pgf.required_resources)
+    slot = ex.slot_resource
+    if required.get(slot, 0) < 1:
+        from tune_hydra.tune.trainable import HydraTrainable
+
+        try:
+            cls = trial.get_trainable_cls()
+        except Exception:  # not registered (yet): the proxy checks when it runs
+            return
+        if not (isinstance(cls, type) and issubclass(cls, HydraTrainable)):
+            return
+        raise TrialResourcesError(
+            trial.trial_id,
+            f"the trainable asks for {required} per trial and no {slot!r}: its resource "
+            f"request was replaced (tune.with_resources around executor.trainable(...), "
+            f"or a PlacementGroupFactory), so trials would hold CPUs instead of engine "
+            f"slots and run one at a time",
+            f"Pass executor.trainable(make_task) to Tune without tune.with_resources: it "
+            f"already reserves {ex.trial_resources} per trial, and the models train on the "
+            f"engine's devices (HydraExecutor(devices=..., device_memory=...))",
+        )
+    if required.get("CPU", 0) > 0 and run_id not in _WARNED_CPU:
+        _WARNED_CPU.add(run_id)
+        warnings.warn(
+            f"tune_hydra: each trial reserves {required['CPU']:g} CPU beside its {slot!r}, "
+            f"although it computes nothing (its model trains in the engine): concurrent "
+            f"trials are limited by CPUs. Drop the CPUs from tune.with_resources",
+            stacklevel=2,
+        )
+
+
+def unwrap_with_parameters(fn: Any) -> tuple[Callable[..., Any], dict[str, Any]] | None:
+    """``(make_task, parameters)`` when ``fn`` is what ``tune.with_parameters(make_task,
+    **parameters)`` returns for a function, else None.
+
+    Tune's wrapper fetches every parameter from the object store at each call; the engine
+    calls ``make_task(config, **parameters)`` itself instead (through a
+    :class:`~tune_hydra.tune.actor.BoundFactory`, which fetches them once per engine).
+    A parameter is an ``ObjectRef`` once Ray is up, else the value Tune holds until then.
+    """
+    if not isinstance(fn, types.FunctionType) or not fn.__module__.startswith("ray."):
+        return None
+    cells: dict[str, Any] = {}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
+        with contextlib.suppress(ValueError):  # an empty cell
+            cells[name] = cell.cell_contents
+    from ray.tune.registry import _ParameterRegistry
+
+    registry, prefix = cells.get("parameter_registry"), cells.get("prefix")
+    keys, inner = cells.get("keys"), cells.get("trainable")
+    if (
+        not isinstance(registry, _ParameterRegistry)
+        or not isinstance(prefix, str)
+        or not isinstance(keys, (set, frozenset, list, tuple))
+        or not callable(inner)
+    ):
+        return None
+    params: dict[str, Any] = {}
+    for key in keys:
+        ref = registry.references.get(prefix + str(key))
+        if ref is None and prefix + str(key) not in registry.to_flush:
+            return None
+        params[str(key)] = ref if ref is not None else registry.to_flush[prefix + str(key)]
+    return inner, params
+
+
 def check_task_factory(make_task: Any) -> None:
-    """Raise :class:`NotATaskFactoryError` unless ``make_task`` looks like
-    ``make_task(config) -> ModelTask``."""
+    """Raise unless ``make_task`` looks like ``make_task(config) -> ModelTask``.
+
+    ``tune.with_parameters(make_task, data=...)`` is a task factory called as
+    ``make_task(config, data=...)``.
+
+    Raises:
+        NotATaskFactoryError: not callable with a config, a class, a string, or a function
+            trainable (its code calls ``tune.report``).
+        TrialResourcesError: ``tune.with_resources`` was applied to it.
+    """
     fix = (
         "HydraExecutor needs a task factory: a function make_task(config) -> th.ModelTask "
         "that builds the model, loss, optimizer and data for one config. To run an ordinary "
@@ -98,12 +193,32 @@ def check_task_factory(make_task: Any) -> None:
             else f"a {type(make_task).__name__}"
         )
         raise NotATaskFactoryError(f"got {kind}. {fix}")
-    try:
-        inspect.signature(make_task).bind({})
-    except TypeError:
+    name = getattr(make_task, "__name__", make_task)
+    if getattr(make_task, "_resources", None) is not None:
+        raise TrialResourcesError(
+            "",
+            f"tune.with_resources was applied to the task factory {name!r}, but the "
+            f"factory only builds a model: every trial is a proxy that reserves one engine "
+            f"slot and trains on the engine's devices",
+            "Pass the factory without tune.with_resources; size the engines with "
+            "HydraExecutor(devices=..., device_memory=...), and the number of concurrent "
+            "trials per node with the hydra_slot resource (slots_per_node)",
+        )
+    unwrapped = unwrap_with_parameters(make_task)
+    fn, params = unwrapped if unwrapped is not None else (make_task, {})
+    call = tune_report_call(fn)
+    if call is not None:
         raise NotATaskFactoryError(
-            f"{getattr(make_task, '__name__', make_task)!r} cannot be called with one "
-            f"argument (the config). {fix}"
+            f"{name!r} calls {call}(...): it is a function trainable, which trains and "
+            f"reports by itself, not a task factory (tune_hydra runs the training loop and "
+            f"reports loss and val_loss itself). {fix}"
+        )
+    try:
+        inspect.signature(fn).bind({}, **dict.fromkeys(params))
+    except TypeError:
+        with_params = f" and the keyword arguments {sorted(params)}" if params else ""
+        raise NotATaskFactoryError(
+            f"{name!r} cannot be called with one argument (the config){with_params}. {fix}"
         ) from None
     except ValueError:
         pass  # no signature (a builtin): let the engine actor find out
@@ -135,7 +250,7 @@ class HydraExecutor:
                     metric="val_loss", mode="min", scheduler=ex.scheduler(ASHAScheduler()),
                     max_concurrent_trials=ex.max_concurrent_trials,
                 ),
-                run_config=tune.RunConfig(callbacks=ex.callbacks()),
+                run_config=tune.RunConfig(stop=ex.stopper(), callbacks=ex.callbacks()),
             )
             results = tuner.fit()
 
@@ -164,6 +279,21 @@ class HydraExecutor:
             None: no limit). A factory that takes longer fails its trial with
             ``TaskFactoryTimeoutError``; the other trials are never held up by a factory,
             slow or not: it runs in its own thread on a private random generator.
+        checkpoint: when trials save a Tune checkpoint (``model.pt`` and the state that
+            resumes training) without any checkpoint setting of the run: ``"every"``
+            iteration (the default, like Ray Tune's examples: every trial, ASHA-stopped
+            ones too, ends with one, and PBT finds one to exploit), at each trial's
+            ``"end"`` (its last iteration, whatever stopped it), or None / False (only
+            what the run's ``checkpoint_freq`` / ``checkpoint_config`` ask). When the
+            run sets a checkpoint frequency or ``checkpoint_at_end``, that setting rules.
+            Every checkpoint holds the whole model: bound their number with
+            ``CheckpointConfig(num_to_keep=...)`` for large models.
+
+    Mistakes that every trial would repeat (a task factory that returns no ``ModelTask``
+    or is a function trainable, a model type that cannot be cut, trials that lost their
+    slot) end the experiment at the first trial that hits one: ``th.run`` raises that
+    :class:`~tune_hydra.exceptions.SystematicTaskError`; with ``tune.Tuner`` pass
+    ``stop=executor.stopper(...)`` and ``callbacks=executor.callbacks()``.
 
     Host memory: each running trial keeps its model, gradients and optimizer state in the
     engine's process, and is also a Ray worker process of its own (about 200 MiB, even
@@ -191,8 +321,17 @@ class HydraExecutor:
         torch_threads: int | None = None,
         start_timeout_s: float = 180.0,
         factory_timeout_s: float | None = DEFAULT_FACTORY_TIMEOUT_S,
+        checkpoint: str | bool | None = "every",
         _engine_class: str = DEFAULT_ENGINE_CLASS,
     ) -> None:
+        if checkpoint is False:
+            checkpoint = None
+        if checkpoint not in ("every", "end", None):
+            raise TuneHydraError(
+                f"checkpoint must be 'every' (a checkpoint after every iteration), 'end' "
+                f"(after each trial's last iteration) or None (only what the run's "
+                f"checkpoint settings ask), not {checkpoint!r}"
+            )
         if factory_timeout_s is not None and (
             isinstance(factory_timeout_s, bool)
             or not isinstance(factory_timeout_s, (int, float))
@@ -247,6 +386,7 @@ class HydraExecutor:
         self.torch_threads = torch_threads
         self.start_timeout_s = start_timeout_s
         self.factory_timeout_s = factory_timeout_s
+        self.checkpoint: str | None = checkpoint
         self._engine_class = _engine_class
         self.run_id = uuid.uuid4().hex[:10]
         # Carried by this executor's driver-side calls (cancel, hints, deregister); another
@@ -423,16 +563,26 @@ class HydraExecutor:
         self.start()
         return self._slots
 
-    def trainable(self, make_task: Callable[[dict[str, Any]], Any]) -> Any:
+    def trainable(self, make_task: Callable[..., Any]) -> Any:
         """A Tune trainable (for ``tune.Tuner`` or ``tune.run``) whose trials train
-        ``make_task(config)`` on this executor's engines. Starts the engines."""
+        ``make_task(config)`` on this executor's engines. Starts the engines.
+
+        Tune's wrappers: ``trainable(tune.with_parameters(make_task, data=...))`` and
+        ``tune.with_parameters(trainable(make_task), data=...)`` both call
+        ``make_task(config, data=...)`` in the engine; the data stays in Ray's object
+        store and is fetched once per engine, never into the trial processes. Do not wrap
+        the result in ``tune.with_resources``: each trial already reserves one engine slot
+        and no CPU (a request without the slot is refused when the trial is added).
+        """
         check_task_factory(make_task)
         from tune_hydra.tune.trainable import HydraTrainable
 
         self.start()
         name = getattr(make_task, "__name__", "make_task")
+        unwrapped = unwrap_with_parameters(make_task)
+        factory: Any = make_task if unwrapped is None else BoundFactory(*unwrapped)
         # Stored once in the cluster; the trial processes carry only its id.
-        factory_id = self._store.put(ray.cloudpickle.dumps(make_task))
+        factory_id = self._store.put(ray.cloudpickle.dumps(factory))
         self._factory_ids.append(factory_id)
         cls = type(
             f"Hydra_{name}",
@@ -440,6 +590,8 @@ class HydraExecutor:
             {
                 "_factory_id": factory_id,
                 "_run_id": self.run_id,
+                "_slot_resource": "" if self._fallback else self.slot_resource,
+                "_checkpoint": self.checkpoint,
                 "__module__": HydraTrainable.__module__,
             },
         )
@@ -495,13 +647,98 @@ class HydraExecutor:
             from ray.tune.schedulers import create_scheduler
 
             base = create_scheduler(base)
-        return HydraScheduler(base, stop=stop, max_iterations=max_iterations)
+        return HydraScheduler(base, stop=stop, max_iterations=max_iterations, run_id=self.run_id)
 
     def callbacks(self) -> list[Any]:
-        """Driver-side callbacks to add to the run (they free trials that end abnormally)."""
+        """Driver-side callbacks to add to the run: they free trials that end abnormally,
+        recognise a mistake every trial would repeat (so :meth:`stopper` ends the
+        experiment), and ask for the checkpoints of ``HydraExecutor(checkpoint=...)``."""
         from tune_hydra.tune.callback import HydraCallback
 
-        return [HydraCallback()]
+        return [HydraCallback(run_id=self.run_id, checkpoint=self.checkpoint)]
+
+    def stopper(self, stop: Any = None) -> Any:
+        """The run's stopping condition for ``tune.Tuner``: ``stop`` (a dict such as
+        ``{"training_iteration": 4}``, a function ``stop(trial_id, result)`` or a Tune
+        ``Stopper``: it means what it means to Tune), plus: end the whole experiment at
+        the first trial that fails with a mistake every trial would repeat (see
+        :class:`~tune_hydra.exceptions.SystematicTaskError`; it needs
+        :meth:`callbacks` in the same run). ``th.run`` uses it by itself::
+
+            tune.RunConfig(stop=ex.stopper({"training_iteration": 4}), callbacks=ex.callbacks())
+        """
+        from tune_hydra.tune.callback import HydraStopper
+
+        if isinstance(stop, HydraStopper) and stop.run_id == self.run_id:
+            return stop  # already this executor's
+        return HydraStopper(self.run_id, stop)
+
+    def systematic_error(self) -> BaseException | None:
+        """The mistake that ended this executor's last experiment at its first trial (see
+        :meth:`stopper`), or None."""
+        from tune_hydra.tune.callback import systematic_error
+
+        return systematic_error(self.run_id)
+
+    def plan(
+        self, make_task: Callable[..., Any], configs: Any, *, num_samples: int = 1, **options: Any
+    ) -> Any:
+        """How each config's model will be cut by this executor's engines, and the
+        smallest ``device_memory`` it fits, without training and without starting Ray:
+        :func:`tune_hydra.plan` with this executor's ``device_memory``, ``precision``,
+        ``prefetch``, ``seed`` and ``factory_timeout_s``.
+
+        Args:
+            make_task: the task factory the experiment will train.
+            configs: a config, a list of configs, or a Tune search space (the
+                ``param_space`` / ``config`` of the run).
+            num_samples: configs drawn from a search space (the run's ``num_samples``).
+            options: more :func:`tune_hydra.plan` options (``meta``, ``max_layers_per_shard``
+                ...), or overrides of the executor's.
+
+        Returns:
+            A :class:`tune_hydra.planning.PlanReports`: one report per config, printed as
+            a table.
+
+        Raises:
+            TaskFactoryError: the factory raised for a config, naming it.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> import tune_hydra as th
+            >>> def make_task(config):
+            ...     model = nn.Sequential(*(nn.Linear(256, 256) for _ in range(4)))
+            ...     return th.ModelTask(model, nn.MSELoss(), torch.optim.Adam,
+            ...                         [(torch.randn(8, 256), torch.randn(8, 256))])
+            >>> ex = th.HydraExecutor(devices="cpu", device_memory="3MiB")
+            >>> [r.num_shards for r in ex.plan(make_task, {"lr": 1e-3})]
+            [4]
+        """
+        from dataclasses import replace
+
+        from tune_hydra.planning import plan
+
+        defaults: dict[str, Any] = {
+            "device_memory": self.device_memory,
+            "precision": self.task_options["precision"],
+            "prefetch": self.prefetch,
+            "timeout_s": self.factory_timeout_s,
+        }
+        if self.task_options["seed"] is not None:
+            defaults["seed"] = self.task_options["seed"]
+        reports = plan(make_task, configs, num_samples=num_samples, **{**defaults, **options})
+        names = [self.devices] if isinstance(self.devices, str) else list(self.devices)
+        if any(str(d) == "auto" or str(d).startswith("cuda") for d in names):
+            note = (
+                "on a GPU the engine also measures each layer's peak there (allocator "
+                "rounding, workspaces) and keeps the larger figure: leave some headroom"
+                + ("; with device_memory=None it budgets 90% of each GPU's memory"
+                   if self.device_memory is None else "")
+            )  # fmt: skip
+            for i, r in enumerate(reports):
+                reports[i] = replace(r, notes=(*r.notes, note))
+        return reports
 
     # ------------------------------------------------------------- inspection
     def engines(self) -> dict[str, Any]:

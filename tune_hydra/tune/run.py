@@ -13,10 +13,37 @@ import inspect
 from typing import Any
 
 from ray import tune
+from ray.tune.error import TuneError
+from ray.tune.result import AUTO_RESULT_KEYS, DEBUG_METRICS, EPISODES_TOTAL, TIMESTEPS_TOTAL
 from ray.tune.search import BasicVariantGenerator
 
-from tune_hydra.tune.errors import InvalidExecutorError, MissingMetricError
+from tune_hydra.tune.callback import clear_systematic, systematic_error
+from tune_hydra.tune.errors import (
+    InvalidExecutorError,
+    MissingMetricError,
+    UnreportedMetricError,
+)
 from tune_hydra.tune.executor import HydraExecutor, check_task_factory
+from tune_hydra.tune.trainable import RESULT_KEYS
+
+REPORTED_KEYS = tuple(
+    dict.fromkeys(
+        [
+            *RESULT_KEYS,
+            *(k for k in AUTO_RESULT_KEYS if k not in (EPISODES_TOTAL, TIMESTEPS_TOTAL)),
+            *DEBUG_METRICS,
+        ]
+    )
+)
+"""Every result key a tune_hydra trial reports: the engine's metrics and Tune's own."""
+_TUNE_NUMBERS = (
+    "training_iteration",
+    "time_total_s",
+    "time_this_iter_s",
+    "time_since_restore",
+    "iterations_since_restore",
+    "timestamp",
+)
 
 _TUNE_RUN_SIGNATURE = inspect.signature(tune.run)
 _TUNE_RUN_PARAMS = set(_TUNE_RUN_SIGNATURE.parameters) - {"run_or_experiment"}
@@ -69,6 +96,27 @@ def _check_metric(kwargs: dict[str, Any]) -> None:
         )
 
 
+def _check_reported(kwargs: dict[str, Any]) -> None:
+    """Refuse, before any trial starts, a metric (of the run, its scheduler or its search
+    algorithm) that tune_hydra's trials never report: Tune would fail every trial with a
+    message about ``tune.report()`` calls the user no longer has."""
+    named = {"metric": kwargs.get("metric")}
+    for arg in ("scheduler", "search_alg"):
+        named[arg] = _metric_of(kwargs.get(arg))
+    for arg, metric in named.items():
+        if not isinstance(metric, str) or metric in REPORTED_KEYS:
+            continue
+        if metric.startswith("config/"):
+            continue  # the trial's config, flattened into every result
+        tune_keys = ", ".join(k for k in _TUNE_NUMBERS if k in REPORTED_KEYS)
+        raise UnreportedMetricError(
+            f"{arg}={metric!r} is not reported by tune_hydra's trials: they report "
+            f"{', '.join(RESULT_KEYS)} (val_loss when the ModelTask has eval_data) and "
+            f"Tune's own {tune_keys}. Optimise one of those, e.g. metric='val_loss', "
+            f"mode='min'; a metric of your own (accuracy ...) is not computed by the engine"
+        )
+
+
 def run(
     run_or_experiment: Any,
     *,
@@ -90,7 +138,15 @@ def run(
     * ``scheduler`` is wrapped so the engines learn each trial's remaining budget and drop
       stopped or paused trials' queued work; ``max_concurrent_trials`` defaults to the number
       of engine slots; trials must not ask for resources of their own
-      (``resources_per_trial``).
+      (``resources_per_trial``, ``tune.with_resources``).
+    * every trial ends with a checkpoint (``HydraExecutor(checkpoint="every")``, unless the
+      run sets ``checkpoint_freq`` / ``checkpoint_config`` itself);
+    * ``tune.with_parameters(make_task, data=...)`` is a task factory called as
+      ``make_task(config, data=...)`` in the engine;
+    * a mistake that every trial would repeat (the factory returns no ``ModelTask``, or is
+      a function trainable; the model's type cannot be cut) stops the experiment at the
+      first trial and is raised here, once; a ``metric`` the trials never report is
+      refused before any trial starts.
 
     The executor's engine actors are started if needed and, if this call started them,
     shut down at the end (their timeline stays available as ``trial_executor.trace()``).
@@ -105,8 +161,12 @@ def run(
 
     Raises:
         InvalidExecutorError: ``trial_executor`` is not a HydraExecutor.
-        NotATaskFactoryError: ``run_or_experiment`` is not a task factory.
+        NotATaskFactoryError: ``run_or_experiment`` is not a task factory (a function
+            trainable that calls ``tune.report`` included).
         MissingMetricError: a search algorithm or scheduler has no metric/mode.
+        UnreportedMetricError: the metric is not one the trials report.
+        SystematicTaskError: the first trial hit a mistake every trial would repeat
+            (raised even with ``raise_on_failed_trial=False``: the experiment failed).
     """
     unknown = set(kwargs) - _TUNE_RUN_PARAMS
     if unknown:
@@ -120,6 +180,7 @@ def run(
         )
     check_task_factory(run_or_experiment)
     _check_metric(kwargs)
+    _check_reported(kwargs)
     if kwargs.get("resources_per_trial") is not None:
         raise InvalidExecutorError(
             "resources_per_trial cannot be combined with a HydraExecutor: its trials are "
@@ -132,10 +193,21 @@ def run(
     try:
         trainable = ex.trainable(run_or_experiment)
         kwargs["scheduler"] = ex.scheduler(kwargs.get("scheduler"), stop=kwargs.get("stop"))
+        kwargs["stop"] = ex.stopper(kwargs.get("stop"))
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *ex.callbacks()]
         if kwargs.get("max_concurrent_trials") is None:
             kwargs["max_concurrent_trials"] = ex.max_concurrent_trials
-        return tune.run(trainable, **kwargs)
+        clear_systematic(ex.run_id)
+        try:
+            analysis = tune.run(trainable, **kwargs)
+        except TuneError:
+            if systematic_error(ex.run_id) is None:
+                raise
+            analysis = None
+        mistake = systematic_error(ex.run_id)
+        if mistake is not None:
+            raise mistake from None  # once, instead of every trial's traceback
+        return analysis
     finally:
         if owns:
             ex.shutdown()

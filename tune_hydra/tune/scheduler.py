@@ -27,6 +27,7 @@ from tune_hydra.tune import executor as _executor
 
 
 def _budget_from_stop(stop: Any) -> int | None:
+    stop = getattr(stop, "user_stop", stop)  # executor.stopper(...) keeps the user's stop
     if isinstance(stop, Mapping) and "training_iteration" in stop:
         try:
             return int(stop["training_iteration"])
@@ -55,6 +56,8 @@ class HydraScheduler(TrialScheduler):
             trials' budget).
         max_iterations: an explicit budget, overriding the one derived from ``stop`` and the
             scheduler's ``max_t``.
+        run_id: the executor whose trials this run holds: a trial whose resource request
+            lost that executor's engine slot is refused when Tune adds it.
     """
 
     def __init__(
@@ -62,8 +65,10 @@ class HydraScheduler(TrialScheduler):
         base: TrialScheduler | None = None,
         stop: Any = None,
         max_iterations: int | None = None,
+        run_id: str = "",
     ) -> None:
         self._base = base if base is not None else FIFOScheduler()
+        self._run_id = run_id
         budgets = [b for b in (_budget_from_stop(stop), _budget_from_scheduler(self._base)) if b]
         self._budget = max_iterations if max_iterations is not None else min(budgets, default=None)
 
@@ -111,6 +116,10 @@ class HydraScheduler(TrialScheduler):
         return self._base.set_search_properties(metric, mode, **spec)
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
+        run_id = getattr(self, "_run_id", "")  # absent in a wrapper pickled before it
+        if run_id:
+            # Raising here ends tune.run / Tuner.fit before the trial starts.
+            _executor.check_trial_resources(run_id, trial)
         self._base.on_trial_add(tune_controller, trial)
         self._hint(trial, int(trial.last_result.get("training_iteration", 0) or 0))
 

@@ -14,19 +14,26 @@ key we registered under is remembered separately.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import tempfile
 import time
+import types
 import uuid
 from typing import Any, ClassVar
 
 import ray
 from ray import tune
+from ray.tune.registry import _ParameterRegistry
+from ray.tune.result import SHOULD_CHECKPOINT
 
 from tune_hydra.checkpoint import discard_partial_save
+from tune_hydra.exceptions import SystematicTaskError
 from tune_hydra.tune.actor import engine_actor_name
-from tune_hydra.tune.errors import EngineUnavailableError
+from tune_hydra.tune.errors import EngineUnavailableError, TrialResourcesError
 from tune_hydra.tune.factories import FactoryStore
+
+logger = logging.getLogger(__name__)
 
 RESULT_KEYS = (
     "loss",
@@ -42,6 +49,33 @@ RESULT_KEYS = (
 _CONTROL_RETRY_S = 60.0  # how long a control call waits for a restarting engine actor
 
 
+def with_parameters_refs(cls: type) -> dict[str, Any] | None:
+    """The object references of ``tune.with_parameters(trainable, **params)`` when
+    ``cls`` is the subclass that Tune made (its ``setup`` fetches the parameters from the
+    object store and passes them on), else None.
+
+    Tune keeps the parameters in Ray's object store and gives the class a ``setup`` that
+    fetches every one of them in every trial process. A tune_hydra trial computes
+    nothing, so it keeps the references instead and the engine fetches them once.
+    """
+    setup = cls.__dict__.get("setup")
+    if not isinstance(setup, types.FunctionType) or not setup.__module__.startswith("ray."):
+        return None
+    cells: dict[str, Any] = {}
+    for name, cell in zip(setup.__code__.co_freevars, setup.__closure__ or (), strict=False):
+        with contextlib.suppress(ValueError):  # an empty cell
+            cells[name] = cell.cell_contents
+    registry, prefix, keys = cells.get("parameter_registry"), cells.get("prefix"), cells.get("keys")
+    if not isinstance(registry, _ParameterRegistry) or not isinstance(prefix, str):
+        return None
+    if not isinstance(keys, (set, frozenset, list, tuple)):
+        return None
+    refs = {str(k): registry.references.get(prefix + str(k)) for k in keys}
+    if not all(isinstance(ref, ray.ObjectRef) for ref in refs.values()):
+        return None  # not in the object store yet: Tune's own setup will fetch them
+    return refs
+
+
 class HydraTrainable(tune.Trainable):
     """Proxy trainable; :meth:`HydraExecutor.trainable` makes a subclass per task factory.
 
@@ -50,16 +84,55 @@ class HydraTrainable(tune.Trainable):
             :mod:`tune_hydra.tune.factories`): only the engine actors load the factory, so
             neither its bytes nor its imports (torch ...) ever reach a trial process.
         _run_id: the executor's id (part of the engine actors' names).
+        _slot_resource: the engine-slot resource every trial must hold (``""``: none,
+            when Ray was started without slots).
+        _checkpoint: ``"every"`` asks Tune for a checkpoint after every iteration (the
+            ``should_checkpoint`` result); ``"end"`` and None leave it to the run (the
+            executor's callback asks for the last one with ``"end"``).
+        _param_refs: the object references of ``tune.with_parameters`` around this
+            class, passed to the factory as keyword arguments (see
+            :func:`with_parameters_refs`).
     """
 
     _factory_id: ClassVar[str] = ""
     _run_id: ClassVar[str] = ""
+    _slot_resource: ClassVar[str] = ""
+    _checkpoint: ClassVar[str | None] = None
+    _param_refs: ClassVar[dict[str, Any]] = {}
 
-    def setup(self, config: dict[str, Any]) -> None:
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refs = with_parameters_refs(cls)
+        if refs is not None:
+            # tune.with_parameters(executor.trainable(make_task), data=...): keep the
+            # references (the engine fetches them once) instead of letting Tune's setup
+            # fetch the data into every trial process.
+            cls._param_refs = {**cls._param_refs, **refs}
+            cls.setup = HydraTrainable.setup  # type: ignore[method-assign]
+
+    def setup(self, config: dict[str, Any], **params: Any) -> None:
+        """Remember the trial's parameters; registration with the engine is lazy.
+
+        Args:
+            config: the trial's config.
+            **params: values from ``tune.with_parameters`` that Tune fetched into this
+                process (only when their references could not be kept; they then travel
+                to the engine with each registration).
+        """
         self._token = uuid.uuid4().hex
         self._key: str | None = None  # the trial id we are registered under
         self._actor: Any = None
         self._num_shards: int | None = None
+        self._params: dict[str, Any] = {**self._param_refs, **params}
+        if params:
+            logger.warning(
+                "tune_hydra: the tune.with_parameters values %s were fetched into this "
+                "trial process and are sent to the engine with each registration; wrap "
+                "the task factory instead (executor.trainable(tune.with_parameters("
+                "make_task, ...))) to keep them in the object store",
+                sorted(params),
+            )
+        self._slot_checked = False
 
     # ---------------------------------------------------------------- plumbing
     def _engine(self) -> Any:
@@ -90,11 +163,18 @@ class HydraTrainable(tune.Trainable):
         )
 
     def _call(self, method: str, *args: Any, retry: bool = True) -> Any:
-        """Call an engine-actor method and wait; control calls wait out an actor restart."""
+        """Call an engine-actor method and wait; control calls wait out an actor restart.
+        A systematic error (see :class:`~tune_hydra.exceptions.SystematicTaskError`) is
+        raised as itself, so the driver recognises it and ends the experiment."""
         deadline = time.monotonic() + _CONTROL_RETRY_S
         while True:
             try:
                 return ray.get(getattr(self._engine(), method).remote(*args))
+            except ray.exceptions.RayTaskError as err:
+                cause = getattr(err, "cause", None)
+                if isinstance(cause, SystematicTaskError):
+                    raise cause from None
+                raise
             except ray.exceptions.ActorUnavailableError:
                 if not retry or time.monotonic() > deadline:
                     raise
@@ -109,12 +189,45 @@ class HydraTrainable(tune.Trainable):
                     f"Ray said: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
                 ) from None
 
+    def _check_slot(self) -> None:
+        """Refuse to run without an engine slot: the trainable's resource request was
+        replaced (``tune.with_resources``, ``resources_per_trial``), so the trials hold
+        CPUs instead of slots and run one at a time."""
+        if self._slot_checked or not self._slot_resource:
+            return
+        required = getattr(self.trial_resources, "required_resources", None)
+        if required is None:  # not a placement group request: nothing to tell
+            self._slot_checked = True
+            return
+        held = dict(required)
+        if held.get(self._slot_resource, 0) < 1:
+            raise TrialResourcesError(
+                self.trial_id,
+                f"this trial reserves {held or 'no resources'} but no "
+                f"{self._slot_resource!r}: its resource request was replaced "
+                f"(tune.with_resources, resources_per_trial or a PlacementGroupFactory), so "
+                f"trials hold CPUs instead of engine slots and run one at a time",
+                f"Pass executor.trainable(make_task) to Tune as it is: it already reserves "
+                f"{{'cpu': 0, {self._slot_resource!r}: 1}} per trial, and the models train on "
+                f"the engine's devices (size them with HydraExecutor(devices=..., "
+                f"device_memory=...))",
+            )
+        self._slot_checked = True
+
     def _ensure_registered(self) -> None:
         if self._key == self.trial_id:
             return
+        self._check_slot()
         self._deregister()
         self._num_shards = int(
-            self._call("register", self.trial_id, self._token, self._factory_id, self.config)
+            self._call(
+                "register",
+                self.trial_id,
+                self._token,
+                self._factory_id,
+                self.config,
+                self._params,
+            )
         )
         self._key = self.trial_id
 
@@ -134,6 +247,8 @@ class HydraTrainable(tune.Trainable):
         last = results[-1]
         out = {k: last[k] for k in RESULT_KEYS if k in last}
         out.setdefault("num_shards", self._num_shards)
+        if self._checkpoint == "every":
+            out[SHOULD_CHECKPOINT] = True  # Tune saves one now (HydraExecutor(checkpoint=))
         return out
 
     def save_checkpoint(self, checkpoint_dir: str) -> None:
