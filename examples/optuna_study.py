@@ -3,9 +3,11 @@
 The search of Ray Tune's getting-started guide (a small ConvNet on MNIST, SGD's learning
 rate and momentum), written as a plain Optuna study: ``make_task(trial)`` suggests the
 hyperparameters and returns a ``th.ModelTask``; ``th.optimize`` trains several trials at
-once on the shared devices, reports ``val_loss`` to Optuna after every epoch, and drops a
-trial's work the moment the MedianPruner prunes it. The data is synthetic MNIST-like
-digits (28x28, 10 classes) made on the spot, so nothing is downloaded.
+once on the shared devices, reports ``mean_accuracy`` to Optuna after every epoch, and
+drops a trial's work the moment the MedianPruner prunes it. The model is the guide's
+``ConvNet`` class as written (``tune_hydra`` cuts it by tracing its ``forward``). The
+data is synthetic MNIST-like digits (28x28, 10 classes) made on the spot, so nothing is
+downloaded.
 
 Run::
 
@@ -18,9 +20,9 @@ terminals) with one shared storage; each trains its own trials on its own device
 
     python examples/optuna_study.py --storage sqlite:///mnist.db --study-name mnist
 
-At the end it prints the best trial's parameters, its val_loss, the path of its
+At the end it prints the best trial's parameters, its mean_accuracy, the path of its
 ``model.pt`` and that model's accuracy on the validation data (loaded from the file into
-a freshly built network).
+a fresh ``ConvNet()``).
 """
 
 from __future__ import annotations
@@ -58,17 +60,25 @@ def make_digits(n: int, batch_size: int, seed: int) -> list[tuple[torch.Tensor, 
 
 
 # --------------------------------------------------------------------------- the model
-def conv_net() -> nn.Sequential:
-    """Ray Tune's getting-started ``ConvNet`` (conv 3x3 -> max-pool 3 -> ReLU -> linear),
-    written as an ``nn.Sequential`` so that the engine can cut it into shards."""
-    return nn.Sequential(
-        nn.Conv2d(1, 3, kernel_size=3),
-        nn.MaxPool2d(3),
-        nn.ReLU(),
-        nn.Flatten(),
-        nn.Linear(192, CLASSES),
-        nn.LogSoftmax(dim=1),
-    )
+class ConvNet(nn.Module):  # Ray Tune's getting-started model, unchanged
+    def __init__(self):
+        super(ConvNet, self).__init__()  # noqa: UP008 - as the guide writes it
+        # In this example, we don't change the model architecture
+        # due to simplicity.
+        self.conv1 = nn.Conv2d(1, 3, kernel_size=3)
+        self.fc = nn.Linear(192, 10)
+
+    def forward(self, x):
+        x = F.relu(F.max_pool2d(self.conv1(x), 3))
+        x = x.view(-1, 192)
+        x = self.fc(x)
+        return F.log_softmax(x, dim=1)
+
+
+def batch_accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The metric: the share of right answers in a batch (the engine averages it over
+    the validation data, weighted by batch size)."""
+    return (output.argmax(1) == target).float().mean()
 
 
 def accuracy(model: nn.Module, data: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
@@ -87,11 +97,12 @@ def make_objective(train: list[Any], val: list[Any]) -> Any:
         lr = trial.suggest_float("lr", 1e-10, 0.1, log=True)  # Tune's guide: loguniform
         momentum = trial.suggest_float("momentum", 0.1, 0.9)
         return th.ModelTask(
-            model=conv_net(),
+            model=ConvNet(),
             loss_fn=nn.NLLLoss(),
             optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=momentum),
             train_data=train,
             eval_data=val,
+            metrics={"mean_accuracy": batch_accuracy},
         )
 
     return make_task
@@ -104,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--epochs", type=int, help="epochs per trial (default 10; --tiny: 3)")
     parser.add_argument("--devices", nargs="+", default=["auto"], help="default: auto")
     parser.add_argument(
-        "--device-memory", default="1MiB", help="per-device budget (cuts the net in 2 shards)"
+        "--device-memory", default="960KiB", help="per-device budget (cuts the net in 2 shards)"
     )
     parser.add_argument("--max-concurrent", type=int, default=4, help="trials at once")
     parser.add_argument("--output", help="folder for the models (default: a temp folder)")
@@ -127,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         study_name=args.study_name if args.storage else None,
         storage=args.storage,
         load_if_exists=True,
-        direction="minimize",
+        direction="maximize",
         sampler=optuna.samplers.TPESampler(seed=0),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=3, n_warmup_steps=1),
     )
@@ -139,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
         devices=devices,
         device_memory=args.device_memory,
         max_concurrent=args.max_concurrent,
-        metric="val_loss",
+        metric="mean_accuracy",
         save_dir=output,
         seed=0,
     )
@@ -156,10 +167,10 @@ def main(argv: list[str] | None = None) -> int:
     best = study.best_trial
     print(f"best trial: {best.number}")
     print(f"best params: {best.params}")
-    print(f"best val_loss: {best.value:.4f} after {len(best.intermediate_values)} epochs")
+    print(f"best mean_accuracy: {best.value:.4f} after {len(best.intermediate_values)} epochs")
     path = best.user_attrs["model_path"]
     print(f"best model.pt: {path}")
-    model = conv_net()
+    model = ConvNet()
     model.load_state_dict(torch.load(path, weights_only=True))
     print(f"its validation accuracy: {accuracy(model, val):.1%}")
     return 0

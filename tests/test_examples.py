@@ -97,8 +97,9 @@ def test_gpt2_model_selection_tiny(tmp_path: Path) -> None:
 
 
 def test_optuna_study_tiny(tmp_path: Path) -> None:
-    """th.optimize with a MedianPruner, no Ray: the best trial's model.pt loads strictly
-    into a freshly built network and gives the printed val_loss on the validation data."""
+    """th.optimize with a MedianPruner, no Ray, Ray Tune's ConvNet class as written: the
+    best trial's model.pt loads strictly into a fresh ConvNet() and gives the printed
+    mean_accuracy on the validation data."""
     out = _run("optuna_study.py", "--tiny", "--output", str(tmp_path))
     assert "best params: {'lr': " in out
     path = _model_pt(out)
@@ -111,13 +112,33 @@ def test_optuna_study_tiny(tmp_path: Path) -> None:
     assert spec is not None and spec.loader is not None
     example = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(example)
-    model = example.conv_net()
+    model = example.ConvNet()
     model.load_state_dict(torch.load(path, weights_only=True), strict=True)
-    model.eval()
     val = example.make_digits(256, 256, seed=2)  # the --tiny validation data
-    with torch.no_grad():
-        losses = [torch.nn.functional.nll_loss(model(x), y).item() for x, y in val]
-    printed = float(out.split("best val_loss: ", 1)[1].split()[0])
-    assert abs(sum(losses) / len(losses) - printed) < 1e-4, (losses, printed)
+    printed = float(out.split("best mean_accuracy: ", 1)[1].split()[0])
+    assert abs(example.accuracy(model, val) - printed) < 1e-4
     shards = out.split("shards per model: ", 1)[1].splitlines()[0]
     assert shards == "[2]", shards
+
+
+def test_tune_mnist_tiny(tmp_path: Path) -> None:
+    """Ray Tune's getting-started search in the literal form: the tutorial's ConvNet class
+    as written, mean_accuracy as the metric; its model.pt loads strictly into a fresh
+    ConvNet() and gives the printed accuracy on the evaluation data."""
+    out = _run("tune_mnist.py", "--tiny", "--storage", str(tmp_path))
+    assert "best config: {'lr': " in out
+    path = _model_pt(out)
+    assert path.is_file() and tmp_path in path.parents
+    import torch
+
+    spec = importlib.util.spec_from_file_location("tune_mnist", ROOT / "examples" / "tune_mnist.py")
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    model = example.ConvNet()
+    model.load_state_dict(torch.load(path, weights_only=True), strict=True)
+    model.eval()
+    with torch.no_grad():
+        hits = sum(int((model(x).argmax(1) == y).sum()) for x, y in example.mnist_like(256, 2))
+    printed = float(out.split("best mean_accuracy: ", 1)[1].split()[0])
+    assert abs(hits / 256 - printed) < 1e-4, (hits / 256, printed)

@@ -273,6 +273,16 @@ class InvalidLossError(_TaskInputError):
     back-propagate (a per-sample loss, a detached value, a Python float)."""
 
 
+class MetricError(_TaskInputError):
+    """A metric of the task's ``metrics`` raised on an eval batch, or returned something
+    other than a number or a one-element tensor; the message names the metric."""
+
+
+class InvalidSchedulerError(_TaskInputError, TypeError):
+    """A task's ``lr_scheduler`` factory raised, or returned something that is not a
+    ``torch.optim.lr_scheduler.LRScheduler`` stepped without arguments."""
+
+
 class ResumeStateError(_TaskInputError):
     """A resume state (``Engine.get_state()``, a checkpoint) does not fit the task it is
     restored into: it names parameters the model does not have or lacks some, or it is of
@@ -366,6 +376,11 @@ class NotATaskError(SystematicTaskError, TaskFactoryError, TypeError):
 class UncuttableModelError(SystematicTaskError, InvalidModelError):
     """The model the task factory built is of a type the engine cannot cut into
     sequential shards (the engine's :class:`InvalidModelError`, for a whole experiment)."""
+
+
+class UndeclaredMetricError(SystematicTaskError, UnknownMetricError):
+    """The experiment optimises (or schedules on) a metric that the trials' tasks do not
+    declare in ``ModelTask(metrics=...)`` and the engine does not report."""
 
 
 def format_bytes(n: float) -> str:

@@ -45,7 +45,12 @@ from tune_hydra.exceptions import (
     UnknownMetricError,
     UnknownOptionError,
 )
-from tune_hydra.options import check_max_layers_per_shard, check_positive_int, check_task_options
+from tune_hydra.options import (
+    ENGINE_KEYS,
+    check_max_layers_per_shard,
+    check_positive_int,
+    check_task_options,
+)
 
 if TYPE_CHECKING:
     import optuna
@@ -116,8 +121,9 @@ def optimize(
        ``trial.user_attrs["model_path"]``.
 
     Every trial also gets ``trial.user_attrs["num_shards"]`` (how its model was cut).
-    Whether lower or higher is better comes from the study; both metrics are losses, so
-    the study must minimize. A trial's task is named ``trial_<number>`` in the engine (and
+    Whether lower or higher is better comes from the study: ``loss`` and ``val_loss``
+    need a minimizing study; a metric of the task's own (``ModelTask(metrics=...)``, e.g.
+    ``accuracy``) goes either way. A trial's task is named ``trial_<number>`` in the engine (and
     its trace). Ctrl-C (``KeyboardInterrupt``) drops every trial's queued work, ends the
     running trials ``FAIL`` (error ``"interrupted ..."``), closes the engine and re-raises.
 
@@ -139,8 +145,8 @@ def optimize(
         device_memory: per-device budget (bytes, ``"8GiB"``); ``None``: the whole device.
         max_concurrent: trials in flight at once (default: twice the number of devices).
             Each keeps its model, gradients and optimizer state in host memory.
-        metric: what each epoch reports to Optuna: ``"val_loss"`` (needs ``eval_data``)
-            or ``"loss"`` (see :data:`METRICS`).
+        metric: what each epoch reports to Optuna: ``"val_loss"`` (needs ``eval_data``),
+            ``"loss"`` (see :data:`METRICS`), or a name in the task's ``metrics``.
         save_dir: where finished trials' ``model.pt`` files go (``None``: not saved).
         timeout: seconds after which no new trial starts (the running ones finish), like
             ``study.optimize(timeout=...)``.
@@ -160,8 +166,9 @@ def optimize(
         MissingDependencyError: optuna is not installed.
         InvalidStudyError: ``study`` is not a single-objective ``optuna.Study``, or
             ``make_task`` is not callable.
-        UnknownMetricError: ``metric`` is not one of :data:`METRICS`, or the study
-            maximizes a loss.
+        UnknownMetricError: ``metric`` is an engine figure that is not a loss
+            (``epoch`` ...), or the study maximizes a loss. (A name that a trial's task
+            does not declare fails that trial, with this error.)
         UnknownOptionError: a keyword in ``train_opts`` that this function does not take.
         InvalidOptionError: a bad value (``epochs``, ``n_trials``, a task option ...).
         UnknownDeviceError, BudgetFormatError, UnknownPolicyError: a bad engine option.
@@ -518,6 +525,15 @@ class _Driver:
                 f"tune_hydra.ModelTask; make_task(trial) must return th.ModelTask(model=..., "
                 f"loss_fn=..., optimizer=..., train_data=...)"
             )
+        if self.metric not in METRICS and self.metric not in (task.metrics or {}):
+            close = difflib.get_close_matches(self.metric, [*METRICS, *(task.metrics or {})], n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise UnknownMetricError(
+                f"trial {number}: metric={self.metric!r} is not reported: it is neither "
+                f"{' nor '.join(map(repr, METRICS))} nor one of the task's metrics "
+                f"({sorted(task.metrics or {})}). Declare it: th.ModelTask(..., eval_data=..., "
+                f"metrics={{{self.metric!r}: fn(output, target)}}).{hint}"
+            )
         if self.metric == "val_loss" and task.eval_data is None:
             raise InvalidTaskError(
                 f"trial {number}: metric='val_loss' needs eval_data, but make_task returned "
@@ -640,14 +656,23 @@ def _check_study(optuna: Any, study: Any, make_task: Any) -> None:
 
 
 def _check_metric(optuna: Any, study: optuna.Study, metric: Any) -> None:
-    if not isinstance(metric, str) or metric not in METRICS:
+    """Refuse, before any trial, a metric that is no name or an engine figure other than
+    a loss, and a loss in a maximizing study. Any other name may be one of the tasks'
+    ``metrics`` (checked when each trial's task is built), whose direction the study
+    decides."""
+    if (
+        not isinstance(metric, str)
+        or not metric
+        or (metric in ENGINE_KEYS and metric not in METRICS)
+    ):
         listed = "; ".join(f"{k!r}: {v}" for k, v in METRICS.items())
         close = difflib.get_close_matches(str(metric), METRICS, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UnknownMetricError(
-            f"metric={metric!r} is not reported by training; th.optimize reports {listed}.{hint}"
+            f"metric={metric!r} is not reported by training; th.optimize reports {listed}, "
+            f"and each metric the task declares in th.ModelTask(metrics={{name: fn}}).{hint}"
         )
-    if study.direction == optuna.study.StudyDirection.MAXIMIZE:
+    if metric in METRICS and study.direction == optuna.study.StudyDirection.MAXIMIZE:
         raise UnknownMetricError(
             f"study {study.study_name!r} maximizes, but metric={metric!r} is a loss (lower "
             f"is better): create the study with optuna.create_study(direction='minimize')"

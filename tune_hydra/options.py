@@ -26,6 +26,27 @@ from typing import Any
 
 from tune_hydra.exceptions import InvalidOptionError
 
+#: Result keys of the engine (and of Ray Tune) that a ``ModelTask`` metric may not take.
+ENGINE_KEYS = (
+    "loss",
+    "val_loss",
+    "num_shards",
+    "iteration",
+    "epoch",
+    "batches",
+    "device_time_s",
+    "bytes_spilled",
+    "training_iteration",
+    "time_total_s",
+    "time_this_iter_s",
+    "time_since_restore",
+    "iterations_since_restore",
+    "timestamp",
+    "done",
+    "trial_id",
+    "config",
+    "should_checkpoint",
+)
 #: ``torch.manual_seed`` takes seeds in this range.
 SEED_MIN = -(2**63)
 SEED_MAX = 2**64 - 1

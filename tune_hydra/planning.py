@@ -63,9 +63,11 @@ from tune_hydra.engine.partition import (
     ShardPlan,
     ShardSpec,
     _detach_grad,
+    input_versions,
     layer_costs,
+    output_bytes,
     plan_shards,
-    tensor_bytes,
+    treats_input,
 )
 from tune_hydra.engine.rng import CPU_RNG_LOCK
 from tune_hydra.engine.task import ModelTask, model_layers
@@ -583,7 +585,7 @@ def _probe_without_data(
                 return t.detach()
 
             inp = _detach_grad(x)
-            version = inp._version if isinstance(inp, torch.Tensor) else None
+            held, version = input_versions(inp)
             autocast = (
                 torch.autocast("cpu", dtype=autocast_dtype)
                 if autocast_dtype is not None
@@ -595,12 +597,8 @@ def _probe_without_data(
                 torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
             ):
                 y = module(inp)
-            writes = passes = None
-            if version is not None:
-                writes = inp._version != version
-                if isinstance(y, torch.Tensor):
-                    passes = _storage_key(y) == _storage_key(inp)
-            out.append((sum(seen.values()) + tensor_bytes(y), writes, passes))
+            writes, passes = treats_input(held, version, y)
+            out.append((sum(seen.values()) + output_bytes(y, held), writes, passes))
             x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
     return out
 

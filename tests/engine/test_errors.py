@@ -53,7 +53,7 @@ def test_empty_model() -> None:
     assert "task 'a'" in str(err)
 
 
-def test_non_sequential_module_says_how_to_fix() -> None:
+def test_a_forward_returning_its_input_says_how_to_fix() -> None:
     class Net(nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             return x

@@ -162,7 +162,11 @@ def test_the_probe_finds_which_shards_write_their_input_in_place() -> None:
     assert [s.writes_input for s in plan.shards][1] is True
 
 
-def test_a_non_tensor_input_leaves_it_unknown() -> None:
+def test_tuple_inputs_and_outputs_are_probed_too() -> None:
+    """The boundaries of traced models are tuples of what lives across a cut: a layer
+    that returns its input inside a tuple passes it on; one that writes into a tensor of
+    its tuple input writes its input; a layer whose input holds no tensor is unknown."""
+
     class Pair(nn.Module):
         def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
             return x, x * 2
@@ -171,9 +175,29 @@ def test_a_non_tensor_input_leaves_it_unknown() -> None:
         def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
             return pair[0] + pair[1]
 
+    class AddInto(nn.Module):
+        def forward(self, pair: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+            return pair[1].add_(pair[0])
+
     costs = layer_costs(
         model_layers(nn.Sequential(Pair(), Sum())), OPTIMIZERS["sgd"], torch.randn(2, 3)
     )
-    assert [(c.writes_input, c.passes_input) for c in costs] == [(False, None), (None, None)]
+    assert [(c.writes_input, c.passes_input) for c in costs] == [(False, True), (False, False)]
+    # the passed-on input is not counted again in the tuple's bytes
+    assert costs[0].activation_bytes == 2 * 3 * 4
     plan = plan_shards(costs, None, max_layers_per_shard=1)
-    assert [s.writes_input for s in plan.shards] == [None, None]
+    assert [s.writes_input for s in plan.shards] == [False, False]
+    costs = layer_costs(
+        model_layers(nn.Sequential(Pair(), AddInto())), OPTIMIZERS["sgd"], torch.randn(2, 3)
+    )
+    assert [c.writes_input for c in costs] == [False, True]
+    # Safe side: Pair passes x on, and which element AddInto writes is not told apart
+    # (it writes x * 2, not x), so the shard computes on a clone of its input.
+    assert plan_shards(costs, None).shards[0].writes_input is True
+
+    class Count(nn.Module):
+        def forward(self, n: int) -> torch.Tensor:
+            return torch.ones(n)
+
+    costs = layer_costs(model_layers(nn.Sequential(Count())), OPTIMIZERS["sgd"], 3)
+    assert (costs[0].writes_input, costs[0].passes_input) == (None, None)

@@ -186,15 +186,18 @@ def make_no_task(config: dict[str, Any]) -> th.ModelTask:
 
 
 class Net(nn.Module):
-    """A model with a ``forward()`` of its own: not a sequence of layers the engine can
-    cut."""
+    """A model whose ``forward()`` branches on a tensor's value: torch.fx cannot trace it,
+    so the engine cannot cut it (whatever the config)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.fc1, self.fc2 = nn.Linear(N_IN, 8), nn.Linear(8, 1)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(torch.tanh(self.fc1(x)))
+        h = self.fc1(x)
+        if h.mean() > 0:
+            h = torch.tanh(h)
+        return self.fc2(h)
 
 
 def make_net_task(config: dict[str, Any]) -> th.ModelTask:
@@ -218,3 +221,30 @@ def make_task_with(
     task.train_data = data
     task.eval_data = data[:2]
     return task
+
+
+def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return (output.argmax(1) == target).float().mean()
+
+
+def make_classifier_task(config: dict[str, Any]) -> th.ModelTask:
+    """A 3-class MLP classifier with an ``accuracy`` metric and a StepLR schedule
+    (config: ``lr``; ``metrics`` False drops the metric)."""
+    g = torch.Generator().manual_seed(99)
+    x = torch.randn(N_BATCHES * BATCH, N_IN, generator=g)
+    y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
+    data = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, len(x), BATCH)]
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(N_IN, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 3)
+    )
+    lr = float(config.get("lr", 0.1))
+    return th.ModelTask(
+        model=model,
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9),
+        train_data=data,
+        eval_data=data[:2],
+        metrics={"accuracy": accuracy} if config.get("metrics", True) else None,
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=4, gamma=0.5),
+    )

@@ -331,6 +331,11 @@ class Engine:
             del self._tasks[name]
             self.policy.forget(name)
 
+    def metric_names(self, name: str) -> list[str]:
+        """The names of task ``name``'s own ``metrics``, reported with each iteration."""
+        with self._cv:
+            return list(self._entry(name).task.metrics or {})
+
     def get_state(self, name: str) -> dict[str, Any]:
         """A checkpoint of a task between iterations: everything needed to resume exactly."""
         with self._cv:

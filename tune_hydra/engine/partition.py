@@ -286,7 +286,7 @@ def _probe(
                 return t.detach()
 
             inp = _detach_grad(x)
-            version = inp._version if isinstance(inp, torch.Tensor) else None
+            held, version = input_versions(inp)
             autocast = (
                 torch.autocast("cpu", dtype=autocast_dtype)
                 if autocast_dtype is not None
@@ -303,14 +303,52 @@ def _probe(
                 if _not_ours(err):
                     raise
                 raise layer_error(task, layer_name, module, x, err, sample) from err
-            writes = passes = None
-            if version is not None:
-                writes = inp._version != version
-                if isinstance(y, torch.Tensor):
-                    passes = y.untyped_storage().data_ptr() == inp.untyped_storage().data_ptr()
-            out.append((sum(seen.values()) + tensor_bytes(y), writes, passes))
+            writes, passes = treats_input(held, version, y)
+            out.append((sum(seen.values()) + output_bytes(y, held), writes, passes))
             x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
     return out
+
+
+def storage_id(t: torch.Tensor) -> int:
+    """Identifies a tensor's storage (views share it) on any device, the meta device
+    included (which has no addresses)."""
+    return int(t.untyped_storage()._cdata)
+
+
+def input_versions(inp: Any) -> tuple[list[torch.Tensor], tuple[int, ...] | None]:
+    """A layer's input tensors (one, or the values live across a traced cut) and their
+    version counters before it runs (``None``: no tensor)."""
+    held = [t for t in tree_flatten(inp)[0] if isinstance(t, torch.Tensor)]
+    return held, (tuple(t._version for t in held) if held else None)
+
+
+def treats_input(
+    held: list[torch.Tensor], before: tuple[int, ...] | None, y: Any
+) -> tuple[bool | None, bool | None]:
+    """Whether a layer wrote into its input tensors ``held`` in place (their versions
+    were ``before``), and whether its output ``y`` holds one of them or a view of one
+    (a traced stage passes on the values a later stage needs); ``None``: no tensor in."""
+    if before is None:
+        return None, None
+    writes = tuple(t._version for t in held) != before
+    ids = {storage_id(t) for t in held}
+    passes = any(storage_id(t) in ids for t in tree_flatten(y)[0] if isinstance(t, torch.Tensor))
+    return writes, passes
+
+
+def output_bytes(y: Any, held: list[torch.Tensor]) -> int:
+    """Bytes of a layer's output. Of a tuple (the values live across a traced cut), the
+    tensors passed on from its input ``held`` are not counted again: a skip connection's
+    input crosses many stages and is one tensor all along."""
+    if isinstance(y, torch.Tensor):
+        return tensor_bytes(y)
+    have = {storage_id(t) for t in held}
+    fresh: dict[int, int] = {}
+    for t in tree_flatten(y)[0]:
+        if isinstance(t, torch.Tensor) and storage_id(t) not in have:
+            key = storage_id(t)
+            fresh[key] = max(fresh.get(key, 0), tensor_bytes(t))
+    return sum(fresh.values())
 
 
 def layer_error(
@@ -336,6 +374,9 @@ def layer_error(
         where: which batch, for the message.
         note: more about the inputs, appended to what it got.
     """
+    # A traced stage whose input goes into one module as is: tell about that module.
+    direct = getattr(module, "direct_layer", None)
+    module = direct if isinstance(direct, nn.Module) else module
     hint = mismatch_hint(inputs, module) or mismatch_hint(batch, module)
     if not hint:  # not told apart from a fault of the layer's own: show where it raised
         tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))

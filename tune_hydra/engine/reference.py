@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tune_hydra.engine.metrics import MetricTotals, build_scheduler
 from tune_hydra.engine.task import ModelTask
 
 
@@ -27,8 +28,10 @@ def train_plain(
     ``zero_grad`` at the start of each group of ``accumulate_steps`` batches,
     ``loss = loss_fn(model(x), y)`` (under bf16 autocast if asked), ``(loss / k).backward()``,
     and at the end of each group (and of a partial last group) ``clip_grad_norm_`` (if
-    ``max_grad_norm``) and ``step``. ``loss`` is the mean of ``loss.item()``; ``val_loss``
-    the mean eval loss under ``model.eval()`` and ``no_grad``. The engine's ``seed`` gives
+    ``max_grad_norm``), ``step`` and the ``lr_scheduler``'s ``step`` (one scheduler built
+    over the one optimizer). ``loss`` is the mean of ``loss.item()``; ``val_loss`` the mean
+    eval loss under ``model.eval()`` and ``no_grad``, and each of ``task.metrics`` the
+    batch-size-weighted mean of its values over ``eval_data``. The engine's ``seed`` gives
     each task this same stream.
 
     Example:
@@ -46,6 +49,11 @@ def train_plain(
     device = torch.device(device)
     model.to(device)
     opt = task.optimizer(list(model.parameters()))
+    sched = (
+        build_scheduler(task.lr_scheduler, opt, "plain", "the model's optimizer")
+        if task.lr_scheduler is not None
+        else None
+    )
     k = accumulate_steps
     torch.manual_seed(seed)
     model.train()
@@ -59,6 +67,8 @@ def train_plain(
         if max_grad_norm is not None:
             torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
+        if sched is not None:
+            sched.step()
 
     history = []
     for _ in range(epochs):
@@ -78,13 +88,17 @@ def train_plain(
         record: dict[str, Any] = {"loss": sum(losses) / len(losses)}
         if task.eval_data is not None:
             model.eval()
+            totals = MetricTotals(task.metrics)
+            vals = []
             with torch.no_grad(), autocast():
-                vals = [
-                    task.loss_fn(model(_to(x, device)), _to(y, device)).item()
-                    for x, y in task.eval_data
-                ]
+                for e, (x, y) in enumerate(task.eval_data):
+                    out, target = model(_to(x, device)), _to(y, device)
+                    vals.append(task.loss_fn(out, target).item())
+                    if totals.metrics:
+                        totals.add(out, target, "plain", f"batch {e} of eval_data")
             model.train()
             record["val_loss"] = sum(vals) / len(vals)
+            record.update(totals.means())
         history.append(record)
     return history
 

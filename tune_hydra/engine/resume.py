@@ -20,7 +20,11 @@ device count) restores exactly under another. The layout:
   optimizer, in shard order;
 - ``"param_grads"``: ``{name: gradient}`` for the parameters that hold one (gradients
   accumulated in the middle of an accumulation group);
-- ``"num_shards"``: how many shards the model was cut into (informational).
+- ``"num_shards"``: how many shards the model was cut into (informational);
+- ``"lr_scheduler"`` (with a task ``lr_scheduler``): one scheduler's ``state_dict``.
+  Every shard's scheduler follows the same schedule (same factory, same number of steps),
+  so their states are equal; the one stored is loaded into every shard's scheduler,
+  whatever the cut.
 
 States written before this layout (``"optimizers"``: one ``state_dict`` per shard, and
 ``"grads"``: one list per shard) still load into a runner cut into as many shards.
@@ -108,6 +112,7 @@ def capture(runner: TaskRunner) -> dict[str, Any]:
         "epoch": runner.epoch,
         "batch_in_epoch": runner.batch_in_epoch,
         "num_shards": len(runner.shards),
+        **_scheduler_state(runner),
     }
 
 
@@ -150,6 +155,7 @@ def restore(runner: TaskRunner, state: dict[str, Any]) -> None:
             for p in s.params:
                 g = grads.get(names[id(p)])
                 p.grad = None if g is None else g.to(p.device, copy=True)
+    _restore_schedulers(runner, state)
     if runner.options.max_grad_norm is not None:
         # The norms of the last backward, which a partial accumulation group at the end
         # of an epoch clips with once the next iteration starts: the gradients have not
@@ -163,6 +169,42 @@ def restore(runner: TaskRunner, state: dict[str, Any]) -> None:
     runner.batch_in_epoch = state["batch_in_epoch"]
     runner._skip = runner.batch_in_epoch
     runner._resume_epoch_rng = rng.RngState(state["epoch_rng"].clone())
+
+
+def _scheduler_state(runner: TaskRunner) -> dict[str, Any]:
+    """``{"lr_scheduler": state_dict}`` of the first shard's scheduler ({} without one)."""
+    for s in runner.shards:
+        if s.scheduler is not None:
+            return {"lr_scheduler": copy.deepcopy(s.scheduler.state_dict())}
+    return {}
+
+
+def _restore_schedulers(runner: TaskRunner, state: Mapping[str, Any]) -> None:
+    """Load the stored scheduler state into every shard's scheduler.
+
+    Raises:
+        ResumeStateError: the task has an ``lr_scheduler`` and the state none, or the
+            other way round.
+    """
+    saved = state.get("lr_scheduler")
+    schedulers = [s.scheduler for s in runner.shards if s.scheduler is not None]
+    if saved is None and schedulers:
+        raise ResumeStateError(
+            runner.name,
+            "the task has an lr_scheduler but the resume state holds no scheduler state (it "
+            "was saved by a task without one); restore it into a task built the same way, "
+            "or start the schedule afresh by dropping lr_scheduler",
+        )
+    if saved is not None and not schedulers and runner.task.lr_scheduler is None:
+        raise ResumeStateError(
+            runner.name,
+            "the resume state holds lr_scheduler state but the task has no lr_scheduler; "
+            "give the task the lr_scheduler it was trained with",
+        )
+    if saved is None:
+        return
+    for scheduler in schedulers:
+        scheduler.load_state_dict(copy.deepcopy(saved))
 
 
 def param_names(model: nn.Module) -> dict[int, str]:

@@ -41,6 +41,7 @@ from tune_hydra.engine.boundary import (
     to_device,
     versions,
 )
+from tune_hydra.engine.metrics import MetricTotals, build_scheduler
 from tune_hydra.engine.ops import Op, OpKind
 from tune_hydra.engine.partition import ShardPlan, build_optimizer, layer_error
 from tune_hydra.engine.spill import ShardStore
@@ -85,6 +86,8 @@ class ShardRuntime:
     cuda_rng: bool | None = None
     pending_step: bool = False
     grad_norms: list[torch.Tensor] = field(default_factory=list)
+    # The task's lr_scheduler over this shard's optimizer, stepped after each of its steps.
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
 
     @property
     def params(self) -> list[nn.Parameter]:
@@ -121,14 +124,11 @@ class TaskRunner:
             seen.update(id(p) for p in params)
             # A shard of parameter-free layers (ReLU, Dropout alone) has nothing to step;
             # torch optimizers refuse an empty parameter list.
-            opt = (
-                build_optimizer(
-                    task.optimizer,
-                    params,
-                    name,
-                    f"the parameters of shard {spec.index} (layers {', '.join(spec.layer_names)})",
-                )
-                if params
+            what = f"the parameters of shard {spec.index} (layers {', '.join(spec.layer_names)})"
+            opt = build_optimizer(task.optimizer, params, name, what) if params else None
+            sched = (
+                build_scheduler(task.lr_scheduler, opt, name, f"the optimizer of {what}")
+                if opt is not None and task.lr_scheduler is not None
                 else None
             )
             self.shards.append(
@@ -144,6 +144,7 @@ class TaskRunner:
                         footprint=(spec.state_bytes, spec.activation_bytes),
                     ),
                     mutates_input=spec.writes_input,
+                    scheduler=sched,
                 )
             )
         self.rng = rng.seeded_state(options.seed)
@@ -174,6 +175,7 @@ class TaskRunner:
         self._on_gpu = False
         self._losses: list[float] = []
         self._eval_losses: list[float] = []
+        self._metric_totals = MetricTotals(task.metrics)
         self._epoch_rng = rng.RngState(self.rng.cpu.clone())
         self._resume_epoch_rng = self._epoch_rng
         self._skip = 0
@@ -249,6 +251,7 @@ class TaskRunner:
                 done_batches += m
             if self.task.eval_data is not None:
                 self._eval_losses = []
+                self._metric_totals = MetricTotals(self.task.metrics)
                 e = 0
                 while True:
                     yield Op(self.name, OpKind.EVAL, 0, it, e)
@@ -354,6 +357,7 @@ class TaskRunner:
             if not self._eval_losses:
                 raise EmptyDataError(f"task {self.name!r}: eval_data yielded no batch")
             result["val_loss"] = sum(self._eval_losses) / len(self._eval_losses)
+            result.update(self._metric_totals.means())
         self.history.append(result)
         self.iteration += 1
         self.granted -= 1
@@ -595,6 +599,8 @@ class TaskRunner:
             torch.nn.utils.clip_grads_with_norm_(grads, self.options.max_grad_norm, total)
         if shard.optimizer is not None:
             shard.optimizer.step()
+            if shard.scheduler is not None:
+                shard.scheduler.step()
         shard.pending_step = False
 
     def _eval(self, shard: ShardRuntime, device: torch.device) -> None:
@@ -617,8 +623,11 @@ class TaskRunner:
                 out = self._call(shard, x, len(self._eval_losses), train=False)
                 if i == len(self.shards) - 1:
                     target = to_device(self._target, device)
-                    loss = self._loss(out, target, len(self._eval_losses), train=False)
+                    e = len(self._eval_losses)
+                    loss = self._loss(out, target, e, train=False)
                     self._eval_losses.append(float(loss.item()))
+                    if self._metric_totals.metrics:
+                        self._metric_totals.add(out, target, self.name, self._where(e, False))
                     out = None
         finally:
             shard.module.train()
@@ -773,6 +782,8 @@ def _tied_error(names: tuple[str, ...]) -> Exception:
     from tune_hydra.exceptions import InvalidModelError
 
     return InvalidModelError(
-        f"a parameter is shared between shards (layers {names}); tied weights across "
-        f"shards are not supported: raise device_memory so the tied layers share a shard"
+        f"a parameter is shared between shards (layers {names}: a layer sharing another's "
+        f"weights, or a module with parameters that forward calls at two places); tied "
+        f"weights across shards are not supported: raise device_memory so the tied layers "
+        f"share a shard"
     )

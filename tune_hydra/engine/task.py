@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from tune_hydra.engine.metrics import check_lr_scheduler, check_metrics
 from tune_hydra.exceptions import InvalidModelError, InvalidTaskError
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -21,9 +22,12 @@ class ModelTask:
     """One model to train, with its loss, optimizer and data.
 
     Args:
-        model: an ``nn.Sequential`` (nested ``nn.Sequential`` children are cut finer), or
-            a list / ``nn.ModuleList`` of modules executed in order (it is wrapped in an
-            ``nn.Sequential``, so state-dict keys are ``"0.weight"`` ...).
+        model: any ``nn.Module``, kept as it is (after training it is your module,
+            trained, with your state-dict keys). An ``nn.Sequential`` is cut between its
+            layers (nested ``nn.Sequential`` children finer); any other module is cut by
+            tracing its ``forward`` with torch.fx (see :mod:`tune_hydra.models`); a list /
+            ``nn.ModuleList`` of modules executed in order is wrapped in an
+            ``nn.Sequential`` (state-dict keys ``"0.weight"`` ...).
         loss_fn: ``(output, target) -> scalar tensor``.
         optimizer: a callable that builds a torch optimizer from a list of parameters. The
             engine calls it once per shard with that shard's parameters, which equals one
@@ -33,6 +37,17 @@ class ModelTask:
             list ...). It is iterated once per epoch, in order.
         eval_data: optional, like ``train_data``; gives ``val_loss`` each epoch.
         seed: this task's seed, overriding the one given to ``train_models``.
+        metrics: optional ``{name: fn(output, target) -> float | 0-dim tensor}``, computed
+            on every ``eval_data`` batch (needs ``eval_data``); each epoch reports under
+            ``name`` the mean over batches weighted by batch size (the target's first
+            dimension). Names the engine reports itself (``loss``, ``val_loss``,
+            ``epoch`` ...) are refused.
+        lr_scheduler: optional ``fn(optimizer) -> torch.optim.lr_scheduler.LRScheduler``
+            (``StepLR``, ``LambdaLR``, ``OneCycleLR``, ``transformers.get_scheduler``
+            ...), stepped after every optimizer step (every batch, or every
+            ``accumulate_steps`` batches). The engine builds one per shard optimizer; each
+            follows the schedule one scheduler over the whole model would.
+        extra: free-form values kept with the task.
 
     Example:
         >>> import torch
@@ -56,6 +71,8 @@ class ModelTask:
     train_data: Iterable[Any]
     eval_data: Iterable[Any] | None = None
     seed: int | None = None
+    metrics: dict[str, Callable[[Any, Any], Any]] | None = None
+    lr_scheduler: Callable[[torch.optim.Optimizer], Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -69,8 +86,8 @@ class ModelTask:
             self.model = nn.Sequential(*mods)
         if not isinstance(self.model, nn.Module):
             raise InvalidModelError(
-                f"model must be an nn.Sequential or a list of modules, not "
-                f"{type(self.model).__name__}"
+                f"model must be an nn.Module (an nn.Sequential, any module whose forward "
+                f"torch.fx can trace) or a list of modules, not {type(self.model).__name__}"
             )
         if not callable(self.loss_fn):
             raise InvalidTaskError("loss_fn must be callable as loss_fn(output, target)")
@@ -89,42 +106,38 @@ class ModelTask:
                     f"{name} must be re-iterable (a DataLoader, a list of (inputs, targets) "
                     f"...), not a one-shot {type(data).__name__}: it is iterated every epoch"
                 )
+        self.metrics = check_metrics(self.metrics, self.eval_data is not None)
+        check_lr_scheduler(self.lr_scheduler)
 
 
 def model_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, nn.Module]]:
-    """The model's layers in execution order, as ``(qualified name, module)``.
+    """The model's layers in execution order, as ``(name, module)``.
 
-    Nested ``nn.Sequential`` containers are flattened so the partitioner may cut inside
-    them; any other module is one indivisible layer.
+    An ``nn.Sequential`` is cut as written (:func:`~tune_hydra.models.sequential_layers`:
+    its children, nested ``nn.Sequential`` flattened, named by their state-dict prefix);
+    any other module by tracing its ``forward`` with torch.fx
+    (:func:`~tune_hydra.models.trace_layers`: one stage per submodule call, named after
+    that submodule, with the values live across the cut carried by the boundary).
 
     Args:
         model: the task's model.
         task: the task's name, for errors.
 
     Raises:
-        InvalidModelError: not an ``nn.Sequential``, or no layers.
+        InvalidModelError: not an ``nn.Module``, no layers, or a ``forward`` that cannot
+            be traced (the message names the construct and the fix).
     """
-    of = f"task {task!r}: " if task is not None else ""
-    if not isinstance(model, nn.Sequential):
+    from tune_hydra.models import sequential_layers, trace_layers
+
+    if isinstance(model, nn.Sequential):
+        return sequential_layers(model, task)
+    if not isinstance(model, nn.Module):
+        of = f"task {task!r}: " if task is not None else ""
         raise InvalidModelError(
-            f"{of}model must be an nn.Sequential (or a list of modules executed in order), not "
-            f"{type(model).__name__}: the engine cuts the model into sequential shards. Wrap "
-            f"your layers in nn.Sequential(...) in the order forward() runs them"
+            f"{of}model must be an nn.Module (or a list of modules executed in order), not "
+            f"{type(model).__name__}"
         )
-    layers: list[tuple[str, nn.Module]] = []
-
-    def visit(prefix: str, seq: nn.Sequential) -> None:
-        for name, child in seq.named_children():
-            qual = f"{prefix}{name}"
-            if type(child) is nn.Sequential:
-                visit(qual + ".", child)
-            else:
-                layers.append((qual, child))
-
-    visit("", model)
-    if not layers:
-        raise InvalidModelError(f"{of}model has no layers; give it at least one module")
-    return layers
+    return trace_layers(model, task)
 
 
 # -- which tensors a model holds (to refuse two tasks training the same ones) -------------

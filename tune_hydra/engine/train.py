@@ -90,7 +90,8 @@ def train_models(
 
     Returns:
         A :class:`History`: ``history["a"]`` is a list with one dict per epoch holding
-        ``loss``, ``val_loss`` (with ``eval_data``), ``num_shards`` and engine figures
+        ``loss``, ``val_loss`` (with ``eval_data``), each of the task's ``metrics`` (its
+        batch-size-weighted mean over ``eval_data``), ``num_shards`` and engine figures
         (``device_time_s`` and ``bytes_spilled``, cumulative since registration).
         After return every ``task.model`` holds its trained weights, on the CPU.
 

@@ -711,6 +711,12 @@ class EngineActor:
         return int(await self._offload(self._build, key, token, task, config, factory_id))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
+    async def task_metrics(self, key: str, token: str) -> list[str]:
+        """The names of the trial's task's own ``metrics`` (its results carry them)."""
+        reg = self._owned(key, token)
+        return self._ensure_engine().metric_names(reg.name)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def abort_builds(self, secret: str) -> int:
         """Stop waiting for every factory still running (the driver was interrupted), so
         that those trials end at once instead of when their factories return. Returns how

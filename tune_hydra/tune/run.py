@@ -17,6 +17,7 @@ from ray.tune.error import TuneError
 from ray.tune.result import AUTO_RESULT_KEYS, DEBUG_METRICS, EPISODES_TOTAL, TIMESTEPS_TOTAL
 from ray.tune.search import BasicVariantGenerator
 
+from tune_hydra.options import ENGINE_KEYS
 from tune_hydra.tune.callback import clear_systematic, systematic_error
 from tune_hydra.tune.errors import (
     InvalidExecutorError,
@@ -96,25 +97,39 @@ def _check_metric(kwargs: dict[str, Any]) -> None:
         )
 
 
-def _check_reported(kwargs: dict[str, Any]) -> None:
+def _check_reported(kwargs: dict[str, Any]) -> tuple[str, ...]:
     """Refuse, before any trial starts, a metric (of the run, its scheduler or its search
     algorithm) that tune_hydra's trials never report: Tune would fail every trial with a
-    message about ``tune.report()`` calls the user no longer has."""
+    message about ``tune.report()`` calls the user no longer has.
+
+    Any other name may be one of the tasks' own ``ModelTask(metrics=...)``, which are known
+    only once a factory ran: those names are returned, and each trial checks at its first
+    registration that its task declares them (a :class:`UndeclaredMetricError` ends the
+    experiment at the first trial otherwise).
+
+    Returns:
+        The metric names that the tasks must declare.
+    """
     named = {"metric": kwargs.get("metric")}
     for arg in ("scheduler", "search_alg"):
         named[arg] = _metric_of(kwargs.get(arg))
+    custom: dict[str, None] = {}
     for arg, metric in named.items():
         if not isinstance(metric, str) or metric in REPORTED_KEYS:
             continue
         if metric.startswith("config/"):
             continue  # the trial's config, flattened into every result
+        if metric not in ENGINE_KEYS:
+            custom[metric] = None  # a metric of the task's own, checked per trial
+            continue
         tune_keys = ", ".join(k for k in _TUNE_NUMBERS if k in REPORTED_KEYS)
         raise UnreportedMetricError(
             f"{arg}={metric!r} is not reported by tune_hydra's trials: they report "
-            f"{', '.join(RESULT_KEYS)} (val_loss when the ModelTask has eval_data) and "
-            f"Tune's own {tune_keys}. Optimise one of those, e.g. metric='val_loss', "
-            f"mode='min'; a metric of your own (accuracy ...) is not computed by the engine"
+            f"{', '.join(RESULT_KEYS)} (val_loss when the ModelTask has eval_data), each "
+            f"metric the task declares in th.ModelTask(metrics={{name: fn}}), and Tune's "
+            f"own {tune_keys}. Optimise one of those, e.g. metric='val_loss', mode='min'"
         )
+    return tuple(custom)
 
 
 def run(
@@ -131,8 +146,8 @@ def run(
     * ``run_or_experiment`` is a task factory ``make_task(config) -> th.ModelTask``; it
       runs inside the engine actor's process, once per trial (and per restore).
     * each Tune iteration trains one epoch (or ``iteration_batches`` batches) and reports
-      ``loss``, ``val_loss`` (with eval data), ``num_shards``, ``epoch``,
-      ``device_time_s`` and ``bytes_spilled``;
+      ``loss``, ``val_loss`` (with eval data), each of the task's ``metrics``,
+      ``num_shards``, ``epoch``, ``device_time_s`` and ``bytes_spilled``;
     * checkpoints hold ``model.pt`` (the whole model's ``state_dict``) and the state that
       resumes training exactly;
     * ``scheduler`` is wrapped so the engines learn each trial's remaining budget and drop
@@ -146,7 +161,9 @@ def run(
     * a mistake that every trial would repeat (the factory returns no ``ModelTask``, or is
       a function trainable; the model's type cannot be cut) stops the experiment at the
       first trial and is raised here, once; a ``metric`` the trials never report is
-      refused before any trial starts.
+      refused before any trial starts, and one the first trial's task does not declare in
+      ``ModelTask(metrics=...)`` ends the experiment at that trial
+      (:class:`~tune_hydra.exceptions.UndeclaredMetricError`).
 
     The executor's engine actors are started if needed and, if this call started them,
     shut down at the end (their timeline stays available as ``trial_executor.trace()``).
@@ -180,7 +197,7 @@ def run(
         )
     check_task_factory(run_or_experiment)
     _check_metric(kwargs)
-    _check_reported(kwargs)
+    required = _check_reported(kwargs)
     if kwargs.get("resources_per_trial") is not None:
         raise InvalidExecutorError(
             "resources_per_trial cannot be combined with a HydraExecutor: its trials are "
@@ -192,6 +209,8 @@ def run(
     trainable = None
     try:
         trainable = ex.trainable(run_or_experiment)
+        # Checked by each trial's first registration (see HydraTrainable._required_metrics).
+        trainable._required_metrics = required
         kwargs["scheduler"] = ex.scheduler(kwargs.get("scheduler"), stop=kwargs.get("stop"))
         kwargs["stop"] = ex.stopper(kwargs.get("stop"))
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *ex.callbacks()]

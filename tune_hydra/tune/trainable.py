@@ -28,7 +28,7 @@ from ray.tune.registry import _ParameterRegistry
 from ray.tune.result import SHOULD_CHECKPOINT
 
 from tune_hydra.checkpoint import discard_partial_save
-from tune_hydra.exceptions import SystematicTaskError
+from tune_hydra.exceptions import SystematicTaskError, UndeclaredMetricError
 from tune_hydra.tune.actor import engine_actor_name
 from tune_hydra.tune.errors import EngineUnavailableError, TrialResourcesError
 from tune_hydra.tune.factories import FactoryStore
@@ -92,6 +92,10 @@ class HydraTrainable(tune.Trainable):
         _param_refs: the object references of ``tune.with_parameters`` around this
             class, passed to the factory as keyword arguments (see
             :func:`with_parameters_refs`).
+        _required_metrics: metric names of the run (its ``metric``, its scheduler's or
+            search algorithm's) that only a task's ``metrics`` can give; a trial whose
+            task does not declare them fails with the systematic
+            :class:`~tune_hydra.exceptions.UndeclaredMetricError` (set by ``th.run``).
     """
 
     _factory_id: ClassVar[str] = ""
@@ -99,6 +103,7 @@ class HydraTrainable(tune.Trainable):
     _slot_resource: ClassVar[str] = ""
     _checkpoint: ClassVar[str | None] = None
     _param_refs: ClassVar[dict[str, Any]] = {}
+    _required_metrics: ClassVar[tuple[str, ...]] = ()
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -133,6 +138,7 @@ class HydraTrainable(tune.Trainable):
                 sorted(params),
             )
         self._slot_checked = False
+        self._metric_names: tuple[str, ...] = ()  # the task's own metrics, once registered
 
     # ---------------------------------------------------------------- plumbing
     def _engine(self) -> Any:
@@ -230,6 +236,19 @@ class HydraTrainable(tune.Trainable):
             )
         )
         self._key = self.trial_id
+        self._metric_names = tuple(self._call("task_metrics", self.trial_id, self._token))
+        missing = [m for m in self._required_metrics if m not in self._metric_names]
+        if missing:
+            declared = list(self._metric_names) or "none"
+            raise UndeclaredMetricError(
+                self.trial_id,
+                f"the experiment optimises {', '.join(map(repr, missing))}, which the trials "
+                f"do not report: the task's metrics are {declared}, and the engine reports "
+                f"{', '.join(RESULT_KEYS)}",
+                f"Declare it in make_task: th.ModelTask(..., eval_data=..., "
+                f"metrics={{{missing[0]!r}: fn(output, target)}}), or optimise a metric the "
+                f"trials report (metric='val_loss', mode='min')",
+            )
 
     def _deregister(self) -> None:
         key, self._key = self._key, None
@@ -245,7 +264,7 @@ class HydraTrainable(tune.Trainable):
         # and Tune must restore it from its checkpoint.
         results = self._call("train", self._key, self._token, 1, retry=False)
         last = results[-1]
-        out = {k: last[k] for k in RESULT_KEYS if k in last}
+        out = {k: last[k] for k in (*RESULT_KEYS, *self._metric_names) if k in last}
         out.setdefault("num_shards", self._num_shards)
         if self._checkpoint == "every":
             out[SHOULD_CHECKPOINT] = True  # Tune saves one now (HydraExecutor(checkpoint=))
