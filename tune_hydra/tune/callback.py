@@ -85,6 +85,10 @@ def _trial_error(trial: Any) -> BaseException | None:
     calling the callbacks), or None."""
     path = getattr(trial, "pickled_error_file", None)
     try:
+        # Tune wrote this file in this driver process a moment ago, from the exception it
+        # holds, and reads it back the same way itself (ResultGrid, Result.error): reading
+        # it adds no exposure. Tune's get_pickled_error reads the synced copy, which may
+        # not be there yet.
         if path and os.path.exists(path):
             with open(path, "rb") as f:
                 loaded = cloudpickle.load(f)
