@@ -505,7 +505,7 @@ def test_stopper_keeps_tune_semantics_and_stops_all_on_a_systematic_mistake() ->
     assert not stopper.stop_all()
 
 
-def test_callback_checkpoint_modes(tmp_path: Path) -> None:
+def test_callback_checkpoint_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     from types import SimpleNamespace
 
     from ray.tune.result import DONE, SHOULD_CHECKPOINT
@@ -530,14 +530,23 @@ def test_callback_checkpoint_modes(tmp_path: Path) -> None:
     copy = cloudpickle.loads(cloudpickle.dumps(end))
     assert (copy.run_id, copy.checkpoint) == ("r", "end")
 
-    # a trial's pickled error -> recorded once for the executor
-    err_file = tmp_path / "error.pkl"
+    # a trial's recorded mistake (JSON in the cluster store; here a dict) -> recorded once
+    # for the executor, rebuilt as its own class
+    from ray.experimental import internal_kv
+
+    from tune_hydra.tune.factories import FactoryStore
+
+    kv: dict[bytes, bytes] = {}
+    monkeypatch.setattr(internal_kv, "_internal_kv_put", lambda k, v, **_: kv.__setitem__(k, v))
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda k, **_: kv.get(k))
     mistake = NotATaskError("t1", "the task factory returned NoneType", "return a ModelTask")
-    err_file.write_bytes(cloudpickle.dumps(mistake))
-    failed = SimpleNamespace(trial_id="t1", pickled_error_file=str(err_file))
+    FactoryStore("r").record_error("t1", mistake)
+    assert b"NoneType" in next(iter(kv.values()))  # plain JSON, nothing to unpickle
+    failed = SimpleNamespace(trial_id="t1")
     try:
         every.on_trial_error(0, [], failed)
-        assert str(systematic_error("r")) == str(mistake)
+        found = systematic_error("r")
+        assert type(found) is NotATaskError and str(found) == str(mistake)
     finally:
         clear_systematic("r")
 

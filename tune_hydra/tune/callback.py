@@ -29,13 +29,11 @@ checkpoint frequency or ``checkpoint_at_end`` of its own, that setting rules.
 from __future__ import annotations
 
 import logging
-import os
 import signal
 import threading
 from collections.abc import Mapping
 from typing import Any
 
-from ray import cloudpickle
 from ray.tune import Callback, Stopper
 from ray.tune.result import DONE, SHOULD_CHECKPOINT
 from ray.tune.stopper import FunctionStopper
@@ -43,6 +41,7 @@ from ray.tune.utils import flatten_dict
 
 from tune_hydra.exceptions import SystematicTaskError
 from tune_hydra.tune import executor as _executor
+from tune_hydra.tune.factories import FactoryStore
 
 logger = logging.getLogger(__name__)
 
@@ -78,26 +77,6 @@ def find_systematic(err: BaseException | None) -> SystematicTaskError | None:
             return cause
         err = cause if isinstance(cause, BaseException) else err.__cause__ or err.__context__
     return None
-
-
-def _trial_error(trial: Any) -> BaseException | None:
-    """The error Tune pickled for the trial's latest failure (it writes it just before
-    calling the callbacks), or None."""
-    path = getattr(trial, "pickled_error_file", None)
-    try:
-        # Tune wrote this file in this driver process a moment ago, from the exception it
-        # holds, and reads it back the same way itself (ResultGrid, Result.error): reading
-        # it adds no exposure. Tune's get_pickled_error reads the synced copy, which may
-        # not be there yet.
-        if path and os.path.exists(path):
-            with open(path, "rb") as f:
-                loaded = cloudpickle.load(f)
-            return loaded if isinstance(loaded, BaseException) else None
-        get = getattr(trial, "get_pickled_error", None)
-        return get() if callable(get) else None
-    except Exception:  # an unreadable error is no systematic one
-        logger.debug("tune_hydra: could not read trial %s's error", trial, exc_info=True)
-        return None
 
 
 class HydraStopper(Stopper):
@@ -213,7 +192,11 @@ class HydraCallback(Callback):
     def _note_error(self, trial: Any) -> None:
         if not self.run_id:
             return
-        found = find_systematic(_trial_error(trial))
+        try:
+            found = FactoryStore(self.run_id).recorded_error(trial.trial_id)
+        except Exception:  # an unreadable record is no systematic error
+            logger.debug("tune_hydra: could not read trial %s's record", trial, exc_info=True)
+            return
         if found is None:
             return
         with _LOCK:

@@ -534,6 +534,10 @@ class HydraExecutor:
         for factory_id in list(self._factory_ids):
             self._drop_factory(factory_id)
         try:
+            self._store.clear_errors()  # the trials' recorded mistakes, read by now
+        except Exception:
+            logger.warning("tune_hydra: could not clear recorded trial errors", exc_info=True)
+        try:
             self._last_trace = self._gather_trace()
             self._last_summary = self._gather_summary()
         except Exception:

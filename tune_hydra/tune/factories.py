@@ -13,7 +13,10 @@ experiment ends.
 
 from __future__ import annotations
 
+import json
 import uuid
+
+from tune_hydra.exceptions import SystematicTaskError
 
 _NAMESPACE = "tune_hydra"
 
@@ -55,6 +58,67 @@ class FactoryStore:
 
         if internal_kv._internal_kv_initialized():
             internal_kv._internal_kv_del(self._key(factory_id), namespace=_NAMESPACE)
+
+    # -- systematic mistakes ------------------------------------------------------------
+    # A trial that hits a mistake every trial would repeat records it here (plain JSON:
+    # the driver reads it back without unpickling anything a trial process wrote).
+
+    def _error_key(self, trial_id: str) -> bytes:
+        return f"systematic:{self.run_id}:{trial_id}".encode()
+
+    def record_error(self, trial_id: str, err: SystematicTaskError) -> None:
+        """Record a trial's systematic mistake for the driver (see
+        :func:`tune_hydra.tune.callback.HydraCallback`)."""
+        from ray.experimental import internal_kv
+
+        record = {
+            "type": type(err).__name__,
+            "trial": err.trial,
+            "problem": err.problem,
+            "fix": err.fix,
+        }
+        internal_kv._internal_kv_put(
+            self._error_key(trial_id), json.dumps(record).encode(), namespace=_NAMESPACE
+        )
+
+    def recorded_error(self, trial_id: str) -> SystematicTaskError | None:
+        """The mistake trial ``trial_id`` recorded, rebuilt as its own error class (one
+        of the known :class:`SystematicTaskError` subclasses), or None."""
+        from ray.experimental import internal_kv
+
+        raw = internal_kv._internal_kv_get(self._error_key(trial_id), namespace=_NAMESPACE)
+        if raw is None:
+            return None
+        try:
+            record = json.loads(raw)
+            args = (str(record["trial"]), str(record["problem"]), str(record["fix"]))
+        except (ValueError, KeyError, TypeError):
+            return None
+        return _systematic_classes().get(str(record.get("type")), SystematicTaskError)(*args)
+
+    def clear_errors(self) -> None:
+        """Forget every recorded mistake of this executor (idempotent)."""
+        from ray.experimental import internal_kv
+
+        if not internal_kv._internal_kv_initialized():
+            return
+        prefix = f"systematic:{self.run_id}:".encode()
+        for key in internal_kv._internal_kv_list(prefix, namespace=_NAMESPACE):
+            internal_kv._internal_kv_del(key, namespace=_NAMESPACE)
+
+
+def _systematic_classes() -> dict[str, type[SystematicTaskError]]:
+    """Every :class:`SystematicTaskError` class by name (the errors the driver may
+    rebuild from a record: a closed set, never a class a record names freely)."""
+    from tune_hydra.tune.errors import TrialResourcesError  # defined there, not in exceptions
+
+    found: dict[str, type[SystematicTaskError]] = {}
+    todo: list[type[SystematicTaskError]] = [SystematicTaskError, TrialResourcesError]
+    while todo:
+        cls = todo.pop()
+        found.setdefault(cls.__name__, cls)
+        todo.extend(cls.__subclasses__())
+    return found
 
 
 __all__ = ["FactoryStore"]

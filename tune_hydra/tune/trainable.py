@@ -221,6 +221,18 @@ class HydraTrainable(tune.Trainable):
         self._slot_checked = True
 
     def _ensure_registered(self) -> None:
+        try:
+            self._register()
+        except SystematicTaskError as err:
+            # For the driver, which then ends the experiment once (plain JSON in the
+            # cluster store: it never unpickles what a trial process wrote).
+            try:
+                FactoryStore(self._run_id).record_error(self.trial_id, err)
+            except Exception:
+                logger.warning("tune_hydra: could not record %s", err, exc_info=True)
+            raise
+
+    def _register(self) -> None:
         if self._key == self.trial_id:
             return
         self._check_slot()
