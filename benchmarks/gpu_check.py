@@ -1,7 +1,7 @@
 """GPU check for a lent H200: spilled GPT-2-XL-like training vs resident, offload, parity.
 
 Needs only torch and the engine (``tune_hydra.engine``; never Ray, never
-``tune_hydra.tune``). Measures, on ``cuda:0``:
+``tune_hydra.frontends.ray``). Measures, on ``cuda:0``:
 
 1. **spilled vs resident**: an ``nn.Sequential`` of token+position embedding, ``--layers``
    GPT-2-XL blocks (width 1600, 25 heads, MLP 6400, pre-LN, causal) and an LM head,

@@ -2,7 +2,7 @@
 
 Synthetic tasks (mixed shard counts, shard costs, epochs and batches) run on simulated
 devices. Each time a device frees up, the policy is offered one
-:class:`~tune_hydra.engine.policies.Candidate` per ready task (a task whose previous
+:class:`~tune_hydra.core.policies.Candidate` per ready task (a task whose previous
 operation still runs is not ready), exactly as the engine does, with ``remaining_s`` the
 task's exact remaining work (optionally with multiplicative estimation noise) and
 ``resident`` true when the task's previous operation ran on that device.
@@ -33,9 +33,9 @@ try:
 except ImportError:  # running from a checkout without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tune_hydra.engine.ops import Op, OpKind
-from tune_hydra.engine.policies import BasePolicy, Candidate, get_policy
-from tune_hydra.engine.trace import Trace, TraceEvent
+from tune_hydra.core.ops import Op, OpKind
+from tune_hydra.core.policies import BasePolicy, Candidate, get_policy
+from tune_hydra.core.trace import Trace, TraceEvent
 from tune_hydra.exceptions import ScheduleError
 
 BACKWARD_FACTOR = 3.0
@@ -220,7 +220,7 @@ def simulate(
 
 
 def to_trace(result: SimResult) -> Trace:
-    """The schedule as a :class:`~tune_hydra.engine.trace.Trace` (devices ``sim#k``)."""
+    """The schedule as a :class:`~tune_hydra.core.trace.Trace` (devices ``sim#k``)."""
     trace = Trace([f"sim#{d}" for d in range(result.devices)])
     for e in result.schedule:
         op = e.op
@@ -339,7 +339,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.seeds:
         sweep(devices, n_tasks, args.seeds, epochs)
     if args.plot or args.trace:
-        from tune_hydra.engine.trace import plot_timeline, save_trace
+        from tune_hydra.core.trace import plot_timeline, save_trace
 
         tasks = make_tasks(n_tasks, args.seed, epochs=epochs)
         trace = to_trace(simulate("lrtf", devices[0], tasks))

@@ -22,9 +22,9 @@ if TYPE_CHECKING:
         train_models,
         train_plain,
     )
-    from tune_hydra.optimize import optimize
+    from tune_hydra.frontends.optuna import optimize
+    from tune_hydra.frontends.ray import HydraExecutor, patch_tune, run, unpatch_tune
     from tune_hydra.planning import PlanReport, plan
-    from tune_hydra.tune import HydraExecutor, patch_tune, run, unpatch_tune
 
 __version__ = "0.1.0"
 
@@ -39,13 +39,13 @@ _LAZY = {
     "save_trace": "tune_hydra.engine",
     "train_models": "tune_hydra.engine",
     "train_plain": "tune_hydra.engine",
-    "optimize": "tune_hydra.optimize",
+    "optimize": "tune_hydra.frontends.optuna",
     "plan": "tune_hydra.planning",
     "PlanReport": "tune_hydra.planning",
-    "run": "tune_hydra.tune",
-    "HydraExecutor": "tune_hydra.tune",
-    "patch_tune": "tune_hydra.tune",
-    "unpatch_tune": "tune_hydra.tune",
+    "run": "tune_hydra.frontends.ray",
+    "HydraExecutor": "tune_hydra.frontends.ray",
+    "patch_tune": "tune_hydra.frontends.ray",
+    "unpatch_tune": "tune_hydra.frontends.ray",
 }
 
 
@@ -54,8 +54,6 @@ def __getattr__(name: str) -> Any:
         import importlib
 
         value = getattr(importlib.import_module(_LAZY[name]), name)
-        if name in globals():  # the import bound a submodule of that name (optimize):
-            globals()[name] = value  # the function it exports takes its place
         return value
     raise AttributeError(f"module 'tune_hydra' has no attribute {name!r}")
 

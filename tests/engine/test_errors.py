@@ -124,8 +124,8 @@ def test_unknown_policy_lists_valid_ones() -> None:
 
 
 def test_policy_returning_foreign_op_fails_clearly_without_hanging() -> None:
-    from tune_hydra.engine.ops import Op, OpKind
-    from tune_hydra.engine.policies import BasePolicy, Candidate
+    from tune_hydra.core.ops import Op, OpKind
+    from tune_hydra.core.policies import BasePolicy, Candidate
 
     class Rogue(BasePolicy):
         def choose(self, device: int, candidates: list[Candidate]) -> Candidate:

@@ -16,10 +16,10 @@ from torch import nn
 
 import tune_hydra as th
 from tests.conftest import OPTIMIZERS, mlp
+from tune_hydra.core.trace import COPY_OPS
 from tune_hydra.engine import Engine
 from tune_hydra.engine.factory import call_factory, private_rng, start_factory
 from tune_hydra.engine.rng import CPU_RNG_LOCK
-from tune_hydra.engine.trace import COPY_OPS
 from tune_hydra.exceptions import TaskFactoryError, TaskFactoryTimeoutError
 
 

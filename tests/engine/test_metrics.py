@@ -306,7 +306,7 @@ def test_scheduler_state_survives_a_checkpoint_file(
 ) -> None:
     """The state goes through write_checkpoint / read_checkpoint (safe loading, tensors
     and plain containers only) and resumes into a model cut another way exactly."""
-    from tune_hydra.checkpoint import read_checkpoint, write_checkpoint
+    from tune_hydra.frontends.checkpoint import read_checkpoint, write_checkpoint
 
     options = {**OPTIONS, "iteration_batches": 3}
     straight = task(0, schedule)

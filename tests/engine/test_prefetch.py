@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import tune_hydra as th
-from tune_hydra.engine.policies import Candidate, LRTFPolicy
+from tune_hydra.core.policies import Candidate, LRTFPolicy
 
 
 def _task(seed: int) -> th.ModelTask:

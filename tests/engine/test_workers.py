@@ -10,9 +10,9 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from tune_hydra.engine.ops import Op, OpKind
+from tune_hydra.core.ops import Op, OpKind
+from tune_hydra.core.trace import Trace
 from tune_hydra.engine.spill import ShardStore
-from tune_hydra.engine.trace import Trace
 from tune_hydra.engine.workers import Assignment, Carry, DeviceWorker, default_clock
 
 CPU = torch.device("cpu")

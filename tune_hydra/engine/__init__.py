@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-from tune_hydra.engine.engine import Engine
-from tune_hydra.engine.ops import Op, OpKind
-from tune_hydra.engine.partition import LayerCost, ShardPlan, ShardSpec, plan_shards
-from tune_hydra.engine.policies import (
+from tune_hydra.core.ops import Op, OpKind
+from tune_hydra.core.policies import (
     BasePolicy,
     Candidate,
     FIFOPolicy,
@@ -13,10 +11,12 @@ from tune_hydra.engine.policies import (
     RoundRobinPolicy,
     get_policy,
 )
+from tune_hydra.core.trace import Trace, TraceEvent, plot_timeline, save_trace
+from tune_hydra.engine.engine import Engine
+from tune_hydra.engine.partition import LayerCost, ShardPlan, ShardSpec, plan_shards
 from tune_hydra.engine.reference import train_plain
 from tune_hydra.engine.spill import ShardStore
 from tune_hydra.engine.task import ModelTask, model_layers
-from tune_hydra.engine.trace import Trace, TraceEvent, plot_timeline, save_trace
 from tune_hydra.engine.train import History, train_models
 from tune_hydra.engine.units import parse_bytes, resolve_devices
 

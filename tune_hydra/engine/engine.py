@@ -13,16 +13,16 @@ from typing import Any
 
 import torch
 
+from tune_hydra.core.ops import Op
+from tune_hydra.core.policies import BasePolicy, Candidate, get_policy
+from tune_hydra.core.trace import Trace
 from tune_hydra.engine.boundary import split_batch
 from tune_hydra.engine.kept import KeptGraphs
-from tune_hydra.engine.ops import Op
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
-from tune_hydra.engine.policies import BasePolicy, Candidate, get_policy
 from tune_hydra.engine.records import PendingIterations, TaskRecord, batches_per_iter
 from tune_hydra.engine.rng import CPU_RNG_LOCK
 from tune_hydra.engine.runner import TaskRunner, TrainOptions
 from tune_hydra.engine.task import ModelTask, OwnedTensors, model_layers, owned_tensors
-from tune_hydra.engine.trace import Trace
 from tune_hydra.engine.units import device_capacity, parse_bytes, resolve_devices
 from tune_hydra.engine.workers import (
     _POLL_S,

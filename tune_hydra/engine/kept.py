@@ -24,7 +24,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from tune_hydra.engine.ops import Op, OpKind
+from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.exceptions import InvalidTaskError, ScheduleError, format_bytes
 

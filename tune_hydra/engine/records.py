@@ -6,8 +6,8 @@ import concurrent.futures
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from tune_hydra.core.policies.base import Candidate
 from tune_hydra.engine.partition import ShardPlan
-from tune_hydra.engine.policies.base import Candidate
 from tune_hydra.engine.runner import TaskRunner, TrainOptions
 from tune_hydra.engine.task import ModelTask
 

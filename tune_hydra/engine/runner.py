@@ -28,6 +28,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.engine import resume, rng
 from tune_hydra.engine.boundary import (
     SavedInput,
@@ -42,7 +43,6 @@ from tune_hydra.engine.boundary import (
     versions,
 )
 from tune_hydra.engine.metrics import MetricTotals, build_scheduler
-from tune_hydra.engine.ops import Op, OpKind
 from tune_hydra.engine.partition import ShardPlan, build_optimizer, layer_error
 from tune_hydra.engine.spill import ShardStore
 from tune_hydra.engine.task import ModelTask, OwnedTensors, describe, mismatch_hint, owned_tensors

@@ -8,12 +8,12 @@ from typing import Any
 
 import torch
 
+from tune_hydra.core.policies import BasePolicy
+from tune_hydra.core.trace import Trace
 from tune_hydra.engine.engine import Engine
 from tune_hydra.engine.kept import kept_bytes
 from tune_hydra.engine.partition import ShardPlan
-from tune_hydra.engine.policies import BasePolicy
 from tune_hydra.engine.task import ModelTask
-from tune_hydra.engine.trace import Trace
 from tune_hydra.exceptions import InvalidTaskError, TaskFailedError, TrainingError, TuneHydraError
 from tune_hydra.options import check_max_layers_per_shard, check_positive_int, check_task_options
 

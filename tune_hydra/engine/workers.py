@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from tune_hydra.engine.ops import Op
+from tune_hydra.core.ops import Op
+from tune_hydra.core.trace import Trace, TraceEvent
 from tune_hydra.engine.spill import ShardStore
-from tune_hydra.engine.trace import Trace, TraceEvent
 from tune_hydra.exceptions import ScheduleError, format_bytes
 
 _POLL_S = 0.2  # every blocking wait wakes up this often to notice a close

@@ -1,0 +1,312 @@
+"""Checkpoints under Ray Tune: tampered checkpoints are refused on ``Tuner.restore`` (no
+code runs, no mix loads), and an engine killed mid-save leaves no temp file or folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ray import tune
+
+import tune_hydra as th
+from tests.frontends.ray import tune_tasks
+from tests.frontends.test_checkpoint import plant_payload, replace_file
+from tune_hydra.exceptions import CheckpointError
+from tune_hydra.frontends.checkpoint import (
+    META_FILE,
+    MODEL_FILE,
+    STATE_FILE,
+    config_digest,
+    is_temp_name,
+)
+from tune_hydra.frontends.ray import HydraExecutor
+from tune_hydra.frontends.ray.actor import EngineActor
+
+pytestmark = pytest.mark.integration
+
+BUDGET = "18KiB"  # 2 shards for the 16-wide float32 MLP
+SEED = 11
+
+
+def _error_text(result: Any) -> str:
+    """The trial's error, which must be a CheckpointError (as Ray re-raises it)."""
+    assert isinstance(result.error, CheckpointError), (result.config, result.error)
+    return str(result.error)
+
+
+def _checkpoints(trial_dir: Path) -> list[Path]:
+    return sorted(trial_dir.glob("checkpoint_*"))
+
+
+def _tamper(latest: Path, kind: str, marker: Path) -> None:
+    """Spoil the trial's latest checkpoint the way ``kind`` says."""
+    if kind == "payload":  # a payload whose digest was also put into the manifest
+        plant_payload(latest, marker, update_manifest=True)
+    elif kind == "stale":  # model.pt of the checkpoint before, over the latest one's
+        earlier = _checkpoints(latest.parent)[-2]
+        shutil.copyfile(earlier / MODEL_FILE, latest / MODEL_FILE)
+    elif kind == "garbage":
+        size = (latest / STATE_FILE).stat().st_size
+        (latest / STATE_FILE).write_bytes(os.urandom(size))
+
+
+def test_tuner_restore_refuses_tampered_checkpoints(
+    ray_session: Any, storage: str, tmp_path: Path
+) -> None:
+    fail = tmp_path / "fail-while-present"
+    fail.touch()
+    marker = tmp_path / "payload-ran"
+    kinds = ["payload", "stale", "garbage", "intact"]
+    space = {"lr": 0.02, "marker": str(fail), "once": False, "tamper": tune.grid_search(kinds)}
+    with HydraExecutor(devices="cpu", device_memory=BUDGET, seed=SEED) as ex:
+        tuner = tune.Tuner(
+            ex.trainable(tune_tasks.make_task),
+            param_space=space,
+            tune_config=tune.TuneConfig(
+                metric="val_loss",
+                mode="min",
+                scheduler=ex.scheduler(),
+                max_concurrent_trials=ex.max_concurrent_trials,
+            ),
+            run_config=tune.RunConfig(
+                name="tamper",
+                storage_path=storage,
+                stop={"training_iteration": 4},
+                checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1),
+                callbacks=ex.callbacks(),
+                verbose=0,
+            ),
+        )
+        first = tuner.fit()
+        assert first.num_errors == len(kinds)  # every trial failed in its third epoch
+        latest: dict[str, Path] = {}
+        for result in first:
+            assert result.metrics["training_iteration"] == 2
+            latest[result.config["tamper"]] = Path(result.checkpoint.path)
+            _tamper(latest[result.config["tamper"]], result.config["tamper"], marker)
+
+        fail.unlink()
+        restored = tune.Tuner.restore(
+            str(Path(storage) / "tamper"),
+            trainable=ex.trainable(tune_tasks.make_task),
+            resume_errored=True,
+        )
+        second = restored.fit()
+    by_kind = {r.config["tamper"]: r for r in second}
+
+    # the untouched checkpoint resumes and finishes: restore itself works
+    assert by_kind["intact"].error is None
+    assert by_kind["intact"].metrics["training_iteration"] == 4
+
+    payload = _error_text(by_kind["payload"])
+    assert "CheckpointError" in payload and STATE_FILE in payload
+    assert str(latest["payload"]) in payload and "weights_only" in payload
+    assert not marker.exists()  # the payload did not run in the engine ...
+    torch.load(latest["payload"] / STATE_FILE, weights_only=False)
+    assert marker.exists()  # ... though it runs wherever the file is loaded unsafely
+
+    stale = _error_text(by_kind["stale"])
+    assert "CheckpointError" in stale and str(latest["stale"]) in stale
+    assert f"{MODEL_FILE} has sha256" in stale and "stale" in stale
+
+    garbage = _error_text(by_kind["garbage"])
+    assert "CheckpointError" in garbage and str(latest["garbage"]) in garbage
+    assert f"{STATE_FILE} has sha256" in garbage
+    assert "earlier checkpoint" in garbage
+
+
+class _KillDuringSave(threading.Thread):
+    """SIGKILLs process ``pid`` the first time it holds a checkpoint temp file open (it is
+    then writing or hashing that file), and remembers the file."""
+
+    def __init__(self, pid: int) -> None:
+        super().__init__(daemon=True)
+        self.pid = pid
+        self.seen: Path | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        fd_dir = f"/proc/{self.pid}/fd"
+        while not self.stop.is_set():
+            try:
+                fds = os.listdir(fd_dir)
+            except OSError:  # the process is gone
+                return
+            for fd in fds:
+                try:
+                    target = os.readlink(f"{fd_dir}/{fd}")
+                except OSError:
+                    continue
+                if is_temp_name(os.path.basename(target)):
+                    os.kill(self.pid, signal.SIGKILL)
+                    self.seen = Path(target)
+                    return
+            time.sleep(0.001)
+
+
+@pytest.mark.skipif(not Path("/proc/self/fd").is_dir(), reason="needs Linux /proc")
+def test_engine_killed_during_save_leaves_no_temp_files(ray_session: Any, storage: str) -> None:
+    with HydraExecutor(devices="cpu", device_memory="2GiB", seed=SEED) as ex:
+        (engine,) = ex.engines().values()
+        killer = _KillDuringSave(int(ray.get(engine.start.remote())["pid"]))
+        killer.start()
+        try:
+            analysis = th.run(
+                tune_tasks.make_wide_task,
+                config={"layers": 2},
+                stop={"training_iteration": 2},
+                checkpoint_freq=1,
+                max_failures=1,
+                storage_path=storage,
+                trial_executor=ex,
+                verbose=0,
+            )
+        finally:
+            killer.stop.set()
+            killer.join(10)
+    assert killer.seen is not None, "the engine was never seen writing a checkpoint"
+    save_dir = killer.seen.parent
+    # The save was interrupted: Tune's folder for it (made by Trainable.save in the trial
+    # process's temp dir) and the temp file in it are gone ...
+    assert str(save_dir).startswith(tempfile.gettempdir())
+    assert not save_dir.exists(), sorted(os.listdir(save_dir))
+    # ... nothing of it reached the trial's folder, and the retried trial saved normally.
+    (trial,) = analysis.trials
+    assert trial.num_failures == 1 and trial.status == "TERMINATED"
+    left = [p for p in Path(storage).rglob("*") if is_temp_name(p.name)]
+    assert left == []
+    final = Path(trial.checkpoint.path)
+    assert sorted(os.listdir(final)) == sorted([META_FILE, MODEL_FILE, STATE_FILE])
+    assert json.loads((final / META_FILE).read_text())["iteration"] == 2
+
+
+# ------------------------------------- the engine actor's _save/_load, called in-process
+ENGINE = {"devices": "cpu", "device_memory": BUDGET, "policy": "lrtf", "prefetch": True}
+
+
+@pytest.fixture
+def actor() -> Any:
+    a = EngineActor(ENGINE, {"seed": SEED})
+    yield a
+    if a._engine is not None:
+        a._engine.close()
+
+
+def _trial(actor: Any, key: str, config: dict[str, Any], iterations: int = 0) -> Any:
+    """Add trial ``key`` straight to the actor's engine; what ``_save``/``_load`` read of a
+    registration (trial id, engine task name, config)."""
+    eng = actor._ensure_engine()
+    eng.add_task(key, tune_tasks.make_task(config), seed=SEED)
+    if iterations:
+        eng.train(key, iterations).result(timeout=120)
+    return SimpleNamespace(key=key, token="t", name=key, config=config)
+
+
+def _lrs(actor: Any, key: str) -> list[float]:
+    state = actor._engine.get_state(key)
+    return [g["lr"] for g in state["optimizer"]["param_groups"]]
+
+
+def test_actor_writes_a_verified_manifest_without_the_config(actor: Any, tmp_path: Path) -> None:
+    config = {"lr": 0.01, "note": object()}  # not something a checkpoint may pickle
+    reg = _trial(actor, "a", config, iterations=2)
+    manifest = actor._save(reg, str(tmp_path))
+    assert manifest["format"] == 2 and manifest["iteration"] == 2 and manifest["trial_id"] == "a"
+    plan = actor._engine.plan("a")
+    assert manifest["shards"] == [list(s.layer_names) for s in plan.shards]
+    assert manifest["num_shards"] == len(plan.shards) == 2
+    assert manifest["config_digest"] == config_digest(config)
+    assert json.loads((tmp_path / META_FILE).read_text()) == manifest
+    assert sorted(os.listdir(tmp_path)) == sorted([META_FILE, MODEL_FILE, STATE_FILE])
+    state = torch.load(tmp_path / STATE_FILE, weights_only=True)  # plain data only
+    assert "_tune_config" not in state and state["iteration"] == 2
+
+
+def test_actor_load_merges_hyperparameters_only_for_another_config(
+    actor: Any, tmp_path: Path
+) -> None:
+    actor._save(_trial(actor, "a", {"lr": 0.01}, iterations=2), str(tmp_path))
+    moments = actor._engine.get_state("a")["optimizer"]["state"]
+    # Mark the checkpoint's own hyperparameters, to tell where a trial's lr came from.
+    state = torch.load(tmp_path / STATE_FILE, weights_only=True)
+    for group in state["optimizer"]["param_groups"]:
+        group["lr"] = 0.3
+    replace_file(tmp_path, STATE_FILE, state, update_manifest=True)
+    # PBT: a trial with a mutated lr takes the checkpoint: moments from it, lr its own
+    actor._load(_trial(actor, "b", {"lr": 0.05}), str(tmp_path))
+    state_b = actor._engine.get_state("b")
+    assert state_b["iteration"] == 2
+    assert _lrs(actor, "b") and set(_lrs(actor, "b")) == {0.05}
+    assert sorted(state_b["optimizer"]["state"]) == sorted(moments)
+    for k, v in moments.items():
+        assert torch.equal(
+            state_b["optimizer"]["state"][k]["momentum_buffer"], v["momentum_buffer"]
+        )
+    # the same config (another dict, same digest) is a resume: lr from the checkpoint
+    actor._load(_trial(actor, "c", {"lr": 0.01}), str(tmp_path))
+    assert set(_lrs(actor, "c")) == {0.3}
+
+
+def test_actor_restores_a_checkpoint_cut_differently(tmp_path: Path) -> None:
+    """A checkpoint written under one budget restores into an engine of another, and a
+    PBT exploit across the two still takes the new config's lr; a checkpoint of the
+    older per-shard layout cut differently is refused with the fix."""
+    actors = [EngineActor({**ENGINE, "device_memory": b}, {"seed": SEED}) for b in (BUDGET, None)]
+    try:
+        two, one = actors
+        reg = _trial(two, "a", {"lr": 0.01}, iterations=1)
+        two._save(reg, str(tmp_path))
+        two._engine.train("a", 1).result(timeout=120)
+        want = two._engine.get_state("a")
+        assert len(two._engine.plan("a")) == 2
+        back = _trial(one, "b", {"lr": 0.01})
+        assert len(one._engine.plan("b")) == 1
+        one._load(back, str(tmp_path))
+        one._engine.train("b", 1).result(timeout=120)
+        got = one._engine.get_state("b")
+        for k, v in want["model"].items():
+            assert torch.equal(got["model"][k], v), k
+        for k, v in want["optimizer"]["state"].items():
+            assert torch.equal(
+                got["optimizer"]["state"][k]["momentum_buffer"], v["momentum_buffer"]
+            )
+        one._load(_trial(one, "c", {"lr": 0.07}), str(tmp_path))  # PBT: the new lr
+        assert set(_lrs(one, "c")) == {0.07}
+
+        # the older layout: one optimizer state_dict per shard, restorable under its cut only
+        state = torch.load(tmp_path / STATE_FILE, weights_only=True)
+        runner = two._engine._tasks["a"].runner
+        state["optimizers"] = [s.optimizer.state_dict() for s in runner.shards]
+        state["grads"] = [[None] * len(s.params) for s in runner.shards]
+        del state["optimizer"], state["param_grads"]
+        replace_file(tmp_path, STATE_FILE, state, update_manifest=True)
+        with pytest.raises(CheckpointError, match=r"(?s)older tune_hydra.*device_memory of the"):
+            one._load(_trial(one, "d", {"lr": 0.01}), str(tmp_path))
+        assert one._engine.get_state("d")["iteration"] == 0  # nothing was loaded
+        two._load(_trial(two, "e", {"lr": 0.05}), str(tmp_path))  # same cut: loads, PBT lr
+        assert two._engine.get_state("e")["iteration"] == 1 and set(_lrs(two, "e")) == {0.05}
+    finally:
+        for a in actors:
+            if a._engine is not None:
+                a._engine.close()
+
+
+def test_actor_names_the_checkpoint_of_an_interrupted_save(actor: Any, tmp_path: Path) -> None:
+    reg = _trial(actor, "a", {"lr": 0.01})
+    actor._save(reg, str(tmp_path))
+    (tmp_path / META_FILE).unlink()
+    with pytest.raises(CheckpointError, match="interrupted") as info:
+        actor._load(reg, str(tmp_path))
+    assert info.value.checkpoint == str(tmp_path) and info.value.file == META_FILE
+    assert isinstance(info.value, th.TuneHydraError)

@@ -1,0 +1,167 @@
+"""Faults: retries from checkpoints resume exactly, Tuner.restore, engine actor killed."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ray import tune
+
+import tune_hydra as th
+from tests.frontends.ray import tune_tasks
+from tune_hydra.engine import Engine
+from tune_hydra.frontends.ray import HydraExecutor
+
+pytestmark = pytest.mark.integration
+
+BUDGET = "18KiB"  # 3 shards in float64
+SEED = 11
+
+
+def _leftovers(ex: HydraExecutor) -> list[str]:
+    return [t for r in ex.registered_trials().values() for t in r["trials"] + r["engine_tasks"]]
+
+
+def _straight(config: dict[str, Any], iterations: int) -> dict[str, torch.Tensor]:
+    """The model after ``iterations`` uninterrupted epochs, trained in this process."""
+    eng = Engine(devices="cpu", device_memory=BUDGET)
+    try:
+        eng.add_task("ref", tune_tasks.make_task({**config, "marker": None}), seed=SEED)
+        eng.train("ref", iterations).result(timeout=120)
+        return eng.get_state("ref")["model"]
+    finally:
+        eng.close()
+
+
+def _final_model(trial: Any) -> dict[str, torch.Tensor]:
+    ckpt = trial.checkpoint
+    assert ckpt is not None
+    return torch.load(Path(ckpt.path) / "model.pt")
+
+
+def _assert_exact(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> None:
+    assert list(got) == list(want)
+    for key in want:
+        assert got[key].dtype == torch.float64
+        assert torch.equal(got[key], want[key]), key
+
+
+def test_max_failures_retries_from_checkpoint_exactly(
+    ray_session: Any, storage: str, tmp_path: Path
+) -> None:
+    marker = tmp_path / "fail-once"
+    marker.touch()
+    config = {"lr": 0.02, "float64": True, "marker": str(marker), "once": True}
+    with HydraExecutor(devices="cpu", device_memory=BUDGET, seed=SEED) as ex:
+        analysis = th.run(
+            tune_tasks.make_task,
+            config=config,
+            stop={"training_iteration": 4},
+            checkpoint_freq=1,
+            max_failures=2,
+            storage_path=storage,
+            trial_executor=ex,
+            verbose=0,
+        )
+        assert _leftovers(ex) == []
+    (trial,) = analysis.trials
+    assert not marker.exists()  # it failed once, in epoch 3 ...
+    assert trial.num_failures == 1
+    assert trial.status == "TERMINATED"
+    assert trial.last_result["training_iteration"] == 4
+    assert trial.last_result["num_shards"] == 3
+    # ... and 2 epochs + restore + 2 epochs == 4 epochs straight, bit for bit
+    _assert_exact(_final_model(trial), _straight(config, 4))
+
+
+def test_tuner_restore_resume_errored(ray_session: Any, storage: str, tmp_path: Path) -> None:
+    marker = tmp_path / "fail-while-present"
+    marker.touch()
+    space = {
+        "lr": 0.02,
+        "float64": True,
+        "marker": tune.grid_search([str(marker), None]),
+        "once": False,
+    }
+    with HydraExecutor(devices="cpu", device_memory=BUDGET, seed=SEED) as ex:
+
+        def run_config() -> tune.RunConfig:
+            return tune.RunConfig(
+                name="restore",
+                storage_path=storage,
+                stop={"training_iteration": 4},
+                checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1),
+                callbacks=ex.callbacks(),
+                verbose=0,
+            )
+
+        tuner = tune.Tuner(
+            ex.trainable(tune_tasks.make_task),
+            param_space=space,
+            tune_config=tune.TuneConfig(
+                metric="val_loss",
+                mode="min",
+                scheduler=ex.scheduler(),
+                max_concurrent_trials=ex.max_concurrent_trials,
+            ),
+            run_config=run_config(),
+        )
+        first = tuner.fit()
+        assert first.num_errors == 1 and first.num_terminated == 1
+        failed = next(r for r in first if r.error is not None)
+        assert failed.metrics["training_iteration"] == 2
+        assert "injected failure" in str(failed.error)
+
+        marker.unlink()
+        path = str(Path(storage) / "restore")
+        assert tune.Tuner.can_restore(path)
+        restored = tune.Tuner.restore(
+            path, trainable=ex.trainable(tune_tasks.make_task), resume_errored=True
+        )
+        second = restored.fit()
+        assert _leftovers(ex) == []
+    assert second.num_errors == 0
+    assert all(r.metrics["training_iteration"] == 4 for r in second)
+    resumed = next(r for r in second if r.config["marker"] is not None)
+    got = torch.load(Path(resumed.checkpoint.path) / "model.pt")
+    _assert_exact(got, _straight(space | {"marker": None}, 4))
+
+
+class _KillEngineOnce(tune.Callback):
+    """Kills the engine actor (it restarts) when the first trial reports iteration 2."""
+
+    def __init__(self, ex: HydraExecutor) -> None:
+        self.ex, self.done = ex, False
+
+    def on_trial_result(self, iteration: int, trials: Any, trial: Any, result: Any, **info: Any):
+        if not self.done and result["training_iteration"] == 2:
+            self.done = True
+            for handle in self.ex.engines().values():
+                ray.kill(handle, no_restart=False)
+
+
+def test_engine_actor_killed_mid_run(ray_session: Any, storage: str) -> None:
+    with HydraExecutor(devices="cpu", device_memory=BUDGET, seed=SEED) as ex:
+        killer = _KillEngineOnce(ex)
+        analysis = th.run(
+            tune_tasks.make_task,
+            config={"lr": tune.grid_search([0.01, 0.02, 0.03]), "float64": True},
+            stop={"training_iteration": 5},
+            checkpoint_freq=1,
+            max_failures=5,
+            callbacks=[killer],
+            storage_path=storage,
+            trial_executor=ex,
+            verbose=0,
+        )
+        assert killer.done
+        assert _leftovers(ex) == []
+    assert all(t.status == "TERMINATED" for t in analysis.trials)
+    assert all(t.last_result["training_iteration"] == 5 for t in analysis.trials)
+    assert sum(t.num_failures for t in analysis.trials) >= 1
+    # nothing lost: every trial's model equals uninterrupted training
+    for trial in analysis.trials:
+        _assert_exact(_final_model(trial), _straight(trial.config, 5))

@@ -1,0 +1,556 @@
+"""Fast checks of the front end's parts, without starting Ray: the engine actor's logic
+(called in-process), the scheduler wrapper's budget, the task-factory check."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ray import cloudpickle
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, HyperBandScheduler
+
+from tests.frontends.ray import tune_tasks
+from tune_hydra.exceptions import TuneHydraError
+from tune_hydra.frontends.ray.actor import MODEL_FILE, EngineActor, _merge_hyperparameters
+from tune_hydra.frontends.ray.errors import (
+    EngineUnavailableError,
+    NotATaskFactoryError,
+    TaskFactoryError,
+    TaskFactoryTimeoutError,
+    TrialNotRegisteredError,
+)
+from tune_hydra.frontends.ray.executor import check_task_factory
+from tune_hydra.frontends.ray.scheduler import HydraScheduler
+
+ENGINE = {"devices": "cpu", "device_memory": "18KiB", "policy": "lrtf", "prefetch": True}
+FACTORIES = {"f": cloudpickle.dumps(tune_tasks.make_task)}  # the store, without Ray
+BLOB = "f"  # the factory's id
+SECRET = "driver-secret"
+
+
+def _call(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+@pytest.fixture
+def actor() -> Any:
+    a = EngineActor(ENGINE, {"seed": 5}, factories=FACTORIES, secret=SECRET)
+    yield a
+    _call(a.close())
+
+
+def test_register_train_save_load_with_mutated_config(actor: Any, tmp_path: Path) -> None:
+    assert _call(actor.register("a", "t1", BLOB, {"lr": 0.01})) == 2
+    results = _call(actor.train("a", "t1", 2))
+    assert [r["iteration"] for r in results] == [1, 2]
+    meta = _call(actor.save("a", "t1", str(tmp_path)))
+    assert meta["iteration"] == 2
+    saved = torch.load(tmp_path / MODEL_FILE)
+    model = tune_tasks.build_model(16, torch.float32)
+    model.load_state_dict(saved)  # the user's own keys
+
+    # PBT: another trial with a mutated lr restores this checkpoint
+    _call(actor.register("b", "t2", BLOB, {"lr": 0.05}))
+    _call(actor.load("b", "t2", str(tmp_path)))
+    state = actor._engine.get_state(actor._regs["b"].name)
+    groups = state["optimizer"]["param_groups"]
+    assert groups and all(g["lr"] == 0.05 for g in groups)
+    assert all(torch.equal(state["model"][k], saved[k]) for k in saved)
+    assert state["iteration"] == 2
+    # same config: everything, lr included, comes from the checkpoint
+    _call(actor.register("c", "t3", BLOB, {"lr": 0.01}))
+    _call(actor.load("c", "t3", str(tmp_path)))
+    state_c = actor._engine.get_state(actor._regs["c"].name)
+    assert all(g["lr"] == 0.01 for g in state_c["optimizer"]["param_groups"])
+
+
+def test_ownership_token(actor: Any) -> None:
+    _call(actor.register("a", "old", BLOB, {"lr": 0.01}))
+    _call(actor.register("a", "new", BLOB, {"lr": 0.01}))  # a newer copy takes over
+    with pytest.raises(TrialNotRegisteredError, match="newer copy"):
+        _call(actor.train("a", "old", 1))
+    assert _call(actor.deregister("a", "old")) is False  # the stale copy cannot free it
+    assert _call(actor.registered(SECRET))["trials"] == ["a"]
+    assert len(_call(actor.train("a", "new", 1))) == 1
+    assert _call(actor.deregister("a", "new")) is True
+    assert _call(actor.registered(SECRET)) == {"trials": [], "engine_tasks": []}
+    with pytest.raises(TrialNotRegisteredError, match="does not know"):
+        _call(actor.train("a", "new", 1))
+
+
+def test_factory_errors_are_clear(actor: Any) -> None:
+    with pytest.raises(TaskFactoryError, match=r"(?s)Factory traceback.*factory exploded"):
+        _call(actor.register("f", "t", BLOB, {"fail": "factory"}))
+    with pytest.raises(TaskFactoryError, match=r"not a tune_hydra\.ModelTask"):
+        _call(actor.register("g", "t", BLOB, {"fail": "type"}))
+    with pytest.raises(Exception, match="Raise device_memory"):
+        _call(actor.register("h", "t", BLOB, {"width": 512}))
+    assert _call(actor.registered(SECRET)) == {"trials": [], "engine_tasks": []}
+
+
+def test_hints_reach_the_engine(actor: Any) -> None:
+    _call(actor.set_remaining("a", SECRET, 7))  # before registration: kept for later
+    _call(actor.register("a", "t", BLOB, {"lr": 0.01}))
+    name = actor._regs["a"].name
+    assert actor._engine._tasks[name].hint == 7
+    _call(actor.cancel("a", SECRET))
+    with pytest.raises(Exception, match="cancelled"):
+        _call(actor.train("a", "t", 1))
+
+
+def test_merge_hyperparameters_keeps_state() -> None:
+    # per parameter: the checkpoint's state, the fresh groups (cut another way: 2 shards
+    # then, 1 now)
+    loaded = {
+        "state": {"0.weight": "m0", "2.weight": "m2"},
+        "param_groups": [{"lr": 1.0, "params": ["0.weight"]}, {"lr": 1.0, "params": ["2.weight"]}],
+    }
+    fresh = {"state": {}, "param_groups": [{"lr": 2.0, "params": ["0.weight", "2.weight"]}]}
+    assert _merge_hyperparameters(loaded, fresh) == {
+        "state": {"0.weight": "m0", "2.weight": "m2"},
+        "param_groups": [{"lr": 2.0, "params": ["0.weight", "2.weight"]}],
+    }
+    other_model = {"state": {}, "param_groups": [{"lr": 2.0, "params": ["0.weight"]}]}
+    assert _merge_hyperparameters(loaded, other_model) is loaded
+    assert _merge_hyperparameters(loaded, None) is loaded
+    # the older per-shard layout: group by group, in order
+    legacy = [
+        {"state": {0: "m"}, "param_groups": [{"lr": 1.0, "params": [0]}]},
+        None,  # a shard without parameters
+        {"state": {}, "param_groups": [{"lr": 1.0, "params": [0]}]},
+    ]
+    two = {"param_groups": [{"lr": 2.0, "params": ["a"]}, {"lr": 3.0, "params": ["b"]}]}
+    assert _merge_hyperparameters(legacy, two) == [
+        {"state": {0: "m"}, "param_groups": [{"lr": 2.0, "params": [0]}]},
+        None,
+        {"state": {}, "param_groups": [{"lr": 3.0, "params": [0]}]},
+    ]
+    assert _merge_hyperparameters(legacy, fresh) is legacy  # 2 groups then, 1 now
+
+
+def test_scheduler_budget() -> None:
+    assert HydraScheduler(None, stop={"training_iteration": 6}).budget == 6
+    assert HydraScheduler(ASHAScheduler(max_t=4), stop={"training_iteration": 9}).budget == 4
+    assert HydraScheduler(HyperBandScheduler(max_t=5)).budget == 5
+    assert HydraScheduler(ASHAScheduler(time_attr="time_total_s", max_t=4)).budget is None
+    assert HydraScheduler(FIFOScheduler(), stop=lambda trial, result: False).budget is None
+    assert HydraScheduler(None, stop={"training_iteration": 6}, max_iterations=3).budget == 3
+    wrapped = HydraScheduler(ASHAScheduler(metric="loss", mode="min"))
+    assert wrapped.metric == "loss" and wrapped.base._max_t == 100
+    restored = cloudpickle.loads(cloudpickle.dumps(wrapped))
+    assert restored.budget == 100 and restored.metric == "loss"
+
+
+def test_check_task_factory() -> None:
+    check_task_factory(tune_tasks.make_task)
+    check_task_factory(lambda config: None)
+    for bad in ("PPO", EngineActor, 3, lambda: None, lambda a, b: None):
+        with pytest.raises(NotATaskFactoryError):
+            check_task_factory(bad)
+
+
+def test_concurrent_registrations_build_identical_models(actor: Any) -> None:
+    # The factory seeds torch's global generator; builds running at once in the actor's
+    # thread pool must not interleave their draws (it broke exact resume parity once).
+    async def register_all() -> None:
+        await asyncio.gather(
+            *[actor.register(f"t{i}", "tok", BLOB, {"lr": 0.01, "width": 24}) for i in range(8)]
+        )
+
+    for _ in range(3):
+        _call(register_all())
+        states = [actor._engine.get_state(actor._regs[f"t{i}"].name)["model"] for i in range(8)]
+        for state in states[1:]:
+            assert all(torch.equal(state[k], states[0][k]) for k in state)
+        for i in range(8):
+            _call(actor.deregister(f"t{i}", "tok"))
+
+
+def test_recompute_reaches_the_engine() -> None:
+    """HydraExecutor(recompute=...) is passed through the actor's engine options."""
+    from tune_hydra.frontends.ray.executor import HydraExecutor
+
+    assert HydraExecutor(recompute=True).recompute is True
+    a = EngineActor({**ENGINE, "recompute": True}, {"seed": 5}, factories=FACTORIES)
+    try:
+        assert _call(a.register("a", "t1", BLOB, {"lr": 0.01})) == 2
+        assert a._engine.recompute is True
+        assert [r["iteration"] for r in _call(a.train("a", "t1", 1))] == [1]
+    finally:
+        _call(a.close())
+
+
+@pytest.mark.parametrize(
+    ("option", "value"),
+    [
+        ("precision", "fp8"),
+        ("accumulate_steps", 0),
+        ("seed", "x"),
+        ("max_grad_norm", "1.0"),
+        ("iteration_batches", 0),
+        ("slots_per_node", -2),
+    ],
+)
+def test_executor_refuses_bad_options_at_construction(option: str, value: Any) -> None:
+    """Options every trial would fail on are refused by HydraExecutor() itself, with the
+    engine's own rules (tune_hydra.options), naming the option, the value and the fix."""
+    from tune_hydra.exceptions import InvalidOptionError
+    from tune_hydra.frontends.ray.executor import HydraExecutor
+
+    with pytest.raises(InvalidOptionError) as info:
+        HydraExecutor(devices="cpu", **{option: value})
+    err = info.value
+    assert isinstance(err, ValueError)
+    assert err.option == option and err.value == value and err.where == "HydraExecutor"
+    assert str(err).startswith(f"HydraExecutor: {option}={value!r} is not valid: give ")
+
+
+def test_executor_accepts_good_options() -> None:
+    from tune_hydra.frontends.ray.executor import HydraExecutor
+
+    ex = HydraExecutor(
+        devices="cpu",
+        precision="bf16",
+        accumulate_steps=2,
+        seed=7,
+        max_grad_norm=1.0,
+        iteration_batches=3,
+    )
+    assert ex.task_options == {
+        "seed": 7,
+        "max_grad_norm": 1.0,
+        "accumulate_steps": 2,
+        "precision": "bf16",
+        "iteration_batches": 3,
+    }
+    assert HydraExecutor(devices="cpu", precision="fp32").task_options["precision"] == "fp32"
+
+
+def test_driver_calls_need_the_executors_secret(actor: Any) -> None:
+    _call(actor.register("a", "tok", BLOB, {"lr": 0.01}))
+    for call in (
+        lambda: actor.cancel("a", "stranger"),
+        lambda: actor.set_remaining("a", "stranger", 3),
+        lambda: actor.registered("stranger"),
+        lambda: actor.abort_builds("stranger"),
+        lambda: actor.release_factory("stranger", BLOB),
+        lambda: actor.train("a", "stranger", 1),
+    ):
+        with pytest.raises(TrialNotRegisteredError):
+            _call(call())
+    assert _call(actor.deregister("a", "stranger")) is False
+    assert _call(actor.registered(SECRET))["trials"] == ["a"]
+    assert len(_call(actor.train("a", SECRET, 1))) == 1  # the driver may act for a trial
+    assert _call(actor.deregister("a", SECRET)) is True
+
+
+def test_a_released_factory_says_the_experiment_ended(actor: Any) -> None:
+    _call(actor.register("a", "tok", BLOB, {"lr": 0.01}))
+    _call(actor.release_factory(SECRET, BLOB))
+    backup = dict(FACTORIES)
+    FACTORIES.clear()  # the driver freed it in the cluster store too
+    try:
+        with pytest.raises(TaskFactoryError, match="experiment ended"):
+            _call(actor.register("b", "tok", BLOB, {"lr": 0.01}))
+        assert len(_call(actor.train("a", "tok", 1))) == 1  # registered trials go on
+    finally:
+        FACTORIES.update(backup)
+
+
+def test_a_factory_wait_is_aborted_by_its_owner_or_the_driver(tmp_path: Path) -> None:
+    hang = {"h": cloudpickle.dumps(tune_tasks.make_slow_task)}
+    a = EngineActor(ENGINE, {"seed": 5}, factories=hang, secret=SECRET, factory_timeout_s=60)
+
+    async def scenario(aborter: str) -> BaseException:
+        started = tmp_path / f"started-{aborter}"
+        reg = asyncio.ensure_future(
+            a.register("k", "tok", "h", {"hang": True, "started": str(started)})
+        )
+        while not started.exists():
+            await asyncio.sleep(0.05)
+        with pytest.raises(TrialNotRegisteredError):
+            await a.cancel("k", "stranger")  # not its owner
+        if aborter == "driver":
+            assert await a.abort_builds(SECRET) == 1
+        else:
+            await a.cancel("k", "tok")
+        try:
+            await asyncio.wait_for(reg, 10)
+        except BaseException as err:
+            return err
+        raise AssertionError("the registration was not aborted")
+
+    try:
+        for aborter in ("owner", "driver"):
+            err = _call(scenario(aborter))
+            assert isinstance(err, EngineUnavailableError) and "stopped while" in str(err)
+        assert _call(a.registered(SECRET))["trials"] == []
+    finally:
+        _call(a.close())
+
+
+def test_a_hung_factory_times_out() -> None:
+    hang = {"h": cloudpickle.dumps(tune_tasks.make_slow_task)}
+    a = EngineActor(ENGINE, {"seed": 5}, factories=hang, secret=SECRET, factory_timeout_s=0.5)
+    try:
+        with pytest.raises(TaskFactoryTimeoutError, match=r"within 0\.5 s"):
+            _call(a.register("k", "tok", "h", {"hang": True}))
+    finally:
+        _call(a.close())
+
+
+def test_a_module_level_model_is_refused_live_or_reused() -> None:
+    from tune_hydra.exceptions import ReusedModelError, SharedModelError
+
+    shared = {"s": cloudpickle.dumps(tune_tasks.make_shared_task)}
+    a = EngineActor(ENGINE, {"seed": 5}, factories=shared, secret=SECRET)
+    try:
+        _call(a.register("t1", "tok", "s", {"lr": 0.01}))
+        with pytest.raises(SharedModelError, match="inside make_task") as info:
+            _call(a.register("t2", "tok", "s", {"lr": 0.02}))
+        assert not isinstance(info.value, ReusedModelError)  # t1 is live: the engine says
+        _call(a.train("t1", "tok", 1))
+        assert _call(a.deregister("t1", "tok")) is True
+        with pytest.raises(ReusedModelError, match=r"trial 't1' already trained"):
+            _call(a.register("t3", "tok", "s", {"lr": 0.02}))
+        assert _call(a.registered(SECRET))["trials"] == []
+        _call(a.register("t1", "tok2", "s", {"lr": 0.01}))  # the same trial again: allowed
+    finally:
+        _call(a.close())
+
+
+# -- issue 13: fail once, Tune's wrappers, checkpoints by default (no Ray started) ---------
+
+
+def test_a_function_trainable_is_refused_before_any_trial() -> None:
+    import tune_hydra as th
+    from tune_hydra.frontends.ray.actor import tune_report_call
+    from tune_hydra.frontends.ray.executor import HydraExecutor
+
+    assert tune_report_call(tune_tasks.train_fn) == "ray.tune.report"
+    assert tune_report_call(tune_tasks.make_task) is None
+    ex = HydraExecutor(devices="cpu")
+    with pytest.raises(NotATaskFactoryError) as info:
+        th.run(tune_tasks.train_fn, metric="loss", mode="min", trial_executor=ex)
+    text = str(info.value)
+    assert "'train_fn' calls ray.tune.report(...): it is a function trainable" in text
+    assert "drop trial_executor" in text and "th.ModelTask" in text
+    with pytest.raises(NotATaskFactoryError, match="function trainable"):
+        ex.trainable(tune_tasks.train_fn)
+    assert not ex.started  # refused before any engine (or trial) started
+
+
+def test_a_metric_nobody_reports_is_refused_before_any_trial() -> None:
+    import tune_hydra as th
+    from tune_hydra.frontends.ray.errors import UnreportedMetricError
+    from tune_hydra.frontends.ray.executor import HydraExecutor
+    from tune_hydra.frontends.ray.run import _check_reported
+
+    ex = HydraExecutor(devices="cpu")
+    with pytest.raises(UnreportedMetricError) as info:
+        th.run(tune_tasks.make_task, metric="iteration", mode="max", trial_executor=ex)
+    text = str(info.value)
+    assert text.startswith("metric='iteration' is not reported")
+    for key in ("loss", "val_loss", "device_time_s", "training_iteration", "time_total_s"):
+        assert key in text, key
+    assert "ModelTask(metrics=" in text
+    with pytest.raises(UnreportedMetricError, match="scheduler='iteration'"):
+        th.run(
+            tune_tasks.make_task,
+            scheduler=ASHAScheduler(metric="iteration", mode="max"),
+            trial_executor=ex,
+        )
+    # a name of the task's own (known once a factory ran) is checked by each trial instead
+    assert _check_reported({"metric": "mean_accuracy", "mode": "max"}) == ("mean_accuracy",)
+    assert isinstance(info.value, ValueError)
+    assert not ex.started
+    for ok in ("val_loss", "loss", "training_iteration", "time_total_s", "config/lr"):
+        _check_reported({"metric": ok, "mode": "min"})
+
+
+def test_with_resources_on_the_factory_is_refused() -> None:
+    from ray import tune
+
+    from tune_hydra.exceptions import SystematicTaskError
+    from tune_hydra.frontends.ray.errors import TrialResourcesError
+
+    def make(config: dict[str, Any]) -> Any:
+        return tune_tasks.make_task(config)
+
+    with pytest.raises(TrialResourcesError, match=r"without tune\.with_resources") as info:
+        check_task_factory(tune.with_resources(make, {"cpu": 2}))
+    assert isinstance(info.value, SystematicTaskError)
+
+
+def test_with_parameters_around_the_factory_is_unwrapped() -> None:
+    from ray import tune
+
+    from tune_hydra.frontends.ray.actor import BoundFactory
+    from tune_hydra.frontends.ray.executor import unwrap_with_parameters
+
+    data = tune_tasks.dataset()
+    wrapped = tune.with_parameters(tune_tasks.make_task_with, data=data)
+    check_task_factory(wrapped)
+    fn, params = unwrap_with_parameters(wrapped)  # type: ignore[misc]
+    assert fn is tune_tasks.make_task_with and list(params) == ["data"]
+    value = params["data"]  # what Tune holds: the value, or its reference once Ray is up
+    if isinstance(value, ray.ObjectRef):
+        value = ray.get(value)
+    assert all(torch.equal(a[0], b[0]) for a, b in zip(value, data, strict=True))
+    assert unwrap_with_parameters(tune_tasks.make_task) is None
+    with pytest.raises(NotATaskFactoryError, match=r"keyword arguments \['dataset'\]"):
+        check_task_factory(tune.with_parameters(tune_tasks.make_task, dataset=data))
+    with pytest.raises(NotATaskFactoryError, match="function trainable"):
+        check_task_factory(tune.with_parameters(tune_tasks.train_fn, data=data))
+
+    bound = BoundFactory(tune_tasks.make_task_with, {"data": data})
+    assert bound.__name__ == "make_task_with"
+    assert bound({"lr": 0.01}).train_data is data
+    copy = cloudpickle.loads(cloudpickle.dumps(bound))
+    assert copy.parameters["data"][0][0].shape == data[0][0].shape and copy._values is None
+
+
+@pytest.mark.filterwarnings("ignore:`report` is meant")  # hidden_train_fn reports, no session
+def test_systematic_mistakes_are_marked_and_config_ones_are_not() -> None:
+    from tune_hydra.exceptions import (
+        InvalidModelError,
+        NotATaskError,
+        ShardTooLargeError,
+        SystematicTaskError,
+        UncuttableModelError,
+    )
+
+    factories = {
+        name: cloudpickle.dumps(getattr(tune_tasks, name))
+        for name in ("make_no_task", "hidden_train_fn", "make_net_task", "make_task")
+    }
+    a = EngineActor(ENGINE, {"seed": 5}, factories=factories, secret=SECRET)
+    try:
+        with pytest.raises(NotATaskError) as info:
+            _call(a.register("t1", "tok", "make_no_task", {"lr": 0.01}))
+        err = info.value
+        assert isinstance(err, TaskFactoryError) and isinstance(err, TypeError)
+        assert err.trial == "t1" and "returned NoneType, not a tune_hydra.ModelTask" in str(err)
+        assert "function trainable passed by mistake" in str(err)
+        assert "experiment stops at the first one" in str(err)
+        with pytest.raises(NotATaskError, match="function trainable"):
+            _call(a.register("t2", "tok", "hidden_train_fn", {"lr": 0.01}))
+        with pytest.raises(UncuttableModelError, match=r"nn\.Sequential") as cut:
+            _call(a.register("t3", "tok", "make_net_task", {"lr": 0.01}))
+        assert isinstance(cut.value, InvalidModelError)
+        # config-dependent: that trial alone
+        for config in ({"fail": "factory"}, {"width": 512}):
+            with pytest.raises(Exception) as other:
+                _call(a.register("t4", "tok", "make_task", config))
+            assert not isinstance(other.value, SystematicTaskError)
+        assert isinstance(other.value, ShardTooLargeError)
+        # what tune.with_parameters around the trainable sends: keyword arguments
+        data = tune_tasks.dataset(n_batches=2)
+        a._store["with"] = cloudpickle.dumps(tune_tasks.make_task_with)
+        assert _call(a.register("t5", "tok", "with", {"lr": 0.01}, {"data": data})) == 2
+        assert len(_call(a.train("t5", "tok", 1))) == 1
+        assert _call(a.registered(SECRET))["trials"] == ["t5"]
+    finally:
+        _call(a.close())
+
+
+def test_stopper_keeps_tune_semantics_and_stops_all_on_a_systematic_mistake() -> None:
+    from ray.tune.stopper import MaximumIterationStopper
+
+    from tune_hydra.exceptions import NotATaskError
+    from tune_hydra.frontends.ray.callback import (
+        HydraStopper,
+        clear_systematic,
+        find_systematic,
+        systematic_error,
+    )
+    from tune_hydra.frontends.ray.scheduler import _budget_from_stop
+
+    stopper = HydraStopper("run-a", {"training_iteration": 3, "info/loss": 5})
+    assert not stopper("t", {"training_iteration": 2, "info": {"loss": 1}})
+    assert stopper("t", {"training_iteration": 3})
+    assert stopper("t", {"training_iteration": 1, "info": {"loss": 7}})
+    assert _budget_from_stop(stopper) == 3  # the scheduler wrapper still sees the budget
+    assert HydraStopper("r", lambda trial_id, result: result["x"] > 1)("t", {"x": 2})
+    counting = HydraStopper("r", MaximumIterationStopper(2))  # counts its own calls
+    assert [counting("t", {}), counting("t", {})] == [False, True]
+    assert not HydraStopper("r")("t", {"training_iteration": 99})
+    with pytest.raises(ValueError, match="Stopper"):
+        HydraStopper("r", 3)
+
+    mistake = NotATaskError("t1", "the task factory returned NoneType", "return a ModelTask")
+
+    class Wrapped(Exception):  # what Ray makes of an error raised in a trial
+        def __init__(self, cause: BaseException) -> None:
+            super().__init__("ray::train()")
+            self.cause = cause
+
+    assert find_systematic(Wrapped(Wrapped(mistake))) is mistake
+    assert find_systematic(Wrapped(ValueError("config-dependent"))) is None
+    assert find_systematic(None) is None
+
+    from tune_hydra.frontends.ray import callback as cb
+
+    assert not stopper.stop_all()
+    cb._SYSTEMATIC["run-a"] = mistake  # what HydraCallback records on the trial's error
+    try:
+        assert stopper.stop_all() and systematic_error("run-a") is mistake
+        assert not HydraStopper("run-b").stop_all()  # another executor's experiment
+    finally:
+        clear_systematic("run-a")
+    assert not stopper.stop_all()
+
+
+def test_callback_checkpoint_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    from types import SimpleNamespace
+
+    from ray.tune.result import DONE, SHOULD_CHECKPOINT
+
+    from tune_hydra.exceptions import NotATaskError
+    from tune_hydra.frontends.ray.callback import HydraCallback, clear_systematic, systematic_error
+    from tune_hydra.frontends.ray.executor import HydraExecutor
+
+    plain = SimpleNamespace(checkpoint_freq=0, checkpoint_at_end=None)
+    theirs = SimpleNamespace(checkpoint_freq=2, checkpoint_at_end=None)
+
+    def after(cb: HydraCallback, trial: Any, **result: Any) -> bool:
+        cb.on_trial_result(0, [], trial, result)
+        return bool(result.get(SHOULD_CHECKPOINT))
+
+    every, end = HydraCallback("r", "every"), HydraCallback("r", "end")
+    assert after(every, plain, **{SHOULD_CHECKPOINT: True})  # the proxy asked: kept
+    assert not after(every, theirs, **{SHOULD_CHECKPOINT: True})  # the run's setting rules
+    assert not after(end, plain) and after(end, plain, **{DONE: True})
+    assert not after(end, theirs, **{DONE: True})
+    assert not after(HydraCallback("r", None), plain, **{DONE: True})
+    copy = cloudpickle.loads(cloudpickle.dumps(end))
+    assert (copy.run_id, copy.checkpoint) == ("r", "end")
+
+    # a trial's recorded mistake (JSON in the cluster store; here a dict) -> recorded once
+    # for the executor, rebuilt as its own class
+    from ray.experimental import internal_kv
+
+    from tune_hydra.frontends.ray.factories import FactoryStore
+
+    kv: dict[bytes, bytes] = {}
+    monkeypatch.setattr(internal_kv, "_internal_kv_put", lambda k, v, **_: kv.__setitem__(k, v))
+    monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda k, **_: kv.get(k))
+    mistake = NotATaskError("t1", "the task factory returned NoneType", "return a ModelTask")
+    FactoryStore("r").record_error("t1", mistake)
+    assert b"NoneType" in next(iter(kv.values()))  # plain JSON, nothing to unpickle
+    failed = SimpleNamespace(trial_id="t1")
+    try:
+        every.on_trial_error(0, [], failed)
+        found = systematic_error("r")
+        assert type(found) is NotATaskError and str(found) == str(mistake)
+    finally:
+        clear_systematic("r")
+
+    assert HydraExecutor(devices="cpu").checkpoint == "every"
+    assert HydraExecutor(devices="cpu", checkpoint=False).checkpoint is None
+    with pytest.raises(TuneHydraError, match="'every'"):
+        HydraExecutor(devices="cpu", checkpoint="sometimes")

@@ -1,0 +1,183 @@
+"""th.run with a HydraExecutor: grid search, results, checkpoints, forwarding, bad input."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import torch
+from ray import tune
+from ray.tune.schedulers import ASHAScheduler
+
+import tune_hydra as th
+from tests.frontends.ray import tune_tasks
+from tune_hydra.exceptions import TuneHydraError, UnknownPolicyError
+from tune_hydra.frontends.ray import (
+    HydraExecutor,
+    InvalidExecutorError,
+    MissingMetricError,
+    NotATaskFactoryError,
+    run,
+)
+
+pytestmark = pytest.mark.integration
+
+BUDGET = "18KiB"  # cuts the 16-wide MLP into 2 shards (3 in float64)
+
+
+def _registered(ex: HydraExecutor) -> list[str]:
+    regs = ex.registered_trials()
+    return [t for r in regs.values() for t in r["trials"] + r["engine_tasks"]]
+
+
+def test_signature_mirrors_tune_run() -> None:
+    ours = inspect.signature(run).parameters
+    theirs = inspect.signature(tune.run).parameters
+    assert list(ours)[: len(theirs)] == list(theirs)
+    assert ours["trial_executor"].default is None
+    assert ours["trial_executor"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert th.run is run and th.HydraExecutor is HydraExecutor
+
+
+def test_trainable_module_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, tune_hydra.frontends.ray.trainable; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_grid_search_results_and_checkpoints(ray_session: Any, storage: str) -> None:
+    ex = HydraExecutor(devices="cpu", device_memory=BUDGET, seed=3)
+    with ex:
+        assert ex.max_concurrent_trials == 8
+        analysis = th.run(
+            tune_tasks.make_task,
+            config={"lr": tune.grid_search([0.003, 0.01, 0.03])},
+            metric="val_loss",
+            mode="min",
+            stop={"training_iteration": 3},
+            checkpoint_freq=1,
+            storage_path=storage,
+            trial_executor=ex,
+            verbose=0,
+        )
+        assert ex.started  # th.run leaves an executor it did not start running
+        assert _registered(ex) == []  # every trial freed its registration
+        trace = ex.trace()
+    assert not ex.started
+    assert len(analysis.trials) == 3
+    for trial in analysis.trials:
+        assert trial.status == "TERMINATED"
+        result = trial.last_result
+        assert result["training_iteration"] == 3
+        for key in ("loss", "val_loss", "num_shards", "device_time_s", "bytes_spilled", "epoch"):
+            assert key in result, key
+        assert result["num_shards"] >= 2
+        assert result["epoch"] == 3
+    assert analysis.best_config["lr"] in (0.003, 0.01, 0.03)
+    # model.pt is the whole model's state_dict, loadable into a fresh model
+    ckpt = analysis.best_checkpoint
+    assert ckpt is not None
+    model = tune_tasks.build_model(16, torch.float32)
+    model.load_state_dict(torch.load(Path(ckpt.path) / "model.pt"))
+    # the engine ran all three trials' shards
+    assert len({e.task for e in trace.events}) == 3
+
+
+def test_none_executor_forwards_to_tune_run(ray_session: Any, storage: str) -> None:
+    def trainable(config: dict[str, Any]) -> None:
+        tune.report({"score": config["x"] * 2})
+
+    analysis = th.run(
+        trainable,
+        config={"x": tune.grid_search([1, 2])},
+        metric="score",
+        mode="max",
+        storage_path=storage,
+        verbose=0,
+    )
+    assert isinstance(analysis, tune.ExperimentAnalysis)
+    assert analysis.best_config == {"x": 2}
+
+
+def test_failing_trials_error_alone(ray_session: Any, storage: str) -> None:
+    ex = HydraExecutor(devices="cpu", device_memory=BUDGET)
+    with ex:
+        analysis = th.run(
+            tune_tasks.make_task,
+            config={
+                # A factory returning no ModelTask is systematic: it ends the whole run
+                # (tests/frontends/ray/test_dropin_integration.py), so it is not among these.
+                "case": tune.grid_search(["ok", "factory", "nan", "big", "raise"]),
+                "fail": tune.sample_from(
+                    lambda s: {"factory": "factory", "nan": "nan"}.get(s.config["case"])
+                ),
+                "width": tune.sample_from(lambda s: 512 if s.config["case"] == "big" else 16),
+                "marker": tune.sample_from(
+                    lambda s: __file__ if s.config["case"] == "raise" else None
+                ),
+                "fail_after": 1,
+            },
+            stop={"training_iteration": 2},
+            storage_path=storage,
+            trial_executor=ex,
+            raise_on_failed_trial=False,
+            verbose=0,
+        )
+        assert _registered(ex) == []
+    by_case = {t.config["case"]: t for t in analysis.trials}
+    assert by_case["ok"].status == "TERMINATED"
+    assert by_case["ok"].last_result["training_iteration"] == 2
+    expected = {
+        "factory": ["factory exploded on purpose", "Factory traceback", "make_task"],
+        "nan": ["nan"],
+        "big": ["ShardTooLargeError", "Raise device_memory"],
+        "raise": ["injected failure", "Original traceback", "tune_tasks.py"],
+    }
+    for case, needles in expected.items():
+        trial = by_case[case]
+        assert trial.status == "ERROR", case
+        text = Path(trial.error_file).read_text() if trial.error_file else ""
+        for needle in needles:
+            assert needle.lower() in text.lower(), (case, needle, text[-2000:])
+
+
+def test_bad_input_is_rejected_early(ray_session: Any, storage: str) -> None:
+    ex = HydraExecutor(devices="cpu")
+    with pytest.raises(NotATaskFactoryError, match="task factory"):
+        th.run("PPO", trial_executor=ex)
+    with pytest.raises(NotATaskFactoryError, match="class"):
+        th.run(tune.Trainable, trial_executor=ex)
+    with pytest.raises(NotATaskFactoryError, match="one argument"):
+        th.run(lambda: None, trial_executor=ex)
+    with pytest.raises(InvalidExecutorError, match="HydraExecutor"):
+        th.run(tune_tasks.make_task, trial_executor=object())  # type: ignore[arg-type]
+    with pytest.raises(MissingMetricError, match="metric"):
+        th.run(tune_tasks.make_task, scheduler=ASHAScheduler(), trial_executor=ex)
+    with pytest.raises(MissingMetricError, match="mode"):
+        th.run(tune_tasks.make_task, metric="loss", mode="lowest", trial_executor=ex)
+    with pytest.raises(InvalidExecutorError, match="resources_per_trial"):
+        th.run(tune_tasks.make_task, resources_per_trial={"cpu": 1}, trial_executor=ex)
+    with pytest.raises(TypeError, match="unexpected"):
+        th.run(tune_tasks.make_task, not_an_arg=1, trial_executor=ex)
+    with pytest.raises(UnknownPolicyError, match="lrtf"):
+        HydraExecutor(policy="fastest")
+    with pytest.raises(TuneHydraError, match="8GiB"):
+        HydraExecutor(device_memory="lots")
+    assert not ex.started  # nothing was started by the rejected calls
+    assert not [n for n in ray.util.list_named_actors() if n.startswith("tune_hydra_engine")]
+
+
+def test_auto_devices_without_gpu_warns(ray_session: Any) -> None:
+    t0 = time.time()
+    with pytest.warns(UserWarning, match="no GPU"), HydraExecutor(devices="auto") as ex:
+        assert len(ex.engines()) == 1
+    assert time.time() - t0 < 60
+    assert os.environ.get("RAY_AUTH_MODE") == "disabled"

@@ -1,0 +1,69 @@
+"""The scheduling policy interface: one decision method."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tune_hydra.core.ops import Op
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """A task's next operation, offered to a policy for one free device.
+
+    Attributes:
+        op: the operation.
+        remaining_s: estimated seconds of work the task still has (measured shard times x
+            operations left, including iterations announced with ``set_remaining``).
+        resident: running the operation on the device being filled is cheaper than
+            elsewhere: on a device that copies shard state (a GPU, or ``copy_on_cpu``),
+            the shard is already there, so nothing moves; on a CPU device that copies
+            nothing, the task is the one that ran there last, so its activations and
+            state are still in that core's caches.
+        ready_since: engine-clock seconds since the operation became ready.
+        order: the task's registration order (0, 1, ...), for stable tie-breaking.
+    """
+
+    op: Op
+    remaining_s: float
+    resident: bool
+    ready_since: float
+    order: int
+
+
+class BasePolicy(abc.ABC):
+    """Decides which ready operation a free device runs next.
+
+    Subclass it and implement :meth:`choose`; pass an instance as ``policy=`` to
+    ``train_models``, ``Engine`` or ``HydraExecutor``. The engine calls ``choose`` from a
+    single thread, so a policy may keep state without locks.
+
+    Example:
+        >>> from tune_hydra.core.policies import BasePolicy
+        >>> class ShortestFirst(BasePolicy):
+        ...     name = "srtf"
+        ...     def choose(self, device, candidates):
+        ...         return min(candidates, key=lambda c: (c.remaining_s, c.order))
+    """
+
+    name: str = "custom"
+
+    @abc.abstractmethod
+    def choose(self, device: int, candidates: Sequence[Candidate]) -> Candidate | None:
+        """Pick one of ``candidates`` for device number ``device``.
+
+        Args:
+            device: index of the free device in the engine's device list.
+            candidates: the ready operations (never empty), one per task at most.
+
+        Returns:
+            One element of ``candidates``, or ``None`` to leave the device idle for now.
+        """
+
+    def forget(self, task: str) -> None:  # noqa: B027 - optional hook, default no-op
+        """Called when a task leaves the engine; drop any per-task state."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"

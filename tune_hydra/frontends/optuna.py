@@ -1,0 +1,731 @@
+"""``th.optimize``: Optuna's own study loop on the embedded engine, without Ray.
+
+:func:`optimize` drives an ``optuna.Study`` with Optuna's ask-and-tell interface: it asks
+up to ``max_concurrent`` trials at a time, builds each trial's
+:class:`~tune_hydra.ModelTask` with the user's define-by-run ``make_task(trial)`` (which
+calls ``trial.suggest_*``), adds it to one :class:`~tune_hydra.engine.Engine`, and trains
+every trial one epoch at a time while the engine multiplexes all their shards on the
+shared devices. After each epoch the trial reports the metric (``trial.report``); the
+study's pruner decides whether it goes on. Several processes or machines running
+:func:`optimize` on one study through Optuna's RDB or journal storage is Optuna's own
+distributed mode: each process trains its own trials on its own devices.
+
+Importing this module imports neither torch, optuna nor Ray; :func:`optimize` imports
+torch and optuna when called, and never Ray.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import difflib
+import logging
+import math
+import numbers
+import os
+import threading
+import time
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from tune_hydra.exceptions import (
+    CheckpointError,
+    InvalidOptionError,
+    InvalidStudyError,
+    InvalidTaskError,
+    MissingDependencyError,
+    ReusedModelError,
+    TaskFactoryError,
+    UnknownMetricError,
+    UnknownOptionError,
+)
+from tune_hydra.frontends.checkpoint import MODEL_FILE, _fsync_dir, temp_name
+from tune_hydra.options import (
+    ENGINE_KEYS,
+    check_max_layers_per_shard,
+    check_positive_int,
+    check_task_options,
+)
+
+if TYPE_CHECKING:
+    import optuna
+
+    from tune_hydra.engine import Engine, ModelTask
+
+METRICS = {
+    "loss": "the epoch's mean training loss",
+    "val_loss": "the mean loss on the task's eval_data after the epoch",
+}
+"""The metrics :func:`optimize` can report to Optuna (keys of the engine's per-epoch
+results), each lower-is-better."""
+
+ENGINE_OPTIONS = ("policy", "prefetch", "recompute", "copy_on_cpu", "max_layers_per_shard")
+"""``train_opts`` that configure the engine (see :class:`~tune_hydra.engine.Engine`)."""
+TASK_OPTIONS = ("seed", "max_grad_norm", "accumulate_steps", "precision")
+"""``train_opts`` given to every trial's task (see ``Engine.add_task``)."""
+OTHER_OPTIONS = ("factory_timeout_s",)
+"""Other ``train_opts``: the most seconds one ``make_task(trial)`` call may take."""
+
+_POLL_S = 0.5  # the driver wakes at least this often (timeouts, Ctrl-C)
+_ABORT_WAIT_S = 5.0  # after Ctrl-C, the longest wait for factories and saves in flight
+_MAX_ERROR_CHARS = 20_000  # an error stored in trial.user_attrs["error"]
+
+
+def optimize(
+    study: optuna.Study,
+    make_task: Callable[[optuna.Trial], ModelTask],
+    n_trials: int | None = None,
+    epochs: int = 1,
+    devices: Any = "auto",
+    device_memory: int | str | None = None,
+    max_concurrent: int | None = None,
+    metric: str = "val_loss",
+    save_dir: str | os.PathLike[str] | None = None,
+    *,
+    timeout: float | None = None,
+    engine: Engine | None = None,
+    **train_opts: Any,
+) -> optuna.Study:
+    """Run an Optuna study with many trials trained at once, shard by shard, on shared
+    devices.
+
+    This is Optuna's own study loop (``study.ask()`` / ``study.tell()``), without Ray: up
+    to ``max_concurrent`` trials are in flight, their shards multiplexed on ``devices`` by
+    one engine, each trained exactly as plain PyTorch would (see :func:`~tune_hydra.train_plain`).
+    For each trial:
+
+    1. ``make_task(trial)`` builds its task: define-by-run, it calls ``trial.suggest_*``
+       and returns a :class:`~tune_hydra.ModelTask`. It runs in a thread of its own on a
+       private random generator (seeded with ``seed`` if given), so it draws exactly what
+       it would alone, and other trials keep training meanwhile. Raising
+       ``optuna.TrialPruned`` there skips the configuration (the trial ends ``PRUNED``).
+    2. The trial trains one epoch at a time. After each epoch it calls
+       ``trial.report(value, step)`` with the epoch's ``metric`` and the epoch's index as
+       the step (0 for the first, as in Optuna's ``for epoch in range(...)`` examples, so
+       pruner settings carry over), then asks ``trial.should_prune()`` (after the last
+       epoch too), exactly as Optuna's documented training loop does.
+    3. **Pruned**: the trial's shards are dropped from the engine at once (nothing more of
+       it is queued or run) and it ends ``PRUNED``; a new trial takes its slot.
+    4. **Failed**: if ``make_task`` raises (or returns no ``ModelTask``, or takes longer
+       than ``factory_timeout_s``), or training raises (a NaN loss, a layer over
+       ``device_memory``, bad data ...), the trial ends ``FAIL`` with the error logged and
+       stored in ``trial.user_attrs["error"]``; the other trials go on.
+    5. **Complete**: after ``epochs`` epochs its value is the metric of the last epoch.
+       With ``save_dir``, its model's ``state_dict`` (your own keys) is written atomically
+       to ``save_dir/trial_<number>/model.pt`` first, and that path is stored in
+       ``trial.user_attrs["model_path"]``.
+
+    Every trial also gets ``trial.user_attrs["num_shards"]`` (how its model was cut).
+    Whether lower or higher is better comes from the study: ``loss`` and ``val_loss``
+    need a minimizing study; a metric of the task's own (``ModelTask(metrics=...)``, e.g.
+    ``accuracy``) goes either way. A trial's task is named ``trial_<number>`` in the engine (and
+    its trace). Ctrl-C (``KeyboardInterrupt``) drops every trial's queued work, ends the
+    running trials ``FAIL`` (error ``"interrupted ..."``), closes the engine and re-raises.
+
+    Distributed: give every process (on any machine) the same study through Optuna's
+    shared storage, ``optuna.load_study(study_name=..., storage="postgresql://...")`` or a
+    ``JournalStorage`` on a shared file system, and run :func:`optimize` in each on its
+    own devices; Optuna gives each trial a distinct number, and ``n_trials`` counts the
+    trials of this process.
+
+    Args:
+        study: a single-objective ``optuna.Study`` (its sampler, pruner, direction and
+            storage are used as they are).
+        make_task: ``make_task(trial) -> th.ModelTask``; build the model inside it.
+        n_trials: trials this call runs (like ``study.optimize``); ``None``: until
+            ``timeout`` (or Ctrl-C).
+        epochs: epochs each trial trains unless pruned.
+        devices: ``"auto"``, ``"cpu"``, or a list such as ``["cuda:0", "cuda:1"]``
+            (``"cpu"`` may repeat: emulated devices).
+        device_memory: per-device budget (bytes, ``"8GiB"``); ``None``: the whole device.
+        max_concurrent: trials in flight at once (default: twice the number of devices).
+            Each keeps its model, gradients and optimizer state in host memory.
+        metric: what each epoch reports to Optuna: ``"val_loss"`` (needs ``eval_data``),
+            ``"loss"`` (see :data:`METRICS`), or a name in the task's ``metrics``.
+        save_dir: where finished trials' ``model.pt`` files go (``None``: not saved).
+        timeout: seconds after which no new trial starts (the running ones finish), like
+            ``study.optimize(timeout=...)``.
+        engine: an :class:`~tune_hydra.engine.Engine` to train on, which the caller keeps
+            (and may inspect, e.g. ``engine.trace``) and closes; it is not closed here,
+            and ``devices``, ``device_memory`` and engine options must then be left out.
+            ``None``: one is built for this call and closed when it returns.
+        **train_opts: engine options (``policy``, ``prefetch``, ``recompute``,
+            ``copy_on_cpu``, ``max_layers_per_shard``), task options for every trial
+            (``seed``, ``max_grad_norm``, ``accumulate_steps``, ``precision``) and
+            ``factory_timeout_s`` (default ``None``: no limit).
+
+    Returns:
+        ``study``, with this call's trials finished (``COMPLETE``, ``PRUNED`` or ``FAIL``).
+
+    Raises:
+        MissingDependencyError: optuna is not installed.
+        InvalidStudyError: ``study`` is not a single-objective ``optuna.Study``, or
+            ``make_task`` is not callable.
+        UnknownMetricError: ``metric`` is an engine figure that is not a loss
+            (``epoch`` ...), or the study maximizes a loss. (A name that a trial's task
+            does not declare fails that trial, with this error.)
+        UnknownOptionError: a keyword in ``train_opts`` that this function does not take.
+        InvalidOptionError: a bad value (``epochs``, ``n_trials``, a task option ...).
+        UnknownDeviceError, BudgetFormatError, UnknownPolicyError: a bad engine option.
+        KeyboardInterrupt: re-raised after the cleanup above.
+
+        All of these but the last are raised before any trial starts. A trial's own
+        errors never propagate: they end that trial ``FAIL``.
+
+    Example:
+        >>> import optuna, torch
+        >>> from torch import nn
+        >>> import tune_hydra as th
+        >>> def make_task(trial):
+        ...     lr = trial.suggest_float("lr", 1e-3, 1e-1, log=True)
+        ...     torch.manual_seed(0)
+        ...     x = torch.randn(4, 16, 8)
+        ...     data = [(xb, xb.sum(1, keepdim=True)) for xb in x]
+        ...     return th.ModelTask(
+        ...         model=nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1)),
+        ...         loss_fn=nn.MSELoss(),
+        ...         optimizer=lambda params: torch.optim.Adam(params, lr=lr),
+        ...         train_data=data[:3],
+        ...         eval_data=data[3:],
+        ...     )
+        >>> study = optuna.create_study(pruner=optuna.pruners.MedianPruner())
+        >>> study = th.optimize(study, make_task, n_trials=4, epochs=2, devices=["cpu"], seed=0)
+        >>> best = study.best_trial
+        >>> len(study.trials), best.state.name, best.user_attrs["num_shards"]
+        (4, 'COMPLETE', 1)
+    """
+    optuna = _import_optuna()
+    options = _split_options(train_opts)
+    _check_study(optuna, study, make_task)
+    _check_metric(optuna, study, metric)
+    where = "optimize"
+    n_trials = check_positive_int(
+        n_trials, "n_trials", allow_none=True, meaning="trials this call runs", where=where
+    )
+    checked = check_positive_int(epochs, "epochs", meaning="epochs per trial", where=where)
+    assert checked is not None  # None is refused
+    epochs = checked
+    max_concurrent = check_positive_int(
+        max_concurrent, "max_concurrent", allow_none=True, meaning="trials at once", where=where
+    )
+    timeout = _check_seconds(timeout, "timeout", "seconds after which no new trial starts")
+    factory_timeout_s = _check_seconds(
+        options["other"].get("factory_timeout_s"),
+        "factory_timeout_s",
+        "the most seconds one make_task(trial) call may take",
+    )
+    task_options = check_task_options(**options["task"], where=where)
+    del task_options["iteration_batches"]  # an iteration is an epoch here
+    check_max_layers_per_shard(options["engine"].get("max_layers_per_shard"), where=where)
+    folder = _prepare_save_dir(save_dir)
+
+    from tune_hydra.engine import Engine
+
+    if engine is not None:
+        _check_given_engine(Engine, engine, devices, device_memory, options["engine"])
+        own = False
+    else:
+        engine = Engine(devices, device_memory, **options["engine"])
+        own = True
+    if max_concurrent is None:
+        max_concurrent = 2 * len(engine.devices)
+    driver = _Driver(
+        optuna,
+        study,
+        make_task,
+        engine,
+        epochs=epochs,
+        metric=metric,
+        folder=folder,
+        task_options=task_options,
+        factory_timeout_s=factory_timeout_s,
+    )
+    try:
+        driver.run(n_trials, max_concurrent, timeout)
+    except BaseException as err:  # Ctrl-C, or the storage failed: end every running trial
+        driver.abort(err)
+        raise
+    finally:
+        if own:
+            engine.close()
+    return study
+
+
+# ----------------------------------------------------------------------- the study loop
+@dataclass
+class _Run:
+    """One trial in flight: its Optuna trial, its engine task and where it stands."""
+
+    trial: optuna.Trial
+    name: str  # its task's name in the engine
+    stage: str = "build"  # build -> train -> (save) ; each stage is one future
+    task: ModelTask | None = None
+    epoch: int = 0  # epochs trained
+    value: float | None = None  # the metric of the last epoch
+
+
+class _Interrupted(Exception):
+    """A trial's build ended because the call is being aborted."""
+
+
+class _PrunedByFactory(Exception):
+    """``make_task`` raised ``optuna.TrialPruned`` (as an objective may, to skip a
+    configuration): the trial ends ``PRUNED``, as in ``study.optimize``."""
+
+
+class _Driver:
+    """The driver loop of one :func:`optimize` call: asks trials as slots free up, waits
+    on their futures (build, one epoch, save) and tells Optuna how each ended."""
+
+    def __init__(
+        self,
+        optuna: Any,
+        study: optuna.Study,
+        make_task: Callable[[optuna.Trial], ModelTask],
+        engine: Engine,
+        *,
+        epochs: int,
+        metric: str,
+        folder: Path | None,
+        task_options: dict[str, Any],
+        factory_timeout_s: float | None,
+    ) -> None:
+        self.optuna = optuna
+        self.study = study
+        self.make_task = make_task
+        self.engine = engine
+        self.epochs = epochs
+        self.metric = metric
+        self.folder = folder
+        self.task_options = task_options
+        self.factory_timeout_s = factory_timeout_s
+        # Under Optuna's logger, so trials are logged as study.optimize logs them (and
+        # optuna.logging.set_verbosity applies).
+        self.log = optuna.logging.get_logger("optuna.tune_hydra")
+        self.live: dict[int, _Run] = {}  # trial number -> every trial asked and not told
+        self.running: dict[concurrent.futures.Future[Any], _Run] = {}  # what each waits on
+        self._lock = threading.Lock()  # guards the three below (build threads use them)
+        self._stopping = False
+        self._names: set[str] = set()
+        # Modules of trials that ended here: a factory returning one again (a module-level
+        # model) would start from that trial's weights.
+        self._trained: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self, n_trials: int | None, max_concurrent: int, timeout: float | None) -> None:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        asked = 0
+        while True:
+            while (
+                len(self.live) < max_concurrent
+                and (n_trials is None or asked < n_trials)
+                and (deadline is None or time.monotonic() < deadline)
+            ):
+                self._start(self.study.ask())
+                asked += 1
+            if not self.live:
+                return
+            done, _ = concurrent.futures.wait(
+                list(self.running), timeout=_POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for future in done:
+                self._advance(self.running.pop(future), future)
+
+    def _start(self, trial: optuna.Trial) -> None:
+        with self._lock:
+            name, k = f"trial_{trial.number}", 1
+            taken = set(self.engine.tasks()) | self._names
+            while name in taken:
+                k += 1
+                name = f"trial_{trial.number}#{k}"
+            self._names.add(name)
+        run = _Run(trial, name)
+        self.live[trial.number] = run
+        self.running[_in_thread(self._build, run, name=f"hydra-build-{name}")] = run
+
+    def _advance(self, run: _Run, future: concurrent.futures.Future[Any]) -> None:
+        """Take the next step of ``run`` now that its current stage's future is done."""
+        try:
+            outcome = future.result()
+        except _Interrupted:
+            return
+        except _PrunedByFactory as pruned:
+            self._drop(run)
+            self._tell(run, self.optuna.trial.TrialState.PRUNED)
+            self.log.info("Trial %d pruned by make_task: %s", run.trial.number, pruned)
+            return
+        except Exception as err:
+            self._fail(run, err)
+            return
+        if run.stage == "build":
+            run.trial.set_user_attr("num_shards", int(outcome))
+            run.stage = "train"
+            self._train(run)
+        elif run.stage == "train":
+            self._after_epoch(run, outcome)
+        else:  # saved
+            run.trial.set_user_attr("model_path", str(outcome))
+            self._tell(run, self.optuna.trial.TrialState.COMPLETE)
+
+    def _train(self, run: _Run) -> None:
+        """Grant ``run`` its next epoch."""
+        try:
+            self.engine.set_remaining(run.name, self.epochs - run.epoch - 1)
+            future = self.engine.train(run.name, 1)
+        except Exception as err:
+            self._fail(run, err)
+            return
+        self.running[future] = run
+
+    def _after_epoch(self, run: _Run, results: list[dict[str, Any]]) -> None:
+        run.epoch += 1
+        result = results[-1]
+        value = result.get(self.metric)
+        if not isinstance(value, numbers.Real) or not math.isfinite(value):
+            self._fail(
+                run,
+                InvalidTaskError(
+                    f"trial {run.trial.number}: epoch {run.epoch} gave {self.metric}={value!r},"
+                    f" not a finite number, so Optuna cannot rank it. Check the eval data "
+                    f"and loss_fn (a NaN or infinite loss on eval_data), or lower the "
+                    f"learning rate"
+                ),
+            )
+            return
+        run.value = float(value)
+        run.trial.report(run.value, run.epoch - 1)  # Optuna's steps count from 0
+        if run.trial.should_prune():
+            self._drop(run)
+            self._tell(run, self.optuna.trial.TrialState.PRUNED)
+        elif run.epoch >= self.epochs:
+            self._drop(run)  # its model keeps the trained weights, on the CPU
+            if self.folder is None:
+                self._tell(run, self.optuna.trial.TrialState.COMPLETE)
+            else:
+                run.stage = "save"
+                future = _in_thread(self._save, run, name=f"hydra-save-{run.name}")
+                self.running[future] = run
+        else:
+            self._train(run)
+
+    # -- ending trials ----------------------------------------------------------------
+
+    def _drop(self, run: _Run) -> None:
+        """Drop the trial's queued shard work and remove its task from the engine."""
+        self.engine.cancel(run.name)
+        self.engine.remove_task(run.name)
+        with self._lock:
+            self._names.discard(run.name)
+            if run.task is not None:
+                for module in run.task.model.modules():  # type: ignore[union-attr]
+                    self._trained[module] = run.trial.number
+
+    def _fail(self, run: _Run, err: BaseException) -> None:
+        self._drop(run)
+        text = f"{type(err).__name__}: {err}"
+        self.log.warning(
+            "Trial %d failed with parameters: %s because of the following error: %s",
+            run.trial.number,
+            run.trial.params,
+            text,
+        )
+        if len(text) > _MAX_ERROR_CHARS:
+            text = text[:_MAX_ERROR_CHARS] + " ... (truncated; the whole error is in the log)"
+        run.trial.set_user_attr("error", text)
+        self._tell(run, self.optuna.trial.TrialState.FAIL)
+
+    def _tell(self, run: _Run, state: Any) -> None:
+        trial = run.trial
+        run.task = None  # the model may be freed
+        self.live.pop(trial.number, None)
+        if state == self.optuna.trial.TrialState.COMPLETE:
+            self.study.tell(trial, run.value)
+            if self.log.isEnabledFor(logging.INFO):
+                message = (
+                    f"Trial {trial.number} finished with value: {run.value} ({self.metric} "
+                    f"after {run.epoch} epochs) and parameters: {trial.params}."
+                )
+                with contextlib.suppress(ValueError):  # no feasible trial yet
+                    best = self.study.best_trial
+                    message += f" Best is trial {best.number} with value: {best.value}."
+                self.log.info(message)
+        else:
+            self.study.tell(trial, state=state)
+            if state == self.optuna.trial.TrialState.PRUNED and run.epoch:
+                self.log.info(
+                    "Trial %d pruned at step %d (%d of %d epochs trained).",
+                    trial.number,
+                    run.epoch - 1,
+                    run.epoch,
+                    self.epochs,
+                )
+
+    def abort(self, err: BaseException) -> None:
+        """End every running trial ``FAIL`` and drop its work (Ctrl-C, or a failure of the
+        loop itself), then wait a little for the builds and saves in flight, so that no
+        thread of ours is still inside torch when Python exits. Raises nothing of its own.
+        """
+        with self._lock:
+            self._stopping = True
+        threads = [f for f, run in self.running.items() if run.stage != "train"]
+        runs, self.live, self.running = list(self.live.values()), {}, {}
+        for run in runs:
+            with contextlib.suppress(Exception):
+                self._drop(run)
+        if isinstance(err, KeyboardInterrupt):
+            why = "interrupted (KeyboardInterrupt)"
+        else:
+            why = f"interrupted: th.optimize stopped on {type(err).__name__}: {err}"
+        for run in runs:
+            with contextlib.suppress(Exception):
+                run.trial.set_user_attr("error", why[:_MAX_ERROR_CHARS])
+            with contextlib.suppress(Exception):
+                self.study.tell(
+                    run.trial, state=self.optuna.trial.TrialState.FAIL, skip_if_finished=True
+                )
+        if runs:
+            self.log.warning("%s; trials %s ended FAIL", why, sorted(r.trial.number for r in runs))
+        concurrent.futures.wait(threads, timeout=_ABORT_WAIT_S)
+
+    # -- work done in threads -----------------------------------------------------------
+
+    def _build(self, run: _Run) -> int:
+        """Build the trial's task and add it to the engine; returns its number of shards."""
+        from tune_hydra.engine import ModelTask
+        from tune_hydra.engine.factory import call_factory
+
+        number = run.trial.number
+        pruned = self.optuna.TrialPruned
+        make_task = self.make_task
+
+        def build(trial: optuna.Trial) -> Any:
+            try:
+                return make_task(trial)
+            except pruned as err:  # not an error: returned, so that it keeps its type
+                return _PrunedByFactory(str(err))
+
+        task = call_factory(
+            build,
+            run.trial,
+            what=f"trial {number} of study {self.study.study_name!r}",
+            seed=self.task_options["seed"],
+            timeout_s=self.factory_timeout_s,
+        )
+        if isinstance(task, _PrunedByFactory):
+            raise task
+        if not isinstance(task, ModelTask):
+            raise TaskFactoryError(
+                f"make_task returned {type(task).__name__} for trial {number}, not a "
+                f"tune_hydra.ModelTask; make_task(trial) must return th.ModelTask(model=..., "
+                f"loss_fn=..., optimizer=..., train_data=...)"
+            )
+        if self.metric not in METRICS and self.metric not in (task.metrics or {}):
+            close = difflib.get_close_matches(self.metric, [*METRICS, *(task.metrics or {})], n=1)
+            hint = f" Did you mean {close[0]!r}?" if close else ""
+            raise UnknownMetricError(
+                f"trial {number}: metric={self.metric!r} is not reported: it is neither "
+                f"{' nor '.join(map(repr, METRICS))} nor one of the task's metrics "
+                f"({sorted(task.metrics or {})}). Declare it: th.ModelTask(..., eval_data=..., "
+                f"metrics={{{self.metric!r}: fn(output, target)}}).{hint}"
+            )
+        if self.metric == "val_loss" and task.eval_data is None:
+            raise InvalidTaskError(
+                f"trial {number}: metric='val_loss' needs eval_data, but make_task returned "
+                f"a ModelTask without it; give th.ModelTask(..., eval_data=...) or call "
+                f"th.optimize(..., metric='loss')"
+            )
+        with self._lock:
+            reused: dict[int, list[tuple[str, str]]] = {}
+            for module_name, module in task.model.named_modules():  # type: ignore[union-attr]
+                owner = self._trained.get(module)
+                if owner is not None:
+                    reused.setdefault(owner, []).append((module_name, ""))
+        if reused:
+            owner, modules = next(iter(reused.items()))
+            raise ReusedModelError(run.name, f"trial_{owner}", modules)
+        shards = self.engine.add_task(run.name, task, **self.task_options)
+        run.task = task
+        with self._lock:
+            if self._stopping:
+                self.engine.remove_task(run.name)
+                raise _Interrupted
+        return int(shards)
+
+    def _save(self, run: _Run) -> Path:
+        """Write the trial's ``model.pt`` atomically; returns its path."""
+        import torch
+
+        assert self.folder is not None and run.task is not None
+        folder = self.folder / f"trial_{run.trial.number}"
+        target = folder / MODEL_FILE
+        tmp = folder / temp_name(MODEL_FILE)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            with tmp.open("xb") as f:
+                torch.save(run.task.model.state_dict(), f)  # type: ignore[union-attr]
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, target)
+            _fsync_dir(folder)
+        except Exception as err:
+            raise CheckpointError(
+                str(folder), MODEL_FILE, f"could not be written ({type(err).__name__}: {err})",
+                "Check free disk space and permissions of save_dir; the trial's model is lost",
+            ) from err  # fmt: skip
+        finally:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+        return target
+
+
+def _in_thread(
+    fn: Callable[[_Run], Any], run: _Run, *, name: str
+) -> concurrent.futures.Future[Any]:
+    """Run ``fn(run)`` in a daemon thread (one that hangs cannot keep Python from exiting);
+    the future gets its result or its error."""
+    future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+
+    def target() -> None:
+        if not future.set_running_or_notify_cancel():
+            return
+        try:
+            result = fn(run)
+        except BaseException as err:  # reported to the driver, whatever it is
+            future.set_exception(err)
+        else:
+            future.set_result(result)
+
+    threading.Thread(target=target, name=name, daemon=True).start()
+    return future
+
+
+# ------------------------------------------------------------------------- the checks
+def _import_optuna() -> Any:
+    try:
+        import optuna
+    except ImportError as err:
+        raise MissingDependencyError(
+            'th.optimize needs optuna, which is not installed: pip install "tune_hydra[optuna]"'
+        ) from err
+    return optuna
+
+
+def _split_options(train_opts: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    known = (*ENGINE_OPTIONS, *TASK_OPTIONS, *OTHER_OPTIONS)
+    unknown = [k for k in train_opts if k not in known]
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, known, n=1)
+            hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+        raise UnknownOptionError(
+            f"th.optimize got unknown option(s) {', '.join(hints)}. It takes the engine "
+            f"options {', '.join(ENGINE_OPTIONS)}, the task options {', '.join(TASK_OPTIONS)} "
+            f"and {', '.join(OTHER_OPTIONS)}"
+        )
+    return {
+        "engine": {k: v for k, v in train_opts.items() if k in ENGINE_OPTIONS},
+        "task": {k: v for k, v in train_opts.items() if k in TASK_OPTIONS},
+        "other": {k: v for k, v in train_opts.items() if k in OTHER_OPTIONS},
+    }
+
+
+def _check_study(optuna: Any, study: Any, make_task: Any) -> None:
+    if not isinstance(study, optuna.Study):
+        raise InvalidStudyError(
+            f"th.optimize(study, make_task, ...) takes an optuna.Study first, not "
+            f"{type(study).__name__}; make one with study = optuna.create_study() (or "
+            f"optuna.load_study(...) to share one through a storage)"
+        )
+    if len(study.directions) != 1:
+        raise InvalidStudyError(
+            f"study {study.study_name!r} has {len(study.directions)} objectives; th.optimize "
+            f"reports one metric per trial: create the study with direction='minimize'"
+        )
+    if not callable(make_task):
+        raise InvalidStudyError(
+            f"make_task must be a function make_task(trial) -> th.ModelTask, not "
+            f"{type(make_task).__name__}"
+        )
+
+
+def _check_metric(optuna: Any, study: optuna.Study, metric: Any) -> None:
+    """Refuse, before any trial, a metric that is no name or an engine figure other than
+    a loss, and a loss in a maximizing study. Any other name may be one of the tasks'
+    ``metrics`` (checked when each trial's task is built), whose direction the study
+    decides."""
+    if (
+        not isinstance(metric, str)
+        or not metric
+        or (metric in ENGINE_KEYS and metric not in METRICS)
+    ):
+        listed = "; ".join(f"{k!r}: {v}" for k, v in METRICS.items())
+        close = difflib.get_close_matches(str(metric), METRICS, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise UnknownMetricError(
+            f"metric={metric!r} is not reported by training; th.optimize reports {listed}, "
+            f"and each metric the task declares in th.ModelTask(metrics={{name: fn}}).{hint}"
+        )
+    if metric in METRICS and study.direction == optuna.study.StudyDirection.MAXIMIZE:
+        raise UnknownMetricError(
+            f"study {study.study_name!r} maximizes, but metric={metric!r} is a loss (lower "
+            f"is better): create the study with optuna.create_study(direction='minimize')"
+        )
+
+
+def _check_seconds(value: Any, option: str, meaning: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) >= 0:
+        raise InvalidOptionError(
+            option, value, f"give a number of seconds >= 0 ({meaning}), or None", "optimize"
+        )
+    return float(value)
+
+
+def _prepare_save_dir(save_dir: Any) -> Path | None:
+    if save_dir is None:
+        return None
+    if not isinstance(save_dir, str | os.PathLike):
+        raise InvalidOptionError(
+            "save_dir", save_dir, "give a folder path (str or pathlib.Path), or None", "optimize"
+        )
+    folder = Path(save_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise InvalidOptionError(
+            "save_dir", save_dir, f"the folder cannot be created ({err}); give a writable one",
+            "optimize",
+        ) from err  # fmt: skip
+    return folder
+
+
+def _check_given_engine(
+    engine_type: type, engine: Any, devices: Any, device_memory: Any, options: dict[str, Any]
+) -> None:
+    if not isinstance(engine, engine_type):
+        raise InvalidOptionError(
+            "engine", engine, "give a tune_hydra.engine.Engine, or None to build one", "optimize"
+        )
+    given = dict(options)
+    if device_memory is not None:
+        given = {"device_memory": device_memory, **given}
+    if not (isinstance(devices, str) and devices == "auto"):
+        given = {"devices": devices, **given}
+    if given:
+        option, value = next(iter(given.items()))
+        raise InvalidOptionError(
+            option,
+            value,
+            f"leave out {', '.join(given)} when passing engine=: that engine has its own; "
+            f"give them to Engine(...) instead",
+            "optimize",
+        )
+
+
+__all__ = ["METRICS", "optimize"]

@@ -1,0 +1,250 @@
+""":func:`run`: ``tune.run`` with a ``trial_executor=`` argument that Ray no longer has.
+
+``th.run`` mirrors ``tune.run``'s whole signature (``inspect.signature(th.run)`` shows every
+``tune.run`` parameter plus ``trial_executor``) and returns what ``tune.run`` returns. With
+``trial_executor=None`` it forwards every argument to ``tune.run`` unchanged; with a
+:class:`~tune_hydra.HydraExecutor` the first argument is a task factory
+``make_task(config) -> th.ModelTask`` and the trials train on the executor's engines.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ray import tune
+from ray.tune.error import TuneError
+from ray.tune.result import AUTO_RESULT_KEYS, DEBUG_METRICS, EPISODES_TOTAL, TIMESTEPS_TOTAL
+from ray.tune.search import BasicVariantGenerator
+
+from tune_hydra.frontends.ray.callback import clear_systematic, systematic_error
+from tune_hydra.frontends.ray.errors import (
+    InvalidExecutorError,
+    MissingMetricError,
+    UnreportedMetricError,
+)
+from tune_hydra.frontends.ray.executor import HydraExecutor, check_task_factory
+from tune_hydra.frontends.ray.trainable import RESULT_KEYS
+from tune_hydra.options import ENGINE_KEYS
+
+REPORTED_KEYS = tuple(
+    dict.fromkeys(
+        [
+            *RESULT_KEYS,
+            *(k for k in AUTO_RESULT_KEYS if k not in (EPISODES_TOTAL, TIMESTEPS_TOTAL)),
+            *DEBUG_METRICS,
+        ]
+    )
+)
+"""Every result key a tune_hydra trial reports: the engine's metrics and Tune's own."""
+_TUNE_NUMBERS = (
+    "training_iteration",
+    "time_total_s",
+    "time_this_iter_s",
+    "time_since_restore",
+    "iterations_since_restore",
+    "timestamp",
+)
+
+_TUNE_RUN_SIGNATURE = inspect.signature(tune.run)
+_TUNE_RUN_PARAMS = set(_TUNE_RUN_SIGNATURE.parameters) - {"run_or_experiment"}
+
+
+def _metric_of(obj: Any) -> Any:
+    if obj is None or isinstance(obj, str):
+        return None
+    for attr in ("metric", "_metric"):
+        value = getattr(obj, attr, None)
+        if isinstance(value, str) and value != "_metric":  # Tune's anonymous default
+            return value
+    searcher = getattr(obj, "searcher", None)  # ConcurrencyLimiter, SearchGenerator
+    return _metric_of(searcher) if searcher is not None and searcher is not obj else None
+
+
+def _check_metric(kwargs: dict[str, Any]) -> None:
+    """Fail before any trial starts when a search algorithm or scheduler has nothing to
+    optimise, or ``mode`` is not ``"min"``/``"max"``."""
+    mode = kwargs.get("mode")
+    if mode is not None and mode not in ("min", "max"):
+        raise MissingMetricError(f"mode must be 'min' or 'max', not {mode!r}")
+    if kwargs.get("metric") is not None and mode is None:
+        raise MissingMetricError(
+            f"metric={kwargs['metric']!r} was given without mode; pass mode='min' or 'max'"
+        )
+    if kwargs.get("metric") is not None:
+        return
+    needs = []
+    search_alg = kwargs.get("search_alg")
+    if (
+        search_alg is not None
+        and not isinstance(search_alg, (str, BasicVariantGenerator))
+        and _metric_of(search_alg) is None
+    ):
+        needs.append(type(search_alg).__name__)
+    scheduler = kwargs.get("scheduler")
+    if (
+        scheduler is not None
+        and type(scheduler).__name__ != "FIFOScheduler"
+        and _metric_of(scheduler) is None
+    ):
+        needs.append(scheduler if isinstance(scheduler, str) else type(scheduler).__name__)
+    if needs:
+        raise MissingMetricError(
+            f"{' and '.join(map(str, needs))} need(s) a metric to optimise; pass "
+            f"metric='val_loss' (or 'loss') and mode='min' to th.run (tune_hydra reports "
+            f"loss, val_loss when the task has eval_data, num_shards, device_time_s, "
+            f"bytes_spilled)"
+        )
+
+
+def _check_reported(kwargs: dict[str, Any]) -> tuple[str, ...]:
+    """Refuse, before any trial starts, a metric (of the run, its scheduler or its search
+    algorithm) that tune_hydra's trials never report: Tune would fail every trial with a
+    message about ``tune.report()`` calls the user no longer has.
+
+    Any other name may be one of the tasks' own ``ModelTask(metrics=...)``, which are known
+    only once a factory ran: those names are returned, and each trial checks at its first
+    registration that its task declares them (a :class:`UndeclaredMetricError` ends the
+    experiment at the first trial otherwise).
+
+    Returns:
+        The metric names that the tasks must declare.
+    """
+    named = {"metric": kwargs.get("metric")}
+    for arg in ("scheduler", "search_alg"):
+        named[arg] = _metric_of(kwargs.get(arg))
+    custom: dict[str, None] = {}
+    for arg, metric in named.items():
+        if not isinstance(metric, str) or metric in REPORTED_KEYS:
+            continue
+        if metric.startswith("config/"):
+            continue  # the trial's config, flattened into every result
+        if metric not in ENGINE_KEYS:
+            custom[metric] = None  # a metric of the task's own, checked per trial
+            continue
+        tune_keys = ", ".join(k for k in _TUNE_NUMBERS if k in REPORTED_KEYS)
+        raise UnreportedMetricError(
+            f"{arg}={metric!r} is not reported by tune_hydra's trials: they report "
+            f"{', '.join(RESULT_KEYS)} (val_loss when the ModelTask has eval_data), each "
+            f"metric the task declares in th.ModelTask(metrics={{name: fn}}), and Tune's "
+            f"own {tune_keys}. Optimise one of those, e.g. metric='val_loss', mode='min'"
+        )
+    return tuple(custom)
+
+
+def run(
+    run_or_experiment: Any,
+    *,
+    trial_executor: HydraExecutor | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Run a Tune experiment; with ``trial_executor=HydraExecutor(...)``, on shared engines.
+
+    Every ``tune.run`` argument is accepted and means what it means there (see
+    ``inspect.signature(th.run)``). With a :class:`~tune_hydra.HydraExecutor`:
+
+    * ``run_or_experiment`` is a task factory ``make_task(config) -> th.ModelTask``; it
+      runs inside the engine actor's process, once per trial (and per restore).
+    * each Tune iteration trains one epoch (or ``iteration_batches`` batches) and reports
+      ``loss``, ``val_loss`` (with eval data), each of the task's ``metrics``,
+      ``num_shards``, ``epoch``, ``device_time_s`` and ``bytes_spilled``;
+    * checkpoints hold ``model.pt`` (the whole model's ``state_dict``) and the state that
+      resumes training exactly;
+    * ``scheduler`` is wrapped so the engines learn each trial's remaining budget and drop
+      stopped or paused trials' queued work; ``max_concurrent_trials`` defaults to the number
+      of engine slots; trials must not ask for resources of their own
+      (``resources_per_trial``, ``tune.with_resources``).
+    * every trial ends with a checkpoint (``HydraExecutor(checkpoint="every")``, unless the
+      run sets ``checkpoint_freq`` / ``checkpoint_config`` itself);
+    * ``tune.with_parameters(make_task, data=...)`` is a task factory called as
+      ``make_task(config, data=...)`` in the engine;
+    * a mistake that every trial would repeat (the factory returns no ``ModelTask``, or is
+      a function trainable; the model's type cannot be cut) stops the experiment at the
+      first trial and is raised here, once; a ``metric`` the trials never report is
+      refused before any trial starts, and one the first trial's task does not declare in
+      ``ModelTask(metrics=...)`` ends the experiment at that trial
+      (:class:`~tune_hydra.exceptions.UndeclaredMetricError`).
+
+    The executor's engine actors are started if needed and, if this call started them,
+    shut down at the end (their timeline stays available as ``trial_executor.trace()``).
+
+    Args:
+        run_or_experiment: a task factory (with an executor) or anything ``tune.run`` takes.
+        trial_executor: None (plain ``tune.run``) or a :class:`~tune_hydra.HydraExecutor`.
+        **kwargs: ``tune.run``'s keyword arguments.
+
+    Returns:
+        What ``tune.run`` returns: an ``ExperimentAnalysis``.
+
+    Raises:
+        InvalidExecutorError: ``trial_executor`` is not a HydraExecutor.
+        NotATaskFactoryError: ``run_or_experiment`` is not a task factory (a function
+            trainable that calls ``tune.report`` included).
+        MissingMetricError: a search algorithm or scheduler has no metric/mode.
+        UnreportedMetricError: the metric is not one the trials report.
+        SystematicTaskError: the first trial hit a mistake every trial would repeat
+            (raised even with ``raise_on_failed_trial=False``: the experiment failed).
+    """
+    unknown = set(kwargs) - _TUNE_RUN_PARAMS
+    if unknown:
+        raise TypeError(f"run() got unexpected keyword argument(s) {sorted(unknown)}")
+    if trial_executor is None:
+        return tune.run(run_or_experiment, **kwargs)
+    if not isinstance(trial_executor, HydraExecutor):
+        raise InvalidExecutorError(
+            f"trial_executor must be a tune_hydra.HydraExecutor or None, not "
+            f"{type(trial_executor).__name__}: Ray removed custom Tune TrialExecutors in 2.7"
+        )
+    check_task_factory(run_or_experiment)
+    _check_metric(kwargs)
+    required = _check_reported(kwargs)
+    if kwargs.get("resources_per_trial") is not None:
+        raise InvalidExecutorError(
+            "resources_per_trial cannot be combined with a HydraExecutor: its trials are "
+            "proxies that reserve one engine slot each, and the models train on the engine's "
+            "devices. Size the engine with HydraExecutor(devices=..., device_memory=...)"
+        )
+    ex = trial_executor
+    owns = not ex.started
+    trainable = None
+    try:
+        trainable = ex.trainable(run_or_experiment)
+        # Checked by each trial's first registration (see HydraTrainable._required_metrics).
+        trainable._required_metrics = required
+        kwargs["scheduler"] = ex.scheduler(kwargs.get("scheduler"), stop=kwargs.get("stop"))
+        kwargs["stop"] = ex.stopper(kwargs.get("stop"))
+        kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *ex.callbacks()]
+        if kwargs.get("max_concurrent_trials") is None:
+            kwargs["max_concurrent_trials"] = ex.max_concurrent_trials
+        clear_systematic(ex.run_id)
+        try:
+            analysis = tune.run(trainable, **kwargs)
+        except TuneError:
+            if systematic_error(ex.run_id) is None:
+                raise
+            analysis = None
+        mistake = systematic_error(ex.run_id)
+        if mistake is not None:
+            raise mistake from None  # once, instead of every trial's traceback
+        return analysis
+    finally:
+        if owns:
+            ex.shutdown()
+        elif trainable is not None and ex.started:
+            ex.release(trainable)  # the experiment is over: free its factory everywhere
+
+
+def _signature() -> inspect.Signature:
+    params = list(_TUNE_RUN_SIGNATURE.parameters.values())
+    params.append(
+        inspect.Parameter(
+            "trial_executor",
+            inspect.Parameter.KEYWORD_ONLY,
+            default=None,
+            annotation="HydraExecutor | None",
+        )
+    )
+    return _TUNE_RUN_SIGNATURE.replace(parameters=params)
+
+
+run.__signature__ = _signature()  # type: ignore[attr-defined]
