@@ -1,23 +1,28 @@
 """The Hydra paper's model-selection workload: a learning-rate x batch-size grid over
-GPT-2-like language models, trained together on shared devices through Ray Tune.
+GPT-2 language models, trained together on shared devices through Ray Tune.
 
 The paper trains 12 GPT-2-XL-sized models (learning rates {3e-4, 1e-4, 5e-5, 6e-5, 1e-5,
-2e-5} x batch sizes {16, 8}, context 512) for one epoch of WikiText-2 on one 8-GPU node.
-No dataset download works here, so the data are synthetic token sequences with learnable
-structure; the model is sized by flags (defaults: GPT-2 XL). ``--tiny`` shrinks everything
-to run on a CPU in about a minute.
+2e-5} x batch sizes {16, 8}, context 512) for one epoch of WikiText-2 on one 8-GPU node,
+with AdamW and a learning-rate schedule. The model is transformers' ``GPT2LMHeadModel``,
+sized by flags (defaults: GPT-2 XL) or loaded from a local ``save_pretrained`` folder
+(``--model-path``); batches are dicts as Hugging Face collators make them and the loss is
+the model's own. No dataset download works here, so the data are synthetic token
+sequences with learnable structure. ``--tiny`` shrinks everything to run on a CPU in
+about a minute.
 
 Run::
 
     python examples/gpt2_model_selection.py --tiny                      # CPU smoke run
     python examples/gpt2_model_selection.py --layers 24 --d-model 1024 \\
         --heads 16 --device-memory 20GiB                                # GPT-2 medium
+    python examples/gpt2_model_selection.py --model-path ./gpt2-xl      # pretrained weights
     python examples/gpt2_model_selection.py                             # GPT-2 XL, 12 models
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import tempfile
@@ -28,9 +33,8 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
 import ray
 import torch
-import torch.nn.functional as F
 from ray import tune
-from torch import nn
+from transformers import GPT2Config, GPT2LMHeadModel, get_scheduler
 
 import tune_hydra as th
 
@@ -39,90 +43,77 @@ PAPER_BATCH_SIZES = [16, 8]
 
 
 # --------------------------------------------------------------------------- the model
-class Embedding(nn.Module):
-    """GPT-2's token and learned position embeddings (plus embedding dropout)."""
+def gpt2(m: dict[str, Any]) -> GPT2LMHeadModel:
+    """transformers' GPT-2 with its LM head, sized by the flags; or, with a model path,
+    the pretrained weights saved there (local files only: nothing is downloaded).
 
-    def __init__(self, vocab: int, d_model: int, context: int, dropout: float) -> None:
-        super().__init__()
-        self.wte = nn.Embedding(vocab, d_model)
-        self.wpe = nn.Embedding(context, d_model)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(idx.size(1), device=idx.device)
-        return self.drop(self.wte(idx) + self.wpe(positions))
-
-
-class Block(nn.Module):
-    """GPT-2's pre-LayerNorm block: causal self-attention and a 4x GELU MLP."""
-
-    def __init__(self, d_model: int, heads: int, context: int, dropout: float) -> None:
-        super().__init__()
-        self.ln_1 = nn.LayerNorm(d_model)
-        self.attn = nn.MultiheadAttention(d_model, heads, dropout=dropout, batch_first=True)
-        self.ln_2 = nn.LayerNorm(d_model)
-        self.mlp = nn.Sequential(
-            nn.Linear(d_model, 4 * d_model),
-            nn.GELU(approximate="tanh"),
-            nn.Linear(4 * d_model, d_model),
-            nn.Dropout(dropout),
-        )
-        mask = torch.triu(torch.ones(context, context, dtype=torch.bool), diagonal=1)
-        self.register_buffer("mask", mask, persistent=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        t = x.size(1)
-        h = self.ln_1(x)
-        a, _ = self.attn(h, h, h, attn_mask=self.mask[:t, :t], need_weights=False)
-        x = x + a
-        return x + self.mlp(self.ln_2(x))
-
-
-def gpt2(vocab: int, d_model: int, layers: int, heads: int, context: int, dropout: float):
-    """Embedding layer, ``layers`` blocks, final LayerNorm and LM head, in execution order
-    (an ``nn.Sequential``, so the engine can cut it into shards between any two layers)."""
-    return nn.Sequential(
-        Embedding(vocab, d_model, context, dropout),
-        *[Block(d_model, heads, context, dropout) for _ in range(layers)],
-        nn.LayerNorm(d_model),
-        nn.Linear(d_model, vocab, bias=False),
+    The engine cuts it at its blocks (``embed``, one stage per block, ``head``); the LM
+    head is tied to the token embeddings, one parameter in the first and the last shard.
+    """
+    if m.get("path"):
+        return GPT2LMHeadModel.from_pretrained(m["path"], local_files_only=True)
+    config = GPT2Config(
+        vocab_size=m["vocab"],
+        n_positions=m["context"],
+        n_embd=m["d_model"],
+        n_layer=m["layers"],
+        n_head=m["heads"],
+        resid_pdrop=m["dropout"],
+        embd_pdrop=m["dropout"],
+        attn_pdrop=m["dropout"],
+        # GPT-2's end-of-text token is its last one
+        bos_token_id=m["vocab"] - 1,
+        eos_token_id=m["vocab"] - 1,
     )
-
-
-def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    """Next-token cross entropy on the logits."""
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    return GPT2LMHeadModel(config)
 
 
 def synthetic_tokens(
     sequences: int, context: int, vocab: int, batch: int, seed: int
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
+) -> list[dict[str, torch.Tensor]]:
     """Token sequences where each token is a fixed function of the previous one except for
-    10% noise, cut into ``(inputs, next tokens)`` batches."""
+    10% noise, cut into batches as Hugging Face's LM collators make them: ``labels`` are
+    the ``input_ids`` (the model shifts them to predict the next token)."""
     g = torch.Generator().manual_seed(seed)
-    seq = torch.empty(sequences, context + 1, dtype=torch.long)
+    seq = torch.empty(sequences, context, dtype=torch.long)
     seq[:, 0] = torch.randint(0, vocab, (sequences,), generator=g)
-    for t in range(1, context + 1):
+    for t in range(1, context):
         nxt = (seq[:, t - 1] * 7 + 1) % vocab
         noise = torch.rand(sequences, generator=g) < 0.1
         seq[:, t] = torch.where(noise, torch.randint(0, vocab, (sequences,), generator=g), nxt)
-    return [(seq[i : i + batch, :-1], seq[i : i + batch, 1:]) for i in range(0, sequences, batch)]
+    return [
+        {
+            "input_ids": ids,
+            "attention_mask": torch.ones_like(ids),
+            "labels": ids.clone(),
+        }
+        for ids in (seq[i : i + batch] for i in range(0, sequences, batch))
+    ]
 
 
 def make_task(config: dict[str, Any]) -> th.ModelTask:
-    """One grid point: the same GPT-2-like model, its own learning rate and batch size."""
+    """One grid point: the same GPT-2 model, its own learning rate and batch size, AdamW
+    with a linear warm-up and decay over the whole run (the paper's optimizer)."""
     m = config["model"]
     torch.manual_seed(0)  # every grid point starts from the same initial weights
-    model = gpt2(m["vocab"], m["d_model"], m["layers"], m["heads"], m["context"], m["dropout"])
+    model = gpt2(m)
+    # A pretrained model's vocabulary and position table bound the data, not the flags.
+    context = min(m["context"], model.config.n_positions)
+    vocab = model.config.vocab_size
     lr = config["lr"]
     batch = config["batch_size"]
+    train = synthetic_tokens(m["sequences"], context, vocab, batch, seed=1)
+    steps = len(train) * m["epochs"]
     return th.ModelTask(
         model=model,
-        loss_fn=lm_loss,
+        loss_fn=None,  # the model's own loss (output.loss), from the batch's labels
         optimizer=lambda params: torch.optim.AdamW(params, lr=lr, weight_decay=0.01),
-        train_data=synthetic_tokens(m["sequences"], m["context"], m["vocab"], batch, seed=1),
-        eval_data=synthetic_tokens(max(batch, m["sequences"] // 8), m["context"], m["vocab"],
-                                   batch, seed=2),
+        train_data=train,
+        eval_data=synthetic_tokens(max(batch, m["sequences"] // 8), context, vocab, batch,
+                                   seed=2),
+        lr_scheduler=lambda opt: get_scheduler(
+            "linear", opt, num_warmup_steps=max(1, steps // 10), num_training_steps=steps
+        ),
     )  # fmt: skip
 
 
@@ -136,6 +127,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--context", type=int, default=512)
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument(
+        "--model-path",
+        default=None,
+        help="a folder written by save_pretrained: start every model from these weights "
+        "(local files only) instead of a fresh one sized by the flags above",
+    )
     p.add_argument("--sequences", type=int, default=4608, help="sequences per epoch")
     p.add_argument("--epochs", type=int, default=1)
     p.add_argument("--lrs", type=float, nargs="+", default=PAPER_LRS)
@@ -172,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     model = {
         "layers": args.layers, "d_model": args.d_model, "heads": args.heads,
         "context": args.context, "vocab": args.vocab, "dropout": args.dropout,
-        "sequences": args.sequences,
+        "sequences": args.sequences, "epochs": args.epochs, "path": args.model_path,
     }  # fmt: skip
     try:
         analysis = th.run(
@@ -191,15 +188,23 @@ def main(argv: list[str] | None = None) -> int:
             trial_executor=executor,
             verbose=1,
         )
-        print(f"\n=== {len(analysis.trials)} GPT-2-like models "
-              f"({args.layers} layers, d_model {args.d_model}) ===")  # fmt: skip
-        print(f"{'lr':>10} {'batch':>6} {'shards':>6} {'loss':>9} {'val_loss':>9} {'device s':>9}")
+        size = (
+            f"from {args.model_path}"
+            if args.model_path
+            else f"{args.layers} layers, d_model {args.d_model}"
+        )
+        print(f"\n=== {len(analysis.trials)} GPT-2-like models ({size}) ===")
+        print(
+            f"{'lr':>10} {'batch':>6} {'shards':>6} {'loss':>9} {'val_loss':>9} {'val_ppl':>9}"
+            f" {'device s':>9}"
+        )
         for t in sorted(analysis.trials, key=lambda t: (t.config["batch_size"], t.config["lr"])):
             r = t.last_result
+            val_loss = r.get("val_loss", float("nan"))
             print(
                 f"{t.config['lr']:>10.1e} {t.config['batch_size']:>6} {r.get('num_shards', 0):>6}"
-                f" {r.get('loss', float('nan')):>9.4f} {r.get('val_loss', float('nan')):>9.4f}"
-                f" {r.get('device_time_s', 0.0):>9.2f}"
+                f" {r.get('loss', float('nan')):>9.4f} {val_loss:>9.4f}"
+                f" {math.exp(min(val_loss, 700)):>9.2f} {r.get('device_time_s', 0.0):>9.2f}"
             )
         best = analysis.best_config
         print(f"best config: lr={best['lr']}, batch_size={best['batch_size']}")

@@ -119,3 +119,16 @@ def test_proxy_memory_quick() -> None:
     out = _run("proxy_memory.py", "--quick", timeout=300)
     for text in ("bare Trainable", "bare Trainable + torch", "tune_hydra proxy", "engine RSS"):
         assert text in out
+
+
+def test_hf_gpt2_quick() -> None:
+    """HF GPT-2 (tied lm_head) in 3 shards vs plain HF training: the script checks
+    exactness itself and exits 1 if the losses or weights differ."""
+    import pytest
+
+    pytest.importorskip("transformers")
+    out = _run("hf_gpt2.py", "--quick", timeout=120)
+    assert "3 shards on one CPU device" in out
+    for mode in ("plain", "tune_hydra", "median s/batch"):
+        assert mode in out
+    assert "exact: yes (1/1 rounds" in out

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -88,12 +89,85 @@ def test_quickstart_without_optuna_says_what_to_install() -> None:
     assert 'pip install "tune_hydra[optuna]"' in proc.stderr, proc.stderr
 
 
+def _gpt2_example() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "gpt2_model_selection", ROOT / "examples" / "gpt2_model_selection.py"
+    )
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
+def _gpt2_config(example: Any, argv: list[str], lr: float, batch_size: int) -> dict[str, Any]:
+    """The config ``main`` gives ``make_task`` for these flags (one grid point)."""
+    args = example.parse_args(argv)
+    model = {
+        "layers": args.layers, "d_model": args.d_model, "heads": args.heads,
+        "context": args.context, "vocab": args.vocab, "dropout": args.dropout,
+        "sequences": args.sequences, "epochs": args.epochs, "path": args.model_path,
+    }  # fmt: skip
+    return {"lr": lr, "batch_size": batch_size, "model": model}
+
+
 def test_gpt2_model_selection_tiny(tmp_path: Path) -> None:
+    """transformers' GPT2LMHeadModel, dict batches, its own loss: every model is cut into
+    >= 3 shards (the tied lm_head / wte in the first and the last), and the best model.pt
+    loads strictly into a fresh model, still tied, and gives the printed val_loss."""
+    pytest.importorskip("transformers")
     out = _run("gpt2_model_selection.py", "--tiny", "--output", str(tmp_path))
     assert "4 GPT-2-like models" in out
     assert "best config: lr=" in out
     assert _model_pt(out).is_file()
     assert (tmp_path / "timeline.png").is_file()
+    table = out.split("GPT-2-like models", 1)[1].splitlines()[2:6]
+    rows = {(float(r.split()[0]), int(r.split()[1])): r.split() for r in table}
+    assert len(rows) == 4 and all(int(r[2]) >= 3 for r in rows.values()), table
+    import math
+
+    import torch
+
+    best = out.split("best config: ", 1)[1].splitlines()[0]
+    lr, batch = float(best.split("lr=")[1].split(",")[0]), int(best.split("batch_size=")[1])
+    printed = float(rows[(lr, batch)][4])
+    assert abs(math.exp(printed) - float(rows[(lr, batch)][5])) < 0.01
+    example = _gpt2_example()
+    task = example.make_task(_gpt2_config(example, ["--tiny"], lr, batch))
+    model = task.model
+    model.load_state_dict(torch.load(_model_pt(out), weights_only=True), strict=True)
+    assert model.lm_head.weight is model.transformer.wte.weight
+    model.eval()
+    with torch.no_grad():
+        losses = [model(**b).loss.item() for b in task.eval_data]
+    assert abs(sum(losses) / len(losses) - printed) < 1e-4, (losses, printed)
+
+
+def test_gpt2_model_path_loads_local_weights(tmp_path: Path) -> None:
+    """--model-path starts every grid point from the weights save_pretrained wrote there
+    (not a fresh model sized by the flags); the data follow its vocabulary."""
+    pytest.importorskip("transformers")
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(3)
+    cfg = GPT2Config(n_layer=2, n_embd=16, n_head=2, vocab_size=48, n_positions=12)
+    saved = GPT2LMHeadModel(cfg)
+    saved.save_pretrained(tmp_path)
+    example = _gpt2_example()
+    argv = ["--tiny", "--model-path", str(tmp_path)]
+    task = example.make_task(_gpt2_config(example, argv, 1e-3, 4))
+    model = task.model
+    assert isinstance(model, GPT2LMHeadModel) and model.config.n_layer == 2
+    want = saved.state_dict()
+    got = model.state_dict()
+    assert list(got) == list(want)
+    for name, p in want.items():
+        assert torch.equal(got[name], p), name
+    assert model.lm_head.weight is model.transformer.wte.weight
+    batch = next(iter(task.train_data))
+    assert set(batch) == {"input_ids", "attention_mask", "labels"}
+    assert batch["input_ids"].shape == (4, 12)  # --tiny's context 16, capped by the model
+    assert int(batch["input_ids"].max()) < 48 and torch.equal(batch["labels"], batch["input_ids"])
 
 
 def test_optuna_study_tiny(tmp_path: Path) -> None:

@@ -1,9 +1,11 @@
-"""Validation of the training options shared by the engine and the Ray Tune front end.
+"""The training options shared by the engine and the front ends, and their validation.
 
-One set of rules, so that ``train_models``, ``Engine`` and ``HydraExecutor`` accept and
-refuse the same values, and refuse them where they are given (``HydraExecutor(...)``
-itself, not each trial later). This module imports neither torch nor Ray: the Tune
-front end validates its options without loading torch.
+One set of rules, so that ``train_models``, ``Engine``, ``HydraExecutor`` and
+``th.optimize`` accept and refuse the same values, and refuse them where they are given
+(``HydraExecutor(...)`` itself, not each trial later). :class:`TrainOptions` (one task's,
+resolved) and :class:`EngineOptions` (an engine's) are frozen dataclasses checked when
+built; the ``check_*`` functions check single options. This module imports neither torch
+nor Ray: the Tune front end validates its options without loading torch.
 
 Example:
     >>> from tune_hydra.options import check_task_options
@@ -19,12 +21,19 @@ Example:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 import operator
-from typing import Any
+from dataclasses import InitVar, dataclass
+from typing import TYPE_CHECKING, Any
 
 from tune_hydra.exceptions import InvalidOptionError
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+    from tune_hydra.core.policies import BasePolicy
 
 #: Result keys of the engine (and of Ray Tune) that a ``ModelTask`` metric may not take.
 ENGINE_KEYS = (
@@ -225,10 +234,113 @@ def check_max_layers_per_shard(value: Any, *, where: str = "") -> int | None:
     )
 
 
+@dataclass(frozen=True)
+class TrainOptions:
+    """One task's training options, checked and normalized (see ``train_models``).
+
+    ``seed`` is the task's resolved seed (``Engine.add_task`` picks it from
+    ``ModelTask.seed``, its ``seed`` argument or ``torch.initial_seed()``), so it is an
+    int here. Frozen: derive a changed copy with ``dataclasses.replace``.
+
+    Args:
+        seed: the seed of the task's random stream, an int ``torch.manual_seed`` takes.
+        max_grad_norm: ``None`` or a number > 0.
+        accumulate_steps: an int >= 1.
+        precision: ``None`` / ``"fp32"`` / ``"float32"`` (stored as ``None``) or ``"bf16"``.
+        iteration_batches: ``None`` (an iteration is an epoch) or an int >= 1.
+        recompute: re-run forward in backward instead of keeping the graph.
+        where: who got them, for the messages (``"task 'a'"``); not stored.
+
+    Raises:
+        InvalidOptionError: the first bad option (``seed=None`` included), naming it, its
+            value and the fix.
+
+    Example:
+        >>> TrainOptions(seed=3, precision="fp32", accumulate_steps=2)
+        TrainOptions(seed=3, max_grad_norm=None, accumulate_steps=2, precision=None, \
+iteration_batches=None, recompute=False)
+    """
+
+    seed: int = 0
+    max_grad_norm: float | None = None
+    accumulate_steps: int = 1
+    precision: str | None = None
+    iteration_batches: int | None = None
+    recompute: bool = False
+    where: InitVar[str] = ""
+
+    def __post_init__(self, where: str) -> None:
+        checked = check_task_options(
+            seed=self.seed,
+            max_grad_norm=self.max_grad_norm,
+            accumulate_steps=self.accumulate_steps,
+            precision=self.precision,
+            iteration_batches=self.iteration_batches,
+            where=where,
+        )
+        if checked["seed"] is None:
+            raise InvalidOptionError(
+                "seed",
+                None,
+                "give an int in [-2**63, 2**64 - 1] (Engine.add_task resolves seed=None to one)",
+                where,
+            )
+        for name, value in checked.items():  # normalized: ints as ints, fp32 as None
+            object.__setattr__(self, name, value)
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """The options of an :class:`~tune_hydra.engine.Engine`, as given (``Engine`` resolves
+    ``devices``, ``device_memory``, ``policy`` and ``recompute`` itself: that takes torch).
+
+    Front ends build one where the user gives them and hand it down; ``kwargs()`` are the
+    keyword arguments of ``Engine(...)``. Frozen: derive a changed copy with
+    ``dataclasses.replace``.
+
+    Args:
+        devices, device_memory, policy, prefetch, recompute, copy_on_cpu: see ``Engine``.
+        max_layers_per_shard: ``None`` or an int >= 1 (checked here).
+        where: who got them, for the messages (``"Engine"``, ``"train_models"``); not
+            stored.
+
+    Raises:
+        InvalidOptionError: a bad ``max_layers_per_shard``.
+
+    Example:
+        >>> EngineOptions(devices="cpu", max_layers_per_shard=2).kwargs()["max_layers_per_shard"]
+        2
+    """
+
+    devices: str | Sequence[Any] = "auto"
+    device_memory: int | str | None = None
+    policy: str | BasePolicy = "lrtf"
+    prefetch: bool = True
+    recompute: bool | None = None
+    copy_on_cpu: bool = False
+    max_layers_per_shard: int | None = None
+    where: InitVar[str] = "Engine"
+
+    def __post_init__(self, where: str) -> None:
+        object.__setattr__(
+            self,
+            "max_layers_per_shard",
+            check_max_layers_per_shard(self.max_layers_per_shard, where=where),
+        )
+
+    def kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of ``Engine(...)`` (a shallow copy: a policy instance is
+        passed as itself, not copied)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
 __all__ = [
+    "ENGINE_KEYS",
     "PRECISIONS",
     "SEED_MAX",
     "SEED_MIN",
+    "EngineOptions",
+    "TrainOptions",
     "check_max_grad_norm",
     "check_max_layers_per_shard",
     "check_positive_int",

@@ -1,4 +1,5 @@
-"""The scheduling simulation (benchmarks/simulate.py) drives the real policy classes."""
+"""The scheduling simulation (tune_hydra.core.simulate, run by benchmarks/simulate.py)
+drives the real policy classes."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from types import ModuleType
 
 import pytest
 
+from tune_hydra.core import simulate as sim
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.core.policies import POLICIES, BasePolicy, Candidate
+from tune_hydra.core.program import Program
 from tune_hydra.exceptions import ScheduleError
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "simulate.py"
@@ -22,25 +25,26 @@ def _load() -> ModuleType:
     spec = importlib.util.spec_from_file_location("tune_hydra_bench_simulate", SCRIPT)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
 
-sim = _load()
 QUICK = sim.make_tasks(20, seed=0, epochs=(1, 3))
 
 
-def test_task_ops_order() -> None:
-    ops = sim.task_ops("a", 3, epochs=1, batches=2)
-    assert [str(op) for op in ops] == [
-        "a:F0[0]", "a:F1[0]", "a:L2[0]", "a:B1[0]", "a:B0[0]",
-        "a:F0[1]", "a:F1[1]", "a:L2[1]", "a:B1[1]", "a:B0[1]",
-    ]  # fmt: skip
-    assert [str(op) for op in sim.task_ops("b", 2, epochs=2, batches=1)][3:] == [
-        "b:F0[0]", "b:L1[0]", "b:B0[0]",
-    ]  # fmt: skip
-    assert sim.task_ops("b", 2, 2, 1)[3].iteration == 1
+def test_task_ops_are_the_programs_batches() -> None:
+    for t in QUICK:
+        program = Program(t.name, t.shards)
+        per_batch = program.ops_per_batch
+        assert len(t.ops) % per_batch == 0
+        for j in range(0, len(t.ops), per_batch):
+            first = t.ops[j]
+            assert list(t.ops[j : j + per_batch]) == program.batch_ops(first.iteration, first.batch)
+        seen = [(op.iteration, op.batch) for op in t.ops[::per_batch]]
+        epochs = seen[-1][0] + 1
+        batches = len(seen) // epochs
+        assert seen == [(it, b) for it in range(epochs) for b in range(batches)]
 
 
 def test_workload_is_seeded_and_mixed() -> None:
@@ -53,8 +57,8 @@ def test_workload_is_seeded_and_mixed() -> None:
 
 
 def test_lower_bound() -> None:
-    a = sim.SimTask("a", 2, tuple(sim.task_ops("a", 2, 1, 1)), (1.0, 2.0, 3.0))
-    b = sim.SimTask("b", 2, tuple(sim.task_ops("b", 2, 1, 1)), (1.0, 1.0, 1.0))
+    a = sim.SimTask("a", 2, tuple(Program("a", 2).batch_ops(0, 0)), (1.0, 2.0, 3.0))
+    b = sim.SimTask("b", 2, tuple(Program("b", 2).batch_ops(0, 0)), (1.0, 1.0, 1.0))
     assert sim.lower_bound([a, b], 1) == pytest.approx(9.0)
     assert sim.lower_bound([a, b], 2) == pytest.approx(6.0)  # the longest task
     result = sim.simulate("lrtf", 2, [a, b])
@@ -179,7 +183,7 @@ def test_policy_leaving_every_device_idle_fails_instead_of_hanging() -> None:
 
 def test_main_quick(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     png, js = tmp_path / "t.png", tmp_path / "t.json"
-    assert sim.main(["--quick", "--plot", str(png), "--trace", str(js)]) == 0
+    assert _load().main(["--quick", "--plot", str(png), "--trace", str(js)]) == 0
     out = capsys.readouterr().out
     for word in ("lrtf", "fifo", "round_robin", "/bound", "4 devices", "16 devices"):
         assert word in out

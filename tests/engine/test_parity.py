@@ -247,7 +247,7 @@ def test_shards_that_do_not_write_their_input_never_clone_it(
 ) -> None:
     """The probe tells which shards write their input, so the others take it as is from
     their first visit on (no input-sized copy beyond the plan)."""
-    from tune_hydra.engine import boundary, runner
+    from tune_hydra.engine import boundary, stage
 
     clones: list[int] = []
 
@@ -255,7 +255,7 @@ def test_shards_that_do_not_write_their_input_never_clone_it(
         clones.append(1)
         return boundary.clone(obj)
 
-    monkeypatch.setattr(runner, "clone", counting)
+    monkeypatch.setattr(stage, "clone", counting)
     task = make_task(mlp(), "adam")
     ref = plain_copy(task)
     h = th.train_models(

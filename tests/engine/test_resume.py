@@ -143,8 +143,23 @@ def test_tied_weights_are_stored_once_and_restore_across_cuts() -> None:
 
     want = run([(3, 4)])  # [0, 1, 2] (the tied pair in one shard) and [3, 4, 5]
     assert "2.weight" not in want["optimizer"]["state"]
-    for legs in ([(3, 2), (None, 2)], [(None, 2), (4, 2)]):
+    # ... also with the tied pair in two shards (max_layers_per_shard=1): one tensor, one
+    # optimizer state, its two uses' gradients summed as autograd sums them.
+    for legs in ([(3, 2), (None, 2)], [(None, 2), (4, 2)], [(1, 2), (3, 2)], [(3, 2), (1, 2)]):
         assert_equal(_plan_free(run(legs)), _plan_free(want))
+
+
+def test_a_state_taken_right_after_a_restore_is_the_restored_one() -> None:
+    """Saving again before training on (Tune checkpoints a restored trial at once, e.g.
+    under PBT) keeps the epoch's data order, not the seed's."""
+    options = {**MID_GROUP, "iteration_batches": 3}  # iterations end mid-epoch
+    want, _, _ = _train([("budget", 3)], "adam", options)
+    assert want["batch_in_epoch"] != 0 and want["epoch"] > 0
+    with Engine("cpu", **CUTS["pairs"]) as eng:
+        eng.add_task("t", make_task(mlp(seed=99), "adam"), seed=3, **options)
+        eng.set_state("t", copy.deepcopy(want))
+        again = eng.get_state("t")
+    assert_equal(_plan_free(again), _plan_free(want))
 
 
 def _legacy(eng: Engine, name: str) -> dict[str, Any]:

@@ -3,16 +3,18 @@ that do not fit skipped."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 
+import pytest
 import torch
 from torch import nn
 
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.core.trace import Trace
-from tune_hydra.engine.spill import ShardStore
+from tune_hydra.engine.storage import ShardStore
 from tune_hydra.engine.workers import Assignment, Carry, DeviceWorker, default_clock
 
 CPU = torch.device("cpu")
@@ -195,6 +197,32 @@ def test_an_op_that_ends_over_budget_parks_waiting_activations() -> None:
         w.carries["c"] = _carry(20, parked, "c")
         w.settle()  # 30 + 85 > 100: parking "a" (the largest) is enough
         assert parked == ["a"] and set(w.carries) == {"b", "c"}
+    finally:
+        w.close()
+        w.join(5.0)
+
+
+def test_a_failed_park_is_logged_and_the_tensors_stay(caplog: pytest.LogCaptureFixture) -> None:
+    """A park that raises (e.g. no pinned memory left) is not fatal: the tensors stay where
+    they are, the next candidate is parked instead, and the failure is logged."""
+    w = _worker(budget=100)
+    log: list[str] = []
+    parked: list[str] = []
+
+    def broken(device: torch.device, stream: object) -> int:
+        raise RuntimeError("no pinned memory left")
+
+    running = _store("running", state=40, act=20)
+    try:
+        w.carries = {"broken": Carry(60, 1, broken), "ok": _carry(30, parked, "ok")}
+        with caplog.at_level(logging.WARNING, logger="tune_hydra.engine.workers"):
+            w.submit(_assignment(w, running, lambda dev: log.append("run"), log))
+            _wait_until(lambda: "done running" in log)
+        assert parked == ["ok"] and set(w.carries) == {"broken"}
+        assert isinstance(w.last_park_error, RuntimeError)
+        (record,) = [r for r in caplog.records if "parking" in r.getMessage()]
+        assert record.levelno == logging.WARNING
+        assert "'broken'" in record.getMessage() and "no pinned memory left" in record.getMessage()
     finally:
         w.close()
         w.join(5.0)

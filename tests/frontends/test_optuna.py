@@ -11,6 +11,7 @@ from __future__ import annotations
 import _thread
 import logging
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -38,7 +39,7 @@ from tune_hydra.exceptions import (
 
 optuna = pytest.importorskip("optuna")
 TrialState = optuna.trial.TrialState
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 EPOCHS = 3
 BUDGET = 24_000  # cuts mlp() into 2+ shards
 
@@ -306,6 +307,16 @@ def test_a_module_level_model_is_refused_for_the_second_trial() -> None:
 def test_ctrl_c_ends_running_trials_fail_and_frees_the_engine() -> None:
     """KeyboardInterrupt while trials are in flight: they end FAIL ("interrupted"), the
     engine keeps none of their tasks, and the interrupt propagates."""
+    # Python's own Ctrl-C handler, as in a fresh process: ray.tune.run (run by other tests
+    # in this process) leaves its handler installed, which swallows the first Ctrl-C.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        _ctrl_c_while_trials_run()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def _ctrl_c_while_trials_run() -> None:
     started: list[int] = []
 
     def make_task(trial: Any) -> th.ModelTask:

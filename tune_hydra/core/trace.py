@@ -23,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tune_hydra.core.ledger import DeviceLedger
+from tune_hydra.core.ops import Op, OpKind
+from tune_hydra.core.program import ends_batch, is_batch_kind, starts_batch
 from tune_hydra.exceptions import ScheduleError
 
 COMPUTE_OPS = frozenset({"F", "L", "B", "S", "E"})
@@ -208,6 +211,11 @@ class Trace:
                 of its first shard's backward, its ops' activations and boundary tensors
                 inside it.
 
+            The replay feeds the events to one
+            :class:`~tune_hydra.core.ledger.DeviceLedger` per device, the same arithmetic
+            the device workers keep the budget with (a task's waiting boundary tensors
+            inside its batch's reservation are not counted again).
+
         Raises:
             ScheduleError: an event ends before it starts, two compute operations overlap on
                 one device, two compute operations of one task overlap (a task's
@@ -289,17 +297,36 @@ def _batches(
     first: dict[str, TraceEvent] = {}
     last: dict[str, float] = {}
     for e in ops:
-        opening = e.shard == 0 and e.op in ("F", "L")
-        if e.task in first and (opening or e.op not in ("F", "L", "B")):
+        op = Op(e.task, OpKind(e.op), e.shard)
+        opening = starts_batch(op)
+        if e.task in first and (opening or not is_batch_kind(op.kind)):
             out.append((first[e.task].start, last[e.task], first.pop(e.task)))
         if opening:
             first[e.task] = e
         if e.task in first:
             last[e.task] = e.end
-            if e.shard == 0 and e.op in ("L", "B"):  # the batch's last op
+            if ends_batch(op):
                 out.append((first[e.task].start, e.end, first.pop(e.task)))
     out.extend((e.start, last[t], e) for t, e in first.items())
     return out
+
+
+@dataclass(frozen=True, slots=True)
+class _Held:
+    """A shard state (or, with ``state_bytes=0``, a running op) as the replay counts it."""
+
+    name: tuple[str, int]
+    state_bytes: int
+    activation_bytes: int
+    event: TraceEvent
+
+
+@dataclass(frozen=True, slots=True)
+class _Left:
+    """Boundary tensors an op left waiting on its device."""
+
+    nbytes: int
+    event: TraceEvent
 
 
 def _check_memory(
@@ -308,6 +335,8 @@ def _check_memory(
     acts: Mapping[tuple[str, int], int],
     kept: Mapping[str, int],
 ) -> None:
+    """Replay ``events`` through one :class:`DeviceLedger` per device (the workers'
+    arithmetic) and raise at the first allocation that leaves a device over budget."""
     # Replay in time order; at equal times frees (end of a copy_out or carry_out, end of
     # an op or a batch) come before allocations (start of a copy_in, an op, a batch).
     steps = []
@@ -323,61 +352,64 @@ def _check_memory(
         steps.append((end, 0, len(events) + j, e, "unreserve"))
         steps.append((start, 1, -j, e, "reserve"))  # before its first op starts
     steps.sort(key=lambda step: step[:3])
-    held: dict[str, dict[tuple[str, int], TraceEvent]] = {}
-    where: dict[tuple[str, int], str] = {}
-    running: dict[str, TraceEvent] = {}
-    carries: dict[str, dict[str, TraceEvent]] = {}  # device -> task -> the op that left it
-    reserved: dict[str, dict[str, int]] = {}  # device -> task -> its batch's kept bytes
+    ledgers: dict[str, DeviceLedger[_Held, _Left]] = {}
+    where: dict[tuple[str, int], tuple[str, _Held]] = {}  # each state's device
+    running: dict[str, _Held] = {}
     for _, _, _, e, what in steps:
         key = (e.task, e.shard)
-        on = held.setdefault(e.device, {})
-        waiting = carries.setdefault(e.device, {})
-        batches = reserved.setdefault(e.device, {})
+        ledger = ledgers.get(e.device)
+        if ledger is None:
+            limit = budget if isinstance(budget, int) else budget.get(e.device)
+            ledger = ledgers[e.device] = DeviceLedger(limit)
         if what == "unreserve":
-            batches.pop(e.task, None)
+            ledger.reserve(e.task, None)
             continue
         if what == "free":
             if e.op == "carry_out":
-                waiting.pop(e.task, None)
-            elif where.get(key) == e.device:
-                del where[key]
-                on.pop(key, None)
+                ledger.set_carry(e.task, None)
+            elif key in where and where[key][0] == e.device:
+                ledger.release(where.pop(key)[1])
             continue
         if what == "done":
-            if running.get(e.device) is e:
+            op = running.get(e.device)
+            if op is not None and op.event is e:
                 del running[e.device]
             if e.carry_bytes:
-                waiting[e.task] = e
+                ledger.set_carry(e.task, _Left(e.carry_bytes, e))
             continue
         if what == "reserve":
-            batches[e.task] = kept[e.task]
+            ledger.reserve(e.task, kept[e.task])
         elif what == "run":
-            running[e.device] = e
-            for other in carries.values():  # its input moves to the op: its activations
-                other.pop(e.task, None)
+            running[e.device] = _Held(key, 0, acts.get(key, 0), e)
+            for other in ledgers.values():  # its input moves to the op: its activations
+                other.set_carry(e.task, None)
         else:
-            old = where.get(key)
-            if old is not None:
-                held[old].pop(key, None)
-            where[key] = e.device
-            on[key] = e
-        limit = budget if isinstance(budget, int) else budget.get(e.device)
+            if key in where:  # a shard is on one device at a time
+                old, held = where[key]
+                ledgers[old].release(held)
+            where[key] = (e.device, _Held(key, e.bytes_moved, 0, e))
+            ledger.hold(where[key][1])
         op = running.get(e.device)
-        act = acts.get((op.task, op.shard), 0) if op is not None and op.task not in batches else 0
-        carried = sum(x.carry_bytes for t, x in waiting.items() if t not in batches)
-        graphs = sum(batches.values())
-        total = sum(x.bytes_moved for x in on.values()) + act + carried + graphs
-        if limit is not None and total > limit:
+        used = ledger.usage(op)
+        if ledger.budget is not None and used.total > ledger.budget:
             rows = sorted(
-                [*on.values(), *([op] if op is not None else []), *waiting.values()],
+                [
+                    *(x.event for x in ledger.resident.values()),
+                    *([op.event] if op is not None else []),
+                    *(x.event for x in ledger.carries.values()),
+                ],
                 key=lambda x: x.start,
             )
             raise ScheduleError(
-                f"device {e.device!r} holds {total} bytes (shard state"
-                + (f" + {act} bytes of the running op's activations" if act else "")
-                + (f" + {graphs} bytes of batches' kept graphs" if graphs else "")
-                + (f" + {carried} bytes other tasks' ops left waiting" if carried else "")
-                + f"), over its budget of {limit} bytes, at {e.start:.6f} s:\n"
+                f"device {e.device!r} holds {used.total} bytes (shard state"
+                + (
+                    f" + {used.activations} bytes of the running op's activations"
+                    if used.activations
+                    else ""
+                )
+                + (f" + {used.kept} bytes of batches' kept graphs" if used.kept else "")
+                + (f" + {used.carried} bytes other tasks' ops left waiting" if used.carried else "")
+                + f"), over its budget of {ledger.budget} bytes, at {e.start:.6f} s:\n"
                 + _rows(rows)
             )
 

@@ -15,7 +15,7 @@ from tune_hydra.core.trace import Trace, TraceEvent, plot_timeline, save_trace
 from tune_hydra.engine.engine import Engine
 from tune_hydra.engine.partition import LayerCost, ShardPlan, ShardSpec, plan_shards
 from tune_hydra.engine.reference import train_plain
-from tune_hydra.engine.spill import ShardStore
+from tune_hydra.engine.storage import ShardStore
 from tune_hydra.engine.task import ModelTask, model_layers
 from tune_hydra.engine.train import History, train_models
 from tune_hydra.engine.units import parse_bytes, resolve_devices

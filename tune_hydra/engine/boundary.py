@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -185,12 +186,17 @@ class SavedInput:
 
 
 def split_batch(batch: Any, name: str) -> tuple[Any, Any]:
-    """``(inputs, targets)`` of one batch of task ``name``."""
+    """``(inputs, targets)`` of one batch of task ``name``: an ``(x, y)`` pair, a dict
+    ``{"inputs": x, "targets": y}``, or any other dict (a Hugging Face collator's), which
+    is the model's keyword inputs as a whole, with ``batch.get("labels")`` the target."""
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
-    if isinstance(batch, dict) and {"inputs", "targets"} <= set(batch):
-        return batch["inputs"], batch["targets"]
+    if isinstance(batch, Mapping):
+        if {"inputs", "targets"} <= set(batch):
+            return batch["inputs"], batch["targets"]
+        return batch, batch.get("labels")
     raise InvalidTaskError(
-        f"task {name!r}: each batch must be an (inputs, targets) pair, got "
-        f"{type(batch).__name__}; make the data yield (x, y) tuples"
+        f"task {name!r}: each batch must be an (inputs, targets) pair or a dict of the "
+        f"model's keyword inputs, got {type(batch).__name__}; make the data yield (x, y) "
+        f"tuples"
     )

@@ -7,6 +7,7 @@ of epochs; the Ray Tune front end drives it one iteration per trial step.
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import threading
 import traceback
 from typing import Any
@@ -21,7 +22,7 @@ from tune_hydra.engine.kept import KeptGraphs
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
 from tune_hydra.engine.records import PendingIterations, TaskRecord, batches_per_iter
 from tune_hydra.engine.rng import CPU_RNG_LOCK
-from tune_hydra.engine.runner import TaskRunner, TrainOptions
+from tune_hydra.engine.runner import TaskRunner
 from tune_hydra.engine.task import ModelTask, OwnedTensors, model_layers, owned_tensors
 from tune_hydra.engine.units import device_capacity, parse_bytes, resolve_devices
 from tune_hydra.engine.workers import (
@@ -40,7 +41,9 @@ from tune_hydra.exceptions import (
     TaskFailedError,
     TuneHydraError,
 )
-from tune_hydra.options import check_max_layers_per_shard, check_seed, check_task_options
+from tune_hydra.options import EngineOptions, TrainOptions, check_seed
+
+log = logging.getLogger(__name__)
 
 
 class Engine:
@@ -95,7 +98,16 @@ class Engine:
         copy_on_cpu: bool = False,
         max_layers_per_shard: int | None = None,
     ) -> None:
-        max_layers_per_shard = check_max_layers_per_shard(max_layers_per_shard, where="Engine")
+        options = EngineOptions(
+            devices,
+            device_memory,
+            policy,
+            prefetch=prefetch,
+            recompute=recompute,
+            copy_on_cpu=copy_on_cpu,
+            max_layers_per_shard=max_layers_per_shard,
+        )
+        max_layers_per_shard = options.max_layers_per_shard
         self.devices = resolve_devices(devices)
         self.budget = parse_bytes(device_memory)
         self.policy = get_policy(policy)
@@ -186,12 +198,12 @@ class Engine:
         options = _options(
             name,
             task,
-            seed,
-            max_grad_norm,
-            accumulate_steps,
-            precision,
-            iteration_batches,
             self.recompute,
+            seed=seed,
+            max_grad_norm=max_grad_norm,
+            accumulate_steps=accumulate_steps,
+            precision=precision,
+            iteration_batches=iteration_batches,
         )
         # Before anything touches the model: it may be another task's, on a device now.
         claim = owned_tensors(task.model)  # type: ignore[arg-type]
@@ -240,8 +252,16 @@ class Engine:
                     f"remove it first or pick another name"
                 )
             self._kept.check(name, plan)
-            runner = TaskRunner(name, task, plan, layers, options, order=self._order, pin=pin)
-            runner.budgeted_graphs = self._kept.active
+            runner = TaskRunner(
+                name,
+                task,
+                plan,
+                layers,
+                options,
+                order=self._order,
+                pin=pin,
+                budgeted_graphs=self._kept.active,
+            )
             runner.note_probe(x)
             entry = TaskRecord(name, task, plan, options, self._order, runner)
             entry.batches_per_iter = batches_per_iter(task, options)
@@ -291,7 +311,7 @@ class Engine:
                 )
                 return fut
             entry.pending.append(PendingIterations(fut, iterations))
-            entry.runner.granted += iterations
+            entry.runner.grant(iterations)
             entry.candidate = None  # more work left: a new estimate
             if entry.runner.current is None and entry.assigned is None:
                 self._advance(entry)
@@ -358,11 +378,17 @@ class Engine:
             layers = model_layers(entry.task.model)  # type: ignore[arg-type]
             pin = any(d.type == "cuda" for d in self.devices)
             runner = TaskRunner(
-                name, entry.task, entry.plan, layers, entry.options, order=entry.order, pin=pin
+                name,
+                entry.task,
+                entry.plan,
+                layers,
+                entry.options,
+                order=entry.order,
+                pin=pin,
+                budgeted_graphs=self._kept.active,
+                probed=entry.runner.probed,
             )
             runner.set_state(state)
-            runner.budgeted_graphs = self._kept.active
-            runner.probed = entry.runner.probed
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
             self._cancel_futures(entry)
             self._note_carry(entry, None)
@@ -438,7 +464,7 @@ class Engine:
         for p in entry.pending:
             p.future.cancel()
         entry.pending.clear()
-        entry.runner.granted = 0
+        entry.runner.revoke()
 
     def _advance(self, entry: TaskRecord) -> None:
         try:
@@ -457,29 +483,24 @@ class Engine:
                 p.future.set_result(p.results)
 
     def _fail(self, entry: TaskRecord, err: BaseException) -> None:
+        log.info("task %r failed: %s: %s", entry.name, type(err).__name__, err)
         if not isinstance(err, TuneHydraError):
             tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
             wrapped = TaskFailedError(entry.name, f"{type(err).__name__}: {err}", tb)
             wrapped.__cause__ = err
             err = wrapped
         entry.error = err
-        entry.runner.current = None
+        entry.runner.stop()
         self._kept.end(entry, drop=True)
         for p in entry.pending:
             p.future.set_exception(err)
         entry.pending.clear()
-        entry.runner.granted = 0
 
     def _on_done(self, entry: TaskRecord, a: Assignment, err: BaseException | None) -> None:
         with self._cv:
             worker = entry.assigned
             if worker is not None:
-                queued = worker.assigned
-                if queued and queued[0] is a:  # ops finish in the order they were queued
-                    queued.popleft()
-                elif a in queued:
-                    queued.remove(a)
-                worker.last_task = entry.name
+                worker.finished(a, entry.name)
             entry.assigned = None
             if err is None:
                 per_batch = a.duration / max(1, a.op.count)
@@ -501,7 +522,8 @@ class Engine:
                 # hand-off less per operation. A policy error resurfaces in _loop.
                 try:
                     self._dispatch()
-                except Exception:
+                except Exception as e:
+                    log.debug("dispatch after %s raised %r; the dispatcher thread retries", a.op, e)
                     wake = True
             if wake:  # waking the dispatcher on every op would contend for the GIL
                 self._cv.notify_all()
@@ -604,6 +626,9 @@ class Engine:
             start=(lambda: self._note_carry(entry, None)) if w.copy else None,
         )
         entry.assigned = w
+        if log.isEnabledFor(logging.DEBUG):  # a decision per op: format only when asked
+            resident = w.holds(store) if w.copy else w.last_task == entry.name
+            log.debug("%s -> %s%s", op, w.label, " (resident)" if resident else "")
         w.submit(a)
         if w.depth > 1:
             # A task's next op is not ready until this one ends, so the dispatcher cannot
@@ -614,37 +639,22 @@ class Engine:
 
 
 def _options(
-    name: str,
-    task: ModelTask,
-    seed: int | None,
-    max_grad_norm: float | None,
-    accumulate_steps: int,
-    precision: str | None,
-    iteration_batches: int | None,
-    recompute: bool,
+    name: str, task: ModelTask, recompute: bool, *, seed: Any, **given: Any
 ) -> TrainOptions:
+    """Task ``name``'s checked options; its seed is ``ModelTask.seed``, else ``seed``, else
+    ``torch.initial_seed()``.
+
+    Raises:
+        InvalidOptionError: a bad ``ModelTask.seed`` first, then the first bad option.
+    """
     where = f"task {name!r}"
     task_seed = check_seed(task.seed, option="ModelTask.seed", where=where)
-    opts = check_task_options(
-        seed=seed,
-        max_grad_norm=max_grad_norm,
-        accumulate_steps=accumulate_steps,
-        precision=precision,
-        iteration_batches=iteration_batches,
-        where=where,
-    )
+    seed = check_seed(seed, where=where)
     if task_seed is not None:
-        opts["seed"] = task_seed
-    if opts["seed"] is None:
-        opts["seed"] = torch.initial_seed()
-    return TrainOptions(
-        opts["seed"],
-        opts["max_grad_norm"],
-        opts["accumulate_steps"],
-        opts["precision"],
-        opts["iteration_batches"],
-        recompute,
-    )
+        seed = task_seed
+    if seed is None:
+        seed = torch.initial_seed()
+    return TrainOptions(seed, recompute=recompute, where=where, **given)
 
 
 def _check_shared(

@@ -11,8 +11,9 @@ On a device that copies (a GPU, or ``copy_on_cpu``) the engine therefore
   (the graph cannot move);
 - starts a batch, or runs an op outside one (eval, a deferred step), on a device only if
   it fits beside the batches in flight there, the other queued ops' activations and room
-  for the resident shard states (:meth:`DeviceWorker.admits`); an idle device always
-  admits, so every task makes progress.
+  for the resident shard states (:meth:`DeviceWorker.admits`, answered by the device's
+  :class:`~tune_hydra.core.ledger.DeviceLedger`, where reservations are recorded too); an
+  idle device always admits, so every task makes progress.
 
 The boundary tensors of a batch in flight are inside its reservation (the forward's are
 views of kept outputs: parking them would free nothing), so they are not tracked as
@@ -25,25 +26,13 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from tune_hydra.core.ops import Op, OpKind
+from tune_hydra.core.program import in_batch, starts_batch
 from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.exceptions import InvalidTaskError, ScheduleError, format_bytes
 
 if TYPE_CHECKING:
     from tune_hydra.engine.records import TaskRecord
     from tune_hydra.engine.workers import DeviceWorker
-
-
-def starts_batch(op: Op) -> bool:
-    """Whether ``op`` is a task's first op of a batch (its first shard's forward)."""
-    return op.shard == 0 and op.kind in (OpKind.FORWARD, OpKind.LAST)
-
-
-def in_batch(op: Op | None) -> bool:
-    """Whether ``op`` continues a batch (a later shard's forward, or a backward)."""
-    return op is not None and not starts_batch(op) and op.kind in _BATCH
-
-
-_BATCH = frozenset((OpKind.FORWARD, OpKind.LAST, OpKind.BACKWARD))
 
 
 def kept_bytes(plan: ShardPlan) -> int:

@@ -7,9 +7,11 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tune_hydra.core.policies.base import Candidate
+from tune_hydra.core.program import BATCH_KINDS
 from tune_hydra.engine.partition import ShardPlan
-from tune_hydra.engine.runner import TaskRunner, TrainOptions
+from tune_hydra.engine.runner import TaskRunner
 from tune_hydra.engine.task import ModelTask
+from tune_hydra.options import TrainOptions
 
 if TYPE_CHECKING:
     from tune_hydra.engine.workers import DeviceWorker
@@ -64,7 +66,7 @@ class TaskRecord:
     def remaining_s(self, default_op_s: float = 1.0) -> float:
         """Estimated seconds of work left; ops not measured yet count as the task's mean
         measured op, or ``default_op_s`` (the engine-wide mean) before the first."""
-        kinds = 2 * len(self.plan) - 1  # F and B per shard but the last, one L
+        kinds = self.runner.program.ops_per_batch
         fallback = self.known_sum / self.known_n if self.known_n else default_op_s
         per_batch = self.known_sum + (kinds - self.known_n) * fallback
         iters = self.runner.granted + self.hint
@@ -73,7 +75,7 @@ class TaskRecord:
         return per_batch * max(iters * per_iter - done, 1.0)
 
 
-_BATCH_KINDS = frozenset(("F", "L", "B"))
+_BATCH_KINDS = frozenset(kind.value for kind in BATCH_KINDS)  # as ``record`` gets them
 
 
 def batches_per_iter(task: ModelTask, options: TrainOptions) -> float:

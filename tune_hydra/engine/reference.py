@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
+from tune_hydra.engine.boundary import split_batch
 from tune_hydra.engine.metrics import MetricTotals, build_scheduler
 from tune_hydra.engine.task import ModelTask
 
@@ -26,7 +28,9 @@ def train_plain(
 
     Exactly: ``torch.manual_seed(seed)``, ``model.train()``, then per epoch, per batch:
     ``zero_grad`` at the start of each group of ``accumulate_steps`` batches,
-    ``loss = loss_fn(model(x), y)`` (under bf16 autocast if asked), ``(loss / k).backward()``,
+    ``loss = loss_fn(model(x), y)`` (under bf16 autocast if asked; for a dict batch
+    ``model(**batch)`` and ``batch["labels"]``, and with ``loss_fn=None`` the model's own
+    ``output.loss``), ``(loss / k).backward()``,
     and at the end of each group (and of a partial last group) ``clip_grad_norm_`` (if
     ``max_grad_norm``), ``step`` and the ``lr_scheduler``'s ``step`` (one scheduler built
     over the one optimizer). ``loss`` is the mean of ``loss.item()``; ``val_loss`` the mean
@@ -74,11 +78,12 @@ def train_plain(
     for _ in range(epochs):
         losses = []
         i = -1
-        for i, (x, y) in enumerate(task.train_data):
+        for i, batch in enumerate(task.train_data):
+            x, y = split_batch(batch, "plain")
             if i % k == 0:
                 opt.zero_grad()
             with autocast():
-                loss = task.loss_fn(model(_to(x, device)), _to(y, device))
+                loss = task.compute_loss(_call(model, _to(x, device)), _to(y, device), "plain")
             (loss / k).backward()
             losses.append(loss.item())
             if (i + 1) % k == 0:
@@ -91,9 +96,10 @@ def train_plain(
             totals = MetricTotals(task.metrics)
             vals = []
             with torch.no_grad(), autocast():
-                for e, (x, y) in enumerate(task.eval_data):
-                    out, target = model(_to(x, device)), _to(y, device)
-                    vals.append(task.loss_fn(out, target).item())
+                for e, batch in enumerate(task.eval_data):
+                    x, y = split_batch(batch, "plain")
+                    out, target = _call(model, _to(x, device)), _to(y, device)
+                    vals.append(task.compute_loss(out, target, "plain").item())
                     if totals.metrics:
                         totals.add(out, target, "plain", f"batch {e} of eval_data")
             model.train()
@@ -101,6 +107,11 @@ def train_plain(
             record.update(totals.means())
         history.append(record)
     return history
+
+
+def _call(model: nn.Module, inputs: Any) -> Any:
+    """``model(**inputs)`` for a dict batch (a Hugging Face collator's), else ``model(inputs)``."""
+    return model(**inputs) if isinstance(inputs, Mapping) else model(inputs)
 
 
 def _to(obj: Any, device: torch.device) -> Any:

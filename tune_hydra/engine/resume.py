@@ -106,11 +106,11 @@ def capture(runner: TaskRunner) -> dict[str, Any]:
             if p.grad is not None
         },
         "rng": {"cpu": runner.rng.cpu.clone(), "cuda": _clone(runner.rng.cuda)},
-        "epoch_rng": runner._epoch_rng.cpu.clone(),
+        "epoch_rng": runner.data.epoch_rng(),
         "seed": runner.options.seed,
         "iteration": runner.iteration,
-        "epoch": runner.epoch,
-        "batch_in_epoch": runner.batch_in_epoch,
+        "epoch": runner.data.epoch,
+        "batch_in_epoch": runner.data.batch_in_epoch,
         "num_shards": len(runner.shards),
         **_scheduler_state(runner),
     }
@@ -156,19 +156,13 @@ def restore(runner: TaskRunner, state: dict[str, Any]) -> None:
                 g = grads.get(names[id(p)])
                 p.grad = None if g is None else g.to(p.device, copy=True)
     _restore_schedulers(runner, state)
-    if runner.options.max_grad_norm is not None:
-        # The norms of the last backward, which a partial accumulation group at the end
-        # of an epoch clips with once the next iteration starts: the gradients have not
-        # changed since, so they are those of the restored gradients.
-        for s in runner.shards:
-            grads_now = [p.grad for p in s.params if p.grad is not None]
-            s.grad_norms = [torch.linalg.vector_norm(g, 2.0).cpu() for g in grads_now]
-    runner.rng = rng.RngState(state["rng"]["cpu"].clone(), _clone(state["rng"]["cuda"]))
-    runner.iteration = state["iteration"]
-    runner.epoch = state["epoch"]
-    runner.batch_in_epoch = state["batch_in_epoch"]
-    runner._skip = runner.batch_in_epoch
-    runner._resume_epoch_rng = rng.RngState(state["epoch_rng"].clone())
+    # With max_grad_norm: the norms of the last backward, which a partial accumulation
+    # group at the end of an epoch clips with once the next iteration starts. The
+    # gradients have not changed since, so they are those of the restored gradients.
+    runner.stepper.remeasure(runner.shards)
+    stream = rng.RngState(state["rng"]["cpu"].clone(), _clone(state["rng"]["cuda"]))
+    runner.resume_at(state["iteration"], stream)
+    runner.data.resume_at(state["epoch"], state["batch_in_epoch"], state["epoch_rng"])
 
 
 def _scheduler_state(runner: TaskRunner) -> dict[str, Any]:

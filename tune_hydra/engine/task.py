@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,13 +28,18 @@ class ModelTask:
             tracing its ``forward`` with torch.fx (see :mod:`tune_hydra.models`); a list /
             ``nn.ModuleList`` of modules executed in order is wrapped in an
             ``nn.Sequential`` (state-dict keys ``"0.weight"`` ...).
-        loss_fn: ``(output, target) -> scalar tensor``.
+        loss_fn: ``(output, target) -> scalar tensor``; or ``None``: the model computes
+            its own loss (a Hugging Face model given ``labels``), read as ``output.loss``
+            or ``output["loss"]``.
         optimizer: a callable that builds a torch optimizer from a list of parameters. The
             engine calls it once per shard with that shard's parameters, which equals one
             optimizer over the whole model for every per-parameter optimizer (SGD, Adam,
             AdamW, RMSprop, Adagrad, ...).
-        train_data: a re-iterable of ``(inputs, targets)`` batches (a ``DataLoader``, a
-            list ...). It is iterated once per epoch, in order.
+        train_data: a re-iterable of batches (a ``DataLoader``, a list ...), iterated
+            once per epoch, in order. A batch is an ``(inputs, targets)`` pair
+            (``output = model(inputs)``, ``loss = loss_fn(output, targets)``) or a dict,
+            as Hugging Face collators make (``output = model(**batch)``; the target of
+            ``loss_fn`` and ``metrics`` is ``batch["labels"]``).
         eval_data: optional, like ``train_data``; gives ``val_loss`` each epoch.
         seed: this task's seed, overriding the one given to ``train_models``.
         metrics: optional ``{name: fn(output, target) -> float | 0-dim tensor}``, computed
@@ -66,7 +71,7 @@ class ModelTask:
     """
 
     model: nn.Module | Sequence[nn.Module]
-    loss_fn: LossFn
+    loss_fn: LossFn | None
     optimizer: OptimizerFactory
     train_data: Iterable[Any]
     eval_data: Iterable[Any] | None = None
@@ -89,8 +94,11 @@ class ModelTask:
                 f"model must be an nn.Module (an nn.Sequential, any module whose forward "
                 f"torch.fx can trace) or a list of modules, not {type(self.model).__name__}"
             )
-        if not callable(self.loss_fn):
-            raise InvalidTaskError("loss_fn must be callable as loss_fn(output, target)")
+        if self.loss_fn is not None and not callable(self.loss_fn):
+            raise InvalidTaskError(
+                "loss_fn must be callable as loss_fn(output, target), or None for a model "
+                "that computes its own loss (output.loss)"
+            )
         if not callable(self.optimizer) or isinstance(self.optimizer, torch.optim.Optimizer):
             raise InvalidTaskError(
                 "optimizer must be a factory such as "
@@ -109,12 +117,37 @@ class ModelTask:
         self.metrics = check_metrics(self.metrics, self.eval_data is not None)
         check_lr_scheduler(self.lr_scheduler)
 
+    def compute_loss(self, output: Any, target: Any, name: str = "task") -> Any:
+        """``loss_fn(output, target)``, or with ``loss_fn=None`` the model's own loss
+        (``output.loss`` / ``output["loss"]``).
+
+        Raises:
+            InvalidLossError: ``loss_fn`` is ``None`` and ``output`` carries no loss.
+        """
+        if self.loss_fn is not None:
+            return self.loss_fn(output, target)
+        loss = getattr(output, "loss", None)
+        if loss is None and isinstance(output, Mapping):
+            loss = output.get("loss")
+        if loss is None:
+            from tune_hydra.exceptions import InvalidLossError
+
+            raise InvalidLossError(
+                name,
+                f"loss_fn is None, so the loss is the model's own (output.loss), but the "
+                f"model returned {type(output).__name__} without one. Put the labels in the "
+                f"batch (a dict with 'labels', for a Hugging Face model), or give a loss_fn",
+            )
+        return loss
+
 
 def model_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, nn.Module]]:
     """The model's layers in execution order, as ``(name, module)``.
 
     An ``nn.Sequential`` is cut as written (:func:`~tune_hydra.models.sequential_layers`:
     its children, nested ``nn.Sequential`` flattened, named by their state-dict prefix);
+    a Hugging Face ``PreTrainedModel`` at its list of blocks
+    (:func:`~tune_hydra.models.hf_layers`: ``embed``, one stage per block, ``head``);
     any other module by tracing its ``forward`` with torch.fx
     (:func:`~tune_hydra.models.trace_layers`: one stage per submodule call, named after
     that submodule, with the values live across the cut carried by the boundary).
@@ -127,10 +160,12 @@ def model_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, n
         InvalidModelError: not an ``nn.Module``, no layers, or a ``forward`` that cannot
             be traced (the message names the construct and the fix).
     """
-    from tune_hydra.models import sequential_layers, trace_layers
+    from tune_hydra.models import hf_layers, is_hf_model, sequential_layers, trace_layers
 
     if isinstance(model, nn.Sequential):
         return sequential_layers(model, task)
+    if is_hf_model(model):  # cut at its blocks, not traced (see tune_hydra.models.hf)
+        return hf_layers(model, task)
     if not isinstance(model, nn.Module):
         of = f"task {task!r}: " if task is not None else ""
         raise InvalidModelError(

@@ -15,7 +15,7 @@ from tune_hydra.engine.kept import kept_bytes
 from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.engine.task import ModelTask
 from tune_hydra.exceptions import InvalidTaskError, TaskFailedError, TrainingError, TuneHydraError
-from tune_hydra.options import check_max_layers_per_shard, check_positive_int, check_task_options
+from tune_hydra.options import EngineOptions, check_positive_int, check_task_options
 
 
 class History(dict[str, list[dict[str, Any]]]):
@@ -120,17 +120,15 @@ def train_models(
         raise InvalidTaskError("tasks must be a non-empty dict {name: ModelTask}")
     where = "train_models"
     check_positive_int(epochs, "epochs", meaning="epochs to train every task", where=where)
-    check_task_options(
+    # Checked once here (no task is trained if one is bad), then given to every task.
+    task_options = check_task_options(
         seed=seed,
         max_grad_norm=max_grad_norm,
         accumulate_steps=accumulate_steps,
         precision=precision,
         where=where,
     )
-    check_max_layers_per_shard(max_layers_per_shard, where=where)
-    history = History({name: [] for name in tasks})  # in the order of ``tasks``
-    errors: dict[str, BaseException] = {}
-    with Engine(
+    engine_options = EngineOptions(
         devices,
         device_memory,
         policy,
@@ -138,7 +136,11 @@ def train_models(
         recompute=recompute,
         copy_on_cpu=copy_on_cpu,
         max_layers_per_shard=max_layers_per_shard,
-    ) as engine:
+        where=where,
+    )
+    history = History({name: [] for name in tasks})  # in the order of ``tasks``
+    errors: dict[str, BaseException] = {}
+    with Engine(**engine_options.kwargs()) as engine:
         added = []
         for name, task in tasks.items():
             try:
@@ -146,14 +148,7 @@ def train_models(
                     raise InvalidTaskError(
                         f"tasks[{name!r}] must be a tune_hydra.ModelTask, not {type(task).__name__}"
                     )
-                engine.add_task(
-                    name,
-                    task,
-                    seed=seed,
-                    max_grad_norm=max_grad_norm,
-                    accumulate_steps=accumulate_steps,
-                    precision=precision,
-                )
+                engine.add_task(name, task, **task_options)
             except Exception as err:  # a bad task is reported; the others train
                 errors[name] = _as_task_error(name, err)
             else:

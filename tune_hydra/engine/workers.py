@@ -7,24 +7,32 @@ Boundary tensors other tasks left waiting on the device count against the same b
 and are parked in host memory when they would not fit. On CUDA, copies run on a
 dedicated stream and compute waits on an event; on the CPU the same bookkeeping runs with
 plain copies (or none, when ``copy=False``).
+
+The arithmetic of the budget (what is resident, reserved, waiting; what fits, what to
+evict) is the device's :class:`~tune_hydra.core.ledger.DeviceLedger`, which the trace's
+replay uses too; a worker reads and changes its ledger only under its ``_lock``.
 """
 
 from __future__ import annotations
 
 import collections
+import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from tune_hydra.core.ledger import DeviceLedger
 from tune_hydra.core.ops import Op
 from tune_hydra.core.trace import Trace, TraceEvent
-from tune_hydra.engine.spill import ShardStore
+from tune_hydra.engine.storage import Store
 from tune_hydra.exceptions import ScheduleError, format_bytes
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.2  # every blocking wait wakes up this often to notice a close
 _STUCK_S = 10.0  # a needed copy with nothing ahead of it that could free room: a bug
@@ -36,7 +44,7 @@ class Assignment:
     shard) is set once its shard is resident."""
 
     op: Op
-    store: ShardStore
+    store: Store
     run: Callable[[torch.device], None]
     done: Callable[[Assignment, BaseException | None], None]
     ready: threading.Event | None = None
@@ -63,7 +71,7 @@ class Carry:
 class Prefetch:
     """A speculative promotion: the shard a task will most likely need next here."""
 
-    store: ShardStore
+    store: Store
     task: str
     shard: int
     iteration: int
@@ -97,30 +105,25 @@ class DeviceWorker:
         self.intra_threads = intra_threads
         # Device bytes for shard state + the running op's activations (None: no limit).
         # Each task's plan fits its own shards; tasks of different sizes sharing a device
-        # are kept within it here, by what is resident at once.
-        self.budget = budget
-        self._op_done = threading.Condition()  # the copy thread waits here for room
-        # Boundary tensors other tasks left here for their next op (set by the engine):
+        # are kept within it here, by what is resident at once. The ledger also holds the
+        # boundary tensors other tasks left here for their next op (set by the engine):
         # they occupy the device too. Optional copies (a second queued op, a prefetch)
         # that fit only without them are not made; for a needed copy, or when an op ends
         # over budget, they are parked in host memory (those of running tasks cannot be,
-        # and are then ignored: their owners may be waiting for this very device).
-        self.carries: dict[str, Carry] = {}
-        # With recompute=False, the device memory each task's batch in flight here may hold
-        # (its forward graphs, kept until their backward; set by the engine): its ops'
-        # activations and boundary tensors are inside it.
-        self.reserved: dict[str, int] = {}
-        self.parked_bytes = 0
-        self._incoming: ShardStore | None = None  # the store the copy thread is bringing in
+        # and are then ignored: their owners may be waiting for this very device). With
+        # recompute=False it holds the device memory each task's batch in flight here may
+        # hold (its forward graphs, kept until their backward; set by the engine): its
+        # ops' activations and boundary tensors are inside it.
+        self.ledger: DeviceLedger[Store, Carry] = DeviceLedger(budget)
+        self._op_done = threading.Condition()  # the copy thread waits here for room
+        self._incoming: Store | None = None  # the store the copy thread is bringing in
         self.last_park_error: Exception | None = None
         self._closing = False
-        self.resident: collections.OrderedDict[int, ShardStore] = collections.OrderedDict()
         self.assigned: collections.deque[Assignment] = collections.deque()
         self.busy_s = 0.0
         # The task whose op ran here last: without copies its activations are what this
         # core's caches hold, the CPU's notion of "resident" (set by the engine).
         self.last_task: str | None = None
-        self.peak_resident_bytes = 0  # shard state held on the device at once, at most
         self.last_error: BaseException | None = None
         self.last_prefetch_error: BaseException | None = None  # speculative: not fatal
         self._lock = threading.Lock()
@@ -140,8 +143,41 @@ class DeviceWorker:
     def free_slots(self) -> int:
         return self.depth - len(self.assigned)
 
-    def holds(self, store: ShardStore) -> bool:
-        return id(store) in self.resident
+    @property
+    def budget(self) -> int | None:
+        """Device bytes for everything the ledger counts (None: no limit)."""
+        return self.ledger.budget
+
+    @property
+    def carries(self) -> dict[str, Carry]:
+        """Boundary tensors other tasks left waiting here, by task (the ledger's)."""
+        return self.ledger.carries
+
+    @carries.setter
+    def carries(self, value: dict[str, Carry]) -> None:
+        with self._lock:
+            for task in list(self.ledger.carries):
+                self.ledger.set_carry(task, None)
+            for task, carry in value.items():
+                self.ledger.set_carry(task, carry)
+
+    @property
+    def reserved(self) -> dict[str, int]:
+        """Bytes reserved for each task's batch in flight here (the ledger's)."""
+        return self.ledger.reserved
+
+    @property
+    def peak_resident_bytes(self) -> int:
+        """Shard state held on the device at once, at most (measured bytes)."""
+        return self.ledger.peak_resident_bytes
+
+    @property
+    def parked_bytes(self) -> int:
+        """Bytes of boundary tensors parked from here in host memory, in total."""
+        return self.ledger.parked_bytes
+
+    def holds(self, store: Store) -> bool:
+        return self.ledger.holds(store)
 
     def submit(self, a: Assignment) -> None:
         """Queue ``a`` (called by the dispatcher, under its lock)."""
@@ -152,22 +188,30 @@ class DeviceWorker:
         else:  # nothing to copy (a CPU device uses host memory in place): no hand-off
             a.store.promote(self.device, None, copy=False, owner=self)
             with self._lock:
-                self.resident[id(a.store)] = a.store
-                self.resident.move_to_end(id(a.store))
-                while len(self.resident) > self.depth:
-                    self.resident.popitem(last=False)
+                self.ledger.hold(a.store)
+                self.ledger.trim(self.depth)
         self._run_q.put(a)
 
-    def prefetch(self, store: ShardStore, task: str, shard: int, iteration: int) -> None:
+    def finished(self, a: Assignment, task: str) -> None:
+        """Take ``a`` off the queue as its op ends (called by the dispatcher, under its
+        lock); ``task`` ran here last."""
+        queued = self.assigned
+        if queued and queued[0] is a:  # ops finish in the order they were queued
+            queued.popleft()
+        elif a in queued:
+            queued.remove(a)
+        self.last_task = task
+
+    def prefetch(self, store: Store, task: str, shard: int, iteration: int) -> None:
         """Promote ``store`` ahead of its op if a slot is free by the time the copy thread
         gets to it (called by the dispatcher, under its lock)."""
         if self.copy:
             self._copy_q.put(Prefetch(store, task, shard, iteration))
 
-    def release(self, store: ShardStore) -> None:
+    def release(self, store: Store) -> None:
         """Forget ``store`` without copying (another device took it, or its task left)."""
         with self._lock:
-            self.resident.pop(id(store), None)
+            self.ledger.release(store)
 
     def close(self) -> None:
         self._closing = True
@@ -200,6 +244,15 @@ class DeviceWorker:
                     self._speculate(a)
                 except BaseException as err:  # the op that needs the shard will retry
                     self.last_prefetch_error = err
+                    log.warning(
+                        "device %s: prefetching shard %d of task %r failed (%s: %s); its op "
+                        "will copy it in",
+                        self.label,
+                        a.shard,
+                        a.task,
+                        type(err).__name__,
+                        err,
+                    )
                 finally:
                     with self._lock:
                         self._incoming = None
@@ -240,7 +293,7 @@ class DeviceWorker:
 
     def _speculate(self, p: Prefetch) -> None:
         with self._lock:
-            if id(p.store) in self.resident:
+            if self.ledger.holds(p.store):
                 return
             busy = {id(x.store) for x in list(self.assigned)}
         if len(busy) + 1 > self.depth:  # both slots taken by assigned ops
@@ -260,73 +313,42 @@ class DeviceWorker:
                 )
             self._hold(p.store)
 
-    def _hold(self, store: ShardStore) -> None:
+    def _hold(self, store: Store) -> None:
         with self._lock:
-            self.resident[id(store)] = store
-            self.resident.move_to_end(id(store))
             # Sizes cached at promotion: reading a store's tensors while another
             # thread computes with them (autograd writing .grad) is unsafe.
             store.last_nbytes = store.nbytes()
-            held = sum(s.last_nbytes for s in self.resident.values())
-            self.peak_resident_bytes = max(self.peak_resident_bytes, held)
+            self.ledger.hold(store, store.last_nbytes)
 
-    def fits(self, store: ShardStore) -> bool:
+    def fits(self, store: Store) -> bool:
         """Whether ``store`` can be resident beside the ops already assigned here (the
         dispatcher asks before queueing a second op behind a running one)."""
         return self._need([x.store for x in list(self.assigned)] + [store], carries=True) is None
 
-    def _need(self, keep: list[ShardStore], carries: bool = False) -> int | None:
+    def _need(self, keep: list[Store], carries: bool = False) -> int | None:
         """Bytes over budget if ``keep`` were resident while each of them runs (plus the
         boundary tensors other tasks left waiting here, with ``carries``); None if they
         fit."""
-        if self.budget is None:
-            return None
-        unique = {id(s): s for s in keep}.values()
-        need = sum(s.state_bytes for s in unique) + self._peak(unique, carries)
-        return None if need <= self.budget else need - self.budget
-
-    def _peak(self, stores: Iterable[ShardStore], carries: bool) -> int:
-        """The most bytes beside shard state while one of ``stores`` runs: its activations
-        (unless inside its task's reservation), the reservations of batches in flight
-        and, with ``carries``, the other tasks' waiting boundary tensors (a task's own are
-        its op's input, part of its activations)."""
         with self._lock:
-            waiting = {t: c.nbytes for t, c in self.carries.items()} if carries else {}
-            reserved = dict(self.reserved)
-        total = sum(waiting.values()) + sum(reserved.values())
-        return max(
-            (0 if s.name[0] in reserved else s.activation_bytes) + total - waiting.get(s.name[0], 0)
-            for s in stores
-        )
+            return self.ledger.need(keep, carries)
 
     def reserve(self, task: str, nbytes: int | None) -> None:
         """Hold ``nbytes`` for ``task``'s batch in flight here (``None``: release it)."""
         with self._lock:
-            if nbytes is None:
-                self.reserved.pop(task, None)
-            else:
-                self.reserved[task] = nbytes
+            self.ledger.reserve(task, nbytes)
 
     def admits(self, nbytes: int, room: int) -> bool:
         """Whether a task may start a batch (or run an op outside one) needing ``nbytes``
         here beside the batches in flight, the activations of the other ops assigned here
         and ``room`` bytes of shard state. Always on an idle device: each plan fits the
         budget on its own."""
-        if self.budget is None:
-            return True
         with self._lock:
-            held = sum(self.reserved.values())
-            queued = list(self.assigned)
-            held += sum(a.store.activation_bytes for a in queued if a.op.task not in self.reserved)
-        return (not held and not queued) or held + nbytes + room <= self.budget
+            return self.ledger.admits(nbytes, room, [a.store for a in list(self.assigned)])
 
     def set_carry(self, task: str, carry: Carry | None) -> None:
         """Record (or, with ``None``, forget) what ``task`` left waiting here."""
         with self._lock:
-            if carry is None:
-                self.carries.pop(task, None)
-            else:
-                self.carries[task] = carry
+            self.ledger.set_carry(task, carry)
 
     def park_carries(
         self, over: int, running: str | None, queued: set[str], stream: Any = None
@@ -337,10 +359,7 @@ class DeviceWorker:
         On CUDA the copies run on ``stream`` and are complete on return."""
         freed = 0
         with self._lock:
-            waiting = sorted(
-                ((t, c) for t, c in self.carries.items() if t != running),
-                key=lambda tc: (tc[0] in queued, -tc[1].nbytes),
-            )
+            waiting = self.ledger.park_order(running, queued)
         for task, carry in waiting:
             if freed >= over:
                 break
@@ -349,14 +368,21 @@ class DeviceWorker:
                 moved = carry.park(self.device, stream)
             except Exception as err:  # e.g. no pinned memory left: they stay, nothing lost
                 self.last_park_error = err
+                log.warning(
+                    "device %s: parking the boundary tensors of task %r failed (%s: %s); "
+                    "they stay on the device",
+                    self.label,
+                    task,
+                    type(err).__name__,
+                    err,
+                )
                 continue
             if not moved:  # its task is running: its inputs are in use
                 continue
             with self._lock:
-                if self.carries.get(task) is carry:
-                    del self.carries[task]
+                self.ledger.drop_carry(task, carry)
+                self.ledger.note_parked(task, moved)
             freed += carry.nbytes
-            self.parked_bytes += moved
             self.trace.add(
                 TraceEvent(self.label, task, carry.shard, "carry_out", t0, self.clock(), moved)
             )
@@ -370,22 +396,12 @@ class DeviceWorker:
         with self._lock:
             queued = list(self.assigned)
             # Resident, being copied in, or about to be: all there when the next op runs.
-            stores = dict(self.resident)
-            for store in [self._incoming, *(x.store for x in queued)]:
-                if store is not None:
-                    stores[id(store)] = store
-            waiting = {t: c.nbytes for t, c in self.carries.items()}
-            reserved = dict(self.reserved)
-        state = sum(s.state_bytes for s in stores.values()) + sum(reserved.values())
+            over = self.ledger.settle_over([x.store for x in queued], self._incoming)
         nxt = queued[0].op.task if queued else None
-        act = queued[0].store.activation_bytes if queued and nxt not in reserved else 0
-        over = state + act + sum(waiting.values()) - waiting.get(nxt or "", 0) - self.budget
         if over > 0:  # between two ops of this thread: its own stream made them
             self.park_carries(over, nxt, {x.op.task for x in queued}, self.compute_stream)
 
-    def _make_room(
-        self, incoming: ShardStore, op: Assignment | None = None, wait: bool = True
-    ) -> bool:
+    def _make_room(self, incoming: Store, op: Assignment | None = None, wait: bool = True) -> bool:
         """Evict least recently used shards so that ``incoming`` fits beside the ops that
         run before it: those assigned ahead of ``op``, or all assigned ones for a
         speculative prefetch (count and bytes). If even those do not fit, wait for the
@@ -420,26 +436,13 @@ class DeviceWorker:
             if over is not None:
                 tasks = {s.name[0] for s in keep}
                 self.park_carries(over, keep[0].name[0], tasks, self.copy_stream)
-        keep_ids = {id(s) for s in keep}
-        keep_state = sum({id(s): s.state_bytes for s in keep}.values())
-        act = self._peak(keep, carries=True)  # those that could not be parked, too
-        with self._lock:
-            others = [s for k, s in self.resident.items() if k not in keep_ids]
-            count = len(keep_ids | set(self.resident))
-            state = keep_state + sum(s.state_bytes for s in others)
-            victims = []
-            for s in others:  # least recently used first
-                over = self.budget is not None and state + act > self.budget
-                if count <= self.depth and not over:
-                    break
-                victims.append(s)
-                count -= 1
-                state -= s.state_bytes
+        with self._lock:  # carries that could not be parked count, too
+            victims = self.ledger.victims(keep, self.depth)
         for s in victims:  # counted as resident until their copies are done
             self.evict(s)
         return True
 
-    def evict(self, store: ShardStore) -> None:
+    def evict(self, store: Store) -> None:
         """Copy ``store`` back to the host if this device still holds it (safe from any
         thread: another device's copy thread takes a shard over this way). Returns once
         the copy is done: until then the device memory is in use, and the shard stays
@@ -448,7 +451,10 @@ class DeviceWorker:
         moved = store.demote(self.copy_stream, only_owner=self)
         if moved:
             store.synchronize()
-        self.release(store)
+        with self._lock:
+            self.ledger.release(store)
+            if moved:
+                self.ledger.note_spilled(store.name[0], moved)
         if moved:
             task, shard = store.name
             self.trace.add(TraceEvent(self.label, task, shard, "copy_out", t0, self.clock(), moved))
@@ -504,6 +510,7 @@ class DeviceWorker:
                 self.settle()
             except BaseException as e:  # keep the worker alive; the engine notices
                 self.last_error = e
+                log.warning("device %s: after op %s: %r", self.label, a.op, e, exc_info=e)
             with self._op_done:  # a copy waiting for room may go on
                 self._op_done.notify_all()
 

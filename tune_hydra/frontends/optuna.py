@@ -42,10 +42,11 @@ from tune_hydra.exceptions import (
     UnknownMetricError,
     UnknownOptionError,
 )
-from tune_hydra.frontends.checkpoint import MODEL_FILE, _fsync_dir, temp_name
+from tune_hydra.frontends.checkpoint import _fsync_dir, temp_name
+from tune_hydra.frontends.common import LOSS_METRICS, MODEL_FILE
 from tune_hydra.options import (
     ENGINE_KEYS,
-    check_max_layers_per_shard,
+    EngineOptions,
     check_positive_int,
     check_task_options,
 )
@@ -55,10 +56,7 @@ if TYPE_CHECKING:
 
     from tune_hydra.engine import Engine, ModelTask
 
-METRICS = {
-    "loss": "the epoch's mean training loss",
-    "val_loss": "the mean loss on the task's eval_data after the epoch",
-}
+METRICS = LOSS_METRICS
 """The metrics :func:`optimize` can report to Optuna (keys of the engine's per-epoch
 results), each lower-is-better."""
 
@@ -219,7 +217,7 @@ def optimize(
     )
     task_options = check_task_options(**options["task"], where=where)
     del task_options["iteration_batches"]  # an iteration is an epoch here
-    check_max_layers_per_shard(options["engine"].get("max_layers_per_shard"), where=where)
+    engine_options = EngineOptions(devices, device_memory, **options["engine"], where=where)
     folder = _prepare_save_dir(save_dir)
 
     from tune_hydra.engine import Engine
@@ -228,7 +226,7 @@ def optimize(
         _check_given_engine(Engine, engine, devices, device_memory, options["engine"])
         own = False
     else:
-        engine = Engine(devices, device_memory, **options["engine"])
+        engine = Engine(**engine_options.kwargs())
         own = True
     if max_concurrent is None:
         max_concurrent = 2 * len(engine.devices)

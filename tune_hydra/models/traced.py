@@ -21,7 +21,7 @@ is traced in both modes, and each stage runs the graph of its current mode.
 Limits: ``forward`` must be traceable (no control flow on tensor values), must call the
 same submodules in train and eval mode, and gets the batch's inputs as its one argument
 (others keep their defaults). A module with parameters called in two
-stages is tied weights: the engine refuses it when the stages land in two shards.
+stages shares them between the stages (see :mod:`tune_hydra.engine.shared`).
 
 ``torch.fx.passes.split_module`` is not used: it wires every value straight from the
 partition that makes it to the ones that use it, while the engine runs stages in a
@@ -410,7 +410,7 @@ def _get_attr(model: nn.Module, g: fx.Graph, root: dict[str, Any], target: str) 
     The stage holds the tensor under a flat name of its own (``attr_blocks_0_mask``), so
     that the user's modules are never touched and no other tensor of the owning module
     comes along: a parameter is the same ``nn.Parameter`` (the engine moves its data and
-    steps it in place; one read in two shards is refused as tied), a buffer the same
+    steps it in place; one read in two shards is shared by them), a buffer the same
     tensor, which each stage reading it moves on its own: such buffers are read-only
     inputs (masks, position tables). One written in place by ``forward`` would not be
     written back to the model from a device.

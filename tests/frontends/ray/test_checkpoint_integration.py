@@ -3,6 +3,7 @@ code runs, no mix loads), and an engine killed mid-save leaves no temp file or f
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -32,6 +33,7 @@ from tune_hydra.frontends.checkpoint import (
 )
 from tune_hydra.frontends.ray import HydraExecutor
 from tune_hydra.frontends.ray.actor import EngineActor
+from tune_hydra.options import EngineOptions
 
 pytestmark = pytest.mark.integration
 
@@ -192,7 +194,7 @@ def test_engine_killed_during_save_leaves_no_temp_files(ray_session: Any, storag
 
 
 # ------------------------------------- the engine actor's _save/_load, called in-process
-ENGINE = {"devices": "cpu", "device_memory": BUDGET, "policy": "lrtf", "prefetch": True}
+ENGINE = EngineOptions(devices="cpu", device_memory=BUDGET, policy="lrtf", prefetch=True)
 
 
 @pytest.fixture
@@ -262,7 +264,10 @@ def test_actor_restores_a_checkpoint_cut_differently(tmp_path: Path) -> None:
     """A checkpoint written under one budget restores into an engine of another, and a
     PBT exploit across the two still takes the new config's lr; a checkpoint of the
     older per-shard layout cut differently is refused with the fix."""
-    actors = [EngineActor({**ENGINE, "device_memory": b}, {"seed": SEED}) for b in (BUDGET, None)]
+    actors = [
+        EngineActor(dataclasses.replace(ENGINE, device_memory=b), {"seed": SEED})
+        for b in (BUDGET, None)
+    ]
     try:
         two, one = actors
         reg = _trial(two, "a", {"lr": 0.01}, iterations=1)

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +26,9 @@ from tune_hydra.frontends.ray.errors import (
 )
 from tune_hydra.frontends.ray.executor import check_task_factory
 from tune_hydra.frontends.ray.scheduler import HydraScheduler
+from tune_hydra.options import EngineOptions
 
-ENGINE = {"devices": "cpu", "device_memory": "18KiB", "policy": "lrtf", "prefetch": True}
+ENGINE = EngineOptions(devices="cpu", device_memory="18KiB", policy="lrtf", prefetch=True)
 FACTORIES = {"f": cloudpickle.dumps(tune_tasks.make_task)}  # the store, without Ray
 BLOB = "f"  # the factory's id
 SECRET = "driver-secret"
@@ -175,7 +177,7 @@ def test_recompute_reaches_the_engine() -> None:
     from tune_hydra.frontends.ray.executor import HydraExecutor
 
     assert HydraExecutor(recompute=True).recompute is True
-    a = EngineActor({**ENGINE, "recompute": True}, {"seed": 5}, factories=FACTORIES)
+    a = EngineActor(dataclasses.replace(ENGINE, recompute=True), {"seed": 5}, factories=FACTORIES)
     try:
         assert _call(a.register("a", "t1", BLOB, {"lr": 0.01})) == 2
         assert a._engine.recompute is True

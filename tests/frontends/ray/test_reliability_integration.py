@@ -29,7 +29,7 @@ from tune_hydra.frontends.ray.factories import FactoryStore
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]  # the repository
 
 
 def test_a_slow_factory_holds_up_no_other_trial(ray_session: Any, storage: str) -> None:

@@ -51,6 +51,7 @@ from tune_hydra.frontends.ray.errors import (
     TaskFactoryError,
     TrialNotRegisteredError,
 )
+from tune_hydra.options import EngineOptions
 
 ENGINE_ACTOR_PREFIX = "tune_hydra_engine"
 CONTROL_GROUP = "control"
@@ -313,8 +314,7 @@ class EngineActor:
     :class:`~tune_hydra.HydraExecutor`; not meant to be used directly.
 
     Args:
-        engine_kwargs: keyword arguments of ``Engine(...)`` (devices, device_memory, policy,
-            prefetch, recompute).
+        engine_options: the options of the engine (``Engine(**engine_options.kwargs())``).
         task_options: keyword arguments of ``Engine.add_task`` shared by every trial (seed,
             max_grad_norm, accumulate_steps, precision, iteration_batches).
         engine_class: ``"module:Class"`` of the engine (tests may swap in a stub).
@@ -334,7 +334,7 @@ class EngineActor:
 
     def __init__(
         self,
-        engine_kwargs: dict[str, Any],
+        engine_options: EngineOptions,
         task_options: dict[str, Any],
         engine_class: str = DEFAULT_ENGINE_CLASS,
         torch_threads: int | None = None,
@@ -343,7 +343,7 @@ class EngineActor:
         secret: str = "",
         factory_timeout_s: float | None = DEFAULT_FACTORY_TIMEOUT_S,
     ) -> None:
-        self._engine_kwargs = engine_kwargs
+        self._engine_options = engine_options
         self._task_options = task_options
         self._engine_class = engine_class
         self._torch_threads = torch_threads
@@ -378,7 +378,7 @@ class EngineActor:
                     torch.set_num_threads(self._torch_threads)
                 module, _, attr = self._engine_class.partition(":")
                 cls = getattr(importlib.import_module(module), attr)
-                self._engine = cls(**self._engine_kwargs)
+                self._engine = cls(**self._engine_options.kwargs())
             return self._engine
 
     async def _offload(self, fn: Callable[..., Any], *args: Any) -> Any:

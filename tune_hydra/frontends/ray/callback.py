@@ -40,7 +40,7 @@ from ray.tune.stopper import FunctionStopper
 from ray.tune.utils import flatten_dict
 
 from tune_hydra.exceptions import SystematicTaskError
-from tune_hydra.frontends.ray import executor as _executor
+from tune_hydra.frontends.ray import registry
 from tune_hydra.frontends.ray.factories import FactoryStore
 
 logger = logging.getLogger(__name__)
@@ -163,7 +163,7 @@ class HydraCallback(Callback):
         previous = signal.getsignal(signal.SIGINT)
 
         def on_sigint(signum: int, frame: Any) -> None:
-            _executor.abort_builds()
+            registry.abort_builds()
             if callable(previous):
                 previous(signum, frame)
             elif previous != signal.SIG_IGN:
@@ -218,7 +218,7 @@ class HydraCallback(Callback):
 
     def on_trial_error(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
         self._note_error(trial)
-        _executor.broadcast("deregister", trial.trial_id)
+        registry.broadcast("deregister", trial.trial_id)
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        _executor.broadcast("deregister", trial.trial_id)
+        registry.broadcast("deregister", trial.trial_id)

@@ -10,9 +10,9 @@ by :func:`tune_hydra.run`; for ``tune.Tuner`` use :meth:`HydraExecutor.trainable
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import inspect
 import logging
-import threading
 import types
 import uuid
 import warnings
@@ -23,7 +23,9 @@ import ray
 from ray import tune
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from tune_hydra.core.policies import POLICIES
 from tune_hydra.exceptions import TuneHydraError, UnknownPolicyError
+from tune_hydra.frontends.ray import registry
 from tune_hydra.frontends.ray.actor import (
     CONTROL_GROUP,
     DEFAULT_ENGINE_CLASS,
@@ -39,45 +41,12 @@ from tune_hydra.frontends.ray.errors import (
     TrialResourcesError,
 )
 from tune_hydra.frontends.ray.factories import FactoryStore
+from tune_hydra.options import EngineOptions, check_positive_int, check_task_options
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_SLOT_RESOURCE = "hydra_slot"
 DEFAULT_SLOTS_PER_NODE = 8
-_KNOWN_POLICIES = ("lrtf", "fifo", "round_robin")
-
-# Executors started in this driver process. The scheduler wrapper and the callback find the
-# engines through it (they are pickled by Tune/Tuner and must not hold actor handles).
-_ACTIVE: dict[str, HydraExecutor] = {}
-_ACTIVE_LOCK = threading.Lock()
-
-
-def broadcast(method: str, key: str, *args: Any) -> None:
-    """Fire-and-forget ``method(key, secret, *args)`` on every engine actor of every active
-    executor, each call carrying its own executor's secret (the engine actors refuse
-    driver-side calls without it)."""
-    with _ACTIVE_LOCK:
-        executors = list(_ACTIVE.values())
-    for ex in executors:
-        for handle in ex._handles.values():
-            try:
-                getattr(handle, method).remote(key, ex._secret, *args)
-            except Exception:  # a dead actor must not break Tune's event loop
-                logger.debug("tune_hydra: %s on an engine actor failed", method, exc_info=True)
-
-
-def abort_builds() -> None:
-    """Fire-and-forget: every engine of every active executor stops waiting for the task
-    factories still running (the driver is being interrupted). Safe in a signal handler:
-    it only submits calls."""
-    with _ACTIVE_LOCK:
-        executors = list(_ACTIVE.values())
-    for ex in executors:
-        for handle in ex._handles.values():
-            try:
-                handle.abort_builds.remote(ex._secret)
-            except Exception:  # interrupted anyway: nothing more to do
-                logger.debug("tune_hydra: abort_builds on an engine actor failed", exc_info=True)
 
 
 def _unwrap(err: BaseException) -> BaseException:
@@ -86,55 +55,6 @@ def _unwrap(err: BaseException) -> BaseException:
     if isinstance(cause, BaseException):
         return cause
     return err
-
-
-_WARNED_CPU: set[str] = set()
-
-
-def check_trial_resources(run_id: str, trial: Any) -> None:
-    """Refuse, when Tune adds it, a trial of executor ``run_id`` whose resource request
-    holds no engine slot (``tune.with_resources`` around ``executor.trainable(...)``);
-    warn once when trials reserve CPUs beside their slot.
-
-    Raises:
-        TrialResourcesError: the trial would hold CPUs instead of a slot.
-    """
-    with _ACTIVE_LOCK:
-        ex = _ACTIVE.get(run_id)
-    if ex is None or ex._fallback:
-        return
-    pgf = getattr(trial, "placement_group_factory", None)
-    if pgf is None:
-        return
-    required = dict(pgf.required_resources)
-    slot = ex.slot_resource
-    if required.get(slot, 0) < 1:
-        from tune_hydra.frontends.ray.trainable import HydraTrainable
-
-        try:
-            cls = trial.get_trainable_cls()
-        except Exception:  # not registered (yet): the proxy checks when it runs
-            return
-        if not (isinstance(cls, type) and issubclass(cls, HydraTrainable)):
-            return
-        raise TrialResourcesError(
-            trial.trial_id,
-            f"the trainable asks for {required} per trial and no {slot!r}: its resource "
-            f"request was replaced (tune.with_resources around executor.trainable(...), "
-            f"or a PlacementGroupFactory), so trials would hold CPUs instead of engine "
-            f"slots and run one at a time",
-            f"Pass executor.trainable(make_task) to Tune without tune.with_resources: it "
-            f"already reserves {ex.trial_resources} per trial, and the models train on the "
-            f"engine's devices (HydraExecutor(devices=..., device_memory=...))",
-        )
-    if required.get("CPU", 0) > 0 and run_id not in _WARNED_CPU:
-        _WARNED_CPU.add(run_id)
-        warnings.warn(
-            f"tune_hydra: each trial reserves {required['CPU']:g} CPU beside its {slot!r}, "
-            f"although it computes nothing (its model trains in the engine): concurrent "
-            f"trials are limited by CPUs. Drop the CPUs from tune.with_resources",
-            stacklevel=2,
-        )
 
 
 def unwrap_with_parameters(fn: Any) -> tuple[Callable[..., Any], dict[str, Any]] | None:
@@ -154,10 +74,10 @@ def unwrap_with_parameters(fn: Any) -> tuple[Callable[..., Any], dict[str, Any]]
             cells[name] = cell.cell_contents
     from ray.tune.registry import _ParameterRegistry
 
-    registry, prefix = cells.get("parameter_registry"), cells.get("prefix")
+    params_registry, prefix = cells.get("parameter_registry"), cells.get("prefix")
     keys, inner = cells.get("keys"), cells.get("trainable")
     if (
-        not isinstance(registry, _ParameterRegistry)
+        not isinstance(params_registry, _ParameterRegistry)
         or not isinstance(prefix, str)
         or not isinstance(keys, (set, frozenset, list, tuple))
         or not callable(inner)
@@ -165,10 +85,10 @@ def unwrap_with_parameters(fn: Any) -> tuple[Callable[..., Any], dict[str, Any]]
         return None
     params: dict[str, Any] = {}
     for key in keys:
-        ref = registry.references.get(prefix + str(key))
-        if ref is None and prefix + str(key) not in registry.to_flush:
+        ref = params_registry.references.get(prefix + str(key))
+        if ref is None and prefix + str(key) not in params_registry.to_flush:
             return None
-        params[str(key)] = ref if ref is not None else registry.to_flush[prefix + str(key)]
+        params[str(key)] = ref if ref is not None else params_registry.to_flush[prefix + str(key)]
     return inner, params
 
 
@@ -345,22 +265,21 @@ class HydraExecutor:
                 f"factory_timeout_s must be a number of seconds > 0, or None for no limit, "
                 f"not {factory_timeout_s!r}"
             )
-        if isinstance(policy, str) and policy not in _KNOWN_POLICIES:
+        if isinstance(policy, str) and policy not in POLICIES:
             raise UnknownPolicyError(
-                f"unknown policy {policy!r}; use one of {list(_KNOWN_POLICIES)} or an instance "
+                f"unknown policy {policy!r}; use one of {list(POLICIES)} or an instance "
                 f"of tune_hydra.core.policies.BasePolicy"
             )
+        # Every trial's Engine.add_task options, as given (the engine resolves the seed).
+        task_options: dict[str, Any] = {
+            "seed": seed,
+            "max_grad_norm": max_grad_norm,
+            "accumulate_steps": accumulate_steps,
+            "precision": precision,
+            "iteration_batches": iteration_batches,
+        }
         # The engine's own rules (torch-free), checked here rather than in every trial.
-        from tune_hydra.options import check_positive_int, check_task_options
-
-        check_task_options(
-            seed=seed,
-            max_grad_norm=max_grad_norm,
-            accumulate_steps=accumulate_steps,
-            precision=precision,
-            iteration_batches=iteration_batches,
-            where="HydraExecutor",
-        )
+        check_task_options(**task_options, where="HydraExecutor")
         check_positive_int(
             slots_per_node,
             "slots_per_node",
@@ -372,19 +291,22 @@ class HydraExecutor:
             from tune_hydra.engine.units import parse_bytes  # fails fast on "8 gigs"
 
             parse_bytes(device_memory)
+        # What every engine actor gets (devices="auto" is resolved per node).
+        self.engine_options = EngineOptions(
+            devices,
+            device_memory,
+            policy,
+            prefetch=prefetch,
+            recompute=recompute,
+            where="HydraExecutor",
+        )
         self.devices = devices
         self.device_memory = device_memory
         self.policy = policy
         self.prefetch = prefetch
         self.recompute = recompute
         self.iteration_batches = iteration_batches
-        self.task_options: dict[str, Any] = {
-            "seed": seed,
-            "max_grad_norm": max_grad_norm,
-            "accumulate_steps": accumulate_steps,
-            "precision": precision,
-            "iteration_batches": iteration_batches,
-        }
+        self.task_options = task_options
         self.slots_per_node = slots_per_node
         self.slot_resource = slot_resource
         self.torch_threads = torch_threads
@@ -468,8 +390,7 @@ class HydraExecutor:
                 raise cause from None
             raise EngineStartError(f"the engine actors failed to start: {cause}") from err
         self._handles = handles
-        with _ACTIVE_LOCK:
-            _ACTIVE[self.run_id] = self
+        registry.register(self)
         return self
 
     def _create_actor(self, node_id: str, res: dict[str, float], index: int) -> Any:
@@ -485,13 +406,6 @@ class HydraExecutor:
         else:
             names = [devices] if isinstance(devices, str) else list(devices)
             num_gpus = sum(1 for d in names if str(d).startswith("cuda"))
-        engine_kwargs = {
-            "devices": devices,
-            "device_memory": self.device_memory,
-            "policy": self.policy,
-            "prefetch": self.prefetch,
-            "recompute": self.recompute,
-        }
         if num_gpus > int(res.get("GPU", 0)):
             raise EngineStartError(
                 f"devices={self.devices!r} asks for {num_gpus} GPU(s), but node {node_id[:8]} "
@@ -510,7 +424,7 @@ class HydraExecutor:
             max_concurrency=1000,
             scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
         ).remote(
-            engine_kwargs,
+            dataclasses.replace(self.engine_options, devices=devices),
             self.task_options,
             self._engine_class,
             threads,
@@ -533,8 +447,7 @@ class HydraExecutor:
         """
         if not self._handles:
             return
-        with _ACTIVE_LOCK:
-            _ACTIVE.pop(self.run_id, None)
+        registry.unregister(self.run_id)
         for factory_id in list(self._factory_ids):
             self._drop_factory(factory_id)
         try:

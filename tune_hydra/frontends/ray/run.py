@@ -17,6 +17,7 @@ from ray.tune.error import TuneError
 from ray.tune.result import AUTO_RESULT_KEYS, DEBUG_METRICS, EPISODES_TOTAL, TIMESTEPS_TOTAL
 from ray.tune.search import BasicVariantGenerator
 
+from tune_hydra.frontends.common import RESULT_KEYS
 from tune_hydra.frontends.ray.callback import clear_systematic, systematic_error
 from tune_hydra.frontends.ray.errors import (
     InvalidExecutorError,
@@ -24,7 +25,6 @@ from tune_hydra.frontends.ray.errors import (
     UnreportedMetricError,
 )
 from tune_hydra.frontends.ray.executor import HydraExecutor, check_task_factory
-from tune_hydra.frontends.ray.trainable import RESULT_KEYS
 from tune_hydra.options import ENGINE_KEYS
 
 REPORTED_KEYS = tuple(

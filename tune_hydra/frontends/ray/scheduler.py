@@ -23,7 +23,7 @@ from typing import Any
 
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
-from tune_hydra.frontends.ray import executor as _executor
+from tune_hydra.frontends.ray import registry
 
 
 def _budget_from_stop(stop: Any) -> int | None:
@@ -105,11 +105,11 @@ class HydraScheduler(TrialScheduler):
     def _hint(self, trial: Any, done: int) -> None:
         if self._budget is not None:
             # ``done`` iterations reported; the next step is granted one more.
-            _executor.broadcast("set_remaining", trial.trial_id, max(0, self._budget - done - 1))
+            registry.broadcast("set_remaining", trial.trial_id, max(0, self._budget - done - 1))
 
     @staticmethod
     def _cancel(trial: Any) -> None:
-        _executor.broadcast("cancel", trial.trial_id)
+        registry.broadcast("cancel", trial.trial_id)
 
     # --------------------------------------------------------- TrialScheduler API
     def set_search_properties(self, metric: str | None, mode: str | None, **spec: Any) -> bool:
@@ -119,7 +119,7 @@ class HydraScheduler(TrialScheduler):
         run_id = getattr(self, "_run_id", "")  # absent in a wrapper pickled before it
         if run_id:
             # Raising here ends tune.run / Tuner.fit before the trial starts.
-            _executor.check_trial_resources(run_id, trial)
+            registry.check_trial_resources(run_id, trial)
         self._base.on_trial_add(tune_controller, trial)
         self._hint(trial, int(trial.last_result.get("training_iteration", 0) or 0))
 

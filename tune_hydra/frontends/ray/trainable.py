@@ -29,22 +29,12 @@ from ray.tune.result import SHOULD_CHECKPOINT
 
 from tune_hydra.exceptions import SystematicTaskError, UndeclaredMetricError
 from tune_hydra.frontends.checkpoint import discard_partial_save
+from tune_hydra.frontends.common import RESULT_KEYS
 from tune_hydra.frontends.ray.actor import engine_actor_name
 from tune_hydra.frontends.ray.errors import EngineUnavailableError, TrialResourcesError
 from tune_hydra.frontends.ray.factories import FactoryStore
 
 logger = logging.getLogger(__name__)
-
-RESULT_KEYS = (
-    "loss",
-    "val_loss",
-    "num_shards",
-    "epoch",
-    "batches",
-    "device_time_s",
-    "bytes_spilled",
-)
-"""Engine metrics copied into each Tune result."""
 
 _CONTROL_RETRY_S = 60.0  # how long a control call waits for a restarting engine actor
 

@@ -1,10 +1,10 @@
-"""Spill store: a shard's state lives in host memory and visits a device to run.
+"""The shard store: a shard's state lives in a storage tier and visits a device to run.
 
 A :class:`ShardStore` owns one shard's parameters, gradients, buffers and optimizer
 state. ``promote(device)`` copies them onto the device and points the live
 ``nn.Parameter`` objects at the copies (so the optimizer, keyed by parameter, keeps
-working); ``demote()`` copies them back into host buffers that were allocated once (and
-pinned, with CUDA) and are reused on every visit. Round trips are bitwise exact.
+working); ``demote()`` copies them back into the tier's host buffers, allocated once (and
+pinned, with CUDA) and reused on every visit. Round trips are bitwise exact.
 
 With CUDA, copies run on a caller-supplied copy stream and are ordered against compute
 with events; on the CPU they are plain synchronous copies (or skipped entirely when the
@@ -20,6 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from tune_hydra.engine.storage.residency import Residency, ShardResidency
+from tune_hydra.engine.storage.tiers import HostTier, Key, PinnedHostTier, StorageTier
+
 
 def _param_shaped(value: Any) -> bool:
     # Optimizer scalars (Adam's "step") stay on the host, as torch keeps them there unless
@@ -28,15 +31,22 @@ def _param_shaped(value: Any) -> bool:
 
 
 class ShardStore:
-    """Host home of one shard's tensors, with promote/demote to a device.
+    """Home of one shard's tensors in a storage tier, with promote/demote to a device.
 
     Args:
         modules: the shard's modules (their parameters and buffers move).
         optimizer: the shard's optimizer (its param-shaped state moves), may be set later.
-        pin: allocate pinned host buffers (CUDA only), once.
+        pin: keep the host buffers in pinned memory (CUDA only; ignored without CUDA or
+            when ``tier`` is given).
         name: ``(task, shard)``, for the trace of its copies.
         footprint: the plan's ``(state_bytes, activation_bytes)`` of the shard, which the
             device workers keep within the device budget.
+        tier: where the host buffers live (default: a :class:`PinnedHostTier` if ``pin``
+            and CUDA, else a :class:`HostTier`, whose buffers start as the model's own
+            tensors).
+        params: the parameters to hold, if not every parameter of ``modules`` (a
+            parameter several shards share has a store of its own, see
+            :class:`~tune_hydra.engine.storage.linked.LinkedStore`).
     """
 
     def __init__(
@@ -47,16 +57,17 @@ class ShardStore:
         pin: bool = False,
         name: tuple[str, int] = ("", -1),
         footprint: tuple[int, int] = (0, 0),
+        tier: StorageTier | None = None,
+        params: list[nn.Parameter] | None = None,
     ) -> None:
         self.name = name
         self.state_bytes, self.activation_bytes = footprint
         seen: set[int] = set()
         self.params: list[nn.Parameter] = []
-        for m in modules:
-            for p in m.parameters():
-                if id(p) not in seen:
-                    seen.add(id(p))
-                    self.params.append(p)
+        for p in params if params is not None else (p for m in modules for p in m.parameters()):
+            if id(p) not in seen:
+                seen.add(id(p))
+                self.params.append(p)
         self.buffer_slots: list[tuple[nn.Module, str]] = [
             (sub, name)
             for m in modules
@@ -65,29 +76,58 @@ class ShardStore:
             if b is not None
         ]
         self.optimizer = optimizer
-        self.pin = pin and torch.cuda.is_available()
-        self.device: torch.device = torch.device("cpu")
-        # Who holds the device copy: emulated CPU devices all are torch.device("cpu"), so
-        # the device alone cannot tell two workers apart.
-        self.owner: object = None
+        if tier is None:
+            tier = PinnedHostTier() if pin and torch.cuda.is_available() else HostTier()
+        self._tier = tier
+        self._residency = ShardResidency()
         self.last_nbytes = 0  # nbytes() at the last promotion
         self.moved_total = 0  # bytes copied host<->device over the store's life
-        self._host: dict[tuple[Any, ...], torch.Tensor] = {}
         self._event: Any = None  # CUDA event after the last demote (host buffers valid)
-        self.copied = False  # the live tensors are device copies of the host buffers
-        # Brought home for good until the next promote(): a speculative prefetch still in
-        # a queue must not take it back to a device (the task left, or is checkpointed).
-        self.retired = False
+        # Gradients set aside while a shared parameter's uses in other shards add up theirs
+        # (see stash_grad): moved with the rest of the state.
+        self._stash: dict[int, torch.Tensor] = {}
         self.lock = threading.RLock()  # promote/demote may come from two devices' threads
         for key, t in list(self._live()):
-            if self.pin:
-                self._set(key, self._host_buffer(key, t).copy_(t))
-            else:
-                self._host[key] = t  # the user's own tensors are the host buffers
+            home = tier.keep(key, t)
+            if home is not t:
+                self._set(key, home)
+        tier.flush()
+
+    # -- residency, as the store's own record of it ---------------------------------------
+
+    @property
+    def residency(self) -> Residency:
+        return self._residency.state
+
+    @property
+    def device(self) -> torch.device:
+        """The device the live tensors are used on (the host's, at home)."""
+        return self._residency.device
+
+    @property
+    def owner(self) -> object:
+        """The worker holding the live tensors (see :meth:`demote`)."""
+        return self._residency.owner
+
+    @property
+    def copied(self) -> bool:
+        """Whether the live tensors are device copies of the host buffers."""
+        return self._residency.state is Residency.DEVICE
+
+    @property
+    def retired(self) -> bool:
+        """Brought home for good until the next :meth:`promote`: a speculative prefetch
+        still in a queue must not take it back to a device (the task left, or is
+        checkpointed)."""
+        return self._residency.state is Residency.RETIRED
+
+    @property
+    def tier(self) -> StorageTier:
+        return self._tier
 
     # -- the tensors, addressed by stable keys ------------------------------------------
 
-    def _live(self) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    def _live(self) -> Iterator[tuple[Key, torch.Tensor]]:
         for i, p in enumerate(self.params):
             yield ("p", i), p.data
             if p.grad is not None:
@@ -99,8 +139,10 @@ class ShardStore:
                 for k, v in self.optimizer.state.get(p, {}).items():
                     if _param_shaped(v):
                         yield ("o", i, k), v
+        for i, t in self._stash.items():
+            yield ("s", i), t
 
-    def _set(self, key: tuple[Any, ...], t: torch.Tensor) -> None:
+    def _set(self, key: Key, t: torch.Tensor) -> None:
         kind = key[0]
         if kind == "p":
             p = self.params[key[1]]
@@ -114,20 +156,55 @@ class ShardStore:
         elif kind == "b":
             mod, name = self.buffer_slots[key[1]]
             mod._buffers[name] = t
+        elif kind == "s":
+            self._stash[key[1]] = t
         else:
             assert self.optimizer is not None
             self.optimizer.state[self.params[key[1]]][key[2]] = t
 
-    def _host_buffer(self, key: tuple[Any, ...], like: torch.Tensor) -> torch.Tensor:
-        buf = self._host.get(key)
-        if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
-            buf = torch.empty(like.shape, dtype=like.dtype, device="cpu", pin_memory=self.pin)
-            self._host[key] = buf
-        return buf
-
     def nbytes(self) -> int:
         """Bytes this shard's state occupies now (parameters, grads, buffers, moments)."""
         return sum(t.numel() * t.element_size() for _, t in self._live())
+
+    def host_tensors(self) -> list[tuple[nn.Parameter | tuple[nn.Module, str], torch.Tensor]]:
+        """The host tensors of the shard's parameters and buffers, as ``(parameter,
+        tensor)`` and ``((module, buffer name), tensor)``: the live ones at home, their
+        last demoted values while on a device."""
+        with self.lock:  # a demotion may be adding host buffers right now
+            items = self._tier.items()
+        host: list[tuple[nn.Parameter | tuple[nn.Module, str], torch.Tensor]] = []
+        for key, t in items:
+            if key[0] == "p":
+                host.append((self.params[key[1]], t))
+            elif key[0] == "b":
+                host.append((self.buffer_slots[key[1]], t))
+        return host
+
+    # -- a shared parameter's gradient over one batch ----------------------------------
+
+    def stash_grad(self, index: int) -> None:
+        """Set parameter ``index``'s gradient aside (``.grad`` becomes ``None``) before the
+        first of its uses in a batch back-propagates: plain autograd sums the uses of one
+        batch first and adds that sum to the gradient accumulated so far
+        (:meth:`unstash_grad` does the same)."""
+        with self.lock:
+            p = self.params[index]
+            if p.grad is not None:
+                self._stash[index] = p.grad
+                p.grad = None
+
+    def unstash_grad(self, index: int) -> None:
+        """After the last use's backward: the set-aside gradient plus this batch's sum."""
+        with self.lock:
+            old = self._stash.pop(index, None)
+            if old is None:
+                return
+            p = self.params[index]
+            new = p.grad
+            if new is None:
+                p.grad = old.to(p.device)
+            else:
+                p.grad = old.to(new.device).add_(new)
 
     # -- moving -------------------------------------------------------------------------
 
@@ -150,10 +227,7 @@ class ShardStore:
             owner: the worker taking the state (see :meth:`demote`).
         """
         with self.lock:
-            moved = self._promote(device, stream, copy, owner)
-            self.owner = owner
-            self.retired = False
-            return moved
+            return self._promote(device, stream, copy, owner)
 
     def try_promote(
         self, device: torch.device, stream: Any = None, *, copy: bool = True, owner: object
@@ -162,25 +236,24 @@ class ShardStore:
         it) or it was retired: then nothing happens and ``None`` is returned. For
         speculative prefetches."""
         with self.lock:
-            if self.retired or (self.copied and self.owner is not owner):
+            if not self._residency.may_speculate(owner):
                 return None
-            moved = self._promote(device, stream, copy, owner)
-            self.owner = owner
-            return moved
+            return self._promote(device, stream, copy, owner)
 
     def _promote(self, device: torch.device, stream: Any, copy: bool, owner: object) -> int:
-        if self.copied:
-            if device == self.device and owner is self.owner:
+        residency = self._residency
+        if residency.state is Residency.DEVICE:
+            if residency.holds(device, owner):
                 return 0
             # From another GPU: ``stream`` belongs to the new device, and a copy issued
             # under it would still run on the old device's current stream, unordered
             # with the promotion below. Rare (LRTF keeps tasks put), so copy back blocking.
-            self._demote(stream if self.device == device else None)
+            self._demote(stream if residency.device == device else None)
         if device.type == "cpu" and not copy:
-            self.device = device
+            residency.lend(device, owner)
             return 0
         if stream is None:
-            self.synchronize()
+            self._synchronize()
         moved = 0
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
         with ctx:
@@ -193,16 +266,15 @@ class ShardStore:
                 if key[0] == "g":
                     continue
                 dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-                dev.copy_(host, non_blocking=self.pin)
+                dev.copy_(host, non_blocking=self._tier.pinned)
                 moved += host.numel() * host.element_size()
                 self._set(key, dev)
             for key, host in grads.items():
                 dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-                dev.copy_(host, non_blocking=self.pin)
+                dev.copy_(host, non_blocking=self._tier.pinned)
                 moved += host.numel() * host.element_size()
                 self._set(key, dev)
-        self.device = device
-        self.copied = True
+        residency.arrive(device, owner)
         self.moved_total += moved
         return moved
 
@@ -216,24 +288,23 @@ class ShardStore:
                 computing with).
         """
         with self.lock:
-            if only_owner is not None and self.owner is not only_owner:
+            if only_owner is not None and self._residency.owner is not only_owner:
                 return 0
-            self.owner = None
             return self._demote(stream)
 
     def _demote(self, stream: Any) -> int:
-        if not self.copied:
-            self.device = torch.device("cpu")
+        if self._residency.state is not Residency.DEVICE:
+            self._residency.home()
             return 0
         moved = 0
         # Asynchronous only on a copy stream, whose event tells when the host buffers are
         # complete; without one nothing would (the caller reads them right after).
-        asynchronous = self.pin and stream is not None
+        asynchronous = self._tier.pinned and stream is not None
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
         with ctx:
             live = list(self._live())
             for key, dev in live:
-                host = self._host_buffer(key, dev)
+                host = self._tier.put(key, dev)
                 host.copy_(dev, non_blocking=asynchronous)
                 if stream is not None and dev.is_cuda:
                     # Gradients and optimizer moments were allocated by the compute stream:
@@ -242,14 +313,15 @@ class ShardStore:
                     dev.record_stream(stream)
                 moved += dev.numel() * dev.element_size()
             for key, _ in [kv for kv in live if kv[0][0] != "g"]:
-                self._set(key, self._host[key])
+                self._set(key, self._tier.get(key))
             for key, _ in [kv for kv in live if kv[0][0] == "g"]:
-                self._set(key, self._host[key])
+                self._set(key, self._tier.get(key))
             if asynchronous:
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
-        self.device = torch.device("cpu")
-        self.copied = False
+            else:
+                self._tier.flush()
+        self._residency.home()
         self.moved_total += moved
         return moved
 
@@ -257,17 +329,21 @@ class ShardStore:
         """:meth:`demote` for good: until the next :meth:`promote`, :meth:`try_promote`
         leaves the state on the host. Returns the bytes moved."""
         with self.lock:
-            self.owner = None
-            self.retired = True
             moved = self._demote(None)
-            self.synchronize()  # an earlier asynchronous demote, too
+            self._residency.retire()
+            self._synchronize()  # an earlier asynchronous demote, too
             return moved
 
     def synchronize(self) -> None:
         """Wait until host buffers hold the demoted values (CUDA non-blocking copies)."""
+        with self.lock:
+            self._synchronize()
+
+    def _synchronize(self) -> None:
         if self._event is not None:
             self._event.synchronize()
             self._event = None
+            self._tier.flush()
 
 
 class _nullctx:

@@ -1,0 +1,294 @@
+"""Device memory accounting: one ledger per device, asked by its worker and by the trace.
+
+A :class:`DeviceLedger` holds a device's budget and what occupies the device:
+
+- resident shard states (least recently used first), each with its plan's state bytes;
+- reservations for the kept graphs of batches in flight (``recompute=False``): a batch's
+  activations and boundary tensors are inside its reservation, not counted again;
+- boundary tensors (carries) that tasks left waiting for their next op. A task's own
+  carries are its next op's input, part of that op's activations: they never count
+  beside the op itself.
+
+The running and queued ops are not stored here: the worker's queue owns them (the
+dispatcher changes it under its own lock), so the questions that involve them take the
+queued shards as an argument. The first of them is the one that runs next.
+
+The rules, shared by :class:`~tune_hydra.engine.workers.DeviceWorker` at run time and by
+:meth:`~tune_hydra.core.trace.Trace.validate` when it replays a trace:
+
+- while a shard's op runs, the device holds the shard states, the op's activations
+  (none if its task has a reservation here), every reservation and the carries of the
+  other tasks (those without a reservation);
+- a task may start a batch (or run an op outside one) only beside the reservations, the
+  activations of the ops queued here and room for shard states, except on an idle device,
+  which always admits (each plan fits the budget on its own);
+- to make room, resident states are evicted least recently used first, until the device
+  holds at most ``depth`` of them and what must stay fits.
+
+It also counts what the device sends to host memory (shard state spilled by its
+evictions, boundary tensors it parked; with CUDA both go to pinned buffers), per task and
+in total. These are totals of bytes moved, not what the host holds now: a state one
+device spilled may be taken back by another. Nothing is enforced on them.
+
+Design note: the ledger is plain data with no lock and no threads of its own. A worker
+reads and changes it only while holding its own lock (the one that guarded the same
+fields before the ledger existed); the trace replay is single-threaded. It knows shards
+through :class:`Footprint` (``ShardStore`` is one) and carries through :class:`Waiting`,
+so it imports no torch.
+
+Example:
+    >>> from dataclasses import dataclass
+    >>> @dataclass(frozen=True)
+    ... class Shard:
+    ...     name: tuple[str, int]
+    ...     state_bytes: int
+    ...     activation_bytes: int
+    >>> ledger = DeviceLedger(100)
+    >>> a, b = Shard(("a", 0), 50, 30), Shard(("b", 0), 40, 10)
+    >>> ledger.need([a, b])  # 90 of state, then the larger op's 30 of activations
+    20
+    >>> ledger.hold(a)
+    >>> ledger.usage(a).total
+    80
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Generic, Protocol, TypeVar
+
+
+class Footprint(Protocol):
+    """What the ledger reads of a shard: its name and its plan's sizes."""
+
+    @property
+    def name(self) -> tuple[str, int]:
+        """``(task, shard index)``."""
+        ...
+
+    @property
+    def state_bytes(self) -> int:
+        """Parameters, gradients, buffers and optimizer state on the device."""
+        ...
+
+    @property
+    def activation_bytes(self) -> int:
+        """The most bytes beside its state while one of its ops runs."""
+        ...
+
+
+class Waiting(Protocol):
+    """What the ledger reads of boundary tensors a task left waiting on the device."""
+
+    @property
+    def nbytes(self) -> int:
+        """Their size on the device."""
+        ...
+
+
+S = TypeVar("S", bound=Footprint)
+C = TypeVar("C", bound=Waiting)
+
+
+@dataclass(frozen=True)
+class Usage:
+    """Device bytes at one moment, by kind.
+
+    Attributes:
+        state: shard states.
+        activations: the running op's activations (0 inside its task's reservation).
+        kept: reservations for batches' kept graphs.
+        carried: boundary tensors other tasks left waiting (outside reservations).
+    """
+
+    state: int
+    activations: int
+    kept: int
+    carried: int
+
+    @property
+    def total(self) -> int:
+        """All of them."""
+        return self.state + self.activations + self.kept + self.carried
+
+
+class DeviceLedger(Generic[S, C]):
+    """The memory of one device: budget, resident states, reservations, carries.
+
+    Args:
+        budget: device bytes for all of it (``None``: no limit).
+    """
+
+    def __init__(self, budget: int | None) -> None:
+        self.budget = budget
+        # Least recently used first; keyed by identity (two shards may share a name
+        # across a task's re-registration).
+        self.resident: collections.OrderedDict[int, S] = collections.OrderedDict()
+        self._measured: dict[int, int] = {}  # bytes found on the device as each arrived
+        self.reserved: dict[str, int] = {}  # task -> its batch's kept graphs
+        self.carries: dict[str, C] = {}  # task -> what it left waiting for its next op
+        self.peak_resident_bytes = 0  # measured shard state held at once, at most
+        # Host side: bytes sent to host memory from this device (totals, see the module).
+        self.parked_bytes = 0
+        self.parked_by_task: dict[str, int] = {}
+        self.spilled_by_task: dict[str, int] = {}
+
+    # -- what occupies the device --------------------------------------------------------
+
+    def holds(self, shard: S) -> bool:
+        """Whether ``shard``'s state is resident here."""
+        return id(shard) in self.resident
+
+    def hold(self, shard: S, measured: int | None = None) -> None:
+        """Count ``shard``'s state as resident and most recently used; ``measured``: the
+        bytes it really occupies (updates the peak), if known."""
+        self.resident[id(shard)] = shard
+        self.resident.move_to_end(id(shard))
+        if measured is not None:
+            self._measured[id(shard)] = measured
+            held = sum(self._measured.get(k, 0) for k in self.resident)
+            self.peak_resident_bytes = max(self.peak_resident_bytes, held)
+
+    def release(self, shard: S) -> None:
+        """Stop counting ``shard``'s state here (no-op if it is not)."""
+        self.resident.pop(id(shard), None)
+        self._measured.pop(id(shard), None)
+
+    def trim(self, depth: int) -> None:
+        """Forget the least recently used states beyond ``depth`` (nothing to copy)."""
+        while len(self.resident) > depth:
+            key, _ = self.resident.popitem(last=False)
+            self._measured.pop(key, None)
+
+    def reserve(self, task: str, nbytes: int | None) -> None:
+        """Hold ``nbytes`` for ``task``'s batch in flight here (``None``: release it)."""
+        if nbytes is None:
+            self.reserved.pop(task, None)
+        else:
+            self.reserved[task] = nbytes
+
+    def set_carry(self, task: str, carry: C | None) -> None:
+        """Record (or, with ``None``, forget) what ``task`` left waiting here."""
+        if carry is None:
+            self.carries.pop(task, None)
+        else:
+            self.carries[task] = carry
+
+    def drop_carry(self, task: str, carry: C) -> None:
+        """Forget ``carry`` if it is still what ``task`` left here (parked meanwhile, it
+        may have been replaced by a newer one)."""
+        if self.carries.get(task) is carry:
+            del self.carries[task]
+
+    # -- questions ------------------------------------------------------------------------
+
+    def usage(self, running: S | None = None) -> Usage:
+        """What the device holds now while ``running``'s op runs (``None``: none runs)."""
+        state = sum(s.state_bytes for s in self.resident.values())
+        if running is None:
+            return self._usage(state, None, 0, carries=True)
+        return self._usage(state, running.name[0], running.activation_bytes, carries=True)
+
+    def peak(self, shards: Iterable[S], carries: bool) -> int:
+        """The most bytes beside shard state while one of ``shards`` runs: its activations
+        (unless inside its task's reservation), every reservation and, with ``carries``,
+        the other tasks' waiting boundary tensors."""
+        return max(self._usage(0, s.name[0], s.activation_bytes, carries).total for s in shards)
+
+    def need(self, keep: Sequence[S], carries: bool = False) -> int | None:
+        """Bytes over budget if ``keep`` were resident while each of them runs (plus the
+        boundary tensors other tasks left waiting, with ``carries``); None if they fit."""
+        if self.budget is None:
+            return None
+        unique = {id(s): s for s in keep}.values()
+        need = sum(s.state_bytes for s in unique) + self.peak(unique, carries)
+        return None if need <= self.budget else need - self.budget
+
+    def admits(self, nbytes: int, room: int, queued: Sequence[S]) -> bool:
+        """Whether a task may start a batch (or run an op outside one) needing ``nbytes``
+        beside the reservations, the activations of the ``queued`` ops (those outside a
+        reservation) and ``room`` bytes of shard state. Always on an idle device."""
+        if self.budget is None:
+            return True
+        held = sum(self.reserved.values())
+        held += sum(s.activation_bytes for s in queued if s.name[0] not in self.reserved)
+        return (not held and not queued) or held + nbytes + room <= self.budget
+
+    def settle_over(self, queued: Sequence[S], incoming: S | None) -> int:
+        """Bytes over budget when the next of ``queued`` runs, beside every state that
+        will be here by then (resident, ``incoming`` or queued) and the waiting carries;
+        0 or less if it fits. Without a budget, 0."""
+        if self.budget is None:
+            return 0
+        stores = dict(self.resident)
+        for s in [incoming, *queued]:
+            if s is not None:
+                stores[id(s)] = s
+        state = sum(s.state_bytes for s in stores.values())
+        if not queued:
+            return self._usage(state, None, 0, carries=True).total - self.budget
+        nxt = queued[0]
+        used = self._usage(state, nxt.name[0], nxt.activation_bytes, carries=True)
+        return used.total - self.budget
+
+    def park_order(self, running: str | None, queued: set[str]) -> list[tuple[str, C]]:
+        """The carries to park, in order: never ``running``'s (its op's input), those of
+        tasks ``queued`` here last, largest first."""
+        return sorted(
+            ((t, c) for t, c in self.carries.items() if t != running),
+            key=lambda tc: (tc[0] in queued, -tc[1].nbytes),
+        )
+
+    def victims(self, keep: Sequence[S], depth: int) -> list[S]:
+        """Resident states to evict, least recently used first, so that ``keep`` (the ops
+        that run before, then the incoming shard) is resident with at most ``depth``
+        states here and, with what could not be parked, within the budget."""
+        keep_ids = {id(s) for s in keep}
+        state = sum({id(s): s.state_bytes for s in keep}.values())
+        beside = self.peak(keep, carries=True)
+        others = [s for k, s in self.resident.items() if k not in keep_ids]
+        count = len(keep_ids | set(self.resident))
+        state += sum(s.state_bytes for s in others)
+        out = []
+        for s in others:
+            over = self.budget is not None and state + beside > self.budget
+            if count <= depth and not over:
+                break
+            out.append(s)
+            count -= 1
+            state -= s.state_bytes
+        return out
+
+    # -- host side ------------------------------------------------------------------------
+
+    def note_spilled(self, task: str, nbytes: int) -> None:
+        """Count ``nbytes`` of ``task``'s shard state copied from here to host memory."""
+        self.spilled_by_task[task] = self.spilled_by_task.get(task, 0) + nbytes
+
+    def note_parked(self, task: str, nbytes: int) -> None:
+        """Count ``nbytes`` of ``task``'s boundary tensors parked from here in host memory."""
+        self.parked_bytes += nbytes
+        self.parked_by_task[task] = self.parked_by_task.get(task, 0) + nbytes
+
+    # -- internals ------------------------------------------------------------------------
+
+    def _usage(self, state: int, task: str | None, activations: int, carries: bool) -> Usage:
+        """``state`` bytes of shard state plus what sits beside it while an op of ``task``
+        with ``activations`` runs (``task=None``: no op)."""
+        reserved = self.reserved
+        carried = 0
+        if carries:
+            carried = sum(
+                c.nbytes for t, c in self.carries.items() if t != task and t not in reserved
+            )
+        return Usage(
+            state,
+            0 if task is not None and task in reserved else activations,
+            sum(reserved.values()),
+            carried,
+        )
+
+
+__all__ = ["DeviceLedger", "Footprint", "Usage", "Waiting"]

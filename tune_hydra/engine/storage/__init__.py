@@ -1,0 +1,63 @@
+"""Shard storage: where a shard's state lives between its visits to a device.
+
+Design:
+
+* **Residency** (:mod:`.residency`). A :class:`ShardStore`'s live tensors (those its
+  modules and optimizer point at) are in one of four states, owned by one
+  :class:`ShardResidency` that only the store changes:
+
+  - ``HOST``: the live tensors are the tier's host tensors; nobody holds them.
+  - ``IN_PLACE``: a worker on a non-copying CPU device computes with the host tensors
+    themselves (``promote(copy=False)``); nothing is copied, but the worker is recorded
+    as the owner, so that an eviction by it (``demote(only_owner=...)``) still applies.
+  - ``DEVICE``: the live tensors are copies on a device, held by one owner.
+  - ``RETIRED``: ``HOST`` for good (the task left, or is checkpointed): a speculative
+    ``try_promote`` returns ``None`` until a real ``promote``.
+
+  Transitions: ``promote`` goes to ``DEVICE`` (or ``IN_PLACE``) from any state; from
+  ``DEVICE`` elsewhere it first copies home. ``demote`` goes home (``RETIRED`` stays
+  ``RETIRED``); ``retire`` demotes, then goes to ``RETIRED``. ``try_promote`` is
+  ``promote`` unless the store is ``RETIRED`` or another owner holds a ``DEVICE`` copy.
+  Going to a device or retiring straight from ``DEVICE`` raises :class:`ResidencyError`.
+  There are no in-between states: each transition, copies included, runs under
+  ``store.lock``. The one thing in flight after a transition is an asynchronous copy home
+  on a CUDA copy stream; its event is a data fence (``synchronize()``), not a residency.
+
+* **Locking.** ``store.lock`` (re-entrant) is held by every promote, demote, retire and
+  synchronize, and by ``host_tensors()``; callers hold it across a ``try_promote`` and
+  their own bookkeeping (a prefetch is counted before its task may leave) and across an
+  eviction plus ``retire`` (a task leaving the engine). ``nbytes()`` reads the live tensors
+  without it (workers cache it at promotion).
+
+* **Tiers** (:mod:`.tiers`). The host side is a :class:`StorageTier`, a mapping from the
+  store's keys to host tensors that owns their allocation (once per key, reused) and
+  their accounting (``nbytes()``). The store only asks it for a buffer to copy into
+  (``put``), for the tensor to point the live slot at (``get``), and tells it when copies
+  have landed (``flush``); so a tier keeping tensors elsewhere (on disk) fits behind the
+  same calls.
+
+* **Shared parameters** (:mod:`.linked`). A parameter several shards use (tied weights)
+  has a store of its own, promoted with each of them by a :class:`LinkedStore`.
+"""
+
+from __future__ import annotations
+
+from tune_hydra.engine.storage.linked import LinkedStore
+from tune_hydra.engine.storage.residency import Residency, ResidencyError, ShardResidency
+from tune_hydra.engine.storage.store import ShardStore
+from tune_hydra.engine.storage.tiers import HostTier, PinnedHostTier, StorageTier
+
+Store = ShardStore | LinkedStore
+"""What a shard runs from: its store, or its store linked to shared ones."""
+
+__all__ = [
+    "HostTier",
+    "LinkedStore",
+    "PinnedHostTier",
+    "Residency",
+    "ResidencyError",
+    "ShardResidency",
+    "ShardStore",
+    "StorageTier",
+    "Store",
+]

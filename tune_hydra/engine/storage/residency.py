@@ -1,0 +1,114 @@
+"""Where a shard's live tensors are: its residency states and their allowed transitions."""
+
+from __future__ import annotations
+
+import enum
+
+import torch
+
+_HOST_DEVICE = torch.device("cpu")
+
+
+class Residency(enum.Enum):
+    """Where a shard's live tensors (the ones its modules and optimizer point at) are."""
+
+    HOST = "host"
+    """The live tensors are the host tensors; no worker holds them."""
+    IN_PLACE = "in_place"
+    """A worker on a non-copying CPU device computes with the host tensors themselves."""
+    DEVICE = "device"
+    """The live tensors are device copies made by a worker; the host tensors are stale."""
+    RETIRED = "retired"
+    """As :attr:`HOST`, for good: a speculative promotion must leave it there."""
+
+
+class ResidencyError(RuntimeError):
+    """A transition the residency states do not allow (a bug in the store's caller)."""
+
+
+# The states each transition may start from.
+_FROM: dict[str, frozenset[Residency]] = {
+    "lend": frozenset({Residency.HOST, Residency.IN_PLACE, Residency.RETIRED}),
+    "arrive": frozenset({Residency.HOST, Residency.IN_PLACE, Residency.RETIRED}),
+    "home": frozenset(Residency),
+    "retire": frozenset({Residency.HOST, Residency.IN_PLACE, Residency.RETIRED}),
+}
+
+
+class ShardResidency:
+    """The residency of one shard store, its holder and device, and the allowed moves.
+
+    A device copy must be brought home before it can go elsewhere or be retired: the store
+    copies it back first, so ``arrive``, ``lend`` and ``retire`` from
+    :attr:`Residency.DEVICE` are errors. Not thread-safe on its own: the store changes it
+    only under its lock.
+
+    Example:
+        >>> r = ShardResidency()
+        >>> worker = object()
+        >>> r.arrive(torch.device("cpu"), worker)
+        >>> r.state, r.owner is worker, r.may_speculate(object())
+        (<Residency.DEVICE: 'device'>, True, False)
+        >>> r.home()
+        >>> r.retire()
+        >>> r.state, r.may_speculate(worker)
+        (<Residency.RETIRED: 'retired'>, False)
+    """
+
+    def __init__(self) -> None:
+        self._state = Residency.HOST
+        self._device = _HOST_DEVICE
+        # Who holds the live tensors: emulated CPU devices all are torch.device("cpu"), so
+        # the device alone cannot tell two workers apart.
+        self._owner: object = None
+
+    @property
+    def state(self) -> Residency:
+        return self._state
+
+    @property
+    def device(self) -> torch.device:
+        """The device the live tensors are used on (the host's, at home)."""
+        return self._device
+
+    @property
+    def owner(self) -> object:
+        """The worker holding the live tensors (``None`` at home, or if none was named)."""
+        return self._owner
+
+    def holds(self, device: torch.device, owner: object) -> bool:
+        """Whether ``owner`` already holds a device copy on ``device``."""
+        return self._state is Residency.DEVICE and self._device == device and self._owner is owner
+
+    def may_speculate(self, owner: object) -> bool:
+        """Whether a speculative promotion by ``owner`` may go ahead: not retired, and no
+        other owner holds a device copy (it may be computing with it)."""
+        if self._state is Residency.RETIRED:
+            return False
+        return self._state is not Residency.DEVICE or self._owner is owner
+
+    def lend(self, device: torch.device, owner: object) -> None:
+        """The host tensors are used in place on the CPU ``device`` by ``owner``."""
+        self._move("lend", Residency.IN_PLACE, device, owner)
+
+    def arrive(self, device: torch.device, owner: object) -> None:
+        """The live tensors are now copies on ``device``, held by ``owner``."""
+        self._move("arrive", Residency.DEVICE, device, owner)
+
+    def home(self) -> None:
+        """The live tensors are the host tensors again (a retired shard stays retired)."""
+        target = Residency.RETIRED if self._state is Residency.RETIRED else Residency.HOST
+        self._move("home", target, _HOST_DEVICE, None)
+
+    def retire(self) -> None:
+        """At home for good, until the next :meth:`arrive` or :meth:`lend`."""
+        self._move("retire", Residency.RETIRED, _HOST_DEVICE, None)
+
+    def _move(self, name: str, target: Residency, device: torch.device, owner: object) -> None:
+        if self._state not in _FROM[name]:
+            raise ResidencyError(
+                f"cannot {name} a shard store from {self._state.name} (to {target.name})"
+            )
+        self._state = target
+        self._device = device
+        self._owner = owner
