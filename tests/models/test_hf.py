@@ -180,7 +180,7 @@ def hf_task(kind: str, seed: int) -> Any:
 
 
 @pytest.mark.parametrize("recompute", [True, False])
-@pytest.mark.parametrize("kind", ["gpt2", "llama", "gpt2-cls", "qwen2"])
+@pytest.mark.parametrize("kind", ["gpt2", "llama", "gpt2-cls", "qwen2", "mistral"])
 def test_engine_parity_exact(kind: str, recompute: bool) -> None:
     import tune_hydra as th
     from tests.models.test_traced import assert_exact, plain_on_emulated_device
@@ -276,3 +276,18 @@ def test_tied_gpt2_with_accumulation_and_clipping_is_exact(recompute: bool) -> N
         assert [r["loss"] for r in h[name]] == [r["loss"] for r in w]
         assert_exact(task.model, ref.model)
         assert task.model.lm_head.weight is task.model.transformer.wte.weight  # still tied
+
+
+def test_dict_batches_for_a_module_that_is_not_hugging_face_are_refused() -> None:
+    import tune_hydra as th
+
+    task = th.ModelTask(
+        torch.nn.Sequential(torch.nn.Linear(2, 1)),
+        torch.nn.MSELoss(),
+        lambda p: torch.optim.SGD(p, lr=0.1),
+        [{"x": torch.ones(1, 2), "labels": torch.zeros(1, 1)}],
+    )
+    with pytest.raises(th.exceptions.TrainingError) as err:
+        th.train_models({"t": task}, devices=["cpu"])
+    assert isinstance(err.value.errors["t"], th.exceptions.InvalidTaskError)
+    assert "model(**batch)" in str(err.value.errors["t"])

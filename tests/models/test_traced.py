@@ -134,6 +134,8 @@ def make(case: str, seed: int) -> th.ModelTask:
         lambda p: torch.optim.Adam(p, lr=1e-2),
         images(shape, CLASSES[case], seed=seed),
         eval_data=images(shape, CLASSES[case], n=2, seed=seed + 100),
+        # stepped after every optimizer step; per shard optimizer, as one over the model
+        lr_scheduler=lambda opt: torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5),
     )
 
 
@@ -195,7 +197,12 @@ def test_float64_parity_exact(case: str, recompute: bool) -> None:
     models = {k: t.model for k, t in tasks.items()}
     refs = {
         k: th.ModelTask(
-            copy.deepcopy(t.model), t.loss_fn, t.optimizer, t.train_data, eval_data=t.eval_data
+            copy.deepcopy(t.model),
+            t.loss_fn,
+            t.optimizer,
+            t.train_data,
+            eval_data=t.eval_data,
+            lr_scheduler=t.lr_scheduler,
         )
         for k, t in tasks.items()
     }

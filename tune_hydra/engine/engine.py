@@ -10,6 +10,7 @@ import concurrent.futures
 import logging
 import threading
 import traceback
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -239,6 +240,7 @@ class Engine:
                     f"(inputs, targets) pair"
                 ) from None
             x, _ = split_batch(sample, name)
+            _check_keyword_batch(name, task.model, x)  # type: ignore[arg-type]
             costs = layer_costs(layers, task.optimizer, x, dtype, device=self.devices[0], task=name)
         budget = self._device_budget(self.devices[0])
         plan = plan_shards(
@@ -680,6 +682,21 @@ def _check_shared(
         shared = claim.shared_with(owned)
         if shared:
             raise SharedModelError(name, owner, shared)
+
+
+def _check_keyword_batch(name: str, model: torch.nn.Module, inputs: Any) -> None:
+    """A dict batch is the model's keyword inputs (``model(**batch)``, as plain training
+    calls it); only a Hugging Face model's cut takes them (a traced ``forward`` takes its
+    one input)."""
+    from tune_hydra.models import is_hf_model
+
+    if isinstance(inputs, Mapping) and not is_hf_model(model):
+        raise InvalidTaskError(
+            f"task {name!r}: train_data yields dicts ({', '.join(map(str, inputs))}), which "
+            f"are keyword inputs, model(**batch); tune_hydra passes them so to Hugging Face "
+            f"models only. For {type(model).__name__}, yield (inputs, targets) pairs, or "
+            f"{{'inputs': x, 'targets': y}}"
+        )
 
 
 def _check_trainable(name: str, model: torch.nn.Module) -> None:

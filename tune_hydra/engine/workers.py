@@ -379,13 +379,12 @@ class DeviceWorker:
                 continue
             if not moved:  # its task is running: its inputs are in use
                 continue
+            t1 = self.clock()  # before the room is freed: no copy may be traced starting in it
             with self._lock:
                 self.ledger.drop_carry(task, carry)
                 self.ledger.note_parked(task, moved)
             freed += carry.nbytes
-            self.trace.add(
-                TraceEvent(self.label, task, carry.shard, "carry_out", t0, self.clock(), moved)
-            )
+            self.trace.add(TraceEvent(self.label, task, carry.shard, "carry_out", t0, t1, moved))
         return freed
 
     def settle(self) -> None:
@@ -447,17 +446,23 @@ class DeviceWorker:
         thread: another device's copy thread takes a shard over this way). Returns once
         the copy is done: until then the device memory is in use, and the shard stays
         counted here."""
-        t0 = self.clock()
-        moved = store.demote(self.copy_stream, only_owner=self)
-        if moved:
-            store.synchronize()
-        with self._lock:
-            self.ledger.release(store)
+        # Under the store's lock from the copy to the release: another device's copy thread
+        # takes a shard over through this method, and this device's own eviction of it must
+        # not free the room (and copy something into it) while that copy-out still runs,
+        # nor before its end is taken for the trace.
+        with store.lock:
+            t0 = self.clock()
+            moved = store.demote(self.copy_stream, only_owner=self)
             if moved:
-                self.ledger.note_spilled(store.name[0], moved)
+                store.synchronize()
+            t1 = self.clock()
+            with self._lock:
+                self.ledger.release(store)
+                if moved:
+                    self.ledger.note_spilled(store.name[0], moved)
         if moved:
             task, shard = store.name
-            self.trace.add(TraceEvent(self.label, task, shard, "copy_out", t0, self.clock(), moved))
+            self.trace.add(TraceEvent(self.label, task, shard, "copy_out", t0, t1, moved))
 
     def _run_loop(self) -> None:
         if self.intra_threads is not None and self.device.type == "cpu":

@@ -80,6 +80,10 @@ class ShardResidency:
         """Whether ``owner`` already holds a device copy on ``device``."""
         return self._state is Residency.DEVICE and self._device == device and self._owner is owner
 
+    def lends(self, device: torch.device, owner: object) -> bool:
+        """Whether ``owner`` already uses the host tensors in place on ``device``."""
+        return self._state is Residency.IN_PLACE and self._owner is owner and self._device == device
+
     def may_speculate(self, owner: object) -> bool:
         """Whether a speculative promotion by ``owner`` may go ahead: not retired, and no
         other owner holds a device copy (it may be computing with it)."""

@@ -227,6 +227,8 @@ class ShardStore:
             owner: the worker taking the state (see :meth:`demote`).
         """
         with self.lock:
+            if not copy and self._residency.lends(device, owner):
+                return 0  # in use in place there already: the common case on a CPU device
             return self._promote(device, stream, copy, owner)
 
     def try_promote(
