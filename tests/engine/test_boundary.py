@@ -98,3 +98,22 @@ def test_a_running_task_is_not_parked() -> None:
         hook.remove()
     assert seen == [0]
     assert runner.park_carries(CPU) > 0  # waiting again: now it parks
+
+
+def test_a_late_park_leaves_the_next_ops_boundary_tensors_alone() -> None:
+    """A worker that read a task's carry and parks it only after the task's next op ran
+    (elsewhere) must not park what that op left: the device it ran on counts those, and
+    on emulated CPU devices every tensor is on ``cpu``."""
+    task = _task()
+    with th.Engine(devices="cpu", max_layers_per_shard=1) as engine:
+        engine.add_task("a", task, seed=0)
+        runner = engine._tasks["a"].runner
+    runner.granted = 1
+    runner.execute(runner.advance(), CPU)  # type: ignore[arg-type]
+    stale = runner.carry_parker()  # the carry of the first op, as a worker reads it
+    runner.execute(runner.advance(), CPU)  # type: ignore[arg-type]
+    waiting = runner.carry_bytes(CPU)
+    assert waiting > 0
+    assert stale(CPU) == 0  # the tensors it was for are consumed
+    assert runner.carry_bytes(CPU) == waiting  # still waiting on the device
+    assert runner.carry_parker()(CPU) == waiting  # the current carry parks them

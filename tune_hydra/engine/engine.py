@@ -539,7 +539,7 @@ class Engine:
                 w.set_carry(entry.name, None)
         op = entry.runner.current
         if worker is not None and size and op is not None:
-            worker.set_carry(entry.name, Carry(size, op.shard, entry.runner.park_carries))
+            worker.set_carry(entry.name, Carry(size, op.shard, entry.runner.carry_parker()))
 
     def _loop(self) -> None:
         try:

@@ -180,6 +180,7 @@ class TaskRunner:
         self._carry_lock = threading.Lock()
         self._park_lock = threading.Lock()
         self._parked = False  # boundary tensors moved to host memory since the last op
+        self._ran = 0  # ops executed: which op's boundary tensors wait now (see carry_parker)
         self._target: Any = None  # the eval batch's target
         self._on_gpu = False
         self._losses: list[float] = []
@@ -315,12 +316,32 @@ class TaskRunner:
                 total += t.numel() * t.element_size()
         return total
 
-    def park_carries(self, device: torch.device, stream: Any = None) -> int:
+    def carry_parker(self) -> Callable[[torch.device, Any], int]:
+        """:meth:`park_carries` for the boundary tensors waiting now only (those of the op
+        that ran last): once the task's next op has run, it parks nothing and returns 0.
+
+        A worker may call it late (it read the carry, then waited for a lock): by then the
+        task may have run its next op on another device and left new boundary tensors
+        there, which that device counts; parking those from here would free room the
+        device never learns of (on emulated CPU devices every tensor is on ``cpu``).
+        """
+        ran = self._ran
+
+        def parker(device: torch.device, stream: Any = None) -> int:
+            return self.park_carries(device, stream, after=ran)
+
+        return parker
+
+    def park_carries(
+        self, device: torch.device, stream: Any = None, after: int | None = None
+    ) -> int:
         """Move the boundary tensors waiting on ``device`` to host memory (pinned, from a
         GPU), so that other tasks' ops can use the room; the next op copies them back.
 
         Called from a worker thread while the task waits. Returns the bytes moved: 0 when
-        the task's op is running (its inputs are in use) or nothing waits on ``device``.
+        the task's op is running (its inputs are in use), nothing waits on ``device``, or
+        (with ``after``) the task's ops run since are not ``after`` (the tensors asked for
+        were consumed; see :meth:`carry_parker`).
         On a CPU device (``copy_on_cpu``) the copy is a clone, which is the same logic.
         """
         # Another thread parking them: wait until they are off the device (its caller
@@ -329,7 +350,7 @@ class TaskRunner:
             if not self._carry_lock.acquire(blocking=False):
                 return 0
             try:
-                if self._parked:
+                if self._parked or (after is not None and after != self._ran):
                     return 0
                 parked, moved = park([*self._carries, self._carry], device, stream)
                 self._carries, self._carry = parked[:-1], parked[-1]
@@ -394,6 +415,7 @@ class TaskRunner:
         """Run ``op`` on ``device`` (the shard's state is already there)."""
         with self._carry_lock:
             self._parked = False  # what the op leaves behind is on its device
+            self._ran += 1
             self._execute(op, device)
 
     def _execute(self, op: Op, device: torch.device) -> None:
