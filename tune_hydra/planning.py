@@ -62,12 +62,9 @@ from tune_hydra.engine.partition import (
     LayerCost,
     ShardPlan,
     ShardSpec,
-    _detach_grad,
-    input_versions,
     layer_costs,
-    output_bytes,
+    measure_layers,
     plan_shards,
-    treats_input,
 )
 from tune_hydra.engine.rng import CPU_RNG_LOCK
 from tune_hydra.engine.task import ModelTask, model_layers
@@ -535,19 +532,14 @@ def _to_meta(t: Any) -> Any:
     return t.to("meta") if isinstance(t, torch.Tensor) else t
 
 
-def _storage_key(t: torch.Tensor) -> int:
-    """Identifies a tensor's storage (views share it) on any device: the meta device has
-    no addresses, so ``data_ptr()`` cannot tell its storages apart."""
-    return int(t.untyped_storage()._cdata)
-
-
 def _probe_without_data(
     layers: list[tuple[str, nn.Module]], sample: Any, autocast_dtype: torch.dtype | None
 ) -> list[tuple[int, bool | None, bool | None]]:
-    """The engine's activation probe (``tune_hydra.engine.partition._probe``) for a model
-    and sample on the meta device: per layer, the bytes of the distinct storages autograd
-    saves for backward (parameters excluded) plus the output's, whether it wrote its
-    input in place and whether it returned its input (or a view of it).
+    """The engine's activation probe
+    (:func:`~tune_hydra.engine.partition.measure_layers`) for a model and sample on the
+    meta device: per layer, the bytes of the distinct storages autograd saves for backward
+    (parameters excluded) plus the output's, whether it wrote its input in place and
+    whether it returned its input (or a view of it).
 
     With ``autocast_dtype`` the tensors become fake CPU tensors (shapes only, like meta)
     so that CPU autocast applies to them, as it does in the engine's probe."""
@@ -570,37 +562,9 @@ def _probe_without_data(
                     if b is not None:
                         sub._buffers[k] = fake(b)
         sample = tree_map(lambda t: fake(t) if isinstance(t, torch.Tensor) else t, sample)
-    out: list[tuple[int, bool | None, bool | None]] = []
-    params = {_storage_key(p) for _, m in layers for p in m.parameters()}
     mode = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with mode, _CpuNormStats():
-        x = sample
-        for _, module in layers:
-            seen: dict[int, int] = {}
-
-            def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
-                key = _storage_key(t)
-                if key not in params:
-                    seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
-                return t.detach()
-
-            inp = _detach_grad(x)
-            held, version = input_versions(inp)
-            autocast = (
-                torch.autocast("cpu", dtype=autocast_dtype)
-                if autocast_dtype is not None
-                else contextlib.nullcontext()
-            )
-            with (
-                torch.enable_grad(),
-                autocast,
-                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-            ):
-                y = module(inp)
-            writes, passes = treats_input(held, version, y)
-            out.append((sum(seen.values()) + output_bytes(y, held), writes, passes))
-            x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
-    return out
+        return measure_layers(layers, sample, autocast_dtype)
 
 
 class _CpuNormStats(TorchDispatchMode):

@@ -263,49 +263,63 @@ def _probe(
     autocast_dtype: torch.dtype | None,
     task: str = "?",
 ) -> list[tuple[int, bool | None, bool | None]]:
-    """Per layer: activation bytes (see :func:`probe_activations`), whether it wrote its
-    input in place, and whether it returned its input (or a view of it).
+    """:func:`measure_layers` without side effects (buffers and the RNG restored); a
+    layer that raises on the sample is a :class:`DataMismatchError` naming it."""
+    with _preserved([m for _, m in layers]):
+        return measure_layers(layers, sample, autocast_dtype, task)
+
+
+def measure_layers(
+    layers: list[tuple[str, nn.Module]],
+    sample: Any,
+    autocast_dtype: torch.dtype | None,
+    task: str | None = None,
+) -> list[tuple[int, bool | None, bool | None]]:
+    """Per layer, run forward with grad on ``sample`` (then on each layer's output):
+    activation bytes (the distinct storages autograd saves for backward, parameters
+    excluded, plus the output's), whether it wrote its input in place, and whether it
+    returned its input (or a view of it). Storages are told apart by :func:`storage_id`,
+    so this works on the meta device and on fake tensors too (``tune_hydra.planning``).
 
     Raises:
-        DataMismatchError: a layer raised on the sample (named, with what it got).
+        DataMismatchError: with ``task``, a layer raised on the sample (named, with what
+            it got); without, the layer's error is raised as is.
     """
     out: list[tuple[int, bool | None, bool | None]] = []
-    mods = [m for _, m in layers]
-    params = {p.data_ptr() for m in mods for p in m.parameters()}
-    with _preserved(mods):
-        x = sample
-        for layer_name, module in layers:
-            seen: dict[int, int] = {}
+    params = {storage_id(p) for _, m in layers for p in m.parameters()}
+    x = sample
+    for layer_name, module in layers:
+        seen: dict[int, int] = {}
 
-            def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
-                ptr = t.untyped_storage().data_ptr()
-                if ptr not in params:
-                    seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
-                # Not ``t``: a node saving its own output would then hold that output's
-                # Python object, which holds the node: a cycle gc cannot see (a leak).
-                return t.detach()
+        def pack(t: torch.Tensor, seen: dict[int, int] = seen) -> torch.Tensor:
+            key = storage_id(t)
+            if key not in params:
+                seen[key] = max(seen.get(key, 0), t.untyped_storage().nbytes())
+            # Not ``t``: a node saving its own output would then hold that output's
+            # Python object, which holds the node: a cycle gc cannot see (a leak).
+            return t.detach()
 
-            inp = _detach_grad(x)
-            held, version = input_versions(inp)
-            autocast = (
-                torch.autocast("cpu", dtype=autocast_dtype)
-                if autocast_dtype is not None
-                else contextlib.nullcontext()
-            )
-            try:
-                with (
-                    torch.enable_grad(),
-                    autocast,
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
-                ):
-                    y = module(inp)
-            except Exception as err:
-                if _not_ours(err):
-                    raise
-                raise layer_error(task, layer_name, module, x, err, sample) from err
-            writes, passes = treats_input(held, version, y)
-            out.append((sum(seen.values()) + output_bytes(y, held), writes, passes))
-            x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
+        inp = _detach_grad(x)
+        held, version = input_versions(inp)
+        autocast = (
+            torch.autocast("cpu", dtype=autocast_dtype)
+            if autocast_dtype is not None
+            else contextlib.nullcontext()
+        )
+        try:
+            with (
+                torch.enable_grad(),
+                autocast,
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            ):
+                y = module(inp)
+        except Exception as err:
+            if task is None or _not_ours(err):
+                raise
+            raise layer_error(task, layer_name, module, x, err, sample) from err
+        writes, passes = treats_input(held, version, y)
+        out.append((sum(seen.values()) + output_bytes(y, held), writes, passes))
+        x = tree_map(lambda t: t.detach() if isinstance(t, torch.Tensor) else t, y)
     return out
 
 
