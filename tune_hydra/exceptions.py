@@ -246,6 +246,51 @@ class InvalidOptionError(InvalidTaskError):
         return (type(self), (self.option, _Shown(repr(self.value)), self.expected, self.where))
 
 
+class SpillDirError(TuneHydraError, OSError):
+    """``spill_dir`` cannot hold the disk tier: it is missing, not a folder, not writable,
+    on a full disk, or ``host_memory`` was given without it."""
+
+
+class HostBudgetError(TuneHydraError, MemoryError):
+    """``host_memory`` is smaller than one shard's state: that shard could never be in
+    host memory to run or to come back from a device."""
+
+    def __init__(self, task: str, shard: int, nbytes: int, budget: int) -> None:
+        self.task = task
+        self.shard = shard
+        self.nbytes = nbytes
+        self.budget = budget
+        super().__init__(
+            f"task {task!r}: shard {shard} holds {format_bytes(nbytes)} ({nbytes} bytes) of "
+            f"state, more than host_memory={format_bytes(budget)} ({budget} bytes). Raise "
+            f"host_memory to at least {format_bytes(nbytes)} (a few times that keeps the "
+            f"devices busy), or lower device_memory so that shards are smaller"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.task, self.shard, self.nbytes, self.budget))
+
+
+class SpillDiskFullError(TuneHydraError, OSError):
+    """A shard's state could not be written to ``spill_dir`` (the disk is full, or another
+    write error): its task fails, the others go on, and the state stays in host memory."""
+
+    def __init__(self, task: str, shard: int, nbytes: int, path: str, detail: str) -> None:
+        self.task = task
+        self.shard = shard
+        self.nbytes = nbytes
+        self.path = path
+        self.detail = detail
+        super().__init__(
+            f"task {task!r}: writing shard {shard}'s state ({format_bytes(nbytes)}) to the "
+            f"spill folder {path!r} failed ({detail}). Free space there, point spill_dir at a "
+            f"larger disk, or raise host_memory; restore the task from its last checkpoint"
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.task, self.shard, self.nbytes, self.path, self.detail))
+
+
 class _TaskInputError(InvalidTaskError):
     """A task's input is unusable; the message names the task, the input and the fix."""
 

@@ -25,10 +25,11 @@ import dataclasses
 import math
 import numbers
 import operator
+import os
 from dataclasses import InitVar, dataclass
 from typing import TYPE_CHECKING, Any
 
-from tune_hydra.exceptions import InvalidOptionError
+from tune_hydra.exceptions import InvalidOptionError, SpillDirError
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -301,11 +302,16 @@ class EngineOptions:
     Args:
         devices, device_memory, policy, prefetch, recompute, copy_on_cpu: see ``Engine``.
         max_layers_per_shard: ``None`` or an int >= 1 (checked here).
+        host_memory, spill_dir: the host-memory budget and the folder of the disk tier
+            below it (see ``Engine``); ``host_memory`` needs ``spill_dir`` (checked here;
+            the folder itself is checked when the engine starts).
         where: who got them, for the messages (``"Engine"``, ``"train_models"``); not
             stored.
 
     Raises:
-        InvalidOptionError: a bad ``max_layers_per_shard``.
+        InvalidOptionError: a bad ``max_layers_per_shard``, or a ``spill_dir`` that is not a
+            path.
+        SpillDirError: ``host_memory`` without ``spill_dir``.
 
     Example:
         >>> EngineOptions(devices="cpu", max_layers_per_shard=2).kwargs()["max_layers_per_shard"]
@@ -319,6 +325,8 @@ class EngineOptions:
     recompute: bool | None = None
     copy_on_cpu: bool = False
     max_layers_per_shard: int | None = None
+    host_memory: int | str | None = None
+    spill_dir: str | os.PathLike[str] | None = None
     where: InitVar[str] = "Engine"
 
     def __post_init__(self, where: str) -> None:
@@ -327,11 +335,32 @@ class EngineOptions:
             "max_layers_per_shard",
             check_max_layers_per_shard(self.max_layers_per_shard, where=where),
         )
+        check_spill(self.host_memory, self.spill_dir, where=where)
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``Engine(...)`` (a shallow copy: a policy instance is
         passed as itself, not copied)."""
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+def check_spill(host_memory: Any, spill_dir: Any, *, where: str = "") -> None:
+    """Check the disk tier's options as given (the budget's format and the folder itself
+    are checked by the engine, which parses budgets and owns the folder).
+
+    Raises:
+        InvalidOptionError: ``spill_dir`` is not a ``str`` or ``os.PathLike``.
+        SpillDirError: ``host_memory`` is given without ``spill_dir``.
+    """
+    if spill_dir is not None and not isinstance(spill_dir, (str, os.PathLike)):
+        raise InvalidOptionError(
+            "spill_dir", spill_dir, "give a folder path (str or pathlib.Path)", where
+        )
+    if host_memory is not None and spill_dir is None:
+        prefix = f"{where}: " if where else ""
+        raise SpillDirError(
+            f"{prefix}host_memory={host_memory!r} needs spill_dir=: the folder (on a local "
+            f"NVMe disk, not a tmpfs) where the state of shards beyond host_memory goes"
+        )
 
 
 __all__ = [
@@ -346,5 +375,6 @@ __all__ = [
     "check_positive_int",
     "check_precision",
     "check_seed",
+    "check_spill",
     "check_task_options",
 ]

@@ -148,6 +148,29 @@ class Program:
             return op.shard - 1
         return None  # B0 is followed by F0 (the same shard) or the iteration's end
 
+    def ops_until(self, op: Op | None, shard: int) -> int:
+        """How many of the task's ops from ``op`` (0: ``op`` itself) until one visits
+        ``shard``, following the batch cycle ``F0 .. L(n-1) .. B0`` (eval and step ops
+        count at their shard's forward position; ``None``: a batch's start). An estimate
+        for the disk tier: the furthest next visit goes to disk first.
+
+        Example:
+            >>> from tune_hydra.core.ops import Op
+            >>> p = Program("a", 3)
+            >>> [p.ops_until(Op.parse("a:L2[0]"), s) for s in range(3)]
+            [2, 1, 0]
+        """
+        n = self.ops_per_batch
+        if op is None:
+            at = 0
+        elif op.kind is OpKind.BACKWARD:
+            at = n - 1 - op.shard
+        else:
+            at = op.shard
+        ahead = (shard - at) % n
+        back = (n - 1 - shard - at) % n
+        return min(ahead, back)
+
     def walk(self) -> Generator[Op | Mark, int, None]:
         """The task's ops in order, for ever (iteration after iteration), with the
         :class:`Mark` points where the run answers or acts (see there).

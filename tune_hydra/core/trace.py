@@ -33,6 +33,15 @@ COMPUTE_OPS = frozenset({"F", "L", "B", "S", "E"})
 COPY_OPS = frozenset({"copy_in", "copy_out", "carry_out"})
 """Spill traffic; runs on a copy stream and may overlap compute. ``carry_out`` parks a
 waiting task's boundary tensors (the input of its next op on ``shard``) in host memory."""
+DISK_OPS = frozenset({"to_disk", "from_disk"})
+"""Disk tier traffic (device label ``"disk"``): a shard state written to or read from its
+spill file. ``disk_wait`` (on a device's label) is the time an op waited for a read."""
+HOST_OPS = frozenset({"host_take", "host_give"})
+"""The engine's host memory account (device label ``"host"``, instantaneous): bytes of a
+state (``shard`` >= 0) or of parked boundary tensors (``shard`` -1) taken or given back."""
+TIER_LABELS = ("host", "disk")
+"""Labels of events that are not on a device."""
+_TIER_OPS = DISK_OPS | HOST_OPS | {"disk_wait"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +135,7 @@ class Trace:
     def _all_devices(self, events: Sequence[TraceEvent]) -> list[str]:
         labels = list(self.devices)
         for event in events:
-            if event.device not in labels:
+            if event.device not in labels and event.device not in TIER_LABELS:
                 labels.append(event.device)
         return labels
 
@@ -168,19 +177,26 @@ class Trace:
                 "busy_s": busy[device],
                 "utilization": busy[device] / wall if wall > 0 else 0.0,
                 "ops": sum(1 for e in mine if e.is_compute),
-                "bytes_moved": sum(e.bytes_moved for e in mine),
+                "bytes_moved": sum(e.bytes_moved for e in mine if e.op not in _TIER_OPS),
             }
         tasks: dict[str, float] = {}
         for e in events:
             if e.is_compute:
                 tasks[e.task] = tasks.get(e.task, 0.0) + e.duration
+        # Device traffic: the disk tier's and the host account's events have their own.
+        moves = [e for e in events if e.op not in _TIER_OPS]
         return {
             "wall_s": wall,
             "ops": sum(1 for e in events if e.is_compute),
-            "copies": sum(1 for e in events if not e.is_compute),
-            "bytes_moved": sum(e.bytes_moved for e in events),
+            "copies": sum(1 for e in moves if not e.is_compute),
+            "bytes_moved": sum(e.bytes_moved for e in moves),
             "devices": devices,
             "tasks": tasks,
+            "disk": {
+                "read_bytes": sum(e.bytes_moved for e in events if e.op == "from_disk"),
+                "written_bytes": sum(e.bytes_moved for e in events if e.op == "to_disk"),
+                "wait_s": sum(e.duration for e in events if e.op == "disk_wait"),
+            },
         }
 
     def validate(
@@ -189,6 +205,7 @@ class Trace:
         state_budget: int | Mapping[str, int] | None = None,
         activation_bytes: Mapping[tuple[str, int], int] | None = None,
         kept_bytes: Mapping[str, int] | None = None,
+        host_budget: int | None = None,
     ) -> None:
         """Check the schedule's rules.
 
@@ -211,6 +228,10 @@ class Trace:
                 of its first shard's backward, its ops' activations and boundary tensors
                 inside it.
 
+            host_budget: if given, also replay the engine's host memory account (the
+                ``host_take`` / ``host_give`` events, in the order the engine made them)
+                and check that it never holds more than this many bytes.
+
             The replay feeds the events to one
             :class:`~tune_hydra.core.ledger.DeviceLedger` per device, the same arithmetic
             the device workers keep the budget with (a task's waiting boundary tensors
@@ -220,7 +241,8 @@ class Trace:
             ScheduleError: an event ends before it starts, two compute operations overlap on
                 one device, two compute operations of one task overlap (a task's
                 operations are strictly sequential), or a device holds more state than
-                ``state_budget``. The message shows the offending rows.
+                ``state_budget``, or host memory holds more than ``host_budget``. The
+                message shows the offending rows.
         """
         events = self.events
         for e in events:
@@ -233,6 +255,8 @@ class Trace:
         _check_sequential(compute, lambda e: e.task, "task", tolerance)
         if state_budget is not None:
             _check_memory(events, state_budget, activation_bytes or {}, kept_bytes or {})
+        if host_budget is not None:
+            _check_host(events, host_budget)
 
     def table(self, limit: int | None = None) -> str:
         """A fixed-width table of the events sorted by start time.
@@ -411,6 +435,23 @@ def _check_memory(
                 + (f" + {used.carried} bytes other tasks' ops left waiting" if used.carried else "")
                 + f"), over its budget of {ledger.budget} bytes, at {e.start:.6f} s:\n"
                 + _rows(rows)
+            )
+
+
+def _check_host(events: list[TraceEvent], budget: int) -> None:
+    """Replay the host memory account in the order it was kept and raise at the first
+    take that leaves it over ``budget``."""
+    held = 0
+    recent: list[TraceEvent] = []
+    for e in events:
+        if e.op not in HOST_OPS:
+            continue
+        held += e.bytes_moved if e.op == "host_take" else -e.bytes_moved
+        recent = [*recent[-7:], e]
+        if held > budget:
+            raise ScheduleError(
+                f"host memory holds {held} bytes, over its budget of {budget} bytes, at "
+                f"{e.start:.6f} s (the last account events):\n" + _rows(recent)
             )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import threading
 import traceback
 from collections.abc import Mapping
@@ -19,11 +20,14 @@ from tune_hydra.core.ops import Op
 from tune_hydra.core.policies import BasePolicy, Candidate, get_policy
 from tune_hydra.core.trace import Trace
 from tune_hydra.engine.boundary import split_batch
+from tune_hydra.engine.host import HostMemory
 from tune_hydra.engine.kept import KeptGraphs
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
 from tune_hydra.engine.records import PendingIterations, TaskRecord, batches_per_iter
 from tune_hydra.engine.rng import CPU_RNG_LOCK
 from tune_hydra.engine.runner import TaskRunner
+from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
+from tune_hydra.engine.storage.disk import SpillFolder
 from tune_hydra.engine.task import ModelTask, OwnedTensors, model_layers, owned_tensors
 from tune_hydra.engine.units import device_capacity, parse_bytes, resolve_devices
 from tune_hydra.engine.workers import (
@@ -35,6 +39,7 @@ from tune_hydra.engine.workers import (
 )
 from tune_hydra.exceptions import (
     EmptyDataError,
+    HostBudgetError,
     InvalidModelError,
     InvalidTaskError,
     ScheduleError,
@@ -67,9 +72,18 @@ class Engine:
         copy_on_cpu: really copy shard state on CPU "devices": they then run the way a
             GPU does (spills, budgets, and ``recompute`` on by default).
         max_layers_per_shard: cut finer than the budget requires (an int >= 1, or None).
+        host_memory: host-memory budget for the shard states of all tasks (bytes, or
+            ``"64GiB"``); the coldest states beyond it go to files under ``spill_dir`` and
+            are read back ahead of their visits (see ``tune_hydra.engine.host``). ``None``:
+            unlimited, nothing goes to disk.
+        spill_dir: an existing folder on a local disk (not a tmpfs) for the disk tier;
+            the engine works in a folder of its own there, removed when it closes (or, after
+            a crash, by the next engine started with the same ``spill_dir``).
 
     Raises:
         InvalidOptionError: a bad ``max_layers_per_shard``.
+        SpillDirError: ``host_memory`` without ``spill_dir``, or a ``spill_dir`` that is
+            missing, not writable or on a full disk.
         UnknownDeviceError, BudgetFormatError, UnknownPolicyError: a bad device, budget or
             policy.
 
@@ -98,6 +112,8 @@ class Engine:
         recompute: bool | None = None,
         copy_on_cpu: bool = False,
         max_layers_per_shard: int | None = None,
+        host_memory: int | str | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         options = EngineOptions(
             devices,
@@ -107,6 +123,8 @@ class Engine:
             recompute=recompute,
             copy_on_cpu=copy_on_cpu,
             max_layers_per_shard=max_layers_per_shard,
+            host_memory=host_memory,
+            spill_dir=spill_dir,
         )
         max_layers_per_shard = options.max_layers_per_shard
         self.devices = resolve_devices(devices)
@@ -124,6 +142,9 @@ class Engine:
         ]
         self.trace = Trace(labels)
         self.clock = default_clock()
+        host_budget = parse_bytes(host_memory, option="host_memory")
+        folder = SpillFolder(spill_dir) if host_budget is not None and spill_dir else None
+        self.host = HostMemory(host_budget, folder, self.trace, self.clock)
         self._saved_threads = torch.get_num_threads()  # workers may change it; restored
         threads = max(1, torch.get_num_threads() // n_cpu) if n_cpu > 1 else None
         self.workers = [
@@ -246,6 +267,11 @@ class Engine:
         plan = plan_shards(
             costs, budget, prefetch=self.prefetch, max_layers_per_shard=self.max_layers_per_shard
         )
+        host = self.host.budget
+        if host is not None:
+            big = max(plan.shards, key=lambda spec: spec.state_bytes)
+            if big.state_bytes > host:
+                raise HostBudgetError(name, big.index, big.state_bytes, host)
         pin = any(d.type == "cuda" for d in self.devices)
         with self._cv:
             if name in self._tasks:
@@ -263,6 +289,7 @@ class Engine:
                 order=self._order,
                 pin=pin,
                 budgeted_graphs=self._kept.active,
+                host=self.host,
             )
             runner.note_probe(x)
             entry = TaskRecord(name, task, plan, options, self._order, runner)
@@ -348,7 +375,7 @@ class Engine:
             self.cancel(name)
             while entry.assigned is not None and not self._closed:
                 self._cv.wait(_POLL_S)
-            self._offload(entry)
+            self._offload(entry, leave=True)
             self._note_carry(entry, None)
             del self._tasks[name]
             self.policy.forget(name)
@@ -376,7 +403,7 @@ class Engine:
             entry = self._entry(name)
             if entry.assigned is not None:
                 raise TuneHydraError(f"task {name!r} is training; cancel it first")
-            self._offload(entry)
+            self._offload(entry, leave=True)
             layers = model_layers(entry.task.model)  # type: ignore[arg-type]
             pin = any(d.type == "cuda" for d in self.devices)
             runner = TaskRunner(
@@ -389,6 +416,7 @@ class Engine:
                 pin=pin,
                 budgeted_graphs=self._kept.active,
                 probed=entry.runner.probed,
+                host=self.host,
             )
             runner.set_state(state)
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
@@ -407,6 +435,7 @@ class Engine:
                 "busy_s": w.busy_s,
                 "utilization": w.busy_s / wall if wall > 0 else 0.0,
             }
+        out["host"] = self.host.summary()
         with self._cv:
             for name, e in self._tasks.items():
                 out["tasks"][name] = {
@@ -433,8 +462,9 @@ class Engine:
         torch.set_num_threads(self._saved_threads)
         with self._cv:
             for entry in self._tasks.values():
-                self._offload(entry)
+                self._offload(entry, leave=True)
                 self._cancel_futures(entry)
+        self.host.close()
 
     # -- internals --------------------------------------------------------------------------
 
@@ -451,15 +481,22 @@ class Engine:
                 f"no task named {name!r}; registered: {sorted(self._tasks)}"
             ) from None
 
-    def _offload(self, entry: TaskRecord) -> None:
+    def _offload(self, entry: TaskRecord, leave: bool = False) -> None:
+        """Bring the task's states home from the devices (for good: a prefetch in a queue
+        leaves them there). ``leave``: the task leaves the engine (or its runner is
+        replaced): states on disk come back into host memory, the user's again."""
+        if leave:
+            self.host.unregister(entry.runner.stores)
         for shard in entry.runner.shards:
             store = shard.store
             with store.lock:  # a prefetch may be bringing it in right now: after it
                 if isinstance(store.owner, DeviceWorker):
                     store.owner.evict(store)  # counted there until copied out, and traced
-                store.retire()
+                store.retire(load=leave)
             for w in self.workers:
                 w.release(store)
+        if leave:
+            self.host.discard(entry.runner.stores)
 
     def _cancel_futures(self, entry: TaskRecord) -> None:
         self._kept.end(entry, drop=True)
@@ -498,7 +535,15 @@ class Engine:
             p.future.set_exception(err)
         entry.pending.clear()
 
-    def _on_done(self, entry: TaskRecord, a: Assignment, err: BaseException | None) -> None:
+    def _on_done(
+        self,
+        entry: TaskRecord,
+        a: Assignment,
+        err: BaseException | None,
+        release: Store | None = None,
+    ) -> None:
+        if release is not None:
+            self.host.use(_parts(release), -1)
         with self._cv:
             worker = entry.assigned
             if worker is not None:
@@ -552,6 +597,7 @@ class Engine:
                                 f"this is a tune_hydra bug, please report it"
                             ) from w.last_error
                     self._kept.audit(self._tasks, self.workers)
+                    self._spill_failures()
                     self._dispatch()
                     self._cv.wait(_POLL_S)
         except BaseException as err:  # surface to every waiting caller
@@ -561,7 +607,46 @@ class Engine:
                     if entry.pending:
                         self._fail(entry, err)
 
+    def _spill_failures(self) -> None:
+        """Fail the tasks whose state could not be written to the disk tier."""
+        for name, err in self.host.take_failures():
+            entry = self._tasks.get(name)
+            if entry is not None and entry.error is None:
+                self._fail(entry, err)
+
+    def _outlook(self) -> None:
+        """Tell the host memory manager how soon each state will be visited: tasks in
+        the order the policy would run them (those on a device first), ``len(devices)``
+        at a time, each from its current op on (see ``Program.ops_until``)."""
+        default_op_s = self._op_sum / self._op_n if self._op_n else 1.0
+        live = [
+            e
+            for e in self._tasks.values()
+            if e.error is None and not e.cancelled and e.runner.current is not None
+        ]
+        running = [e for e in live if e.assigned is not None]
+        waiting = [e for e in live if e.assigned is None]
+        cands = [
+            Candidate(op, e.remaining_s(default_op_s), False, e.ready_since, e.order)
+            for e in waiting
+            if (op := e.runner.current) is not None
+        ]
+        by_op = {id(c.op): e for c, e in zip(cands, waiting, strict=True)}
+        ranked = running + [by_op[id(c.op)] for c in self.policy.rank(cands)]
+        heat: dict[int, float] = {}
+        per_slot = max(1, len(self.workers))
+        for i, e in enumerate(ranked):
+            program, op = e.runner.program, e.runner.current
+            base = (i // per_slot) * program.ops_per_batch
+            for shard in e.runner.shards:
+                h = base + program.ops_until(op, shard.index)
+                for s in _parts(shard.store):
+                    heat[id(s)] = min(h, heat.get(id(s), h))
+        self.host.set_outlook(heat)
+
     def _dispatch(self) -> None:
+        if self.host.active:
+            self._outlook()
         # Idle devices first; only then queue a second (prefetched) op on busy ones.
         for level in range(1, self._max_depth + 1):
             for w in self.workers:
@@ -578,6 +663,7 @@ class Engine:
         entries = []
         waiting = False
         kept = self._kept.active
+        host = self.host.active  # whether a state is in host memory changes by itself
         for e in self._tasks.values():
             op = e.runner.current
             if e.assigned is None and e.error is None and not e.cancelled and op is not None:
@@ -591,9 +677,14 @@ class Engine:
                 c = e.candidate
                 # A task's offer changes only with its own op or grant (both reset it);
                 # a task not measured yet follows the engine-wide mean, so is rebuilt.
-                if c is None or c.op is not op or c.resident is not res or not e.known_n:
+                if c is None or c.op is not op or c.resident is not res or not e.known_n or host:
                     c = e.candidate = Candidate(
-                        op, e.remaining_s(default_op_s), res, e.ready_since, e.order
+                        op,
+                        e.remaining_s(default_op_s),
+                        res,
+                        e.ready_since,
+                        e.order,
+                        not e.runner.shards[op.shard].store.on_disk,
                     )
                 entries.append(e)
                 cands.append(c)
@@ -628,6 +719,12 @@ class Engine:
             start=(lambda: self._note_carry(entry, None)) if w.copy else None,
         )
         entry.assigned = w
+        if self.host.active and not w.copy:
+            # A device that computes in host memory uses the host tensors themselves: they
+            # must not go to disk from now until the op ends (a copying device computes on
+            # its copies; its promotion reads a state back from disk if need be).
+            self.host.use(_parts(store), 1)
+            a.done = lambda a, err: self._on_done(entry, a, err, release=store)
         if log.isEnabledFor(logging.DEBUG):  # a decision per op: format only when asked
             resident = w.holds(store) if w.copy else w.last_task == entry.name
             log.debug("%s -> %s%s", op, w.label, " (resident)" if resident else "")
@@ -638,6 +735,13 @@ class Engine:
             nxt = runner.next_shard(op)
             if nxt is not None:
                 w.prefetch(runner.shards[nxt].store, op.task, nxt, op.iteration)
+
+
+def _parts(store: Store) -> list[ShardStore]:
+    """The shard stores a store moves together (its own, and shared ones)."""
+    if isinstance(store, LinkedStore):
+        return [store.own, *store.shared]
+    return [store]
 
 
 def _options(

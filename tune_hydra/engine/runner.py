@@ -27,6 +27,7 @@ from tune_hydra.engine import resume, rng
 from tune_hydra.engine.boundary import leaves, park, to_device
 from tune_hydra.engine.checks import BatchChecks
 from tune_hydra.engine.data import DataCursor
+from tune_hydra.engine.host import HostMemory
 from tune_hydra.engine.metrics import MetricTotals, build_scheduler
 from tune_hydra.engine.optim import Stepper
 from tune_hydra.engine.partition import ShardPlan, build_optimizer
@@ -90,8 +91,11 @@ class TaskRunner:
         pin: bool = False,
         budgeted_graphs: bool = False,
         probed: tuple[Any, str] | None = None,
+        host: HostMemory | None = None,
     ) -> None:
         self.name = name
+        # The engine's host memory manager, when host memory has a budget (a disk tier).
+        self.host = host if host is not None and host.active else None
         self.task = task
         self.plan = plan
         self.options = options
@@ -114,7 +118,8 @@ class TaskRunner:
             what = f"the parameters of shard {spec.index} (layers {', '.join(spec.layer_names)})"
             opt = build_optimizer(task.optimizer, params, name, what) if params else None
             optimizers.append(opt)
-        stores = shared.stores(optimizers, pin=pin, task=name)
+        spill = self._spill_args
+        stores = shared.stores(optimizers, pin=pin, task=name, spill=spill)
         for spec, module, opt in zip(plan.shards, modules, optimizers, strict=True):
             what = f"the parameters of shard {spec.index} (layers {', '.join(spec.layer_names)})"
             sched = (
@@ -129,6 +134,7 @@ class TaskRunner:
                 name=(name, spec.index),
                 footprint=(spec.state_bytes, spec.activation_bytes),
                 params=shared.own(module),
+                **spill((name, spec.index)),
             )
             links = [stores[k] for k in shared.groups_of(spec.index)]
             self.shards.append(
@@ -146,6 +152,8 @@ class TaskRunner:
                     scheduler=sched,
                 )
             )
+        if self.host is not None:
+            self.host.register(self.stores)
         self.program = Program(
             name,
             len(self.shards),
@@ -233,6 +241,22 @@ class TaskRunner:
     @property
     def _outputs(self) -> dict[int, list[Any]]:
         return self.stage.outputs
+
+    def _spill_args(self, name: tuple[str, int]) -> dict[str, Any]:
+        """A store's disk-tier keywords: the host memory manager and its spill file."""
+        if self.host is None or self.host.folder is None:
+            return {}
+        return {"host": self.host, "spill_file": self.host.folder.file(name)}
+
+    @property
+    def stores(self) -> list[ShardStore]:
+        """Every shard store of the task, each once: the shards' own, then shared ones."""
+        out: dict[int, ShardStore] = {}
+        for s in self.shards:
+            store = s.store
+            for one in [store.own, *store.shared] if isinstance(store, LinkedStore) else [store]:
+                out[id(one)] = one
+        return list(out.values())
 
     def owned_tensors(self) -> OwnedTensors:
         """The parameters and buffers this task trains, as they are now: the model's live
@@ -355,6 +379,8 @@ class TaskRunner:
                 parked, moved = park([*self._carries, self._carry], device, stream)
                 self._carries, self._carry = parked[:-1], parked[-1]
                 self._parked = moved > 0
+                if moved and self.host is not None:
+                    self.host.park(self.name, moved)
                 return moved
             finally:
                 self._carry_lock.release()
@@ -365,6 +391,8 @@ class TaskRunner:
         with self._carry_lock:
             self.stage.drop_batch()
             self._carries, self._carry, self._targets = [], None, []
+            if self.host is not None:
+                self.host.unpark(self.name)
 
     def next_shard(self, op: Op) -> int | None:
         """The shard the task's op after ``op`` will most likely use (for prefetching it
@@ -414,6 +442,8 @@ class TaskRunner:
     def execute(self, op: Op, device: torch.device) -> None:
         """Run ``op`` on ``device`` (the shard's state is already there)."""
         with self._carry_lock:
+            if self._parked and self.host is not None:
+                self.host.unpark(self.name)  # the op takes them to its device
             self._parked = False  # what the op leaves behind is on its device
             self._ran += 1
             self._execute(op, device)

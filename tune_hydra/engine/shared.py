@@ -23,7 +23,8 @@ is refused, with the fix.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -109,11 +110,24 @@ class SharedParams:
         return [g for g in self._groups if index in g]
 
     def stores(
-        self, optimizers: Sequence[torch.optim.Optimizer | None], *, pin: bool, task: str
+        self,
+        optimizers: Sequence[torch.optim.Optimizer | None],
+        *,
+        pin: bool,
+        task: str,
+        spill: Callable[[tuple[str, int]], dict[str, Any]] | None = None,
     ) -> dict[Group, ShardStore]:
-        """One store per group, with the optimizer that steps it (its first shard's)."""
+        """One store per group, with the optimizer that steps it (its first shard's);
+        ``spill(name)``: the disk-tier keywords of a store (see ``ShardStore``)."""
         return {
-            g: ShardStore([], optimizers[g[0]], pin=pin, name=(task, g[0]), params=params)
+            g: ShardStore(
+                [],
+                optimizers[g[0]],
+                pin=pin,
+                name=(task, g[0]),
+                params=params,
+                **(spill((task, g[0])) if spill is not None else {}),
+            )
             for g, params in self._groups.items()
         }
 

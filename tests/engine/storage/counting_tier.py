@@ -48,3 +48,7 @@ class CountingTier(StorageTier):
 
     def nbytes(self) -> int:
         return sum(tensor_bytes(t) for t in self._tensors.values())
+
+    def clear(self) -> None:
+        self._tensors.clear()
+        self._pending.clear()

@@ -8,7 +8,7 @@ import torch
 from tune_hydra.engine.storage import Residency, ResidencyError, ShardResidency
 
 CPU = torch.device("cpu")
-MOVES = ("lend", "arrive", "home", "retire")
+MOVES = ("lend", "arrive", "home", "retire", "spill", "load")
 
 
 def _in(state: Residency, owner: object = None) -> ShardResidency:
@@ -20,6 +20,8 @@ def _in(state: Residency, owner: object = None) -> ShardResidency:
         r.arrive(CPU, owner)
     elif state is Residency.RETIRED:
         r.retire()
+    elif state is Residency.DISK:
+        r.spill()
     assert r.state is state
     return r
 
@@ -46,6 +48,13 @@ ALLOWED = {
     (Residency.RETIRED, "arrive"): Residency.DEVICE,
     (Residency.RETIRED, "home"): Residency.RETIRED,
     (Residency.RETIRED, "retire"): Residency.RETIRED,
+    (Residency.HOST, "spill"): Residency.DISK,
+    (Residency.IN_PLACE, "spill"): Residency.DISK,
+    (Residency.RETIRED, "spill"): Residency.DISK,
+    (Residency.DISK, "load"): Residency.HOST,
+    # On disk it stays there until loaded: a demotion or retirement finds it home.
+    (Residency.DISK, "home"): Residency.DISK,
+    (Residency.DISK, "retire"): Residency.DISK,
 }
 
 
@@ -58,7 +67,8 @@ def test_transitions(start: Residency, move: str) -> None:
     if target is None:
         with pytest.raises(ResidencyError, match=f"cannot {move} .* from {start.name}"):
             _move(r, move, taker)
-        assert r.state is start and r.owner is holder  # nothing changed
+        held = start in (Residency.IN_PLACE, Residency.DEVICE)
+        assert r.state is start and r.owner is (holder if held else None)  # nothing changed
         return
     _move(r, move, taker)
     assert r.state is target
@@ -86,9 +96,32 @@ def test_a_device_copy_knows_its_device_and_owner() -> None:
         (Residency.DEVICE, True, True),
         (Residency.DEVICE, False, False),  # another worker may be computing with it
         (Residency.RETIRED, True, False),
+        (Residency.DISK, False, True),  # read back from disk, then copied in
     ],
 )
 def test_who_may_prefetch(state: Residency, same_owner: bool, allowed: bool) -> None:
     holder = object()
     r = _in(state, holder)
     assert r.may_speculate(holder if same_owner else object()) is allowed
+
+
+def test_a_state_spilled_while_retired_loads_back_retired() -> None:
+    r = ShardResidency()
+    r.retire()
+    r.spill()
+    assert r.state is Residency.DISK and not r.may_speculate(object())
+    r.load()
+    assert r.state is Residency.RETIRED
+    r.spill()
+    r.load()  # retired once: loaded once, then it is host memory as any other
+    assert r.state is Residency.RETIRED
+
+
+def test_retiring_on_disk_keeps_it_from_prefetches() -> None:
+    r = ShardResidency()
+    r.spill()
+    assert r.may_speculate(object())
+    r.retire()  # a checkpoint is being taken: no prefetch may take it to a device
+    assert r.state is Residency.DISK and not r.may_speculate(object())
+    r.load()
+    assert r.state is Residency.RETIRED

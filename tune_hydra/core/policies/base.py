@@ -24,6 +24,9 @@ class Candidate:
             state are still in that core's caches.
         ready_since: engine-clock seconds since the operation became ready.
         order: the task's registration order (0, 1, ...), for stable tie-breaking.
+        in_host: the shard's state is in host memory (or on a device), not in the disk
+            tier below it (always ``True`` without ``host_memory``): running it needs no
+            disk read first.
     """
 
     op: Op
@@ -31,6 +34,7 @@ class Candidate:
     resident: bool
     ready_since: float
     order: int
+    in_host: bool = True
 
 
 class BasePolicy(abc.ABC):
@@ -61,6 +65,13 @@ class BasePolicy(abc.ABC):
         Returns:
             One element of ``candidates``, or ``None`` to leave the device idle for now.
         """
+
+    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """``candidates`` in the order this policy would most likely run them, without
+        deciding anything (no state may change). With a disk tier, the engine reads the
+        tasks' states back from disk in this order. Default: the longest waiting first.
+        """
+        return sorted(candidates, key=lambda c: (c.ready_since, c.order))
 
     def forget(self, task: str) -> None:  # noqa: B027 - optional hook, default no-op
         """Called when a task leaves the engine; drop any per-task state."""

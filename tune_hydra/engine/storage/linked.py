@@ -84,6 +84,11 @@ class LinkedStore:
         return self.own.residency
 
     @property
+    def on_disk(self) -> bool:
+        """Whether its own state is in the disk tier."""
+        return self.own.on_disk
+
+    @property
     def moved_total(self) -> int:
         return self.own.moved_total + sum(s.moved_total for s in self.shared)
 
@@ -133,11 +138,11 @@ class LinkedStore:
                 moved += s.demote(stream, only_owner=only_owner)
             return moved
 
-    def retire(self) -> int:
+    def retire(self, *, load: bool = False) -> int:
         with self.own.lock:
-            moved = self.own.retire()
+            moved = self.own.retire(load=load)
             for s in self.shared:
-                moved += s.retire()
+                moved += s.retire(load=load)
             return moved
 
     def synchronize(self) -> None:

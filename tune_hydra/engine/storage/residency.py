@@ -20,6 +20,10 @@ class Residency(enum.Enum):
     """The live tensors are device copies made by a worker; the host tensors are stale."""
     RETIRED = "retired"
     """As :attr:`HOST`, for good: a speculative promotion must leave it there."""
+    DISK = "disk"
+    """The values are in the disk tier's file; the live tensors are read-only views of it
+    (memory-mapped: reading them, as a checkpoint does, works; nothing computes with
+    them). It must be loaded back into host memory before it goes to a device."""
 
 
 class ResidencyError(RuntimeError):
@@ -32,6 +36,8 @@ _FROM: dict[str, frozenset[Residency]] = {
     "arrive": frozenset({Residency.HOST, Residency.IN_PLACE, Residency.RETIRED}),
     "home": frozenset(Residency),
     "retire": frozenset({Residency.HOST, Residency.IN_PLACE, Residency.RETIRED}),
+    "spill": frozenset({Residency.HOST, Residency.IN_PLACE, Residency.RETIRED}),
+    "load": frozenset({Residency.DISK}),
 }
 
 
@@ -40,8 +46,10 @@ class ShardResidency:
 
     A device copy must be brought home before it can go elsewhere or be retired: the store
     copies it back first, so ``arrive``, ``lend`` and ``retire`` from
-    :attr:`Residency.DEVICE` are errors. Not thread-safe on its own: the store changes it
-    only under its lock.
+    :attr:`Residency.DEVICE` are errors. A state on :attr:`Residency.DISK` must be loaded
+    (``load``, back to :attr:`Residency.HOST`, or :attr:`Residency.RETIRED` if it was
+    retired when spilled) before it goes anywhere; ``home`` and ``retire`` leave it there.
+    Not thread-safe on its own: the store changes it only under its lock.
 
     Example:
         >>> r = ShardResidency()
@@ -61,6 +69,7 @@ class ShardResidency:
         # Who holds the live tensors: emulated CPU devices all are torch.device("cpu"), so
         # the device alone cannot tell two workers apart.
         self._owner: object = None
+        self._retired_on_disk = False  # spilled while retired: loads back retired
 
     @property
     def state(self) -> Residency:
@@ -89,6 +98,8 @@ class ShardResidency:
         other owner holds a device copy (it may be computing with it)."""
         if self._state is Residency.RETIRED:
             return False
+        if self._state is Residency.DISK:
+            return not self._retired_on_disk
         return self._state is not Residency.DEVICE or self._owner is owner
 
     def lend(self, device: torch.device, owner: object) -> None:
@@ -100,13 +111,32 @@ class ShardResidency:
         self._move("arrive", Residency.DEVICE, device, owner)
 
     def home(self) -> None:
-        """The live tensors are the host tensors again (a retired shard stays retired)."""
+        """The live tensors are the host tensors again (a retired shard stays retired, one
+        on disk stays there)."""
+        if self._state is Residency.DISK:
+            return
         target = Residency.RETIRED if self._state is Residency.RETIRED else Residency.HOST
         self._move("home", target, _HOST_DEVICE, None)
 
     def retire(self) -> None:
-        """At home for good, until the next :meth:`arrive` or :meth:`lend`."""
+        """At home for good, until the next :meth:`arrive` or :meth:`lend` (on disk: it
+        loads back retired)."""
+        if self._state is Residency.DISK:
+            self._retired_on_disk = True
+            return
         self._move("retire", Residency.RETIRED, _HOST_DEVICE, None)
+
+    def spill(self) -> None:
+        """The values went to the disk tier; the live tensors are views of its file."""
+        retired = self._state is Residency.RETIRED
+        self._move("spill", Residency.DISK, _HOST_DEVICE, None)
+        self._retired_on_disk = retired
+
+    def load(self) -> None:
+        """The values are back in host memory (the live tensors are the host tensors)."""
+        target = Residency.RETIRED if self._retired_on_disk else Residency.HOST
+        self._move("load", target, _HOST_DEVICE, None)
+        self._retired_on_disk = False
 
     def _move(self, name: str, target: Residency, device: torch.device, owner: object) -> None:
         if self._state not in _FROM[name]:

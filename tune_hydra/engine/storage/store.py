@@ -14,14 +14,47 @@ with events; on the CPU they are plain synchronous copies (or skipped entirely w
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from tune_hydra.engine.storage.disk import SpillFile
 from tune_hydra.engine.storage.residency import Residency, ShardResidency
 from tune_hydra.engine.storage.tiers import HostTier, Key, PinnedHostTier, StorageTier
+
+
+class HostAccount(Protocol):
+    """What a store tells the engine's host memory manager (``tune_hydra.engine.host``).
+
+    The store calls it under its own lock; the manager never waits on a store's lock
+    while holding its own (it only *tries* other stores' locks to spill them).
+    """
+
+    def reserve(self, store: ShardStore, nbytes: int, *, speculative: bool = False) -> bool:
+        """Count ``nbytes`` of ``store`` in host memory, spilling colder stores to disk
+        first if they would not fit. ``speculative``: only stores colder than ``store``
+        may go, and if that is not enough nothing is counted and ``False`` is returned."""
+        ...
+
+    def release(self, store: ShardStore) -> None:
+        """``store``'s host buffers were freed."""
+        ...
+
+    def busy(self, store: ShardStore) -> bool:
+        """Whether an op assigned to a device uses ``store`` (it must not be spilled)."""
+        ...
+
+    def note_io(self, store: ShardStore, op: str, nbytes: int, start: float) -> None:
+        """``op`` (``"to_disk"`` or ``"from_disk"``) moved ``nbytes`` since ``start``
+        (``time.perf_counter()``)."""
+        ...
+
+    def note_wait(self, store: ShardStore, owner: object, start: float) -> None:
+        """``owner`` (a worker) waited for ``store``'s disk read since ``start``."""
+        ...
 
 
 def _param_shaped(value: Any) -> bool:
@@ -47,6 +80,9 @@ class ShardStore:
         params: the parameters to hold, if not every parameter of ``modules`` (a
             parameter several shards share has a store of its own, see
             :class:`~tune_hydra.engine.storage.linked.LinkedStore`).
+        host: the engine's host memory manager, with a disk tier below host memory
+            (``None``: host memory is unlimited, nothing goes to disk).
+        spill_file: the file of the disk tier this store spills to (with ``host``).
     """
 
     def __init__(
@@ -59,6 +95,8 @@ class ShardStore:
         footprint: tuple[int, int] = (0, 0),
         tier: StorageTier | None = None,
         params: list[nn.Parameter] | None = None,
+        host: HostAccount | None = None,
+        spill_file: SpillFile | None = None,
     ) -> None:
         self.name = name
         self.state_bytes, self.activation_bytes = footprint
@@ -87,11 +125,20 @@ class ShardStore:
         # (see stash_grad): moved with the rest of the state.
         self._stash: dict[int, torch.Tensor] = {}
         self.lock = threading.RLock()  # promote/demote may come from two devices' threads
+        self.host = host
+        self.spill_file = spill_file
+        self._file_valid = False  # the file holds the current values (loaded, untouched)
+        self._loading = False  # a disk read is under way (a promotion waiting counts it)
         for key, t in list(self._live()):
             home = tier.keep(key, t)
             if home is not t:
                 self._set(key, home)
         tier.flush()
+
+    def host_charge(self) -> int:
+        """Host bytes this state takes in RAM: the plan's state bytes (gradients and
+        optimizer state appear while it trains), or more if it holds more now."""
+        return max(self.state_bytes, self.nbytes())
 
     # -- residency, as the store's own record of it ---------------------------------------
 
@@ -171,7 +218,10 @@ class ShardStore:
         tensor)`` and ``((module, buffer name), tensor)``: the live ones at home, their
         last demoted values while on a device."""
         with self.lock:  # a demotion may be adding host buffers right now
-            items = self._tier.items()
+            if self._residency.state is Residency.DISK:
+                items = list(self._live())  # views of the spill file
+            else:
+                items = self._tier.items()
         host: list[tuple[nn.Parameter | tuple[nn.Module, str], torch.Tensor]] = []
         for key, t in items:
             if key[0] == "p":
@@ -226,9 +276,18 @@ class ShardStore:
                 are used in place, as the CPU "device" is host memory).
             owner: the worker taking the state (see :meth:`demote`).
         """
+        start = time.perf_counter()
+        loading = self._loading
         with self.lock:
+            if loading and self.host is not None:
+                self.host.note_wait(self, owner, start)
             if not copy and self._residency.lends(device, owner):
                 return 0  # in use in place there already: the common case on a CPU device
+            if self._residency.state is Residency.DISK:
+                start = time.perf_counter()
+                self._load(speculative=False)
+                if self.host is not None:
+                    self.host.note_wait(self, owner, start)
             return self._promote(device, stream, copy, owner)
 
     def try_promote(
@@ -240,10 +299,13 @@ class ShardStore:
         with self.lock:
             if not self._residency.may_speculate(owner):
                 return None
+            if self._residency.state is Residency.DISK and not self._load(speculative=True):
+                return None  # no room in host memory without spilling something hotter
             return self._promote(device, stream, copy, owner)
 
     def _promote(self, device: torch.device, stream: Any, copy: bool, owner: object) -> int:
         residency = self._residency
+        self._file_valid = False  # it may change where it goes
         if residency.state is Residency.DEVICE:
             if residency.holds(device, owner):
                 return 0
@@ -299,6 +361,10 @@ class ShardStore:
             self._residency.home()
             return 0
         moved = 0
+        if self.host is not None:
+            # Room first: its stale host buffers may have been freed while it was on the
+            # device, and its gradients and optimizer state may have grown there.
+            self.host.reserve(self, self.host_charge())
         # Asynchronous only on a copy stream, whose event tells when the host buffers are
         # complete; without one nothing would (the caller reads them right after).
         asynchronous = self._tier.pinned and stream is not None
@@ -327,14 +393,124 @@ class ShardStore:
         self.moved_total += moved
         return moved
 
-    def retire(self) -> int:
+    def retire(self, *, load: bool = False) -> int:
         """:meth:`demote` for good: until the next :meth:`promote`, :meth:`try_promote`
-        leaves the state on the host. Returns the bytes moved."""
+        leaves the state on the host. Returns the bytes moved.
+
+        Args:
+            load: bring a state on disk back into host memory too (the task leaves the
+                engine: its model gets plain tensors back). Otherwise it stays on disk,
+                readable through its views.
+        """
         with self.lock:
             moved = self._demote(None)
+            if load and self._residency.state is Residency.DISK:
+                self._load(speculative=False)
             self._residency.retire()
             self._synchronize()  # an earlier asynchronous demote, too
             return moved
+
+    # -- the disk tier --------------------------------------------------------------------
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether the state is in the disk tier (not in host memory, not on a device)."""
+        return self._residency.state is Residency.DISK
+
+    @property
+    def in_host(self) -> bool:
+        """Whether host memory holds buffers of this state (current or stale)."""
+        return self._residency.state is not Residency.DISK and bool(self._tier.nbytes())
+
+    def try_spill(self) -> bool:
+        """Free this state's host memory if nobody is using it: write it to the disk tier
+        (not needed if the file already holds these values), or, on a device, drop its
+        stale host copy. Never waits for the store's lock. Returns whether memory was
+        freed.
+
+        Raises:
+            SpillDiskFullError: the write failed; the state stays in host memory.
+        """
+        if not self.lock.acquire(blocking=False):
+            return False
+        try:
+            return self._spill()
+        finally:
+            self.lock.release()
+
+    def _spill(self) -> bool:
+        assert self.host is not None and self.spill_file is not None
+        state = self._residency.state
+        if state is Residency.DISK:
+            return False
+        if state is Residency.DEVICE:  # computing on its device copy: drop the stale one
+            if not self._tier.nbytes():
+                return False
+            self._synchronize()
+            self._tier.clear()
+            self.host.release(self)
+            return True
+        if self.host.busy(self):  # a device computes with the host tensors themselves
+            return False
+        self._synchronize()
+        live = list(self._live())
+        if not self._file_valid:
+            start = time.perf_counter()
+            nbytes = self.spill_file.write(live)
+            self.host.note_io(self, "to_disk", nbytes, start)
+        views = self.spill_file.views()
+        self._point_at(views)
+        self._tier.clear()
+        self._residency.spill()
+        self._file_valid = True
+        self.host.release(self)
+        return True
+
+    def load(self, *, speculative: bool = True) -> bool:
+        """Read the state back from the disk tier into host memory (the disk thread's
+        read-ahead). ``speculative``: never wait for the store's lock, and only if room
+        can be made by spilling colder states. Returns whether it was loaded."""
+        if not self.lock.acquire(blocking=not speculative):
+            return False
+        try:
+            if self._residency.state is not Residency.DISK:
+                return False
+            return self._load(speculative=speculative)
+        finally:
+            self.lock.release()
+
+    def _load(self, *, speculative: bool) -> bool:
+        assert self.host is not None and self.spill_file is not None
+        layout = self.spill_file.layout
+        nbytes = sum(shape.numel() * dtype.itemsize for _, dtype, shape in layout.values())
+        if not self.host.reserve(self, max(self.state_bytes, nbytes), speculative=speculative):
+            return False
+        self._loading = True
+        try:
+            start = time.perf_counter()
+            views = self.spill_file.views()
+            bufs = {}
+            for key, view in views.items():
+                buf = self._tier.put(key, view)
+                self.spill_file.read_into(key, buf)
+                bufs[key] = buf
+            self._tier.flush()
+            self._point_at(bufs)
+            self._residency.load()
+            self.host.note_io(self, "from_disk", nbytes, start)
+        finally:
+            self._loading = False
+        return True
+
+    def _point_at(self, tensors: dict[Key, torch.Tensor]) -> None:
+        """Point every live slot at ``tensors[key]`` (gradients last: a parameter's data
+        change detaches its gradient)."""
+        for key, t in tensors.items():
+            if key[0] != "g":
+                self._set(key, t)
+        for key, t in tensors.items():
+            if key[0] == "g":
+                self._set(key, t)
 
     def synchronize(self) -> None:
         """Wait until host buffers hold the demoted values (CUDA non-blocking copies)."""

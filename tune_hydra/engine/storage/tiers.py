@@ -52,6 +52,10 @@ class StorageTier(abc.ABC):
     def nbytes(self) -> int:
         """Host bytes the tier's tensors occupy."""
 
+    @abc.abstractmethod
+    def clear(self) -> None:
+        """Free every buffer (the values went elsewhere, or are stale)."""
+
     def flush(self) -> None:  # noqa: B027 (a hook: host tiers have nothing to do)
         """The buffers :meth:`put` handed out now hold their values. Host tiers already
         hold them where they belong; a tier storing elsewhere writes them through here."""
@@ -94,6 +98,9 @@ class HostTier(StorageTier):
 
     def keys(self) -> Iterator[Key]:
         return iter(self._tensors)
+
+    def clear(self) -> None:
+        self._tensors.clear()
 
     def nbytes(self) -> int:
         return sum(tensor_bytes(t) for t in self._tensors.values())

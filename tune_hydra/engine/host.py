@@ -1,0 +1,356 @@
+"""Host memory with a budget, and the disk tier below it.
+
+With ``host_memory`` and ``spill_dir``, an engine's :class:`HostMemory` keeps what it
+holds in host memory (shard states in RAM, parked boundary tensors; its
+:class:`~tune_hydra.core.host.HostLedger` counts them) within the budget:
+
+- **Room on demand.** Before a state comes into host memory (a device evicts it, it is
+  read back from disk, a task registers) the store asks :meth:`HostMemory.reserve`. If it
+  would not fit, the *coldest* other states go to disk first: those whose next visit is
+  furthest away, from each task's program (ops until its next visit of the shard) and the
+  policy's ranking of the tasks (see :meth:`HostMemory.set_outlook`). A state that is on a
+  device has only a stale host copy, dropped without a write.
+- **Read-ahead.** The disk thread (one per engine, the tier's) reads the hottest states
+  on disk back into host memory ahead of their visit, if it can make room by spilling
+  only colder ones; the device's copy thread then takes them on (disk -> host -> device,
+  each hop overlapped with other ops' compute). A visit that finds its state still on
+  disk reads it then, and the wait is recorded (``disk_wait_s``, ``disk_wait`` events).
+- **Faults.** A failed write (a full disk) fails the task of the state that could not be
+  spilled, with :class:`~tune_hydra.exceptions.SpillDiskFullError`; the state stays in
+  host memory and is not picked again; other tasks go on.
+
+Design note (locks): ``HostMemory._lock`` is a leaf. :meth:`reserve` is called by a store
+under its own lock and spills *other* stores only through ``try_spill`` (a non-blocking
+try of their lock), so two stores making room for each other cannot deadlock; whoever
+holds a store's lock is using it, so it is not a victim then. A store in use by an op
+assigned to a device is marked busy (:meth:`use`, before the op is handed to its device)
+and is never spilled: its store checks that under its own lock, after taking it.
+
+The budget holds strictly when ``host_memory`` is at least (devices + 2) times the
+largest shard state: every state a thread may be moving at once (one per device's copy
+thread and the disk thread) besides the one being made room for can then be spilled.
+With less (at least one shard state, or :class:`~tune_hydra.exceptions.HostBudgetError`),
+a reservation that finds every other state in use goes over by its own size: held host
+memory stays within ``host_memory + (devices + 1) x`` the largest shard state.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+from tune_hydra.core.host import HostLedger
+from tune_hydra.core.trace import Trace, TraceEvent
+from tune_hydra.engine.storage.disk import SpillFolder
+from tune_hydra.engine.storage.store import ShardStore
+from tune_hydra.exceptions import SpillDiskFullError
+
+log = logging.getLogger(__name__)
+
+_COLD = math.inf  # a state no outlook mentions: its task has no work granted
+_AHEAD_S = 0.05  # the disk thread looks again this often (and whenever the outlook changes)
+
+
+class HostMemory:
+    """The engine's host memory account, the disk tier's folder and its thread.
+
+    Args:
+        budget: host bytes (``None``: unlimited; nothing goes to disk).
+        folder: the engine's spill folder (needed with a budget).
+        trace: the engine's trace (``host`` and ``disk`` events).
+        clock: the engine's clock (seconds since it started).
+        lookahead: how many of the hottest states on disk the disk thread reads ahead.
+    """
+
+    def __init__(
+        self,
+        budget: int | None,
+        folder: SpillFolder | None,
+        trace: Trace,
+        clock: Callable[[], float],
+        lookahead: int = 4,
+    ) -> None:
+        self.ledger = HostLedger(budget)
+        self.folder = folder
+        self.trace = trace
+        self.clock = clock
+        self.lookahead = lookahead
+        self._lock = threading.Lock()
+        self._stores: dict[int, ShardStore] = {}
+        self._busy: dict[int, int] = {}
+        self._heat: Mapping[int, float] = {}
+        self._failed: set[int] = set()  # could not be written: never picked again
+        self.failures: list[tuple[str, SpillDiskFullError]] = []
+        self.written_bytes = 0
+        self.read_bytes = 0
+        self.disk_wait_s = 0.0
+        self.spills = 0
+        self.loads = 0
+        self.over_bytes = 0  # the most a reservation went over budget (the slack)
+        self._t0 = time.perf_counter() - clock()  # perf_counter() at the clock's zero
+        self._wake = threading.Event()
+        self._closing = False
+        self._thread: threading.Thread | None = None
+        if budget is not None:
+            self._thread = threading.Thread(target=self._ahead_loop, name="hydra-disk", daemon=True)
+            self._thread.start()
+
+    @property
+    def budget(self) -> int | None:
+        return self.ledger.budget
+
+    @property
+    def active(self) -> bool:
+        """Whether there is a budget (and so a disk tier)."""
+        return self.ledger.budget is not None
+
+    # -- registration --------------------------------------------------------------------
+
+    def register(self, stores: Iterable[ShardStore]) -> None:
+        """Count newly registered stores (their tensors are in host memory), spilling
+        colder states, or these, to stay within the budget."""
+        for store in stores:
+            with self._lock:
+                self._stores[id(store)] = store
+            # No colder state to make room with: this one goes to disk right away (its
+            # tensors are still the user's: they never count here). If the write fails, it
+            # stays (and its task fails).
+            if not self.reserve(
+                store, store.host_charge(), speculative=True
+            ) and not self._spill_or_fail(store):
+                with self._lock:
+                    self._take(store, store.host_charge())
+
+    def unregister(self, stores: Iterable[ShardStore]) -> None:
+        """Stop counting stores whose task leaves the engine (or is rebuilt): their memory
+        is the user's again, and loading them back is not the engine's (call
+        :meth:`discard` once they are loaded)."""
+        for store in stores:
+            with self._lock:
+                self._stores.pop(id(store), None)
+                self._busy.pop(id(store), None)
+                self._failed.discard(id(store))
+                self._give(store)
+
+    def discard(self, stores: Iterable[ShardStore]) -> None:
+        """Remove the spill files of unregistered stores (loaded back by now)."""
+        for store in stores:
+            if store.spill_file is not None and not store.on_disk:
+                store.spill_file.close()
+
+    # -- what the engine tells it --------------------------------------------------------
+
+    def use(self, stores: Iterable[ShardStore], delta: int) -> None:
+        """Mark ``stores`` in use (``delta=1``, as their op is assigned to a device) or no
+        longer (``-1``, as it ends)."""
+        with self._lock:
+            for s in stores:
+                n = self._busy.get(id(s), 0) + delta
+                if n > 0:
+                    self._busy[id(s)] = n
+                else:
+                    self._busy.pop(id(s), None)
+
+    def set_outlook(self, heat: Mapping[int, float]) -> None:
+        """How soon each store (by ``id``) will be visited: an estimate in ops, lower is
+        sooner; a store not mentioned is the coldest."""
+        self._heat = heat
+        self._wake.set()
+
+    def take_failures(self) -> list[tuple[str, SpillDiskFullError]]:
+        """The tasks whose state could not be written since the last call, with the error."""
+        with self._lock:
+            out, self.failures = self.failures, []
+        return out
+
+    # -- HostAccount: what the stores call -----------------------------------------------
+
+    def busy(self, store: ShardStore) -> bool:
+        with self._lock:
+            # A store not registered (its task left) is not the engine's to spill.
+            return id(store) in self._busy or id(store) not in self._stores
+
+    def reserve(self, store: ShardStore, nbytes: int, *, speculative: bool = False) -> bool:
+        if not self.active or id(store) not in self._stores:
+            return True  # unlimited, or the user's memory (its task left)
+        mine = self._heat.get(id(store), _COLD)
+        while True:
+            with self._lock:
+                over = self.ledger.over(nbytes - self.ledger.states.get(id(store), 0))
+                if over <= 0:
+                    self._take(store, nbytes)
+                    return True
+                victims = self._victims(store, mine if speculative else None)
+            freed = False
+            for v in victims:
+                if self._spill_or_fail(v):
+                    freed = True
+                    break  # look again: the room may suffice now
+            if freed:
+                continue
+            if speculative:
+                return False
+            # Every other state is in use or unspillable: go over (the documented slack).
+            with self._lock:
+                self.over_bytes = max(self.over_bytes, self.ledger.over(nbytes))
+                self._take(store, nbytes)
+            log.debug("host memory over budget by %d bytes for %s", self.over_bytes, store.name)
+            return True
+
+    def release(self, store: ShardStore) -> None:
+        with self._lock:
+            if id(store) in self._stores:
+                self._give(store)
+        self._wake.set()
+
+    def note_io(self, store: ShardStore, op: str, nbytes: int, start: float) -> None:
+        t0 = start - self._t0
+        t1 = self.clock()
+        with self._lock:
+            if op == "to_disk":
+                self.written_bytes += nbytes
+                self.spills += 1
+            else:
+                self.read_bytes += nbytes
+                self.loads += 1
+        task, shard = store.name
+        self.trace.add(TraceEvent("disk", task, shard, op, t0, t1, nbytes))
+
+    def note_wait(self, store: ShardStore, owner: object, start: float) -> None:
+        t0 = start - self._t0
+        t1 = self.clock()
+        with self._lock:
+            self.disk_wait_s += t1 - t0
+        label = getattr(owner, "label", "host")
+        task, shard = store.name
+        self.trace.add(TraceEvent(label, task, shard, "disk_wait", t0, t1))
+
+    # -- parked boundary tensors ---------------------------------------------------------
+
+    def park(self, task: str, nbytes: int) -> None:
+        """Count ``nbytes`` of ``task``'s boundary tensors parked in host memory (after
+        making room for them, as for a state)."""
+        if not nbytes:
+            return
+        while self.active:
+            with self._lock:
+                if self.ledger.over(nbytes) <= 0:
+                    break
+                victims = self._victims(None, None)
+            if not any(self._spill_or_fail(v) for v in victims):
+                break  # nothing to spill: over (within the slack)
+        with self._lock:
+            self.ledger.park(task, nbytes)
+            t = self.clock()
+            self.trace.add(TraceEvent("host", task, -1, "host_take", t, t, nbytes))
+
+    def unpark(self, task: str) -> None:
+        """``task``'s parked boundary tensors went back to a device (or were dropped)."""
+        with self._lock:
+            nbytes = self.ledger.unpark(task)
+            if nbytes:
+                t = self.clock()
+                self.trace.add(TraceEvent("host", task, -1, "host_give", t, t, nbytes))
+
+    # -- figures -------------------------------------------------------------------------
+
+    def summary(self) -> dict[str, Any]:
+        """Host memory and disk figures (see ``Engine.summary``)."""
+        with self._lock:
+            return {
+                "budget": self.ledger.budget,
+                "held_bytes": self.ledger.held,
+                "peak_held_bytes": self.ledger.peak,
+                "written_bytes": self.written_bytes,
+                "read_bytes": self.read_bytes,
+                "disk_wait_s": self.disk_wait_s,
+                "spills": self.spills,
+                "loads": self.loads,
+                "over_bytes": self.over_bytes,
+                "spill_dir": str(self.folder.path) if self.folder is not None else None,
+            }
+
+    def close(self) -> None:
+        """Stop the disk thread and remove the spill folder."""
+        self._closing = True
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(10.0)
+        if self.folder is not None:
+            self.folder.close()
+
+    # -- internals -----------------------------------------------------------------------
+
+    def _take(self, store: ShardStore, nbytes: int) -> None:
+        before = self.ledger.states.get(id(store), 0)
+        self.ledger.take(id(store), nbytes)
+        if nbytes != before:
+            t = self.clock()
+            task, shard = store.name
+            op = "host_take" if nbytes > before else "host_give"
+            self.trace.add(TraceEvent("host", task, shard, op, t, t, abs(nbytes - before)))
+
+    def _give(self, store: ShardStore) -> None:
+        nbytes = self.ledger.give(id(store))
+        if nbytes:
+            t = self.clock()
+            task, shard = store.name
+            self.trace.add(TraceEvent("host", task, shard, "host_give", t, t, nbytes))
+
+    def _victims(self, store: ShardStore | None, colder_than: float | None) -> list[ShardStore]:
+        """States in host memory that may go to disk, coldest first (under the lock):
+        not ``store``, not in use, not failed; with ``colder_than``, only colder ones."""
+        heat = self._heat
+        out = []
+        for key in self.ledger.states:
+            assert isinstance(key, int)  # stores are counted by id
+            s = self._stores.get(key)
+            if s is None or s is store or key in self._busy or key in self._failed:
+                continue
+            h = heat.get(key, _COLD)
+            if colder_than is not None and not h > colder_than:
+                continue
+            out.append((h, s))
+        # Stale copies of states on a device first (dropped, no write), then the coldest.
+        out.sort(key=lambda hs: (not hs[1].copied, -hs[0]))
+        return [s for _, s in out]
+
+    def _spill_or_fail(self, store: ShardStore) -> bool:
+        try:
+            return store.try_spill()
+        except SpillDiskFullError as err:
+            log.warning("%s", err)
+            with self._lock:
+                self._failed.add(id(store))
+                self.failures.append((store.name[0], err))
+            return False
+
+    def _ahead_loop(self) -> None:
+        while not self._closing:
+            self._wake.wait(_AHEAD_S)
+            self._wake.clear()
+            if self._closing:
+                return
+            try:
+                self._read_ahead()
+            except Exception as err:  # speculative: the visit reads it itself
+                log.warning("disk read-ahead failed: %s: %s", type(err).__name__, err)
+
+    def _read_ahead(self) -> None:
+        heat = self._heat
+        with self._lock:
+            cands = [
+                (heat[k], s)
+                for k, s in self._stores.items()
+                if k in heat and not self.ledger.holds(k)
+            ]
+        cands.sort(key=lambda hs: hs[0])
+        for _, store in cands[: self.lookahead]:
+            if self._closing:
+                return
+            if store.on_disk and not store.load(speculative=True):
+                return  # no room without spilling something hotter: the rest is colder
