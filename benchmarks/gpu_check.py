@@ -20,6 +20,13 @@ Needs only torch and the engine (``tune_hydra.engine``; never Ray, never
    tokens/s of each, and the kept run's peak memory / budget (goal <= 1.0).
 5. **parity**: a small float32 model trained by the engine on the GPU (TF32 off) vs the
    same model trained plainly on the CPU: max relative loss and parameter differences.
+6. **disk tier** (on a GPU only; skipped with a printed line on the CPU): 3 float32
+   MLPs (``Linear`` + GELU stacks, Adam) spilled on ``cuda:0`` with
+   ``host_memory`` = 1/4 of their training states and ``spill_dir`` a fresh folder under
+   ``--spill-dir`` (default: the working directory), vs the same with
+   ``host_memory=None``: the weights must be bitwise equal (TF32 off); bytes written and
+   read, disk bytes/s over the training's wall time, disk wait, and
+   ``trace.validate(host_budget=...)``.
 
 Prints a table last and writes the figures as JSON to ``--out``.
 
@@ -27,9 +34,11 @@ Run::
 
     python benchmarks/gpu_check.py --out gpu_check.json          # on the H200, < 8 min
     python benchmarks/gpu_check.py --tiny --out /tmp/gpu.json      # CPU, < 30 s (tests)
+    python benchmarks/gpu_check.py --tiny --disk-on-cpu            # plus the disk part
 
 ``--tiny`` shrinks everything and runs on ``devices=["cpu"]`` with ``copy_on_cpu=True``
-(the spill path really copies), so the script is exercised where there is no GPU.
+(the spill path really copies), so the script is exercised where there is no GPU; the
+disk-tier part runs there only with ``--disk-on-cpu``.
 """
 
 from __future__ import annotations
@@ -38,7 +47,10 @@ import argparse
 import copy
 import json
 import math
+import os
+import shutil
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -69,6 +81,11 @@ class Config:
     tasks: int = 3
     task_layers: int = 4
     parity_width: int = 64
+    disk_tasks: int = 3
+    disk_width: int = 2048
+    disk_layers: int = 8
+    disk_batch: int = 256
+    disk_batches: int = 4
     tiny: bool = False
 
 
@@ -83,6 +100,11 @@ TINY = Config(
     tasks=2,
     task_layers=2,
     parity_width=16,
+    disk_tasks=4,
+    disk_width=32,
+    disk_layers=6,
+    disk_batch=4,
+    disk_batches=2,
     tiny=True,
 )
 
@@ -405,6 +427,121 @@ class Check:
             "ok": loss_rel < 1e-4 and param_rel < 1e-4,
         }
 
+    def disk_tier(self, spill_root: str) -> None:
+        """Float32 MLPs whose states sum to 4x ``host_memory``, spilling to a folder under
+        ``spill_root``, vs unlimited host memory: bitwise-equal weights, disk figures."""
+        cfg = self.cfg
+        if self.gpu:  # bitwise equality needs the same kernels in both runs
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        torch.manual_seed(0)
+        models = [disk_mlp(cfg.disk_width, cfg.disk_layers) for _ in range(cfg.disk_tasks)]
+        data = [disk_data(cfg, seed=i) for i in range(cfg.disk_tasks)]
+        costs = layer_costs(model_layers(models[0]), _disk_adam, data[0][0][0])
+        state = sum(c.state_bytes for c in costs)
+        floor = max(c.total_bytes for c in costs) + max(c.state_bytes for c in costs)
+        device_memory = max(int(state * 0.3), floor + floor // 8)
+        host_memory = state * cfg.disk_tasks // 4
+        folder = tempfile.mkdtemp(prefix="gpu_check-spill-", dir=spill_root)
+        r: dict[str, Any] = {
+            "tasks": cfg.disk_tasks,
+            "state_bytes": state * cfg.disk_tasks,
+            "host_memory": host_memory,
+            "device_memory": device_memory,
+            "spill_dir": folder,
+        }
+        self.results["disk_tier"] = r
+        weights = {}
+        try:
+            for key, host in (("disk", host_memory), ("ram", None)):
+                copies = [copy.deepcopy(m) for m in models]
+                with th.Engine(
+                    devices=[self.device],
+                    device_memory=device_memory,
+                    host_memory=host,
+                    spill_dir=folder if host is not None else None,
+                    **self.engine_kw,
+                ) as eng:
+                    names = [f"d{i}" for i in range(cfg.disk_tasks)]
+                    for i, (name, model) in enumerate(zip(names, copies, strict=True)):
+                        task = th.ModelTask(model, nn.CrossEntropyLoss(), _disk_adam, data[i])
+                        eng.add_task(name, task, seed=i)
+                    t0 = time.perf_counter()
+                    futures = [eng.train(name, 1) for name in names]
+                    for future in futures:
+                        future.result(timeout=600)
+                    wall = time.perf_counter() - t0
+                    host_figures = eng.summary().get("host") or {}
+                    plan = eng.plan(names[0])
+                    r["max_shard_state"] = max(sh.state_bytes for sh in plan.shards)
+                    r[key] = {
+                        "wall_s": wall,
+                        "samples_s": cfg.disk_tasks * cfg.disk_batches * cfg.disk_batch / wall,
+                        "shards": len(plan),
+                        "host": host_figures,
+                        "trace_host": _host_replay(eng.trace, host),
+                    }
+                    if host is not None and r[key]["trace_host"] != "ok":
+                        # Below (devices + 2) x the largest shard the engine may go over
+                        # by up to (devices + 1) x it (documented slack): within that?
+                        slack = (1 + 1) * r["max_shard_state"]  # one device
+                        r[key]["trace_host_with_slack"] = _host_replay(eng.trace, host + slack)
+                # After close() every model is back on the CPU, out of the spill files.
+                weights[key] = [m.state_dict() for m in copies]
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        disk = r["disk"]
+        moved = disk["host"].get("written_bytes", 0) + disk["host"].get("read_bytes", 0)
+        disk["disk_Bps"] = moved / disk["wall_s"]
+        r["disk_over_ram"] = disk["samples_s"] / r["ram"]["samples_s"]
+        equal, worst = True, 0.0
+        for a, b in zip(weights["disk"], weights["ram"], strict=True):
+            for name, t in a.items():
+                if not torch.equal(t, b[name]):
+                    equal = False
+                    worst = max(worst, (t.double() - b[name].double()).abs().max().item())
+        r["bitwise_equal"] = equal
+        r["max_abs_diff"] = worst
+
+
+def disk_mlp(width: int, layers: int) -> nn.Sequential:
+    """``layers`` x (Linear + GELU) and a 10-class head: float32, no attention (its
+    backward kernels may not be deterministic; bitwise comparisons need them to be)."""
+    mods: list[nn.Module] = []
+    for _ in range(layers):
+        mods += [nn.Linear(width, width), nn.GELU()]
+    mods.append(nn.Linear(width, 10))
+    return nn.Sequential(*mods)
+
+
+def disk_data(cfg: Config, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Synthetic classification batches for the disk-tier part."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(cfg.disk_batch, cfg.disk_width, generator=g),
+            torch.randint(0, 10, (cfg.disk_batch,), generator=g),
+        )
+        for _ in range(cfg.disk_batches)
+    ]
+
+
+def _disk_adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-4)
+
+
+def _host_replay(trace: Any, budget: int | None) -> str:
+    """``"ok"`` if the trace's replayed host memory stays within ``budget`` (``None``:
+    the schedule's other rules only), else the error (with the offending rows)."""
+    try:
+        if budget is None:
+            trace.validate()
+        else:
+            trace.validate(host_budget=budget)
+    except Exception as err:
+        return f"{type(err).__name__}: {err}"
+    return "ok"
+
 
 def _jsonable(obj: Any) -> Any:
     """``obj`` with NaN/inf floats replaced by ``None`` (strict JSON)."""
@@ -485,10 +622,54 @@ def table(r: dict[str, Any], errors: dict[str, str]) -> str:
         f"{_fmt((r.get('budget_bytes') or 0) / 2**30)} GiB of "
         f"{_fmt((r.get('state_bytes') or 0) / 2**30)} GiB state"
     )
+    rows += _disk_rows(r.get("disk_tier", {}))
     lines = [head, f"{'figure':<32} {'value':>10}  note"]
     lines += [f"{a:<32} {b:>10}  {c}" for a, b, c in rows]
     lines += [f"ERROR {k}: {v}" for k, v in errors.items()]
     return "\n".join(lines)
+
+
+def _disk_rows(d: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The disk-tier part's rows of the table."""
+    if "skipped" in d:
+        return [("disk tier", "skipped", d["skipped"])]
+    if "disk" not in d or "ram" not in d:
+        return [("disk tier", "n/a", "see ERROR")] if d else []
+    disk = d["disk"]
+    host = disk.get("host", {})
+    gib = 2**30
+    equal = "bitwise" if d.get("bitwise_equal") else _fmt(d.get("max_abs_diff"), ".2e")
+    return [
+        (
+            "disk tier / RAM samples/s",
+            _fmt(d.get("disk_over_ram")),
+            f"{d['tasks']} tasks x {disk.get('shards')} shards; host "
+            f"{_fmt(d['host_memory'] / gib)} of {_fmt(d['state_bytes'] / gib)} GiB state",
+        ),
+        (
+            "disk tier written / read GiB",
+            f"{_fmt((host.get('written_bytes') or 0) / gib)}/"
+            f"{_fmt((host.get('read_bytes') or 0) / gib)}",
+            f"{_fmt(disk.get('disk_Bps', 0) / 2**20)} MiB/s; disk wait "
+            f"{_fmt(host.get('disk_wait_s'))} s",
+        ),
+        (
+            "disk tier weights vs RAM run",
+            equal,
+            "ok" if d.get("bitwise_equal") else "CHECK (must be bitwise equal)",
+        ),
+        (
+            "disk tier host replay",
+            str(disk.get("trace_host", "n/a"))[:10],
+            f"peak held {_fmt((host.get('peak_held_bytes') or 0) / gib)} GiB; "
+            f"(1 + 2) x largest shard {_fmt(3 * d.get('max_shard_state', 0) / gib)} GiB"
+            + (
+                f"; with slack: {str(disk['trace_host_with_slack'])[:10]}"
+                if "trace_host_with_slack" in disk
+                else ""
+            ),
+        ),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -499,6 +680,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=None)
     parser.add_argument("--seq", type=int, default=None)
     parser.add_argument("--budget-frac", type=float, default=None)
+    parser.add_argument(
+        "--spill-dir", default=None, help="disk tier: folder for spill files (default: cwd)"
+    )
+    parser.add_argument(
+        "--disk-on-cpu",
+        action="store_true",
+        help="with --tiny: run the disk-tier part on the CPU too (copy_on_cpu)",
+    )
     args = parser.parse_args(argv)
     cfg = copy.copy(TINY if args.tiny else Config())
     for name in ("layers", "batch", "seq", "budget_frac"):
@@ -515,6 +704,12 @@ def main(argv: list[str] | None = None) -> int:
     check.guarded("multitask", check.multitask)
     check.guarded("kept vs recompute", check.kept_vs_recompute)
     check.guarded("parity", check.parity)
+    if check.gpu or args.disk_on_cpu:
+        spill_root = args.spill_dir or os.getcwd()
+        check.guarded("disk tier", lambda: check.disk_tier(spill_root))
+    else:
+        print("[disk tier] skipped: no CUDA device (a GPU part; --disk-on-cpu runs it here)")
+        check.results["disk_tier"] = {"skipped": "no CUDA device"}
     check.results["errors"] = check.errors
     if args.out:
         with open(args.out, "w") as f:

@@ -132,3 +132,11 @@ def test_hf_gpt2_quick() -> None:
     for mode in ("plain", "tune_hydra", "median s/batch"):
         assert mode in out
     assert "exact: yes (1/1 rounds" in out
+
+
+def test_disk_tier_quick(tmp_path: Path) -> None:
+    """Half-size disk tier run: exits 1 unless the weights are exact against unlimited
+    host memory and the trace's host memory replays within the budget."""
+    out = _run("disk_tier.py", "--quick", "--spill-dir", str(tmp_path), timeout=180)
+    assert "parity: exact" in out and "trace.validate(host_budget=" in out
+    assert not list(tmp_path.iterdir())  # the engines' folders are gone

@@ -235,10 +235,15 @@ def test_a_model_output_without_loss_fails_its_task_alone() -> None:
     assert len(err.value.history["good"]) == 1
 
 
-@pytest.mark.parametrize("recompute", [True, False])
-def test_tied_gpt2_with_accumulation_and_clipping_is_exact(recompute: bool) -> None:
+@pytest.mark.parametrize(
+    ("recompute", "disk"), [(True, False), (False, False), (True, True)], ids=str
+)
+def test_tied_gpt2_with_accumulation_and_clipping_is_exact(
+    recompute: bool, disk: bool, tmp_path: Any
+) -> None:
     """lm_head is the input embedding: one parameter in the first and the last shard, its
-    two gradients summed per micro-batch as autograd does, stepped and clipped once."""
+    two gradients summed per micro-batch as autograd does, stepped and clipped once. With
+    the disk tier, the shared parameter's store goes to disk and back as the others do."""
     import tune_hydra as th
     from tests.models.test_traced import assert_exact
 
@@ -253,6 +258,9 @@ def test_tied_gpt2_with_accumulation_and_clipping_is_exact(recompute: bool) -> N
     }
     model = tasks["a"].model
     assert model.lm_head.weight is model.transformer.wte.weight
+    # Half of both models' states (weights, grads, Adam's two moments): most go to disk.
+    total = 2 * 4 * sum(p.numel() * p.element_size() for p in model.parameters())
+    spill = {"host_memory": total // 2, "spill_dir": tmp_path} if disk else {}
     h = th.train_models(
         tasks,
         devices=["cpu", "cpu"],
@@ -263,8 +271,12 @@ def test_tied_gpt2_with_accumulation_and_clipping_is_exact(recompute: bool) -> N
         copy_on_cpu=True,
         accumulate_steps=2,
         max_grad_norm=0.5,
+        **spill,
     )
     h.validate()
+    if disk:
+        assert h.summary["host"]["written_bytes"] > 0 and h.summary["host"]["read_bytes"] > 0
+        assert not list(tmp_path.iterdir())  # the engine's folder is gone
     for name, task in tasks.items():
         ref = refs[name]
         threads = torch.get_num_threads()  # as one of 2 emulated devices has

@@ -28,7 +28,8 @@ The rules, shared by :class:`~tune_hydra.engine.workers.DeviceWorker` at run tim
 It also counts what the device sends to host memory (shard state spilled by its
 evictions, boundary tensors it parked; with CUDA both go to pinned buffers), per task and
 in total. These are totals of bytes moved, not what the host holds now: a state one
-device spilled may be taken back by another. Nothing is enforced on them.
+device spilled may be taken back by another. What host memory holds now, and its budget,
+is the engine's :class:`~tune_hydra.core.host.HostLedger`.
 
 Design note: the ledger is plain data with no lock and no threads of its own. A worker
 reads and changes it only while holding its own lock (the one that guarded the same

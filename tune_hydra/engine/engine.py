@@ -292,6 +292,7 @@ class Engine:
                 host=self.host,
             )
             runner.note_probe(x)
+            self.host.register(runner.stores)
             entry = TaskRecord(name, task, plan, options, self._order, runner)
             entry.batches_per_iter = batches_per_iter(task, options)
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
@@ -419,6 +420,9 @@ class Engine:
                 host=self.host,
             )
             runner.set_state(state)
+            # Only now: restoring writes into the model's tensors and replaces optimizer
+            # state, which must be in host memory, not in a spill file.
+            self.host.register(runner.stores)
             runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
             self._cancel_futures(entry)
             self._note_carry(entry, None)
@@ -446,7 +450,13 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Stop the threads and bring every model back to the CPU."""
+        """Stop the threads, bring every model back to the CPU and remove the spill folder.
+
+        With a disk tier, the states still on disk are not read back into host memory
+        (they may not fit): their tensors stay memory-mapped views of the removed files,
+        readable and writable as any CPU tensor, until the model replaces them (a
+        ``load_state_dict``, ``.clone()``); their disk space is freed then.
+        """
         with self._cv:
             if self._closed:
                 return
@@ -462,7 +472,10 @@ class Engine:
         torch.set_num_threads(self._saved_threads)
         with self._cv:
             for entry in self._tasks.values():
-                self._offload(entry, leave=True)
+                # States on disk are not read back (all of them may not fit in host
+                # memory): they stay readable views of their files, whose disk space is
+                # freed once nothing uses them.
+                self._offload(entry, leave=True, load=False)
                 self._cancel_futures(entry)
         self.host.close()
 
@@ -481,10 +494,11 @@ class Engine:
                 f"no task named {name!r}; registered: {sorted(self._tasks)}"
             ) from None
 
-    def _offload(self, entry: TaskRecord, leave: bool = False) -> None:
+    def _offload(self, entry: TaskRecord, leave: bool = False, load: bool = True) -> None:
         """Bring the task's states home from the devices (for good: a prefetch in a queue
         leaves them there). ``leave``: the task leaves the engine (or its runner is
-        replaced): states on disk come back into host memory, the user's again."""
+        replaced): its states are the user's again, and with ``load`` those on disk come
+        back into host memory."""
         if leave:
             self.host.unregister(entry.runner.stores)
         for shard in entry.runner.shards:
@@ -492,7 +506,7 @@ class Engine:
             with store.lock:  # a prefetch may be bringing it in right now: after it
                 if isinstance(store.owner, DeviceWorker):
                     store.owner.evict(store)  # counted there until copied out, and traced
-                store.retire(load=leave)
+                store.retire(load=leave and load)
             for w in self.workers:
                 w.release(store)
         if leave:

@@ -137,9 +137,10 @@ class HostMemory:
                 self._give(store)
 
     def discard(self, stores: Iterable[ShardStore]) -> None:
-        """Remove the spill files of unregistered stores (loaded back by now)."""
+        """Remove the spill files of unregistered stores (a state still on disk keeps
+        its views: the file's disk space is freed once nothing uses them)."""
         for store in stores:
-            if store.spill_file is not None and not store.on_disk:
+            if store.spill_file is not None:
                 store.spill_file.close()
 
     # -- what the engine tells it --------------------------------------------------------
@@ -236,17 +237,23 @@ class HostMemory:
         making room for them, as for a state)."""
         if not nbytes:
             return
-        while self.active:
+        while True:
             with self._lock:
-                if self.ledger.over(nbytes) <= 0:
-                    break
+                # Checked and counted under one hold: another thread may take room between.
+                if self.ledger.over(nbytes) <= 0 or not self.active:
+                    self._park(task, nbytes)
+                    return
                 victims = self._victims(None, None)
             if not any(self._spill_or_fail(v) for v in victims):
                 break  # nothing to spill: over (within the slack)
         with self._lock:
-            self.ledger.park(task, nbytes)
-            t = self.clock()
-            self.trace.add(TraceEvent("host", task, -1, "host_take", t, t, nbytes))
+            self.over_bytes = max(self.over_bytes, self.ledger.over(nbytes))
+            self._park(task, nbytes)
+
+    def _park(self, task: str, nbytes: int) -> None:
+        self.ledger.park(task, nbytes)
+        t = self.clock()
+        self.trace.add(TraceEvent("host", task, -1, "host_take", t, t, nbytes))
 
     def unpark(self, task: str) -> None:
         """``task``'s parked boundary tensors went back to a device (or were dropped)."""

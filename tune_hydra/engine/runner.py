@@ -152,8 +152,6 @@ class TaskRunner:
                     scheduler=sched,
                 )
             )
-        if self.host is not None:
-            self.host.register(self.stores)
         self.program = Program(
             name,
             len(self.shards),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -62,6 +63,8 @@ def train_models(
     recompute: bool | None = None,
     copy_on_cpu: bool = False,
     max_layers_per_shard: int | None = None,
+    host_memory: int | str | None = None,
+    spill_dir: str | os.PathLike[str] | None = None,
 ) -> History:
     """Train many models at once, shard by shard, each exactly as plain PyTorch would.
 
@@ -87,6 +90,13 @@ def train_models(
         recompute: see :class:`~tune_hydra.engine.Engine`.
         copy_on_cpu: really copy shard state on CPU devices (tests the spill path).
         max_layers_per_shard: cut finer than the budget requires.
+        host_memory: host-memory budget for shard state between visits (bytes or
+            ``"8GiB"``); the state beyond it goes to ``spill_dir`` and is read back before
+            its shard runs. ``None`` = unlimited (nothing goes to disk). Results are the
+            same either way. Needs ``spill_dir``.
+        spill_dir: a folder, on a local disk (NVMe; not a tmpfs, which is RAM), where the
+            engine makes its own scratch subfolder, removed when training ends. Unused
+            without ``host_memory``.
 
     Returns:
         A :class:`History`: ``history["a"]`` is a list with one dict per epoch holding
@@ -98,11 +108,16 @@ def train_models(
     Raises:
         TrainingError: some tasks failed; the others finished (see ``.errors`` and
             ``.history``). A task refused at registration (a bad model, optimizer factory
-            or data, a layer over ``device_memory``, a model another task trains too ...)
-            is reported there with an empty history, and does not stop the others.
+            or data, a layer over ``device_memory``, a shard over ``host_memory``
+            (``HostBudgetError``), a model another task trains too ...) is reported there
+            with an empty history, and does not stop the others. A task whose state could
+            not be written to ``spill_dir`` mid-run fails with ``SpillDiskFullError``.
         InvalidOptionError: an option of the call itself is bad (``epochs``, ``seed``,
             ``max_grad_norm``, ``accumulate_steps``, ``precision``,
-            ``max_layers_per_shard``): no task is trained.
+            ``max_layers_per_shard``, ``spill_dir`` not a path): no task is trained.
+        BudgetFormatError: ``device_memory`` or ``host_memory`` does not parse.
+        SpillDirError: ``host_memory`` without ``spill_dir``, or ``spill_dir`` missing,
+            not a writable folder, or on a full disk: no task is trained.
         InvalidTaskError: ``tasks`` is not a non-empty dict.
 
     Example:
@@ -136,6 +151,8 @@ def train_models(
         recompute=recompute,
         copy_on_cpu=copy_on_cpu,
         max_layers_per_shard=max_layers_per_shard,
+        host_memory=host_memory,
+        spill_dir=spill_dir,
         where=where,
     )
     history = History({name: [] for name in tasks})  # in the order of ``tasks``

@@ -25,10 +25,17 @@ _UNITS = {
 _BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 
-def parse_bytes(value: int | str | None) -> int | None:
+def parse_bytes(value: int | str | None, *, option: str = "device_memory") -> int | None:
     """Turn a budget such as ``"512MiB"``, ``"8GiB"``, ``"1.5GB"`` or ``4096`` into bytes.
 
-    ``None`` stays ``None`` (meaning: the whole device).
+    ``None`` stays ``None`` (meaning: no limit, such as the whole device).
+
+    Args:
+        value: the budget given.
+        option: its name in the messages (``"device_memory"``, ``"host_memory"``).
+
+    Raises:
+        BudgetFormatError: not a positive int or a number with a known unit.
 
     Example:
         >>> parse_bytes("1.5KiB")
@@ -37,27 +44,27 @@ def parse_bytes(value: int | str | None) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool):
-        raise BudgetFormatError(
-            f"device_memory must be bytes or a string like '8GiB', not {value!r}"
-        )
+        raise BudgetFormatError(f"{option} must be bytes or a string like '8GiB', not {value!r}")
     if isinstance(value, int):
         if value <= 0:
-            raise BudgetFormatError(f"device_memory must be positive, got {value}")
+            raise BudgetFormatError(f"{option} must be positive, got {value}")
         return value
     if isinstance(value, str):
         match = _BYTES_RE.match(value)
         unit = match.group(2).lower() if match else None
         if match is None or unit not in _UNITS:
+            # device_memory keeps its historical wording; other budgets are named.
+            what = "the memory budget" if option == "device_memory" else f"the {option} budget"
             raise BudgetFormatError(
-                f"cannot parse the memory budget {value!r}; write a number of bytes or a number "
+                f"cannot parse {what} {value!r}; write a number of bytes or a number "
                 f"with a unit such as '512MiB', '8GiB' or '1.5GB'"
             )
         nbytes = int(float(match.group(1)) * _UNITS[unit])
         if nbytes <= 0:
-            raise BudgetFormatError(f"device_memory must be positive, got {value!r}")
+            raise BudgetFormatError(f"{option} must be positive, got {value!r}")
         return nbytes
     raise BudgetFormatError(
-        f"device_memory must be an int (bytes), a string like '8GiB', or None; got "
+        f"{option} must be an int (bytes), a string like '8GiB', or None; got "
         f"{type(value).__name__}"
     )
 

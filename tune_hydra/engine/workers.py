@@ -56,6 +56,7 @@ class Assignment:
     carry_bytes: Callable[[torch.device], int] | None = None
     left: int = 0
     start: Callable[[], None] | None = None  # called as the op starts computing
+    lend: bool = False  # the run thread promotes it in place first (its state is on disk)
 
 
 @dataclass
@@ -186,7 +187,10 @@ class DeviceWorker:
             a.ready = threading.Event()
             self._copy_q.put(a)
         else:  # nothing to copy (a CPU device uses host memory in place): no hand-off
-            a.store.promote(self.device, None, copy=False, owner=self)
+            if a.store.on_disk:
+                a.lend = True  # read back by the run thread, not under the dispatcher's lock
+            else:
+                a.store.promote(self.device, None, copy=False, owner=self)
             with self._lock:
                 self.ledger.hold(a.store)
                 self.ledger.trim(self.depth)
@@ -475,6 +479,11 @@ class DeviceWorker:
                 while not a.ready.wait(_POLL_S):
                     pass
             err = a.copy_error
+            if a.lend:
+                try:
+                    a.store.promote(self.device, None, copy=False, owner=self)
+                except BaseException as e:  # e.g. the read failed: that task fails
+                    err = e
             if err is None and a.start is not None:
                 a.start()
             t0 = self.clock()

@@ -60,7 +60,15 @@ METRICS = LOSS_METRICS
 """The metrics :func:`optimize` can report to Optuna (keys of the engine's per-epoch
 results), each lower-is-better."""
 
-ENGINE_OPTIONS = ("policy", "prefetch", "recompute", "copy_on_cpu", "max_layers_per_shard")
+ENGINE_OPTIONS = (
+    "policy",
+    "prefetch",
+    "recompute",
+    "copy_on_cpu",
+    "max_layers_per_shard",
+    "host_memory",
+    "spill_dir",
+)
 """``train_opts`` that configure the engine (see :class:`~tune_hydra.engine.Engine`)."""
 TASK_OPTIONS = ("seed", "max_grad_norm", "accumulate_steps", "precision")
 """``train_opts`` given to every trial's task (see ``Engine.add_task``)."""
@@ -140,7 +148,8 @@ def optimize(
             (``"cpu"`` may repeat: emulated devices).
         device_memory: per-device budget (bytes, ``"8GiB"``); ``None``: the whole device.
         max_concurrent: trials in flight at once (default: twice the number of devices).
-            Each keeps its model, gradients and optimizer state in host memory.
+            Each keeps its model, gradients and optimizer state in host memory (or, with
+            ``host_memory`` and ``spill_dir``, partly on disk).
         metric: what each epoch reports to Optuna: ``"val_loss"`` (needs ``eval_data``),
             ``"loss"`` (see :data:`METRICS`), or a name in the task's ``metrics``.
         save_dir: where finished trials' ``model.pt`` files go (``None``: not saved).
@@ -151,9 +160,10 @@ def optimize(
             and ``devices``, ``device_memory`` and engine options must then be left out.
             ``None``: one is built for this call and closed when it returns.
         **train_opts: engine options (``policy``, ``prefetch``, ``recompute``,
-            ``copy_on_cpu``, ``max_layers_per_shard``), task options for every trial
-            (``seed``, ``max_grad_norm``, ``accumulate_steps``, ``precision``) and
-            ``factory_timeout_s`` (default ``None``: no limit).
+            ``copy_on_cpu``, ``max_layers_per_shard``, and the disk tier's ``host_memory``
+            and ``spill_dir``: see :func:`~tune_hydra.train_models`), task options for
+            every trial (``seed``, ``max_grad_norm``, ``accumulate_steps``,
+            ``precision``) and ``factory_timeout_s`` (default ``None``: no limit).
 
     Returns:
         ``study``, with this call's trials finished (``COMPLETE``, ``PRUNED`` or ``FAIL``).
@@ -168,6 +178,8 @@ def optimize(
         UnknownOptionError: a keyword in ``train_opts`` that this function does not take.
         InvalidOptionError: a bad value (``epochs``, ``n_trials``, a task option ...).
         UnknownDeviceError, BudgetFormatError, UnknownPolicyError: a bad engine option.
+        SpillDirError: ``host_memory`` without ``spill_dir``, or a ``spill_dir`` that is
+            missing, not a writable folder, or on a full disk.
         KeyboardInterrupt: re-raised after the cleanup above.
 
         All of these but the last are raised before any trial starts. A trial's own

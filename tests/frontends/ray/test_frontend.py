@@ -232,6 +232,63 @@ def test_executor_accepts_good_options() -> None:
     assert HydraExecutor(devices="cpu", precision="fp32").task_options["precision"] == "fp32"
 
 
+def test_executor_checks_the_disk_tier_options_at_construction(tmp_path: Path) -> None:
+    """host_memory without spill_dir, a budget that does not parse, or a spill_dir that is
+    not a path are refused by HydraExecutor() itself, not by every engine later."""
+    from tune_hydra.exceptions import BudgetFormatError, InvalidOptionError, SpillDirError
+    from tune_hydra.frontends.ray.executor import HydraExecutor
+
+    with pytest.raises(SpillDirError, match=r"^HydraExecutor: host_memory='1GiB' needs spill_dir="):
+        HydraExecutor(devices="cpu", host_memory="1GiB")
+    with pytest.raises(BudgetFormatError, match="cannot parse the host_memory budget 'lots'"):
+        HydraExecutor(devices="cpu", host_memory="lots", spill_dir=tmp_path)
+    with pytest.raises(BudgetFormatError, match=r"^host_memory must be positive"):
+        HydraExecutor(devices="cpu", host_memory=0, spill_dir=tmp_path)
+    with pytest.raises(InvalidOptionError) as info:
+        HydraExecutor(devices="cpu", host_memory="1GiB", spill_dir=7)  # type: ignore[arg-type]
+    assert info.value.option == "spill_dir" and info.value.where == "HydraExecutor"
+    assert not ray.is_initialized()
+
+
+def test_disk_tier_options_reach_each_engine_actor(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The EngineOptions the executor holds, and hands every engine actor it creates,
+    carry host_memory and spill_dir (Ray's actor creation is recorded, not run)."""
+    from tune_hydra.frontends.ray.executor import HydraExecutor
+
+    ex = HydraExecutor(
+        devices="auto", device_memory="18KiB", host_memory="1GiB", spill_dir=tmp_path
+    )
+    assert (ex.host_memory, ex.spill_dir) == ("1GiB", tmp_path)
+    assert ex.engine_options.host_memory == "1GiB" and ex.engine_options.spill_dir == tmp_path
+    assert "host_memory='1GiB'" in repr(ex)
+
+    created: list[tuple[Any, ...]] = []
+
+    class _Remote:  # stands for ray.remote(...)(EngineActor).options(...)
+        def __call__(self, cls: Any) -> _Remote:
+            return self
+
+        def options(self, **options: Any) -> _Remote:
+            return self
+
+        def remote(self, *args: Any) -> str:
+            created.append(args)
+            return "handle"
+
+    monkeypatch.setattr(ray, "remote", lambda **kw: _Remote())
+    monkeypatch.setattr(ray, "nodes", lambda: [{}])
+    with pytest.warns(UserWarning, match="no GPU"):
+        assert ex._create_actor("ab" * 28, {"CPU": 2.0}, 0) == "handle"
+    options = created[0][0]
+    assert isinstance(options, EngineOptions)
+    kwargs = options.kwargs()
+    assert kwargs["devices"] == "cpu"  # "auto" resolved for the node; the rest as given
+    assert (kwargs["device_memory"], kwargs["host_memory"]) == ("18KiB", "1GiB")
+    assert kwargs["spill_dir"] == tmp_path
+
+
 def test_driver_calls_need_the_executors_secret(actor: Any) -> None:
     _call(actor.register("a", "tok", BLOB, {"lr": 0.01}))
     for call in (

@@ -16,7 +16,7 @@ from ray.tune.schedulers import ASHAScheduler
 
 import tune_hydra as th
 from tests.frontends.ray import tune_tasks
-from tune_hydra.exceptions import TuneHydraError, UnknownPolicyError
+from tune_hydra.exceptions import SpillDirError, TuneHydraError, UnknownPolicyError
 from tune_hydra.frontends.ray import (
     HydraExecutor,
     InvalidExecutorError,
@@ -181,3 +181,42 @@ def test_auto_devices_without_gpu_warns(ray_session: Any) -> None:
         assert len(ex.engines()) == 1
     assert time.time() - t0 < 60
     assert os.environ.get("RAY_AUTH_MODE") == "disabled"
+
+
+def test_disk_tier_search(ray_session: Any, storage: str, tmp_path: Path) -> None:
+    """HydraExecutor(host_memory=, spill_dir=): trials finish with their state partly on
+    disk, and the engine's scratch folder is gone after shutdown."""
+    report = th.plan(tune_tasks.make_task, {"lr": 0.01}, device_memory=BUDGET)[0]
+    largest = max(s.state_bytes for s in report.shards)
+    host_memory = 2 * largest  # two trials' state does not fit: some of it goes to disk
+    assert host_memory < 2 * report.state_bytes
+    spill_dir = tmp_path / "spill"
+    missing = HydraExecutor(devices="cpu", host_memory=host_memory, spill_dir=spill_dir)
+    with pytest.raises(SpillDirError):  # checked where the engine starts, on its node
+        missing.start()
+    assert not missing.started
+    spill_dir.mkdir()
+    ex = HydraExecutor(
+        devices="cpu", device_memory=BUDGET, host_memory=host_memory, spill_dir=spill_dir
+    )
+    with ex:
+        analysis = th.run(
+            tune_tasks.make_task,
+            config={"lr": tune.grid_search([0.003, 0.03])},
+            metric="val_loss",
+            mode="min",
+            stop={"training_iteration": 2},
+            storage_path=storage,
+            trial_executor=ex,
+            verbose=0,
+        )
+        (summary,) = ex.summary().values()
+        # the engine's own scratch folder, while it is up
+        assert [p.name.startswith("tune_hydra-") for p in spill_dir.iterdir()] == [True]
+    assert summary["host"]["budget"] == host_memory
+    assert summary["host"]["written_bytes"] > 0 and summary["host"]["read_bytes"] > 0
+    assert len(analysis.trials) == 2
+    for trial in analysis.trials:
+        assert trial.status == "TERMINATED"
+        assert trial.last_result["training_iteration"] == 2
+    assert list(spill_dir.iterdir()) == []  # removed when the engine closed

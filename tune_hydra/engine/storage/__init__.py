@@ -13,12 +13,17 @@ Design:
   - ``DEVICE``: the live tensors are copies on a device, held by one owner.
   - ``RETIRED``: ``HOST`` for good (the task left, or is checkpointed): a speculative
     ``try_promote`` returns ``None`` until a real ``promote``.
+  - ``DISK``: the values are in the disk tier's file (:mod:`.disk`); the live tensors are
+    memory-mapped views of it, readable (a checkpoint reads them) but never computed
+    with: ``promote`` first reads the state back into host memory (``load``).
 
   Transitions: ``promote`` goes to ``DEVICE`` (or ``IN_PLACE``) from any state; from
   ``DEVICE`` elsewhere it first copies home. ``demote`` goes home (``RETIRED`` stays
   ``RETIRED``); ``retire`` demotes, then goes to ``RETIRED``. ``try_promote`` is
   ``promote`` unless the store is ``RETIRED`` or another owner holds a ``DEVICE`` copy.
   Going to a device or retiring straight from ``DEVICE`` raises :class:`ResidencyError`.
+  ``try_spill`` goes to ``DISK`` from ``HOST``, ``IN_PLACE`` or ``RETIRED`` (on ``DEVICE``
+  it only drops the stale host copy); ``load`` comes back (to ``RETIRED`` if it was).
   There are no in-between states: each transition, copies included, runs under
   ``store.lock``. The one thing in flight after a transition is an asynchronous copy home
   on a CUDA copy stream; its event is a data fence (``synchronize()``), not a residency.
@@ -33,8 +38,12 @@ Design:
   store's keys to host tensors that owns their allocation (once per key, reused) and
   their accounting (``nbytes()``). The store only asks it for a buffer to copy into
   (``put``), for the tensor to point the live slot at (``get``), and tells it when copies
-  have landed (``flush``); so a tier keeping tensors elsewhere (on disk) fits behind the
-  same calls.
+  have landed (``flush``), and frees them all (``clear``) when the state goes to disk.
+
+* **Disk** (:mod:`.disk`). With a host budget, a store has a :class:`SpillFile` in its
+  engine's :class:`SpillFolder` and the engine's host memory manager
+  (``tune_hydra.engine.host``) as its ``host``: it reserves host memory before its
+  buffers are filled and spills or loads when asked.
 
 * **Shared parameters** (:mod:`.linked`). A parameter several shards use (tied weights)
   has a store of its own, promoted with each of them by a :class:`LinkedStore`.
@@ -42,6 +51,7 @@ Design:
 
 from __future__ import annotations
 
+from tune_hydra.engine.storage.disk import SpillFile, SpillFolder
 from tune_hydra.engine.storage.linked import LinkedStore
 from tune_hydra.engine.storage.residency import Residency, ResidencyError, ShardResidency
 from tune_hydra.engine.storage.store import ShardStore
@@ -58,6 +68,8 @@ __all__ = [
     "ResidencyError",
     "ShardResidency",
     "ShardStore",
+    "SpillFile",
+    "SpillFolder",
     "StorageTier",
     "Store",
 ]

@@ -85,8 +85,8 @@ class LinkedStore:
 
     @property
     def on_disk(self) -> bool:
-        """Whether its own state is in the disk tier."""
-        return self.own.on_disk
+        """Whether its state, or a shared part, is in the disk tier."""
+        return self.own.on_disk or any(s.on_disk for s in self.shared)
 
     @property
     def moved_total(self) -> int:

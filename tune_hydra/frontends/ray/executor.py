@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import inspect
 import logging
+import os
 import types
 import uuid
 import warnings
@@ -183,6 +184,19 @@ class HydraExecutor:
             list such as ``["cuda:0", "cuda:1"]`` / ``["cpu", "cpu"]``; the same on each node.
         device_memory: per-device memory budget for shards (bytes or ``"8GiB"``); None uses
             the whole device.
+        host_memory: each engine's host-memory budget for the trials' shard state between
+            visits (bytes or ``"8GiB"``); the state beyond it is written to ``spill_dir``
+            and read back before its shard runs, so a node trains more (or larger) trials
+            than its RAM holds, with the same results. None: no limit, nothing goes to
+            disk. Needs ``spill_dir``; smaller than one shard's state fails that trial
+            with ``HostBudgetError``. The engine may go over it by up to (devices + 1) x
+            the largest shard's state unless it is at least (devices + 2) x that.
+        spill_dir: the folder, on every engine node, of the disk tier: a local NVMe disk,
+            not a tmpfs (which is RAM) nor a network file system. Each engine makes its own
+            scratch subfolder there and removes it when it shuts down. A folder that is
+            missing, not writable or on a full disk stops the engines from starting
+            (``SpillDirError``); a write that fails mid-run fails that trial
+            (``SpillDiskFullError``). Unused without ``host_memory``.
         policy: the engine's scheduling policy (``"lrtf"``, ``"fifo"``, ``"round_robin"`` or a
             policy instance).
         prefetch: copy the next shard in while the current one computes.
@@ -220,8 +234,9 @@ class HydraExecutor:
     ``stop=executor.stopper(...)`` and ``callbacks=executor.callbacks()``.
 
     Host memory: each running trial keeps its model, gradients and optimizer state in the
-    engine's process, and is also a Ray worker process of its own (about 200 MiB, even
-    though it computes nothing: see the README's sizing advice). The task factory is
+    engine's process (beyond ``host_memory``, when given, on disk in ``spill_dir``), and is
+    also a Ray worker process of its own (about 200 MiB, even though it computes nothing:
+    see the README's sizing advice). The task factory is
     stored once in the cluster and once in each engine, never in the trial processes, and
     freed when the experiment ends (``th.run`` returns, :meth:`release`, or
     :meth:`shutdown`).
@@ -233,6 +248,8 @@ class HydraExecutor:
         device_memory: int | str | None = None,
         policy: Any = "lrtf",
         *,
+        host_memory: int | str | None = None,
+        spill_dir: str | os.PathLike[str] | None = None,
         prefetch: bool = True,
         recompute: bool | None = None,
         iteration_batches: int | None = None,
@@ -287,21 +304,28 @@ class HydraExecutor:
             meaning="concurrent trials per node; None: the default",
             where="HydraExecutor",
         )
-        if device_memory is not None:
+        if device_memory is not None or host_memory is not None:
             from tune_hydra.engine.units import parse_bytes  # fails fast on "8 gigs"
 
             parse_bytes(device_memory)
-        # What every engine actor gets (devices="auto" is resolved per node).
+            parse_bytes(host_memory, option="host_memory")
+        # What every engine actor gets (devices="auto" is resolved per node). It checks
+        # the disk tier's options as given; the folder itself is checked on each node,
+        # where the engine starts (a path on the driver need not exist there).
         self.engine_options = EngineOptions(
             devices,
             device_memory,
             policy,
             prefetch=prefetch,
             recompute=recompute,
+            host_memory=host_memory,
+            spill_dir=spill_dir,
             where="HydraExecutor",
         )
         self.devices = devices
         self.device_memory = device_memory
+        self.host_memory = host_memory
+        self.spill_dir = spill_dir
         self.policy = policy
         self.prefetch = prefetch
         self.recompute = recompute
@@ -698,5 +722,10 @@ class HydraExecutor:
         state = f"{len(self._handles)} engine(s)" if self._handles else "not started"
         return (
             f"HydraExecutor(devices={self.devices!r}, device_memory={self.device_memory!r}, "
-            f"policy={self.policy!r}, {state})"
+            + (
+                f"host_memory={self.host_memory!r}, spill_dir={str(self.spill_dir)!r}, "
+                if self.host_memory is not None
+                else ""
+            )
+            + f"policy={self.policy!r}, {state})"
         )
