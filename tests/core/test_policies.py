@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Sequence
 
@@ -64,6 +65,25 @@ def test_lrtf_affinity_prefers_resident_within_5_percent() -> None:
     assert picked(policy, cands) == 2
     # The longest is itself resident: it wins.
     assert picked(policy, [cand(0, 100.0, resident=True), cand(1, 99.0, resident=True)]) == 0
+
+
+def test_lrtf_prefers_a_state_in_host_memory_within_the_band() -> None:
+    on_disk = dataclasses.replace(cand(0, 100.0), in_host=False)
+    assert picked(LRTFPolicy(), [on_disk, cand(1, 97.0)]) == 1
+    # 6% shorter: outside the band, the longest wins though its state is on disk.
+    assert picked(LRTFPolicy(), [on_disk, cand(1, 94.0)]) == 0
+    # Resident on the device still comes first.
+    resident = dataclasses.replace(cand(2, 96.0, resident=True), in_host=False)
+    assert picked(LRTFPolicy(), [on_disk, cand(1, 97.0), resident]) == 2
+
+
+def test_rank_orders_without_deciding() -> None:
+    cands = [cand(0, 3.0, ready=2.0), cand(1, 10.0, ready=5.0), cand(2, 7.0, ready=1.0)]
+    assert [c.order for c in LRTFPolicy().rank(cands)] == [1, 2, 0]
+    assert [c.order for c in FIFOPolicy().rank(cands)] == [2, 0, 1]  # the longest waiting
+    robin = RoundRobinPolicy()
+    robin.rank(cands)
+    assert picked(robin, cands) == 0  # ranking left its turn where it was
 
 
 def test_lrtf_affinity_zero_only_breaks_exact_ties() -> None:

@@ -296,3 +296,41 @@ def test_validate_counts_a_kept_batch_from_its_first_forward_to_its_first_backwa
     Trace.from_events(empty).validate(state_budget=100, activation_bytes=acts, kept_bytes=kept)
     # Without kept_bytes the same trace counts only each running op's activations.
     overlapping.validate(state_budget=50, activation_bytes=acts)
+
+
+def _host(op: str, task: str, shard: int, nbytes: int, t: float) -> TraceEvent:
+    return TraceEvent("host", task, shard, op, t, t, nbytes)
+
+
+def test_host_budget_replays_the_account_in_order() -> None:
+    trace = Trace.from_events(
+        [
+            TraceEvent("cpu", "a", 0, "F", 0.0, 1.0),
+            _host("host_take", "a", 0, 60, 0.1),
+            _host("host_take", "b", -1, 30, 0.2),  # parked boundary tensors
+            TraceEvent("disk", "a", 0, "to_disk", 0.2, 0.3, 60),
+            _host("host_give", "a", 0, 60, 0.3),
+            _host("host_take", "c", 1, 70, 0.3),
+        ],
+        ["cpu"],
+    )
+    trace.validate(host_budget=100)
+    with pytest.raises(ScheduleError, match="host memory holds 100 bytes, over its budget of 99"):
+        trace.validate(host_budget=99)
+    # The disk and host rows are not devices; the tier traffic is summed apart.
+    summary = trace.summary()
+    assert list(summary["devices"]) == ["cpu"] and summary["bytes_moved"] == 0
+    assert summary["disk"] == {"read_bytes": 0, "written_bytes": 60, "wait_s": 0.0}
+    assert set(trace.utilization()) == {"cpu"}
+
+
+def test_host_budget_catches_a_take_before_its_spill() -> None:
+    trace = Trace.from_events(
+        [
+            _host("host_take", "a", 0, 60, 0.1),
+            _host("host_take", "a", 1, 60, 0.2),  # over: counted before a's 0 went to disk
+            _host("host_give", "a", 0, 60, 0.2),
+        ]
+    )
+    with pytest.raises(ScheduleError, match="120 bytes"):
+        trace.validate(host_budget=100)

@@ -112,7 +112,7 @@ class Trace:
         events = list(events)
         labels = list(devices)
         for event in events:
-            if event.device not in labels:
+            if event.device not in labels and event.device not in TIER_LABELS:
                 labels.append(event.device)
         trace = cls(labels)
         trace._events.extend(events)

@@ -429,7 +429,10 @@ class Engine:
             entry.runner, entry.error, entry.cancelled = runner, None, False
 
     def summary(self) -> dict[str, Any]:
-        """Per-device busy time and utilization, bytes moved, and per-task figures."""
+        """Per-device busy time and utilization, bytes moved, per-task figures, and host
+        memory (``"host"``: ``budget``, ``held_bytes``, ``peak_held_bytes``, ``over_bytes``,
+        disk ``written_bytes`` / ``read_bytes``, ``spills``, ``loads``, ``disk_wait_s``,
+        ``spill_dir``; see ``tune_hydra.engine.host``)."""
         wall = self.clock()
         out: dict[str, Any] = {"wall_s": wall, "devices": {}, "tasks": {}}
         for w in self.workers:

@@ -1,0 +1,141 @@
+"""The disk tier's files: raw bytes written and read back exactly, mapped views, layout
+changes, write failures; and a store going to disk and back."""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from tune_hydra.engine.storage import Residency, ShardStore
+from tune_hydra.engine.storage import disk as disk_mod
+from tune_hydra.engine.storage.disk import SpillFolder
+from tune_hydra.exceptions import SpillDiskFullError
+
+
+def _items() -> list[tuple[tuple[Any, ...], torch.Tensor]]:
+    g = torch.Generator().manual_seed(0)
+    return [
+        (("p", 0), torch.randn(3, 5, dtype=torch.float64, generator=g)),
+        (("p", 1), torch.randn(7, generator=g).to(torch.bfloat16)),  # no numpy dtype
+        (("b", 0), torch.arange(5, dtype=torch.int64)),
+        (("o", 0, "exp_avg"), torch.randn(3, 5, dtype=torch.float64, generator=g).t()),
+        (("g", 0), torch.empty(0)),
+    ]
+
+
+def test_written_values_read_back_bit_for_bit(tmp_path: Path) -> None:
+    folder = SpillFolder(tmp_path)
+    f = folder.file(("task/with:odd name", 2))
+    items = _items()
+    written = f.write(items)
+    assert written == sum(t.numel() * t.element_size() for _, t in items)
+    assert "task_with_odd_name.2" in os.path.basename(f.path)
+    views = f.views()
+    for key, t in items:
+        out = torch.empty(t.shape, dtype=t.dtype)
+        f.read_into(key, out)
+        assert torch.equal(out, t) and out.dtype == t.dtype
+        assert torch.equal(views[key], t)
+    folder.close()
+    assert not folder.path.exists()
+
+
+def test_a_new_layout_goes_to_a_new_file_and_old_views_stay_valid(tmp_path: Path) -> None:
+    folder = SpillFolder(tmp_path)
+    f = folder.file(("a", 0))
+    first = [(("p", 0), torch.full((4,), 1.5, dtype=torch.float64))]
+    f.write(first)
+    old_path, old_view = f.path, f.views()[("p", 0)]
+    f.write(first)  # same layout: rewritten in place
+    assert f.path == old_path
+    grown = [*first, (("o", 0, "momentum_buffer"), torch.full((4,), 2.0, dtype=torch.float64))]
+    f.write(grown)  # optimizer state appeared: a new file
+    assert f.path != old_path and not os.path.exists(old_path)
+    assert torch.equal(old_view, first[0][1])  # the unlinked file is still mapped
+    f.close()
+    assert not os.path.exists(f.path)
+    folder.close()
+
+
+def test_a_failed_write_raises_the_disk_full_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def full(path: str, fd: int, data: memoryview, offset: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    folder = SpillFolder(tmp_path)
+    f = folder.file(("a", 3))
+    monkeypatch.setattr(disk_mod, "write_at", full)
+    with pytest.raises(SpillDiskFullError, match=r"task 'a': writing shard 3.*No space left"):
+        f.write(_items())
+    assert not f.layout  # nothing is believed to be there
+    folder.close()
+
+
+class _Host:
+    """A host account without a budget that records what the store tells it."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    def reserve(self, store: ShardStore, nbytes: int, *, speculative: bool = False) -> bool:
+        self.calls.append("reserve")
+        return True
+
+    def release(self, store: ShardStore) -> None:
+        self.calls.append("release")
+
+    def busy(self, store: ShardStore) -> bool:
+        return False
+
+    def note_io(self, store: ShardStore, op: str, nbytes: int, start: float) -> None:
+        self.calls.append(op)
+
+    def note_wait(self, store: ShardStore, owner: object, start: float) -> None:
+        self.calls.append("wait")
+
+
+def test_a_store_goes_to_disk_and_back_exactly(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double()
+    opt = torch.optim.Adam(model.parameters(), lr=0.1)
+    model(torch.randn(5, 4, dtype=torch.float64)).sum().backward()
+    opt.step()
+    folder = SpillFolder(tmp_path)
+    host = _Host()
+    store = ShardStore([model], opt, host=host, spill_file=folder.file(("a", 0)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grads = [p.grad.clone() for p in model.parameters()]  # type: ignore[union-attr]
+    moments = [opt.state[p]["exp_avg_sq"].clone() for p in model.parameters()]
+
+    assert store.try_spill()
+    assert store.residency is Residency.DISK and store.on_disk and not store.in_host
+    assert host.calls == ["to_disk", "release"]
+    # On disk the live tensors are views of the file: a checkpoint reads them as they were.
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    assert not store.try_spill()  # already there
+
+    assert store.load(speculative=False)
+    assert store.residency is Residency.HOST and store.in_host
+    assert host.calls[-2:] == ["reserve", "from_disk"]
+    for k, v in model.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=0, atol=0)
+    for p, g, m in zip(model.parameters(), grads, moments, strict=True):
+        assert p.grad is not None and torch.equal(p.grad, g)
+        assert torch.equal(opt.state[p]["exp_avg_sq"], m)
+    # Untouched since it was read back: going to disk again writes nothing.
+    assert store.try_spill()
+    assert host.calls[-1] == "release" and host.calls.count("to_disk") == 1
+    # A promotion reads it back first (and the values may change there: written next time).
+    store.promote(torch.device("cpu"), copy=True)
+    assert store.residency is Residency.DEVICE and "wait" in host.calls
+    store.demote()
+    assert store.try_spill() and host.calls.count("to_disk") == 2
+    folder.close()
