@@ -10,10 +10,20 @@ tensors against the budget; ordering rules) and compares every task with its pla
 training bit for bit. Thread timing differs from run to run, so each round is a new
 interleaving of the copy, compute and dispatch threads.
 
+With ``--host`` each round also gets a host-memory budget and a spill folder (the disk
+tier): ``host_memory`` is drawn between 1x and (devices + 3)x the largest shard state of
+the round's tasks, plus the boundary tensors they may park at once (one batch boundary
+per task). Mostly it is in the strict range (>= (devices + 2)x, where the engine
+keeps host memory within the budget), and the trace's replay of host memory is checked
+against ``host_memory``; otherwise it is in the slack range, checked against
+``host_memory`` + (devices + 1)x the largest shard state. The engine's own peak account
+is held to the same bound, and its scratch folder must be gone once training ends.
+
 Run::
 
     python benchmarks/budget_stress.py --minutes 4     # about 1200 rounds
     python benchmarks/budget_stress.py --quick         # 10 rounds (tests)
+    python benchmarks/budget_stress.py --host --minutes 4   # with the disk tier
 
 Exit status 1 if any round broke a rule or parity; the offending configuration and the
 trace rows are printed.
@@ -23,8 +33,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import os
 import random
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -32,6 +44,7 @@ import torch
 from torch import nn
 
 import tune_hydra as th
+from tune_hydra.engine import Engine
 from tune_hydra.exceptions import (
     InvalidTaskError,
     ScheduleError,
@@ -61,8 +74,9 @@ def make_task(seed: int, width: int, depth: int, batch: int, dropout: bool, bn: 
     )
 
 
-def draw(rng: random.Random) -> dict[str, Any]:
-    """One random configuration."""
+def draw(rng: random.Random, host: bool = False) -> dict[str, Any]:
+    """One random configuration; with ``host``, a host budget too (drawn last, so that
+    the rounds without it are the ones earlier versions drew)."""
     tasks = [
         (
             s,
@@ -75,7 +89,7 @@ def draw(rng: random.Random) -> dict[str, Any]:
         for s in range(rng.choice([2, 3, 4, 5]))
     ]
     recompute = rng.random() < 0.5
-    return {
+    cfg = {
         "devices": rng.choice([1, 2, 3]),
         "prefetch": rng.random() < 0.6,
         "recompute": recompute,
@@ -88,17 +102,60 @@ def draw(rng: random.Random) -> dict[str, Any]:
         "max_grad_norm": rng.choice([None, 0.5]),
         "tasks": tasks,
     }
+    if host:
+        # host_memory as a multiple of the largest shard state: strict (>= devices + 2)
+        # in 3 rounds of 4, else in the slack range (1x up to devices + 2).
+        strict = cfg["devices"] + 2
+        cfg["host_strict"] = rng.random() < 0.75
+        low, high = (strict, strict + 1) if cfg["host_strict"] else (1, strict)
+        cfg["host_factor"] = round(rng.uniform(low, high), 3)
+    return cfg
 
 
 SKIPPED = "skipped"
 
 
-def check(cfg: dict[str, Any]) -> str | None:
-    """Train one configuration; None if every rule held, else what broke."""
+def largest_state(tasks: dict[str, Any], cfg: dict[str, Any]) -> tuple[int, int]:
+    """The largest shard state of ``tasks`` as the round's engine will cut them (from the
+    plans of deepcopies registered in an engine without a host budget), and the most
+    boundary tensors they may park in host memory at once: one boundary per task (a
+    ``batch x width`` float32 activation or gradient per micro-batch of a group)."""
+    with Engine(
+        ["cpu"],
+        cfg["budget_mib"] * 2**20,
+        prefetch=cfg["prefetch"],
+        recompute=cfg["recompute"],
+        copy_on_cpu=True,
+        max_layers_per_shard=cfg["max_layers_per_shard"],
+    ) as engine:
+        for name, task in tasks.items():
+            engine.add_task(name, copy.deepcopy(task), seed=0)
+        largest = max(s.state_bytes for name in tasks for s in engine.plan(name).shards)
+    group = cfg["accumulate_steps"]
+    parked = sum(group * spec[3] * spec[1] * 4 for spec in cfg["tasks"])
+    return largest, parked
+
+
+def check(cfg: dict[str, Any], spill_dir: str | None = None) -> str | None:
+    """Train one configuration; None if every rule held, else what broke. With a
+    ``host_factor`` in ``cfg``, under that host budget with the disk tier in ``spill_dir``
+    (which holds nothing of this round's engine once it returns)."""
     tasks = {f"t{spec[0]}": make_task(*spec) for spec in cfg["tasks"]}
     refs = {k: copy.deepcopy(t.model) for k, t in tasks.items()}
     options = {"accumulate_steps": cfg["accumulate_steps"], "max_grad_norm": cfg["max_grad_norm"]}
+    host: dict[str, Any] = {}
+    host_limit = None
     try:
+        if "host_factor" in cfg:
+            # The engine's rule: (devices + 2) x the largest shard state, plus what the
+            # tasks may park at once, holds strictly; the factor scales the first part.
+            largest, parked = largest_state(tasks, cfg)
+            budget = int(cfg["host_factor"] * largest) + parked
+            host = {"host_memory": budget, "spill_dir": spill_dir}
+            # The documented slack: up to (devices + 1) x the largest shard state over.
+            slack = 0 if cfg["host_strict"] else (cfg["devices"] + 1) * largest
+            host_limit = host["host_memory"] + slack
+            cfg["host_memory"] = host["host_memory"]  # shown with a broken round
         h = th.train_models(
             tasks,
             devices=["cpu"] * cfg["devices"],
@@ -110,6 +167,7 @@ def check(cfg: dict[str, Any]) -> str | None:
             recompute=cfg["recompute"],
             policy=cfg["policy"],
             max_layers_per_shard=cfg["max_layers_per_shard"],
+            **host,
             **options,
         )
     except (ShardTooLargeError, InvalidTaskError):
@@ -123,8 +181,17 @@ def check(cfg: dict[str, Any]) -> str | None:
         raise
     try:
         h.validate()
+        if host_limit is not None:
+            h.trace.validate(host_budget=host_limit)
     except ScheduleError as err:
         return str(err)
+    if host_limit is not None:
+        peak = h.summary["host"]["peak_held_bytes"]
+        if peak > host_limit:
+            return f"the engine's host account peaked at {peak} bytes, over {host_limit}"
+        cfg["spilled"] = h.summary["host"]["written_bytes"] > 0
+        if spill_dir is not None and os.listdir(spill_dir):
+            return f"the engine left {os.listdir(spill_dir)} in {spill_dir}"
     # Emulated devices run torch with a share of the intra-op threads; so does the reference.
     threads = torch.get_num_threads()
     torch.set_num_threads(max(1, threads // cfg["devices"]))
@@ -152,21 +219,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=2.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="10 rounds (for the tests)")
+    parser.add_argument(
+        "--host", action="store_true", help="a host-memory budget and the disk tier per round"
+    )
+    parser.add_argument(
+        "--spill-dir",
+        default=None,
+        help="where the disk tier's folders go (default: a temporary folder)",
+    )
     args = parser.parse_args(argv)
     rng = random.Random(args.seed)
     deadline = time.monotonic() + args.minutes * 60
-    rounds = bad = skipped = 0
-    while (rounds < 10) if args.quick else (time.monotonic() < deadline):
-        cfg = draw(rng)
-        rounds += 1
-        problem = check(cfg)
-        if problem is SKIPPED:
-            skipped += 1
-        elif problem is not None:
-            bad += 1
-            print(f"round {rounds}: {cfg}\n{problem}\n")
+    rounds = bad = skipped = strict = spilled = 0
+    with tempfile.TemporaryDirectory(prefix="budget_stress-", dir=args.spill_dir) as spill_dir:
+        while (rounds < 10) if args.quick else (time.monotonic() < deadline):
+            cfg = draw(rng, host=args.host)
+            rounds += 1
+            problem = check(cfg, spill_dir if args.host else None)
+            if problem is SKIPPED:
+                skipped += 1
+            elif problem is not None:
+                bad += 1
+                print(f"round {rounds}: {cfg}\n{problem}\n")
+            elif args.host:
+                strict += cfg["host_strict"]
+                spilled += cfg["spilled"]
     print(f"budget_stress: {rounds} rounds, {bad} broke a rule or parity")
     print(f"({skipped} configurations refused before training: a layer or a batch too large)")
+    if args.host:
+        passed = rounds - bad - skipped
+        print(
+            f"(host budgets of the {passed} rounds that held: {strict} strict, "
+            f"{passed - strict} slack; {spilled} of them wrote to disk)"
+        )
     return 1 if bad else 0
 
 

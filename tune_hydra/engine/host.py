@@ -27,8 +27,12 @@ assigned to a device is marked busy (:meth:`use`, before the op is handed to its
 and is never spilled: its store checks that under its own lock, after taking it.
 
 The budget holds strictly when ``host_memory`` is at least (devices + 2) times the
-largest shard state: every state a thread may be moving at once (one per device's copy
-thread and the disk thread) besides the one being made room for can then be spilled.
+largest shard state plus the boundary tensors the tasks park at once (one batch boundary
+per waiting task): every state a thread may be moving at once (one per device's copy
+thread and the disk thread) besides the one being made room for can then be spilled (a
+reservation whose victims are all being moved waits up to 50 ms for one to be free).
+Parked boundary tensors make room the same way, and are parked even if none can be made
+(the device needs the room more).
 With less (at least one shard state, or :class:`~tune_hydra.exceptions.HostBudgetError`),
 a reservation that finds every other state in use goes over by its own size: held host
 memory stays within ``host_memory + (devices + 1) x`` the largest shard state.
@@ -53,6 +57,10 @@ log = logging.getLogger(__name__)
 
 _COLD = math.inf  # a state no outlook mentions: its task has no work granted
 _AHEAD_S = 0.05  # the disk thread looks again this often (and whenever the outlook changes)
+# A reservation whose victims are all being moved by other threads retries this often, for
+# at most this long, before it goes over (two threads may each hold what the other needs).
+_RETRY_S = 0.001
+_WAIT_S = 0.05
 
 
 class HostMemory:
@@ -179,6 +187,7 @@ class HostMemory:
         if not self.active or id(store) not in self._stores:
             return True  # unlimited, or the user's memory (its task left)
         mine = self._heat.get(id(store), _COLD)
+        waited = 0.0
         while True:
             with self._lock:
                 over = self.ledger.over(nbytes - self.ledger.states.get(id(store), 0))
@@ -195,6 +204,12 @@ class HostMemory:
                 continue
             if speculative:
                 return False
+            if victims and waited < _WAIT_S:
+                # The victims are being moved by other threads (a copy in, a read): their
+                # locks are free again in a moment, or they stop being candidates.
+                time.sleep(_RETRY_S)
+                waited += _RETRY_S
+                continue
             # Every other state is in use or unspillable: go over (the documented slack).
             with self._lock:
                 self.over_bytes = max(self.over_bytes, self.ledger.over(nbytes))
@@ -209,8 +224,10 @@ class HostMemory:
         self._wake.set()
 
     def note_io(self, store: ShardStore, op: str, nbytes: int, start: float) -> None:
+        if not nbytes:
+            return  # a shard without tensors (only parameter-free layers)
         t0 = start - self._t0
-        t1 = self.clock()
+        t1 = max(t0, time.perf_counter() - self._t0)  # one time base: never before t0
         with self._lock:
             if op == "to_disk":
                 self.written_bytes += nbytes
@@ -223,7 +240,7 @@ class HostMemory:
 
     def note_wait(self, store: ShardStore, owner: object, start: float) -> None:
         t0 = start - self._t0
-        t1 = self.clock()
+        t1 = max(t0, time.perf_counter() - self._t0)
         with self._lock:
             self.disk_wait_s += t1 - t0
         label = getattr(owner, "label", "host")
@@ -237,6 +254,7 @@ class HostMemory:
         making room for them, as for a state)."""
         if not nbytes:
             return
+        waited = 0.0
         while True:
             with self._lock:
                 # Checked and counted under one hold: another thread may take room between.
@@ -244,8 +262,12 @@ class HostMemory:
                     self._park(task, nbytes)
                     return
                 victims = self._victims(None, None)
-            if not any(self._spill_or_fail(v) for v in victims):
+            if any(self._spill_or_fail(v) for v in victims):
+                continue
+            if not victims or waited >= _WAIT_S:
                 break  # nothing to spill: over (within the slack)
+            time.sleep(_RETRY_S)  # the victims are being moved by other threads
+            waited += _RETRY_S
         with self._lock:
             self.over_bytes = max(self.over_bytes, self.ledger.over(nbytes))
             self._park(task, nbytes)
