@@ -121,6 +121,8 @@ class HostMemory:
     def register(self, stores: Iterable[ShardStore]) -> None:
         """Count newly registered stores (their tensors are in host memory), spilling
         colder states, or these, to stay within the budget."""
+        if not self.active:
+            return  # unlimited: nothing to count, nothing to hold on to
         for store in stores:
             with self._lock:
                 self._stores[id(store)] = store

@@ -213,10 +213,11 @@ def test_the_factory_is_stored_once_and_freed(ray_session: Any, storage: str) ->
         factory_id = ex._factory_ids[-1]
         assert store.get(factory_id) is not None
     assert store.get(factory_id) is None  # shutdown frees what is left
-    # Before: +77 MiB per run, never freed (4 runs: +300 MiB). Allow allocator noise, not
-    # a copy of the 40 MB per run.
+    # Before: +77 MiB per run, never freed (4 runs: +300 MiB). Allow allocator noise (up
+    # to +81 MiB over 4 runs measured on the commit before the disk tier, too), not a copy
+    # of the 40 MB per run (+160 MiB).
     print(f"engine RSS after each run (MiB): {[round(r) for r in rss]}")
-    assert rss[-1] - rss[1] < 80, f"engine RSS per run (MiB): {[round(r) for r in rss]}"
+    assert rss[-1] - rss[1] < 120, f"engine RSS per run (MiB): {[round(r) for r in rss]}"
 
 
 def test_gpu_devices_on_a_node_without_gpus_say_so(ray_session: Any) -> None:
