@@ -40,6 +40,8 @@ memory stays within ``host_memory + (devices + 1) x`` the largest shard state.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import logging
 import math
 import threading
@@ -54,6 +56,19 @@ from tune_hydra.engine.storage.store import ShardStore
 from tune_hydra.exceptions import SpillDiskFullError
 
 log = logging.getLogger(__name__)
+
+
+def _libc() -> Any:
+    """glibc, for ``malloc_trim`` (None elsewhere: other allocators return memory)."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim  # noqa: B018 (musl and others have none)
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+_LIBC = _libc()
 
 _COLD = math.inf  # a state no outlook mentions: its task has no work granted
 _AHEAD_S = 0.05  # the disk thread looks again this often (and whenever the outlook changes)
@@ -99,6 +114,7 @@ class HostMemory:
         self.spills = 0
         self.loads = 0
         self.over_bytes = 0  # the most a reservation went over budget (the slack)
+        self._freed = 0  # host bytes freed since the last malloc_trim
         self._t0 = time.perf_counter() - clock()  # perf_counter() at the clock's zero
         self._wake = threading.Event()
         self._closing = False
@@ -222,7 +238,7 @@ class HostMemory:
     def release(self, store: ShardStore) -> None:
         with self._lock:
             if id(store) in self._stores:
-                self._give(store)
+                self._freed += self._give(store)
         self._wake.set()
 
     def note_io(self, store: ShardStore, op: str, nbytes: int, start: float) -> None:
@@ -325,12 +341,13 @@ class HostMemory:
             op = "host_take" if nbytes > before else "host_give"
             self.trace.add(TraceEvent("host", task, shard, op, t, t, abs(nbytes - before)))
 
-    def _give(self, store: ShardStore) -> None:
+    def _give(self, store: ShardStore) -> int:
         nbytes = self.ledger.give(id(store))
         if nbytes:
             t = self.clock()
             task, shard = store.name
             self.trace.add(TraceEvent("host", task, shard, "host_give", t, t, nbytes))
+        return nbytes
 
     def _victims(self, store: ShardStore | None, colder_than: float | None) -> list[ShardStore]:
         """States in host memory that may go to disk, coldest first (under the lock):
@@ -368,8 +385,20 @@ class HostMemory:
                 return
             try:
                 self._read_ahead()
+                self._trim()
             except Exception as err:  # speculative: the visit reads it itself
                 log.warning("disk read-ahead failed: %s: %s", type(err).__name__, err)
+
+    def _trim(self) -> None:
+        """Hand freed host memory back to the system once a quarter of the budget was
+        freed since the last time: glibc keeps freed blocks in its heaps (and raises its
+        mmap threshold as large blocks are freed), so without this the process's RSS
+        follows the most it ever held, not what the engine holds."""
+        budget = self.ledger.budget
+        if _LIBC is None or budget is None or self._freed < budget // 4:
+            return
+        self._freed = 0
+        _LIBC.malloc_trim(0)
 
     def _read_ahead(self) -> None:
         heat = self._heat
