@@ -486,7 +486,8 @@ class Check:
                         # by up to (devices + 1) x it (documented slack): within that?
                         slack = (1 + 1) * r["max_shard_state"]  # one device
                         r[key]["trace_host_with_slack"] = _host_replay(eng.trace, host + slack)
-                # After close() every model is back on the CPU, out of the spill files.
+                # After close() every model is on the CPU (a state still on disk reads
+                # from its removed, still mapped file).
                 weights[key] = [m.state_dict() for m in copies]
         finally:
             shutil.rmtree(folder, ignore_errors=True)
