@@ -13,6 +13,7 @@ import os
 import random
 import re
 import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -486,3 +487,39 @@ def test_random_configurations_are_exact_and_within_the_host_budget(
         assert host["written_bytes"] > 0, (config, host)
     for name, task in tasks.items():
         assert_plain(results[name], task.model, refs[name], 2, devices, options)
+
+
+_CRASHING_ENGINE = """
+import os, signal, sys
+import torch
+from torch import nn
+import tune_hydra as th
+from tune_hydra.engine import Engine
+
+torch.manual_seed(0)
+engine = Engine("cpu", max_layers_per_shard=1, host_memory=40_000, spill_dir=sys.argv[1])
+for i in range(3):
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32), nn.Linear(32, 4)).double()
+    data = [(torch.randn(4, 32, dtype=torch.float64), torch.randint(0, 4, (4,)))]
+    engine.add_task(f"t{i}", th.ModelTask(model, nn.CrossEntropyLoss(),
+                                           lambda p: torch.optim.Adam(p), data))
+engine.train("t0", 1).result(timeout=60)
+print(engine.summary()["host"]["spill_dir"], flush=True)
+os.kill(os.getpid(), signal.SIGKILL)  # no close(), no atexit: a crash
+"""
+
+
+def test_the_folder_of_a_killed_engine_is_removed_by_the_next_one(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", _CRASHING_ENGINE, str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == -9, proc.stderr
+    left = Path(proc.stdout.strip().splitlines()[-1])
+    assert left.parent == tmp_path and any(left.glob("*.bin")), "it spilled, then died"
+    with Engine("cpu", host_memory="1MiB", spill_dir=tmp_path) as engine:
+        assert not left.exists()
+        assert Path(engine.summary()["host"]["spill_dir"]).exists()
+    assert not list(tmp_path.iterdir())
