@@ -145,11 +145,10 @@ class HostMemory:
             # No colder state to make room with: this one goes to disk right away (its
             # tensors are still the user's: they never count here). If the write fails, it
             # stays (and its task fails).
-            if not self.reserve(
-                store, store.host_charge(), speculative=True
-            ) and not self._spill_or_fail(store):
+            charge = store.host_charge()
+            if not self.reserve(store, charge, speculative=True) and not self._spill_or_fail(store):
                 with self._lock:
-                    self._take(store, store.host_charge())
+                    self._take(store, charge)
 
     def unregister(self, stores: Iterable[ShardStore]) -> None:
         """Stop counting stores whose task leaves the engine (or is rebuilt): their memory

@@ -119,7 +119,6 @@ class SpillFolder:
                 f"cannot create a folder in spill_dir {str(root)!r}: {err}"
             ) from err
         self._count = 0
-        self.closed = False
 
     def _clean_stale(self) -> None:
         """Remove the folders of this host's engines whose process is gone (a crash)."""
@@ -141,13 +140,8 @@ class SpillFolder:
         safe = re.sub(r"[^A-Za-z0-9_.-]", "_", name[0])[:80]
         return SpillFile(self, name, f"{safe}.{name[1]}.{self._count}")
 
-    def free_bytes(self) -> int:
-        """Free bytes on the folder's disk."""
-        return shutil.disk_usage(self.root).free
-
     def close(self) -> None:
         """Remove the folder and everything in it."""
-        self.closed = True
         shutil.rmtree(self.path, ignore_errors=True)
 
 

@@ -380,10 +380,7 @@ class ShardStore:
                     # kernel while this copy still reads it.
                     dev.record_stream(stream)
                 moved += dev.numel() * dev.element_size()
-            for key, _ in [kv for kv in live if kv[0][0] != "g"]:
-                self._set(key, self._tier.get(key))
-            for key, _ in [kv for kv in live if kv[0][0] == "g"]:
-                self._set(key, self._tier.get(key))
+            self._point_at({key: self._tier.get(key) for key, _ in live})
             if asynchronous:
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
