@@ -461,6 +461,51 @@ def test_two_processes_share_one_study(tmp_path: Path) -> None:
         assert pids == sorted([os.getpid()] * 3 + [proc.pid] * 3), address
 
 
+_KILLED = """
+import sys, time
+import optuna, torch
+from torch import nn
+import tune_hydra as th
+
+storage = optuna.storages.RDBStorage(sys.argv[1], heartbeat_interval=1, grace_period=2)
+study = optuna.create_study(study_name="beats", storage=storage)
+
+def make_task(trial):
+    trial.suggest_float("lr", 1e-7, 1e-1, log=True)  # as factory() below suggests it
+    print("building", flush=True)
+    time.sleep(600)  # killed before it returns
+
+th.optimize(study, make_task, n_trials=2, devices=["cpu"], max_concurrent=2, metric="loss")
+"""
+
+
+def test_a_killed_process_s_trials_end_fail_through_heartbeats(tmp_path: Path) -> None:
+    """A storage with ``heartbeat_interval``: th.optimize beats for its trials, so those of a
+    process killed mid-trial end FAIL when the study is next optimized, as with
+    ``study.optimize`` (before: RUNNING forever)."""
+    script = tmp_path / "killed.py"
+    script.write_text(_KILLED)
+    url = f"sqlite:///{tmp_path / 'beats.db'}"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.Popen(
+        [sys.executable, str(script), url], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "building"
+        time.sleep(1.5)  # a heartbeat is recorded at once, then every second
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    storage = optuna.storages.RDBStorage(url, heartbeat_interval=1, grace_period=2)
+    study = optuna.load_study(study_name="beats", storage=storage)
+    assert [t.state for t in study.trials] == [TrialState.RUNNING] * 2
+    time.sleep(2.5)  # past the grace period
+    th.optimize(study, factory({}), n_trials=1, devices=["cpu"], metric="loss")
+    states = [t.state for t in study.trials]
+    assert states == [TrialState.FAIL, TrialState.FAIL, TrialState.COMPLETE]
+
+
 # ------------------------------------------------------------------------------ bad input
 def test_bad_input_is_refused_before_any_trial() -> None:
     study = optuna.create_study()

@@ -25,7 +25,7 @@ import numbers
 import os
 import threading
 import time
-import weakref
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,7 +37,6 @@ from tune_hydra.exceptions import (
     InvalidStudyError,
     InvalidTaskError,
     MissingDependencyError,
-    ReusedModelError,
     TaskFactoryError,
     UnknownMetricError,
     UnknownOptionError,
@@ -317,12 +316,52 @@ class _Driver:
         self.log = optuna.logging.get_logger("optuna.tune_hydra")
         self.live: dict[int, _Run] = {}  # trial number -> every trial asked and not told
         self.running: dict[concurrent.futures.Future[Any], _Run] = {}  # what each waits on
+        # Optuna keeps a study's storage private; study.optimize reads it the same way.
+        self._storage: Any = study._storage
+        get_interval = getattr(self._storage, "get_heartbeat_interval", None)
+        self._interval: int | None = get_interval() if callable(get_interval) else None
+        self._beat_at = -math.inf
+        self._beaten: set[int] = set()  # trials that beat once (a new one beats at once)
         self._lock = threading.Lock()  # guards the three below (build threads use them)
         self._stopping = False
         self._names: set[str] = set()
-        # Modules of trials that ended here: a factory returning one again (a module-level
-        # model) would start from that trial's weights.
-        self._trained: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+    # -- heartbeats: what study.optimize does with a storage that has them --------------
+
+    def _heartbeat(self, new_only: bool = False) -> None:
+        """Record a heartbeat for the trials in flight, once per the storage's
+        ``heartbeat_interval`` (``RDBStorage(..., heartbeat_interval=...)``), and for a
+        trial just asked at once (``new_only``). A process that dies stops beating, and
+        the next ``th.optimize`` or ``study.optimize`` on the study ends its trials FAIL
+        (Optuna's ``fail_stale_trials``), as with plain ``study.optimize``. The loop wakes
+        every ``_POLL_S``, so this one thread beats for all trials.
+        """
+        if self._interval is None:
+            return
+        if new_only:
+            runs = [r for r in self.live.values() if r.trial.number not in self._beaten]
+        elif time.monotonic() - self._beat_at >= self._interval:
+            self._beat_at = time.monotonic()
+            runs = list(self.live.values())
+        else:
+            return
+        for run in runs:
+            self._storage.record_heartbeat(run.trial._trial_id)
+            self._beaten.add(run.trial.number)
+
+    def _fail_stale(self) -> None:
+        """End FAIL the trials of processes that stopped beating (Optuna's own call, as
+        ``study.optimize`` makes it before each trial)."""
+        if self._interval is None:
+            return
+        with warnings.catch_warnings():  # experimental in Optuna; it is what optimize runs
+            warnings.simplefilter("ignore", self.optuna.exceptions.ExperimentalWarning)
+            self.optuna.storages.fail_stale_trials(self.study)
+
+    def _trains(self, name: str) -> bool:
+        """Whether this call still trains the task ``name`` (asked and not dropped)."""
+        with self._lock:
+            return name in self._names
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -335,10 +374,13 @@ class _Driver:
                 and (n_trials is None or asked < n_trials)
                 and (deadline is None or time.monotonic() < deadline)
             ):
+                self._fail_stale()
                 self._start(self.study.ask())
+                self._heartbeat(new_only=True)
                 asked += 1
             if not self.live:
                 return
+            self._heartbeat()
             done, _ = concurrent.futures.wait(
                 list(self.running), timeout=_POLL_S, return_when=concurrent.futures.FIRST_COMPLETED
             )
@@ -430,9 +472,6 @@ class _Driver:
         self.engine.remove_task(run.name)
         with self._lock:
             self._names.discard(run.name)
-            if run.task is not None:
-                for module in run.task.model.modules():  # type: ignore[union-attr]
-                    self._trained[module] = run.trial.number
 
     def _fail(self, run: _Run, err: BaseException) -> None:
         self._drop(run)
@@ -452,6 +491,7 @@ class _Driver:
         trial = run.trial
         run.task = None  # the model may be freed
         self.live.pop(trial.number, None)
+        self._beaten.discard(trial.number)
         if state == self.optuna.trial.TrialState.COMPLETE:
             self.study.tell(trial, run.value)
             if self.log.isEnabledFor(logging.INFO):
@@ -507,6 +547,7 @@ class _Driver:
         """Build the trial's task and add it to the engine; returns its number of shards."""
         from tune_hydra.engine import ModelTask
         from tune_hydra.engine.factory import call_factory
+        from tune_hydra.frontends.trial import CLAIMS, prepare_model
 
         number = run.trial.number
         pruned = self.optuna.TrialPruned
@@ -548,16 +589,11 @@ class _Driver:
                 f"a ModelTask without it; give th.ModelTask(..., eval_data=...) or call "
                 f"th.optimize(..., metric='loss')"
             )
-        with self._lock:
-            reused: dict[int, list[tuple[str, str]]] = {}
-            for module_name, module in task.model.named_modules():  # type: ignore[union-attr]
-                owner = self._trained.get(module)
-                if owner is not None:
-                    reused.setdefault(owner, []).append((module_name, ""))
-        if reused:
-            owner, modules = next(iter(reused.items()))
-            raise ReusedModelError(run.name, f"trial_{owner}", modules)
+        # Modules another trial of this process trained are refused; tensors that outlive
+        # the trial (closure, module globals) are trained as copies (frontends/trial.py).
+        prepare_model(task.model, self, run.name, self.engine, type(self)._trains)  # type: ignore[arg-type]
         shards = self.engine.add_task(run.name, task, **self.task_options)
+        CLAIMS.record(task.model, self, run.name, self.engine, type(self)._trains)  # type: ignore[arg-type]
         run.task = task
         with self._lock:
             if self._stopping:
