@@ -384,8 +384,7 @@ class UnknownOptionError(TuneHydraError, TypeError):
 class SystematicTaskError(TuneHydraError, RuntimeError):
     """A mistake that every trial of an experiment would repeat, whatever its config: the
     task factory is not one (it returns no ``ModelTask``, or it is a function trainable
-    that calls ``tune.report``), the model's type cannot be cut into shards, or the
-    trials lost their engine slots. The Tune front end stops the experiment at the first
+    that calls ``tune.report``), or the trials lost their engine slots. The Tune front end stops the experiment at the first
     trial that hits one and ``th.run`` raises it, instead of failing every trial with the
     same traceback. Mistakes that depend on the config (a layer over budget for one
     width, a factory raising for one config, a NaN loss) fail that trial alone.
@@ -418,9 +417,27 @@ class NotATaskError(SystematicTaskError, TaskFactoryError, TypeError):
     loop and calling ``tune.report``)."""
 
 
-class UncuttableModelError(SystematicTaskError, InvalidModelError):
-    """The model the task factory built is of a type the engine cannot cut into
-    sequential shards (the engine's :class:`InvalidModelError`, for a whole experiment)."""
+class UncuttableModelError(InvalidModelError):
+    """The model the task factory built for one trial is of a type the engine cannot cut
+    into sequential shards (the engine's :class:`InvalidModelError`, saying so of the
+    type). It fails that trial alone: a search space may choose the architecture, and
+    the other architectures still run (``fail_fast=True`` in ``th.run`` stops at the
+    first failed trial where every config builds the same type).
+
+    Attributes:
+        trial: the trial whose model it was.
+        problem: what is wrong.
+        fix: what to change.
+    """
+
+    def __init__(self, trial: str, problem: str, fix: str) -> None:
+        self.trial = trial
+        self.problem = problem
+        self.fix = fix
+        super().__init__(f"trial {trial}: {problem}. {fix}.")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.trial, self.problem, self.fix))
 
 
 class UndeclaredMetricError(SystematicTaskError, UnknownMetricError):

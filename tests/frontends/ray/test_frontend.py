@@ -501,7 +501,10 @@ def test_systematic_mistakes_are_marked_and_config_ones_are_not() -> None:
             _call(a.register("t2", "tok", "hidden_train_fn", {"lr": 0.01}))
         with pytest.raises(UncuttableModelError, match=r"nn\.Sequential") as cut:
             _call(a.register("t3", "tok", "make_net_task", {"lr": 0.01}))
+        # a search space may choose the architecture: that trial alone
         assert isinstance(cut.value, InvalidModelError)
+        assert not isinstance(cut.value, SystematicTaskError)
+        assert "trial t3:" in str(cut.value) and "the other trials go on" in str(cut.value)
         # config-dependent: that trial alone
         for config in ({"fail": "factory"}, {"width": 512}):
             with pytest.raises(Exception) as other:

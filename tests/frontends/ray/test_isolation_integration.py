@@ -70,3 +70,37 @@ def test_with_parameters_weights_are_not_trained_in_place(
     assert len(sums) == 3 and len(set(sums)) == 1, sums
     losses = [t.last_result["loss"] for t in analysis.trials]
     assert losses[0] == losses[1] == losses[2], losses
+
+
+def test_an_architecture_that_cannot_be_cut_fails_its_trials_alone(
+    ray_session: Any, storage: str
+) -> None:
+    """A search space that chooses the architecture, one of which the engine cannot cut:
+    its trial fails with UncuttableModelError and the others train (before: the first
+    such trial ended the whole search, and the other architectures never ran)."""
+    from tests.frontends.ray import tune_tasks
+
+    def make_task(config: dict[str, Any]) -> th.ModelTask:
+        if config["arch"] == "net":
+            return tune_tasks.make_net_task(config)
+        return tune_tasks.make_task(config)
+
+    with HydraExecutor(devices="cpu", seed=0) as ex:
+        analysis = th.run(
+            make_task,
+            config={"lr": 0.01, "arch": tune.grid_search(["net", "mlp", "net", "mlp"])},
+            stop={"training_iteration": 1},
+            max_concurrent_trials=1,
+            storage_path=storage,
+            trial_executor=ex,
+            raise_on_failed_trial=False,
+            verbose=0,
+        )
+    status = {t.config["arch"]: set() for t in analysis.trials}
+    for t in analysis.trials:
+        status[t.config["arch"]].add(t.status)
+    assert status == {"net": {"ERROR"}, "mlp": {"TERMINATED"}}
+    for t in analysis.trials:
+        if t.status == "ERROR":
+            error = Path(t.error_file).read_text()
+            assert "UncuttableModelError" in error and "the other trials go on" in error

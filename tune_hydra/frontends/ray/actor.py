@@ -27,7 +27,6 @@ import sys
 import threading
 import traceback
 import types
-import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -361,8 +360,6 @@ class EngineActor:
         self._counter = 0
         # Trials whose factory is running: key -> (owner token, future that aborts the wait)
         self._building: dict[str, tuple[str, asyncio.Future[None]]] = {}
-        # Every module a trial trained here -> that trial (weakly: a freed model leaves).
-        self._trained: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
         self._build_lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hydra-ctl")
 
@@ -561,11 +558,12 @@ class EngineActor:
     ) -> int:
         from tune_hydra.engine.task import ModelTask
         from tune_hydra.exceptions import InvalidModelError
+        from tune_hydra.frontends.trial import CLAIMS
 
         eng = self._ensure_engine()
         if not isinstance(task, ModelTask):
             raise self._not_a_task(key, factory_id, task)
-        self._check_fresh(key, task.model)
+        self._check_fresh(key, task.model, eng)
         with self._lock:
             old = self._regs.pop(key, None)
             self._counter += 1
@@ -577,10 +575,9 @@ class EngineActor:
         except InvalidModelError as err:
             raise self._uncuttable(key, task, err) from err
         with self._lock:
-            for module in task.model.modules():  # type: ignore[union-attr]
-                self._trained[module] = key
             self._regs[key] = _Registration(key, token, name, dict(config))
             hint = self._hints.get(key)
+        CLAIMS.record(task.model, self, key, eng, type(self)._trains)  # type: ignore[arg-type]
         if hint is not None:
             eng.set_remaining(name, hint)
         return n_shards
@@ -588,8 +585,8 @@ class EngineActor:
     @staticmethod
     def _uncuttable(key: str, task: Any, err: Exception) -> Exception:
         """``err`` as an :class:`UncuttableModelError` when the model's *type* cannot be
-        cut (every config builds the same type), else ``err`` itself (a cut that fails for
-        this config's sizes fails this trial alone)."""
+        cut, else ``err`` itself (a cut that fails for this config's sizes). Either fails
+        this trial alone: a search space may choose the architecture."""
         from tune_hydra.engine.task import model_layers
         from tune_hydra.exceptions import InvalidModelError, UncuttableModelError
 
@@ -603,22 +600,19 @@ class EngineActor:
             )
         return err
 
-    def _check_fresh(self, key: str, model: Any) -> None:
-        """Refuse modules that an earlier, finished trial trained here (the engine itself
-        refuses those of live trials)."""
-        from tune_hydra.exceptions import ReusedModelError
+    def _check_fresh(self, key: str, model: Any, engine: Any) -> None:
+        """Refuse modules and parameters that another trial of this process trained (the
+        engine itself refuses those of its live trials), and give tensors the trial trains
+        a storage of their own where anything outside its model holds theirs
+        (``tune_hydra.frontends.trial``)."""
+        from tune_hydra.frontends.trial import prepare_model
 
-        reused: dict[str, list[tuple[str, str]]] = {}
+        prepare_model(model, self, key, engine, type(self)._trains)
+
+    def _trains(self, key: str) -> bool:
+        """Whether trial ``key`` is registered here (it trains its model)."""
         with self._lock:
-            live = {reg.key for reg in self._regs.values()}
-            for name, module in model.named_modules():
-                owner = self._trained.get(module)
-                # A live owner: the engine refuses it, naming the shared tensors.
-                if owner is not None and owner != key and owner not in live:
-                    reused.setdefault(owner, []).append((name, ""))
-        if reused:
-            owner, modules = next(iter(reused.items()))
-            raise ReusedModelError(key, owner, modules)
+            return key in self._regs
 
     def _save(self, reg: _Registration, path: str) -> dict[str, Any]:
         """Write the trial's checkpoint into ``path`` (atomic files, manifest last); the
@@ -708,7 +702,7 @@ class EngineActor:
 
         Raises:
             NotATaskError: the factory returned no ModelTask (systematic).
-            UncuttableModelError: the model's type cannot be cut (systematic).
+            UncuttableModelError: the model's type cannot be cut (this trial alone).
         """
         try:
             task = await self._make_task(key, token, factory_id, config, params)
