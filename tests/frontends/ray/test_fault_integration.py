@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +166,63 @@ def test_engine_actor_killed_mid_run(ray_session: Any, storage: str) -> None:
     # nothing lost: every trial's model equals uninterrupted training
     for trial in analysis.trials:
         _assert_exact(_final_model(trial), _straight(trial.config, 5))
+
+
+class _KillEngineAt(tune.Callback):
+    """Kills the engine actor (it restarts) when the first trial reports ``iteration``."""
+
+    def __init__(self, ex: HydraExecutor, iteration: int) -> None:
+        self.ex, self.iteration, self.done = ex, iteration, False
+
+    def on_trial_result(self, iteration: int, trials: Any, trial: Any, result: Any, **info: Any):
+        if not self.done and result["training_iteration"] == self.iteration:
+            self.done = True
+            for handle in self.ex.engines().values():
+                ray.kill(handle, no_restart=False)
+
+
+def test_tuner_keeps_a_checkpoint_every_iteration_by_default(
+    ray_session: Any, storage: str
+) -> None:
+    """Issue 23, item 3: tune.Tuner turns checkpoint_at_end on for class trainables; the
+    default checkpoint="every" must still save after every iteration, so an engine killed
+    at iteration 3 resumes its trials from their latest checkpoint, not from scratch."""
+    with HydraExecutor(devices="cpu", device_memory=BUDGET, seed=SEED) as ex:
+        killer = _KillEngineAt(ex, 3)
+        tuner = tune.Tuner(
+            ex.trainable(tune_tasks.make_task),
+            param_space={"lr": tune.grid_search([0.01, 0.02]), "float64": True},
+            tune_config=tune.TuneConfig(
+                metric="val_loss",
+                mode="min",
+                scheduler=ex.scheduler(),
+                max_concurrent_trials=ex.max_concurrent_trials,
+            ),
+            run_config=tune.RunConfig(
+                name="tuner_every",
+                storage_path=storage,
+                stop={"training_iteration": 5},
+                failure_config=tune.FailureConfig(max_failures=3),
+                callbacks=[*ex.callbacks(), killer],
+                verbose=0,
+            ),
+        )
+        results = tuner.fit()
+        assert killer.done
+    assert results.num_errors == 0
+    for result in results:
+        assert result.metrics["training_iteration"] == 5
+        saved = sorted(Path(result.path).glob("checkpoint_*"))
+        # one checkpoint per iteration reached (a save the kill interrupted is not kept)
+        assert len(saved) >= 4, [p.name for p in saved]
+        iterations = [json.loads((p / "hydra_meta.json").read_text())["iteration"] for p in saved]
+        assert set(iterations) == {1, 2, 3, 4, 5}, iterations
+        # a trial the kill hit resumed from its latest checkpoint (iteration 2 or 3), not
+        # from scratch; one it missed ran straight through
+        assert result.metrics["iterations_since_restore"] in (2, 3, 5)
+        _assert_exact(_final_model_of(result), _straight(result.config, 5))
+    assert any(r.metrics["iterations_since_restore"] < 5 for r in results)
+
+
+def _final_model_of(result: Any) -> dict[str, torch.Tensor]:
+    return torch.load(Path(result.checkpoint.path) / "model.pt")

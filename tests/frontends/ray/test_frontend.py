@@ -586,6 +586,11 @@ def test_callback_checkpoint_modes(monkeypatch: pytest.MonkeyPatch) -> None:
 
     every, end = HydraCallback("r", "every"), HydraCallback("r", "end")
     assert after(every, plain, **{SHOULD_CHECKPOINT: True})  # the proxy asked: kept
+    # tune.Tuner sets checkpoint_at_end=True for every class trainable: it adds the last
+    # checkpoint and must not drop the per-iteration ones (issue 23, item 3)
+    tuner = SimpleNamespace(checkpoint_freq=0, checkpoint_at_end=True)
+    assert after(every, tuner, **{SHOULD_CHECKPOINT: True})
+    assert after(end, tuner, **{DONE: True})
     assert not after(every, theirs, **{SHOULD_CHECKPOINT: True})  # the run's setting rules
     assert not after(end, plain) and after(end, plain, **{DONE: True})
     assert not after(end, theirs, **{DONE: True})

@@ -23,7 +23,10 @@ Checkpoints: the proxy asks Tune for one after every iteration
 (``HydraExecutor(checkpoint="every")``, Tune's ``should_checkpoint`` result); with
 ``checkpoint="end"`` the callback asks for one with each trial's last result (Tune lets
 callbacks add to a result before it decides whether to save). When the run has a
-checkpoint frequency or ``checkpoint_at_end`` of its own, that setting rules.
+checkpoint frequency of its own, that setting rules. ``checkpoint_at_end`` does not
+replace the default: it adds the last iteration's checkpoint, and ``tune.Tuner`` turns it
+on for every class trainable whatever the user asked, so yielding to it would drop every
+per-iteration save of a Tuner run.
 """
 
 from __future__ import annotations
@@ -184,8 +187,11 @@ class HydraCallback(Callback):
     def on_trial_result(
         self, iteration: int, trials: list[Any], trial: Any, result: dict[str, Any], **info: Any
     ) -> None:
-        if getattr(trial, "checkpoint_freq", 0) or getattr(trial, "checkpoint_at_end", False):
-            result.pop(SHOULD_CHECKPOINT, None)  # the run's own checkpoint settings rule
+        if getattr(trial, "checkpoint_freq", 0):
+            result.pop(SHOULD_CHECKPOINT, None)  # the run's own checkpoint frequency rules
+        # checkpoint_at_end only adds the last checkpoint, which "every" saves anyway; it
+        # is no setting of the user's to yield to: tune.Tuner turns it on for every class
+        # trainable (and thereby once dropped every per-iteration save).
         elif self.checkpoint == "end" and result.get(DONE):
             result[SHOULD_CHECKPOINT] = True  # the trial's last result: save it
 

@@ -224,7 +224,8 @@ class HydraExecutor:
             ones too, ends with one, and PBT finds one to exploit), at each trial's
             ``"end"`` (its last iteration, whatever stopped it), or None / False (only
             what the run's ``checkpoint_freq`` / ``checkpoint_config`` ask). When the
-            run sets a checkpoint frequency or ``checkpoint_at_end``, that setting rules.
+            run sets a checkpoint frequency, that setting rules; ``checkpoint_at_end``
+            only adds the last checkpoint (``tune.Tuner`` turns it on by itself).
             Every checkpoint holds the whole model: bound their number with
             ``CheckpointConfig(num_to_keep=...)`` for large models.
 
