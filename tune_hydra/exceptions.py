@@ -366,6 +366,13 @@ class CheckpointError(TuneHydraError, ValueError):
         return (type(self), (self.checkpoint, self.file, self.problem, self.fix))
 
 
+class ForeignCheckpointFileError(CheckpointError):
+    """A checkpoint folder holds a file or folder that tune_hydra never writes (it writes
+    only ``model.pt``, ``hydra_state.pt`` and ``hydra_meta.json``), such as Ray's
+    ``_dict_checkpoint.pkl``, which Ray's ``Trainable.restore`` would unpickle (running
+    any code planted in it). Refused before Ray or tune_hydra reads anything there."""
+
+
 class UnknownMetricError(TuneHydraError, ValueError):
     """``th.optimize(metric=...)`` names a value that training does not report each epoch
     (the message lists those it does), or the study's direction does not suit it."""

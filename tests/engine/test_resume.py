@@ -242,3 +242,39 @@ def test_groups_that_mix_hyperparameters_under_the_new_cut_are_refused() -> None
         eng.add_task("t", task(9), seed=3)
         eng.set_state("t", state)
         assert_equal(eng.get_state("t"), state)
+
+
+def test_damaged_states_are_refused_before_loading_anything() -> None:
+    """Issue 23, item 8: a state whose position is past the task's data (was a
+    TaskFailedError: StopIteration in the next epoch), whose RNG state torch refuses (a
+    raw RuntimeError inside training), or whose tensors do not fit the model, is refused
+    by set_state with a ResumeStateError naming the field; the task is left as it was."""
+    state, _, _ = _train([("whole", 1)], "sgd", {"iteration_batches": 3})
+    n_batches = len(batches())
+    damaged = {
+        "batch_in_epoch": ({"batch_in_epoch": n_batches + 1}, r"past the end .*train_data"),
+        "rng": (
+            {"rng": {"cpu": torch.zeros(7, dtype=torch.uint8), "cuda": None}},
+            r"'rng' has a CPU entry that holds 7 bytes",
+        ),
+        "epoch_rng": ({"epoch_rng": torch.ones(3)}, r"'epoch_rng' is a torch\.float32"),
+        "iteration": ({"iteration": -2}, r"'iteration' is -2"),
+        "model shape": (
+            {"model": {k: v[:1] if v.dim() else v for k, v in state["model"].items()}},
+            r"'model' holds '0\.weight' of shape \(1, ",
+        ),
+        "grad shape": (
+            {"param_grads": {"0.weight": torch.zeros(1, dtype=torch.float64)}},
+            r"'param_grads' holds a gradient of shape \(1,\)",
+        ),
+    }
+    with Engine("cpu") as eng:
+        eng.add_task("t", make_task(mlp(seed=99), "sgd"), seed=3, iteration_batches=3)
+        before = eng.get_state("t")
+        for field, (change, pattern) in damaged.items():
+            with pytest.raises(ResumeStateError, match=pattern) as info:
+                eng.set_state("t", {**state, **change})
+            assert "damaged" in str(info.value), field
+            assert_equal(eng.get_state("t"), before, field)  # nothing was loaded
+        eng.set_state("t", state)  # the genuine state still restores
+        eng.train("t", 1).result(timeout=120)

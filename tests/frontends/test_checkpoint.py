@@ -414,3 +414,87 @@ def test_config_digest() -> None:
     assert config_digest({"fn": _f}) == config_digest({"fn": _f})
     assert "0x" not in ck._canonical({"fn": _f})["fn"]
     assert config_digest({"fn": _f}) != config_digest({"fn": test_config_digest})
+
+
+# ------------------------------------------------- issue 23: foreign files, tampered fields
+def test_a_folder_holding_a_foreign_file_is_refused_before_reading(ckpt: Path) -> None:
+    from tune_hydra.exceptions import ForeignCheckpointFileError
+
+    ck.check_checkpoint_files(ckpt, os.listdir(ckpt))  # genuine
+    (ckpt / "_dict_checkpoint.pkl").write_bytes(pickle.dumps({"x": 1}))
+    (ckpt / "notes.txt").write_text("hi")
+    with pytest.raises(ForeignCheckpointFileError) as info:
+        read_checkpoint(ckpt)
+    err = info.value
+    assert isinstance(err, CheckpointError) and err.file == "_dict_checkpoint.pkl"
+    text = str(err)
+    assert "unpickle" in text and "notes.txt" in text and "earlier checkpoint" in text
+    assert f"{MODEL_FILE}, {STATE_FILE} and {META_FILE}" in text
+    (ckpt / "_dict_checkpoint.pkl").unlink()
+    with pytest.raises(ForeignCheckpointFileError, match=r"notes\.txt is not a file"):
+        read_checkpoint(ckpt)
+
+
+def _edit_state(**changes: Any) -> Any:
+    """Rewrite hydra_state.pt with ``changes`` (None: drop the key), digest updated."""
+
+    def edit(ckpt: Path) -> None:
+        state = torch.load(ckpt / STATE_FILE, weights_only=True)
+        for key, value in changes.items():
+            if value is None:
+                state.pop(key, None)
+            else:
+                state[key] = value
+        replace_file(ckpt, STATE_FILE, state, update_manifest=True)
+
+    return edit
+
+
+def _nested_manifest(ckpt: Path) -> None:
+    meta = (ckpt / META_FILE).read_text().rstrip().rstrip("}")
+    (ckpt / META_FILE).write_text(meta + ', "x": ' + "[" * 100_000 + "]" * 100_000 + "}")
+
+
+TAMPERED = {
+    # field -> (spoil, file at fault, what the message says)
+    "manifest nested 100k deep": (_nested_manifest, META_FILE, "nests .* more than 8 deep"),
+    "manifest shards not lists": (_edit_manifest(shards=[1, 2]), META_FILE, "holds shards"),
+    "manifest iteration a string": (_edit_manifest(iteration="4"), META_FILE, "iteration '4'"),
+    "manifest bytes a string": (
+        _edit_manifest(files={MODEL_FILE: {"bytes": "1", "sha256": "0"}}),
+        META_FILE,
+        "does not record",
+    ),
+    "rng too short": (
+        _edit_state(rng={"cpu": torch.zeros(7, dtype=torch.uint8), "cuda": None}),
+        STATE_FILE,
+        r"'rng'.*7 bytes, not the 5056",
+    ),
+    "rng a float tensor": (
+        _edit_state(rng={"cpu": torch.zeros(5056), "cuda": None}),
+        STATE_FILE,
+        r"'rng'.*CPU entry.*float32",
+    ),
+    "cuda rng garbage": (
+        _edit_state(rng={"cpu": torch.get_rng_state(), "cuda": torch.zeros(3)}),
+        STATE_FILE,
+        r"'rng'.*CUDA entry",
+    ),
+    "epoch rng missing": (_edit_state(epoch_rng=None), STATE_FILE, "'epoch_rng'.*None"),
+    "negative batch": (_edit_state(batch_in_epoch=-1), STATE_FILE, "'batch_in_epoch'.*-1"),
+    "epoch a tensor": (_edit_state(epoch=torch.tensor(2)), STATE_FILE, "'epoch'.*int64 tensor"),
+}
+
+
+@pytest.mark.parametrize("kind", list(TAMPERED))
+def test_tampered_fields_are_named_before_anything_loads(ckpt: Path, kind: str) -> None:
+    """Issue 23, item 8: a manifest nested too deep (was a RecursionError) and resume
+    fields no save writes (a bad RNG state was a raw RuntimeError inside training) are a
+    CheckpointError that names the field and says the checkpoint is damaged."""
+    spoil, file, pattern = TAMPERED[kind]
+    spoil(ckpt)
+    with pytest.raises(CheckpointError, match=pattern) as info:
+        read_checkpoint(ckpt)
+    err = info.value
+    assert err.file == file and str(ckpt) in str(err)
+    assert "damaged or was tampered with" in str(err) or "does not record" in str(err)

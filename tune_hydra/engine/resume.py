@@ -131,8 +131,12 @@ def restore(runner: TaskRunner, state: dict[str, Any]) -> None:
     """
     model = runner.task.model
     assert isinstance(model, nn.Module)
+    # Everything is checked before anything is loaded: a damaged or tampered state must
+    # not leave the model half restored, nor fail later inside training.
+    _refuse(runner, state_problem(state) or _position_problem(runner, state))
     if "optimizers" in state:  # the per-shard layout of older checkpoints
         _check_legacy(runner, state)
+        _refuse(runner, _model_problem(model, state), fits=True)
         model.load_state_dict(state["model"])
         _restore_per_shard(runner, state)
     else:
@@ -146,6 +150,7 @@ def restore(runner: TaskRunner, state: dict[str, Any]) -> None:
                 "tune_hydra checkpoint",
             )
         shard_states = rebuild_optimizer_states(runner, optimizer, names)
+        _refuse(runner, _model_problem(model, state), fits=True)
         model.load_state_dict(state["model"])
         for s, sd in zip(runner.shards, shard_states, strict=True):
             if s.optimizer is not None and sd is not None:
@@ -163,6 +168,136 @@ def restore(runner: TaskRunner, state: dict[str, Any]) -> None:
     stream = rng.RngState(state["rng"]["cpu"].clone(), _clone(state["rng"]["cuda"]))
     runner.resume_at(state["iteration"], stream)
     runner.data.resume_at(state["epoch"], state["batch_in_epoch"], state["epoch_rng"])
+
+
+_CUDA_RNG_BYTES = 16  # a CUDA generator's state: philox seed and offset, 8 bytes each
+
+
+def _whole(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _cpu_rng_problem(value: Any) -> str | None:
+    """Why ``value`` is not a CPU generator state torch accepts, or None."""
+    if not isinstance(value, torch.Tensor) or value.dtype != torch.uint8 or value.dim() != 1:
+        return f"is {_described(value)}, not a CPU generator state (a 1-D uint8 tensor)"
+    want = torch.get_rng_state().numel()
+    if value.numel() != want:
+        return f"holds {value.numel()} bytes, not the {want} of a CPU generator state"
+    try:
+        torch.Generator().set_state(value.cpu())
+    except RuntimeError as err:
+        return f"is refused by torch as a generator state ({str(err).splitlines()[0]})"
+    return None
+
+
+def state_problem(state: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The first field of a resume state that :func:`capture` never writes, as
+    ``(field, what is wrong with it)``, or None. Checks what does not depend on the task:
+    the counters, the RNG states, and that the model and gradients are tensors. Nothing is
+    loaded (the checkpoint reader calls it right after reading the file).
+
+    Example:
+        >>> state_problem({"iteration": -1})
+        ('iteration', 'is -1, not a whole number >= 0')
+    """
+    for field in ("iteration", "epoch", "batch_in_epoch"):
+        value = state.get(field)
+        if not _whole(value):
+            return field, f"is {_described(value)}, not a whole number >= 0"
+    rng_state = state.get("rng")
+    if not isinstance(rng_state, Mapping) or "cpu" not in rng_state:
+        return "rng", f"is {_described(rng_state)}, not {{'cpu': state, 'cuda': state or None}}"
+    problem = _cpu_rng_problem(rng_state["cpu"])
+    if problem is not None:
+        return "rng", f"has a CPU entry that {problem}"
+    cuda = rng_state.get("cuda")
+    if cuda is not None and not (
+        isinstance(cuda, torch.Tensor)
+        and cuda.dtype == torch.uint8
+        and cuda.dim() == 1
+        and cuda.numel() == _CUDA_RNG_BYTES
+    ):
+        return "rng", (
+            f"has a CUDA entry that is {_described(cuda)}, not None or a CUDA generator state "
+            f"({_CUDA_RNG_BYTES} uint8 bytes)"
+        )
+    problem = _cpu_rng_problem(state.get("epoch_rng"))
+    if problem is not None:
+        return "epoch_rng", problem
+    for field in ("model", "param_grads"):
+        value = state.get(field, {} if field == "param_grads" else None)
+        if value is None and field == "param_grads":
+            continue
+        if not isinstance(value, Mapping) or not all(
+            isinstance(k, str) and (isinstance(v, torch.Tensor) or v is None)
+            for k, v in value.items()
+        ):
+            return field, f"is {_described(value)}, not a mapping of names to tensors"
+    return None
+
+
+def _refuse(runner: TaskRunner, problem: tuple[str, str] | None, *, fits: bool = False) -> None:
+    """Raise the :class:`ResumeStateError` of ``problem`` (None: nothing to refuse).
+    ``fits``: the problem is how the state fits the model (it may be another model's)."""
+    if problem is None:
+        return
+    field, what = problem
+    why = (
+        "the state was made for another model (make_task must build the same architecture "
+        "for this config), or it is damaged. Restore it into the model it was made with"
+        if fits
+        else "no capture writes that, so the state (or the checkpoint it came from) is "
+        "damaged or was tampered with. Restore from an earlier checkpoint, or start the "
+        "task afresh"
+    )
+    raise ResumeStateError(runner.name, f"the resume state's {field!r} {what}: {why}")
+
+
+def _position_problem(runner: TaskRunner, state: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The position in the data past the end of the task's ``train_data`` (when it has
+    a length), or None."""
+    try:
+        batches = len(runner.task.train_data)  # type: ignore[arg-type]
+    except TypeError:  # an iterable without a length: checked as the epoch replays
+        batches = None
+    if batches is not None and state["batch_in_epoch"] > batches:
+        return "batch_in_epoch", (
+            f"is {state['batch_in_epoch']}, past the end of the task's train_data "
+            f"({batches} batches per epoch)"
+        )
+    return None
+
+
+def _model_problem(model: nn.Module, state: Mapping[str, Any]) -> tuple[str, str] | None:
+    """Model tensors or gradients of the state that do not fit ``model`` (names, shapes),
+    or None: ``load_state_dict`` would copy the tensors that fit before it complains."""
+    saved = state["model"]
+    own = model.state_dict()
+    missing = [k for k in own if k not in saved]
+    unexpected = [k for k in saved if k not in own]
+    if missing or unexpected:
+        which = f"lacks {_listed(missing)}" if missing else f"has unknown {_listed(unexpected)}"
+        return "model", f"does not fit the task's model (it {which})"
+    for key, tensor in own.items():
+        if saved[key] is None or tuple(saved[key].shape) != tuple(tensor.shape):
+            got = None if saved[key] is None else tuple(saved[key].shape)
+            return "model", f"holds {key!r} of shape {got}, the model's is {tuple(tensor.shape)}"
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    for name, grad in (state.get("param_grads") or {}).items():
+        if grad is not None and name in shapes and tuple(grad.shape) != shapes[name]:
+            return "param_grads", (
+                f"holds a gradient of shape {tuple(grad.shape)} for {name!r}, whose shape is "
+                f"{shapes[name]}"
+            )
+    return None
+
+
+def _described(value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
+    text = repr(value)
+    return text if len(text) <= 60 else f"a {type(value).__name__}"
 
 
 def _scheduler_state(runner: TaskRunner) -> dict[str, Any]:

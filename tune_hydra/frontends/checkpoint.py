@@ -42,7 +42,7 @@ from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from tune_hydra.exceptions import CheckpointError
+from tune_hydra.exceptions import CheckpointError, ForeignCheckpointFileError
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +56,11 @@ FORMAT = 2
 """The manifest format :func:`write_checkpoint` writes."""
 
 _DATA_FILES = (MODEL_FILE, STATE_FILE)
+CHECKPOINT_FILES = frozenset({*_DATA_FILES, META_FILE})
+"""Every name a tune_hydra checkpoint folder holds; anything else there is refused."""
 _CHUNK = 1 << 20
+_MAX_MANIFEST_BYTES = 64 << 20  # a manifest of 100k shards' layer names is far smaller
+_MAX_MANIFEST_DEPTH = 8  # ours nests 3 deep (files -> name -> digest; shards -> shard -> name)
 _TEMP_RE = re.compile(
     r"^\.(?:" + "|".join(re.escape(n) for n in (*_DATA_FILES, META_FILE)) + r")\.tmp-[0-9a-f]{32}$"
 )
@@ -319,6 +323,116 @@ def discard_partial_save(
 
 
 # ------------------------------------------------------------------------------- reading
+def check_checkpoint_files(path: str | os.PathLike[str], names: Collection[str]) -> None:
+    """Refuse a checkpoint folder that holds anything tune_hydra does not write.
+
+    tune_hydra writes only :data:`MODEL_FILE`, :data:`STATE_FILE` and :data:`META_FILE`.
+    Anything else in the folder was put there by someone else, and one name matters
+    above all: Ray's ``Trainable.restore`` unpickles ``_dict_checkpoint.pkl`` when a
+    checkpoint folder holds one, in the trial process, before tune_hydra's
+    ``load_checkpoint`` runs, so a payload planted there would run. The Tune proxy calls
+    this on the folder's listing before Ray reads it; :func:`verify_checkpoint` calls it
+    too.
+
+    Args:
+        path: the checkpoint folder (for the message).
+        names: the names of the entries the folder holds (files and folders).
+
+    Raises:
+        ForeignCheckpointFileError: an entry that is not one of those three; nothing in
+            the folder was read.
+
+    Example:
+        >>> check_checkpoint_files("ckpt", ["model.pt", "hydra_state.pt", "hydra_meta.json"])
+        >>> check_checkpoint_files("ckpt", ["model.pt", "_dict_checkpoint.pkl"])
+        Traceback (most recent call last):
+        ...
+        tune_hydra.exceptions.ForeignCheckpointFileError: checkpoint ckpt: _dict_checkpoint.pkl ...
+    """
+    foreign = sorted(n for n in names if n not in CHECKPOINT_FILES)
+    if not foreign:
+        return
+    pickled = [n for n in foreign if n.endswith((".pkl", ".pickle"))]
+    first = pickled[0] if pickled else foreign[0]
+    others = [n for n in foreign if n != first]
+    ray_pickle = (
+        " (Ray's Trainable.restore would unpickle it, running any code planted in it)"
+        if first == "_dict_checkpoint.pkl"
+        else ""
+    )
+    also = f"; the folder also holds {others[:5]}" if others else ""
+    raise ForeignCheckpointFileError(
+        str(path),
+        first,
+        f"is not a file tune_hydra writes{ray_pickle}: a tune_hydra checkpoint holds only "
+        f"{MODEL_FILE}, {STATE_FILE} and {META_FILE}{also}. Nothing in the folder was read",
+        "If you put the file there yourself, move it out of the checkpoint folder; "
+        "otherwise the folder was tampered with: delete it and restore the trial from an "
+        "earlier checkpoint (or start it afresh)",
+    )
+
+
+def _nesting_depth(text: str, limit: int) -> int:
+    """How deep JSON ``text`` nests arrays and objects, counted up to ``limit + 1`` (a
+    scan that never recurses, so a hostile manifest cannot exhaust the stack)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+        elif ch in "[{":
+            depth += 1
+            if depth > deepest:
+                deepest = depth
+                if deepest > limit:
+                    break
+        elif ch in "]}":
+            depth -= 1
+    return deepest
+
+
+def _check_manifest_fields(root: Path, manifest: Mapping[str, Any]) -> None:
+    """The types of the manifest fields tune_hydra reads (what a save writes)."""
+
+    def refuse(field: str, what: str) -> CheckpointError:
+        return CheckpointError(
+            str(root), META_FILE,
+            f"holds {field} {_short(manifest.get(field))}, not {what}: no save writes "
+            f"that, so the checkpoint is damaged or was tampered with", _RESTORE_FIX,
+        )  # fmt: skip
+
+    for field in ("iteration", "epoch", "num_shards"):
+        value = manifest.get(field)
+        if value is not None and (not _is_int(value) or value < 0):
+            raise refuse(field, "a whole number >= 0")
+    for field in ("trial_id", "config_digest"):
+        value = manifest.get(field)
+        if value is not None and not isinstance(value, str):
+            raise refuse(field, "a string")
+    shards = manifest.get("shards")
+    if shards is not None and not (
+        isinstance(shards, list)
+        and all(isinstance(s, list) and all(isinstance(n, str) for n in s) for s in shards)
+    ):
+        raise refuse("shards", "a list of lists of layer names")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def _manifest(root: Path) -> dict[str, Any]:
     meta = root / META_FILE
     if not root.is_dir():
@@ -335,11 +449,27 @@ def _manifest(root: Path) -> dict[str, Any]:
             _RESTORE_FIX,
         )  # fmt: skip
     try:
-        manifest = json.loads(meta.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        size = meta.stat().st_size
+        if size > _MAX_MANIFEST_BYTES:
+            raise CheckpointError(
+                str(root), META_FILE,
+                f"has {size} bytes, far more than any manifest tune_hydra writes: the "
+                f"checkpoint is damaged or was tampered with", _RESTORE_FIX,
+            )  # fmt: skip
+        text = meta.read_text(encoding="utf-8")
+        if _nesting_depth(text, _MAX_MANIFEST_DEPTH) > _MAX_MANIFEST_DEPTH:
+            raise CheckpointError(
+                str(root), META_FILE,
+                f"nests arrays or objects more than {_MAX_MANIFEST_DEPTH} deep, which no "
+                f"manifest tune_hydra writes does: the checkpoint is damaged or was tampered "
+                f"with", _RESTORE_FIX,
+            )  # fmt: skip
+        manifest = json.loads(text)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
         raise CheckpointError(
-            str(root), META_FILE, f"is not a readable manifest ({err})", _RESTORE_FIX
-        ) from None
+            str(root), META_FILE, f"is not a readable manifest ({type(err).__name__}: "
+            f"{_short(str(err))})", _RESTORE_FIX,
+        ) from None  # fmt: skip
     if not isinstance(manifest, dict):
         raise CheckpointError(
             str(root), META_FILE,
@@ -368,6 +498,8 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
     """
     root = Path(path)
     manifest = _manifest(root)
+    check_checkpoint_files(root, os.listdir(root))
+    _check_manifest_fields(root, manifest)
     fmt = manifest.get("format")
     if fmt == 1:
         return manifest
@@ -383,7 +515,11 @@ def verify_checkpoint(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise CheckpointError(str(root), META_FILE, "lists no files", _RESTORE_FIX)
     for name in _DATA_FILES:
         want = files.get(name)
-        if not isinstance(want, dict) or not {"bytes", "sha256"} <= set(want):
+        if (
+            not isinstance(want, dict)
+            or not _is_int(want.get("bytes"))
+            or not isinstance(want.get("sha256"), str)
+        ):
             raise CheckpointError(
                 str(root), META_FILE, f"does not record the size and sha256 of {name}",
                 _RESTORE_FIX,
@@ -491,6 +627,17 @@ def read_checkpoint(
         )
         manifest.setdefault("num_shards", state.get("num_shards"))
         manifest.setdefault("shards", None)
+    from tune_hydra.engine.resume import state_problem
+
+    problem = state_problem({**state, "model": model_state})
+    if problem is not None:
+        field, what = problem
+        raise CheckpointError(
+            str(root), STATE_FILE if field != "model" else MODEL_FILE,
+            f"holds the entry {field!r}, which {what}: no save writes that, so the checkpoint is "
+            f"damaged or was tampered with. Nothing of it was loaded into the trial",
+            _RESTORE_FIX,
+        )  # fmt: skip
     for key in ("iteration", "epoch", "num_shards"):
         said, held = manifest.get(key), state.get(key)
         if said is not None and held is not None and said != held:

@@ -61,6 +61,13 @@ def _tamper(latest: Path, kind: str, marker: Path) -> None:
     elif kind == "garbage":
         size = (latest / STATE_FILE).stat().st_size
         (latest / STATE_FILE).write_bytes(os.urandom(size))
+    elif kind == "dictpkl":  # Ray's own dict checkpoint, which Trainable.restore unpickles
+        import pickle
+
+        from tests.frontends.test_checkpoint import Payload
+
+        pkl_marker = marker.with_name(marker.name + "-pkl")
+        (latest / "_dict_checkpoint.pkl").write_bytes(pickle.dumps(Payload(pkl_marker)))
 
 
 def test_tuner_restore_refuses_tampered_checkpoints(
@@ -69,7 +76,7 @@ def test_tuner_restore_refuses_tampered_checkpoints(
     fail = tmp_path / "fail-while-present"
     fail.touch()
     marker = tmp_path / "payload-ran"
-    kinds = ["payload", "stale", "garbage", "intact"]
+    kinds = ["payload", "stale", "garbage", "dictpkl", "intact"]
     space = {"lr": 0.02, "marker": str(fail), "once": False, "tamper": tune.grid_search(kinds)}
     with HydraExecutor(devices="cpu", device_memory=BUDGET, seed=SEED) as ex:
         tuner = tune.Tuner(
@@ -121,6 +128,12 @@ def test_tuner_restore_refuses_tampered_checkpoints(
     stale = _error_text(by_kind["stale"])
     assert "CheckpointError" in stale and str(latest["stale"]) in stale
     assert f"{MODEL_FILE} has sha256" in stale and "stale" in stale
+
+    # issue 23 item 2: refused in the trial process before Ray's restore unpickles it
+    planted = _error_text(by_kind["dictpkl"])
+    assert "ForeignCheckpointFileError" in planted and "_dict_checkpoint.pkl" in planted
+    assert str(latest["dictpkl"]) in planted and "earlier checkpoint" in planted
+    assert not marker.with_name(marker.name + "-pkl").exists()
 
     garbage = _error_text(by_kind["garbage"])
     assert "CheckpointError" in garbage and str(latest["garbage"]) in garbage
@@ -315,3 +328,24 @@ def test_actor_names_the_checkpoint_of_an_interrupted_save(actor: Any, tmp_path:
         actor._load(reg, str(tmp_path))
     assert info.value.checkpoint == str(tmp_path) and info.value.file == META_FILE
     assert isinstance(info.value, th.TuneHydraError)
+
+
+def test_actor_names_a_position_past_the_data_as_a_damaged_checkpoint(
+    actor: Any, tmp_path: Path
+) -> None:
+    """Issue 23, item 8: batch_in_epoch past the task's data (digests updated) was a
+    TaskFailedError: StopIteration in the next epoch; now the load is refused naming the
+    field, and the trial keeps what it had."""
+    reg = _trial(actor, "a", {"lr": 0.01}, iterations=1)
+    actor._save(reg, str(tmp_path))
+    state = torch.load(tmp_path / STATE_FILE, weights_only=True)
+    replace_file(tmp_path, STATE_FILE, {**state, "batch_in_epoch": 99}, update_manifest=True)
+    back = _trial(actor, "b", {"lr": 0.01})
+    before = actor._engine.get_state("b")
+    with pytest.raises(CheckpointError, match=r"'batch_in_epoch' is 99, past the end") as info:
+        actor._load(back, str(tmp_path))
+    assert info.value.checkpoint == str(tmp_path) and info.value.file == STATE_FILE
+    assert "tampered" in str(info.value)
+    after = actor._engine.get_state("b")
+    assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
+    assert len(actor._engine.train("b", 1).result(timeout=120)) == 1

@@ -622,3 +622,89 @@ def test_callback_checkpoint_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert HydraExecutor(devices="cpu", checkpoint=False).checkpoint is None
     with pytest.raises(TuneHydraError, match="'every'"):
         HydraExecutor(devices="cpu", checkpoint="sometimes")
+
+
+# ---------------------------------------------------------------- issue 23: items 2 and 8
+class _Payload:
+    """Pickles as a call that creates ``marker`` (what an attacker plants)."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = str(marker)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (exec, (f"open({self.marker!r}, 'w').write('payload ran')",))
+
+
+def _bare_proxy() -> Any:
+    """A HydraTrainable that Tune did not build (no Ray, no engine): enough for the
+    methods that must refuse before they reach anything."""
+    from tune_hydra.frontends.ray.trainable import HydraTrainable
+
+    proxy = HydraTrainable.__new__(HydraTrainable)
+    proxy._token, proxy._key, proxy._actor = "tok", None, None
+    return proxy
+
+
+@pytest.mark.parametrize("form", ["path", "checkpoint", "result"])
+def test_restore_refuses_a_planted_dict_checkpoint_before_ray_unpickles_it(
+    actor: Any, tmp_path: Path, form: str
+) -> None:
+    import pickle
+
+    from ray.tune import Checkpoint
+    from ray.tune.trainable.trainable import _DICT_CHECKPOINT_FILE_NAME
+
+    from tune_hydra.exceptions import CheckpointError, ForeignCheckpointFileError
+
+    _call(actor.register("a", "t", BLOB, {"lr": 0.01}))
+    _call(actor.train("a", "t", 1))
+    ckpt = tmp_path / "checkpoint_000000"
+    _call(actor.save("a", "t", str(ckpt)))
+    marker = tmp_path / "payload-ran"
+    (ckpt / _DICT_CHECKPOINT_FILE_NAME).write_bytes(pickle.dumps(_Payload(marker)))
+    given: Any = str(ckpt)
+    if form != "path":
+        given = Checkpoint.from_directory(str(ckpt))
+    if form == "result":
+        from ray.train._internal.session import _TrainingResult
+
+        given = _TrainingResult(checkpoint=given, metrics={"training_iteration": 1})
+    proxy = _bare_proxy()
+    with pytest.raises(ForeignCheckpointFileError) as info:
+        proxy.restore(given)
+    assert not marker.exists()  # Ray's Trainable.restore would have run it
+    text = str(info.value)
+    assert isinstance(info.value, CheckpointError) and _DICT_CHECKPOINT_FILE_NAME in text
+    assert str(ckpt) in text and "unpickle" in text and "earlier checkpoint" in text
+    # a direct load_checkpoint refuses the folder too (before reaching the engine)
+    with pytest.raises(ForeignCheckpointFileError):
+        proxy.load_checkpoint(str(ckpt))
+    with pytest.raises(CheckpointError, match="not a folder"):
+        proxy.load_checkpoint({"model": 1})  # what Ray passes after unpickling one
+    assert not marker.exists()
+
+
+def test_an_engine_lost_mid_train_is_the_engine_unavailable_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class _Method:
+        def remote(self, *args: Any) -> str:
+            return "ref"
+
+    class _Engine:
+        train = _Method()
+
+    def unavailable(ref: Any, **kw: Any) -> Any:
+        raise ray.exceptions.ActorUnavailableError("The actor is temporarily unavailable", None)
+
+    class _Context:
+        def get_node_id(self) -> str:
+            return "node-1"
+
+    monkeypatch.setattr(ray, "get", unavailable)
+    monkeypatch.setattr(ray, "get_runtime_context", lambda: _Context())
+    proxy = _bare_proxy()
+    proxy._actor = _Engine()
+    with pytest.raises(EngineUnavailableError, match=r"(?s)node-1.*'train'.*max_failures") as info:
+        proxy._call("train", "a", "tok", 1, retry=False)
+    assert not isinstance(info.value, ray.exceptions.RayError)

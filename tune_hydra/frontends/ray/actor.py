@@ -675,7 +675,17 @@ class EngineActor:
         if saved_digest is not None and saved_digest != config_digest(reg.config) and key in state:
             fresh = eng.get_state(reg.name)
             state[key] = _merge_hyperparameters(state[key], fresh.get("optimizer"))
-        eng.set_state(reg.name, state)
+        from tune_hydra.exceptions import ResumeStateError
+
+        try:
+            eng.set_state(reg.name, state)  # checks the state against the task first
+        except ResumeStateError as err:
+            raise CheckpointError(
+                path,
+                STATE_FILE,
+                f"does not fit trial {reg.key}'s task: {err.detail}",
+                "Nothing of the checkpoint was loaded into the trial",
+            ) from None
 
     # ------------------------------------------------------------ actor methods
     @ray.method(concurrency_group=CONTROL_GROUP)

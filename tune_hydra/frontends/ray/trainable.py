@@ -27,8 +27,8 @@ from ray import tune
 from ray.tune.registry import _ParameterRegistry
 from ray.tune.result import SHOULD_CHECKPOINT
 
-from tune_hydra.exceptions import SystematicTaskError, UndeclaredMetricError
-from tune_hydra.frontends.checkpoint import discard_partial_save
+from tune_hydra.exceptions import CheckpointError, SystematicTaskError, UndeclaredMetricError
+from tune_hydra.frontends.checkpoint import check_checkpoint_files, discard_partial_save
 from tune_hydra.frontends.common import RESULT_KEYS
 from tune_hydra.frontends.ray.actor import engine_actor_name
 from tune_hydra.frontends.ray.errors import EngineUnavailableError, TrialResourcesError
@@ -64,6 +64,31 @@ def with_parameters_refs(cls: type) -> dict[str, Any] | None:
     if not all(isinstance(ref, ray.ObjectRef) for ref in refs.values()):
         return None  # not in the object store yet: Tune's own setup will fetch them
     return refs
+
+
+def _checkpoint_listing(checkpoint: Any) -> tuple[str, list[str]] | None:
+    """``(folder, names of its entries)`` of what Ray's ``Trainable.restore`` is given (a
+    path, a ``tune.Checkpoint`` or a training result holding one), listed on the
+    checkpoint's own file system (local, NFS, cloud); None when there is nothing to list
+    (Ray then raises its own error)."""
+    ckpt = checkpoint if isinstance(checkpoint, tune.Checkpoint) else None
+    if ckpt is None and isinstance(checkpoint, (str, os.PathLike)):
+        path = os.fspath(checkpoint)
+        return (path, os.listdir(path)) if os.path.isdir(path) else None
+    if ckpt is None:
+        ckpt = getattr(checkpoint, "checkpoint", None)
+    if not isinstance(ckpt, tune.Checkpoint):
+        return None
+    import pyarrow.fs
+
+    fs = ckpt.filesystem
+    if fs is None:
+        return None
+    try:
+        infos = fs.get_file_info(pyarrow.fs.FileSelector(ckpt.path))
+    except (FileNotFoundError, OSError):
+        return None  # gone: Ray says so
+    return ckpt.path, [info.base_name for info in infos]
 
 
 class HydraTrainable(tune.Trainable):
@@ -171,10 +196,19 @@ class HydraTrainable(tune.Trainable):
                 if isinstance(cause, SystematicTaskError):
                     raise cause from None
                 raise
-            except ray.exceptions.ActorUnavailableError:
-                if not retry or time.monotonic() > deadline:
-                    raise
-                time.sleep(0.5)
+            except ray.exceptions.ActorUnavailableError as err:
+                if retry and time.monotonic() <= deadline:
+                    time.sleep(0.5)
+                    continue
+                node_id = ray.get_runtime_context().get_node_id()
+                raise EngineUnavailableError(
+                    f"the tune_hydra engine actor of this trial's node ({node_id}) became "
+                    f"unreachable during its {method!r} call (it died and is restarting, or "
+                    f"its node is failing); the trial's state there is lost. Tune retries "
+                    f"this trial from its last checkpoint if max_failures allows; the "
+                    f"engine's log is in Ray's session folder (logs/worker-*.err). Ray said: "
+                    f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                ) from None
             except ray.exceptions.ActorDiedError as err:
                 node_id = ray.get_runtime_context().get_node_id()
                 raise EngineUnavailableError(
@@ -297,7 +331,39 @@ class HydraTrainable(tune.Trainable):
             discard_partial_save(checkpoint_dir, keep=before, remove_dir=made_by_tune)
             raise
 
+    def restore(self, checkpoint_path: Any) -> None:
+        """Refuse a checkpoint folder holding anything tune_hydra does not write, then
+        let Ray's ``Trainable.restore`` go on (it calls :meth:`load_checkpoint`).
+
+        The check runs first because Ray's ``restore`` unpickles ``_dict_checkpoint.pkl``
+        whenever a checkpoint folder holds one, in this process, before
+        ``load_checkpoint``: a payload planted there would run (``Tuner.restore``,
+        ``th.run(resume=...)``, retries after a failure, PBT exploits). tune_hydra never
+        writes that file.
+
+        Raises:
+            ForeignCheckpointFileError: the folder holds another name than ``model.pt``,
+                ``hydra_state.pt`` and ``hydra_meta.json``; nothing in it was read.
+        """
+        listed = _checkpoint_listing(checkpoint_path)
+        if listed is not None:
+            check_checkpoint_files(*listed)
+        super().restore(checkpoint_path)
+
     def load_checkpoint(self, checkpoint: Any) -> None:
+        if isinstance(checkpoint, tune.Checkpoint) or not isinstance(
+            checkpoint, (str, os.PathLike)
+        ):
+            # Ray passes a dict only when the folder held a pickled one: never ours.
+            raise CheckpointError(
+                "(unknown folder)",
+                None,
+                f"reached tune_hydra as a {type(checkpoint).__name__}, not a folder: "
+                f"tune_hydra checkpoints are folders holding model.pt, hydra_state.pt and "
+                f"hydra_meta.json",
+                "Restore the trial from a checkpoint tune_hydra wrote",
+            )
+        check_checkpoint_files(checkpoint, os.listdir(checkpoint))
         self._ensure_registered()
         self._call("load", self._key, self._token, str(checkpoint))
 
