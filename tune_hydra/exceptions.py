@@ -15,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import errno
 from typing import Any
 
 
@@ -271,24 +272,90 @@ class HostBudgetError(TuneHydraError, MemoryError):
         return (type(self), (self.task, self.shard, self.nbytes, self.budget))
 
 
-class SpillDiskFullError(TuneHydraError, OSError):
-    """A shard's state could not be written to ``spill_dir`` (the disk is full, or another
-    write error): its task fails, the others go on, and the state stays in host memory."""
+class SpillWriteError(TuneHydraError, OSError):
+    """A shard's state could not be written to ``spill_dir`` mid-run (the folder became
+    unwritable or read-only, was removed, an I/O error; a full disk is the subclass
+    :class:`SpillDiskFullError`): its task fails, the others go on, and the state stays in
+    host memory. ``code`` is the ``errno`` of the failed call (``None`` if unknown)."""
 
-    def __init__(self, task: str, shard: int, nbytes: int, path: str, detail: str) -> None:
+    def __init__(
+        self, task: str, shard: int, nbytes: int, path: str, detail: str, code: int | None = None
+    ) -> None:
         self.task = task
         self.shard = shard
         self.nbytes = nbytes
         self.path = path
         self.detail = detail
+        self.code = code
         super().__init__(
             f"task {task!r}: writing shard {shard}'s state ({format_bytes(nbytes)}) to the "
-            f"spill folder {path!r} failed ({detail}). Free space there, point spill_dir at a "
-            f"larger disk, or raise host_memory; restore the task from its last checkpoint"
+            f"spill folder {path!r} failed ({detail}). {self._advice()}; restore the task "
+            f"from its last checkpoint"
+        )
+
+    def _advice(self) -> str:
+        if self.code in (errno.EACCES, errno.EPERM):
+            return (
+                "The folder is not writable by this process (its permissions or attributes "
+                "changed): give it write permission back, or point spill_dir at a writable "
+                "folder on a local disk"
+            )
+        if self.code == errno.EROFS:
+            return (
+                "The file system became read-only (often after disk errors): check the disk, "
+                "or point spill_dir at a writable folder on another disk"
+            )
+        if self.code == errno.ENOENT:
+            return (
+                "The spill folder was removed while the engine used it (a cleaner of old "
+                "files, or someone, deleted it): keep other programs out of spill_dir"
+            )
+        return "Check the disk under spill_dir, or point spill_dir at another local disk"
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (
+            type(self),
+            (self.task, self.shard, self.nbytes, self.path, self.detail, self.code),
+        )
+
+
+class SpillDiskFullError(SpillWriteError):
+    """A shard's state could not be written to ``spill_dir`` because the disk (or the
+    user's quota) is full: its task fails, the others go on, and the state stays in host
+    memory."""
+
+    def __init__(
+        self,
+        task: str,
+        shard: int,
+        nbytes: int,
+        path: str,
+        detail: str,
+        code: int | None = errno.ENOSPC,
+    ) -> None:
+        super().__init__(task, shard, nbytes, path, detail, code)
+
+    def _advice(self) -> str:
+        return "Free space there, point spill_dir at a larger disk, or raise host_memory"
+
+
+class SpillReadError(TuneHydraError, OSError):
+    """A shard's state in ``spill_dir`` could not be read back (an I/O error, a file
+    changed under the engine): its task fails, the others go on."""
+
+    def __init__(self, task: str, shard: int, path: str, detail: str) -> None:
+        self.task = task
+        self.shard = shard
+        self.path = path
+        self.detail = detail
+        super().__init__(
+            f"task {task!r}: reading shard {shard}'s state back from the spill folder "
+            f"{path!r} failed ({detail}). Check the disk under spill_dir and keep other "
+            f"programs out of it; restore the task from its last checkpoint"
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task, self.shard, self.nbytes, self.path, self.detail))
+        return (type(self), (self.task, self.shard, self.path, self.detail))
 
 
 class _TaskInputError(InvalidTaskError):

@@ -456,9 +456,12 @@ class Engine:
         """Stop the threads, bring every model back to the CPU and remove the spill folder.
 
         With a disk tier, the states still on disk are not read back into host memory
-        (they may not fit): their tensors stay memory-mapped views of the removed files,
-        readable and writable as any CPU tensor, until the model replaces them (a
-        ``load_state_dict``, ``.clone()``); their disk space is freed then.
+        (all of them may not fit): their tensors stay memory-mapped views of the removed
+        files, readable and writable as any CPU tensor, until the model replaces them (a
+        ``load_state_dict``, ``.clone()``); their disk space is freed then. To get a
+        model back in RAM, call :meth:`remove_task` first: it reads the task's model
+        tensors back (``train_models`` does so for every task). Never raises for the
+        disk tier: a spill folder that cannot be removed is logged.
         """
         with self._cv:
             if self._closed:

@@ -15,9 +15,12 @@ holds in host memory (shard states in RAM, parked boundary tensors; its
   only colder ones; the device's copy thread then takes them on (disk -> host -> device,
   each hop overlapped with other ops' compute). A visit that finds its state still on
   disk reads it then, and the wait is recorded (``disk_wait_s``, ``disk_wait`` events).
-- **Faults.** A failed write (a full disk) fails the task of the state that could not be
-  spilled, with :class:`~tune_hydra.exceptions.SpillDiskFullError`; the state stays in
-  host memory and is not picked again; other tasks go on.
+- **Faults.** A failed write fails the task of the state that could not be spilled, with
+  :class:`~tune_hydra.exceptions.SpillWriteError` (its subclass ``SpillDiskFullError``
+  for a full disk; also a folder made unwritable or read-only); the state stays in host
+  memory and is not picked again; other tasks go on. A state that
+  cannot be read back fails its task with :class:`~tune_hydra.exceptions.SpillReadError`.
+  Closing never raises for the disk tier: a spill folder that cannot be removed is logged.
 
 Design note (locks): ``HostMemory._lock`` is a leaf. :meth:`reserve` is called by a store
 under its own lock and spills *other* stores only through ``try_spill`` (a non-blocking
@@ -53,7 +56,9 @@ from tune_hydra.core.host import HostLedger
 from tune_hydra.core.trace import Trace, TraceEvent
 from tune_hydra.engine.storage.disk import SpillFolder
 from tune_hydra.engine.storage.store import ShardStore
-from tune_hydra.exceptions import SpillDiskFullError
+from tune_hydra.exceptions import SpillReadError, SpillWriteError
+
+SpillError = SpillWriteError | SpillReadError
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +112,7 @@ class HostMemory:
         self._busy: dict[int, int] = {}
         self._heat: Mapping[int, float] = {}
         self._failed: set[int] = set()  # could not be written: never picked again
-        self.failures: list[tuple[str, SpillDiskFullError]] = []
+        self.failures: list[tuple[str, SpillError]] = []
         self.written_bytes = 0
         self.read_bytes = 0
         self.disk_wait_s = 0.0
@@ -187,7 +192,7 @@ class HostMemory:
         self._heat = heat
         self._wake.set()
 
-    def take_failures(self) -> list[tuple[str, SpillDiskFullError]]:
+    def take_failures(self) -> list[tuple[str, SpillError]]:
         """The tasks whose state could not be written since the last call, with the error."""
         with self._lock:
             out, self.failures = self.failures, []
@@ -321,13 +326,17 @@ class HostMemory:
             }
 
     def close(self) -> None:
-        """Stop the disk thread and remove the spill folder."""
+        """Stop the disk thread and remove the spill folder. Never raises for the disk
+        tier: what cannot be removed is logged."""
         self._closing = True
         self._wake.set()
         if self._thread is not None:
             self._thread.join(10.0)
         if self.folder is not None:
-            self.folder.close()
+            try:
+                self.folder.close()
+            except OSError as err:  # it logs its own failures; this is a last resort
+                log.warning("removing the spill folder %s: %s", self.folder.path, err)
 
     # -- internals -----------------------------------------------------------------------
 
@@ -369,7 +378,7 @@ class HostMemory:
     def _spill_or_fail(self, store: ShardStore) -> bool:
         try:
             return store.try_spill()
-        except SpillDiskFullError as err:
+        except (SpillWriteError, SpillReadError) as err:
             log.warning("%s", err)
             with self._lock:
                 self._failed.add(id(store))

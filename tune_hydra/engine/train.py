@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import traceback
 from collections.abc import Mapping, Sequence
@@ -17,6 +18,8 @@ from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.engine.task import ModelTask
 from tune_hydra.exceptions import InvalidTaskError, TaskFailedError, TrainingError, TuneHydraError
 from tune_hydra.options import EngineOptions, check_positive_int, check_task_options
+
+log = logging.getLogger(__name__)
 
 
 class History(dict[str, list[dict[str, Any]]]):
@@ -94,16 +97,18 @@ def train_models(
             ``"8GiB"``); the state beyond it goes to ``spill_dir`` and is read back before
             its shard runs. ``None`` = unlimited (nothing goes to disk). Results are the
             same either way. Needs ``spill_dir``.
-        spill_dir: a folder, on a local disk (NVMe; not a tmpfs, which is RAM), where the
-            engine makes its own scratch subfolder, removed when training ends. Unused
-            without ``host_memory``.
+        spill_dir: a folder, on a local disk (NVMe; a RAM file system such as a tmpfs is
+            refused), where the engine makes its own scratch subfolder, removed when
+            training ends. Unused without ``host_memory``.
 
     Returns:
         A :class:`History`: ``history["a"]`` is a list with one dict per epoch holding
         ``loss``, ``val_loss`` (with ``eval_data``), each of the task's ``metrics`` (its
         batch-size-weighted mean over ``eval_data``), ``num_shards`` and engine figures
         (``device_time_s`` and ``bytes_spilled``, cumulative since registration).
-        After return every ``task.model`` holds its trained weights, on the CPU.
+        After return every ``task.model`` holds its trained weights, on the CPU, in RAM
+        (with the disk tier, states on disk are read back first; nothing maps a spill
+        file).
 
     Raises:
         TrainingError: some tasks failed; the others finished (see ``.errors`` and
@@ -111,13 +116,16 @@ def train_models(
             or data, a layer over ``device_memory``, a shard over ``host_memory``
             (``HostBudgetError``), a model another task trains too ...) is reported there
             with an empty history, and does not stop the others. A task whose state could
-            not be written to ``spill_dir`` mid-run fails with ``SpillDiskFullError``.
+            not be written to ``spill_dir`` mid-run fails with ``SpillWriteError``
+            (``SpillDiskFullError`` for a full disk), one that could not be read back with
+            ``SpillReadError``.
         InvalidOptionError: an option of the call itself is bad (``epochs``, ``seed``,
             ``max_grad_norm``, ``accumulate_steps``, ``precision``,
             ``max_layers_per_shard``, ``spill_dir`` not a path): no task is trained.
         BudgetFormatError: ``device_memory`` or ``host_memory`` does not parse.
         SpillDirError: ``host_memory`` without ``spill_dir``, or ``spill_dir`` missing,
-            not a writable folder, or on a full disk: no task is trained.
+            not a writable folder, on a RAM file system, or on a full disk: no task is
+            trained.
         InvalidTaskError: ``tasks`` is not a non-empty dict.
 
     Example:
@@ -181,9 +189,30 @@ def train_models(
         history.summary = engine.summary()
         history.trace = engine.trace
         history.kept_graphs = engine.keeps_graphs
+        if engine.host.active:
+            _take_models_back(engine, added, errors)
+            # The read-back is in the trace: the disk figures count it too.
+            after = engine.summary()["host"]
+            for key in ("read_bytes", "loads", "disk_wait_s"):
+                history.summary["host"][key] = after[key]
     if errors:
         raise TrainingError(errors, dict(history))
     return history
+
+
+def _take_models_back(engine: Engine, names: list[str], errors: dict[str, BaseException]) -> None:
+    """Remove the tasks from the engine, so that every model's tensors are plain RAM
+    tensors: those of states still on the disk tier are read back (``Engine.close()``
+    would leave them memory-mapped views of the removed spill files, holding their disk
+    space as long as the user keeps the models). A task whose state cannot be read back
+    fails with ``SpillReadError`` (its model keeps views of what was on disk)."""
+    for name in names:
+        try:
+            engine.remove_task(name)
+        except Exception as err:  # that task's model is not whole in RAM: its error
+            log.warning("task %r: reading its model back failed: %s", name, err)
+            if name not in errors:
+                errors[name] = _as_task_error(name, err)
 
 
 def _as_task_error(name: str, err: Exception) -> TuneHydraError:

@@ -1,10 +1,15 @@
 """The disk tier's files: raw bytes written and read back exactly, mapped views, layout
-changes, write failures; and a store going to disk and back."""
+changes, write and read failures (each its error), reads through open descriptors after
+the folder is deleted, the folder's lock; and a store going to disk and back."""
 
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
+import pickle
+import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -12,10 +17,22 @@ import pytest
 import torch
 from torch import nn
 
+from tests.engine.test_disk_tier import disk_folder
 from tune_hydra.engine.storage import Residency, ShardStore
 from tune_hydra.engine.storage import disk as disk_mod
-from tune_hydra.engine.storage.disk import SpillFolder
-from tune_hydra.exceptions import SpillDiskFullError
+from tune_hydra.engine.storage.disk import LOCK_NAME, SpillFolder, ram_file_system
+from tune_hydra.exceptions import (
+    SpillDirError,
+    SpillDiskFullError,
+    SpillReadError,
+    SpillWriteError,
+)
+
+
+@pytest.fixture
+def disk_path(tmp_path: Path) -> Iterator[Path]:
+    """A fresh folder on a disk (see ``disk_folder``)."""
+    yield from disk_folder(tmp_path)
 
 
 def _items() -> list[tuple[tuple[Any, ...], torch.Tensor]]:
@@ -29,8 +46,8 @@ def _items() -> list[tuple[tuple[Any, ...], torch.Tensor]]:
     ]
 
 
-def test_written_values_read_back_bit_for_bit(tmp_path: Path) -> None:
-    folder = SpillFolder(tmp_path)
+def test_written_values_read_back_bit_for_bit(disk_path: Path) -> None:
+    folder = SpillFolder(disk_path)
     f = folder.file(("task/with:odd name", 2))
     items = _items()
     written = f.write(items)
@@ -46,8 +63,8 @@ def test_written_values_read_back_bit_for_bit(tmp_path: Path) -> None:
     assert not folder.path.exists()
 
 
-def test_a_new_layout_goes_to_a_new_file_and_old_views_stay_valid(tmp_path: Path) -> None:
-    folder = SpillFolder(tmp_path)
+def test_a_new_layout_goes_to_a_new_file_and_old_views_stay_valid(disk_path: Path) -> None:
+    folder = SpillFolder(disk_path)
     f = folder.file(("a", 0))
     first = [(("p", 0), torch.full((4,), 1.5, dtype=torch.float64))]
     f.write(first)
@@ -64,18 +81,116 @@ def test_a_new_layout_goes_to_a_new_file_and_old_views_stay_valid(tmp_path: Path
 
 
 def test_a_failed_write_raises_the_disk_full_error(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    disk_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     def full(path: str, fd: int, data: memoryview, offset: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    folder = SpillFolder(tmp_path)
+    folder = SpillFolder(disk_path)
     f = folder.file(("a", 3))
     monkeypatch.setattr(disk_mod, "write_at", full)
     with pytest.raises(SpillDiskFullError, match=r"task 'a': writing shard 3.*No space left"):
         f.write(_items())
     assert not f.layout  # nothing is believed to be there
     folder.close()
+
+
+@pytest.mark.parametrize(
+    ("code", "cls", "advice"),
+    [
+        (errno.EACCES, SpillWriteError, "give it write permission back"),
+        (errno.EROFS, SpillWriteError, "became read-only"),
+        (errno.EIO, SpillWriteError, "Check the disk"),
+        (errno.ENOSPC, SpillDiskFullError, "Free space there"),
+        (errno.EDQUOT, SpillDiskFullError, "Free space there"),
+    ],
+)
+def test_each_failed_write_says_what_to_do(
+    disk_path: Path, monkeypatch: pytest.MonkeyPatch, code: int, cls: type, advice: str
+) -> None:
+    def failing(path: str, fd: int, data: memoryview, offset: int) -> None:
+        raise OSError(code, os.strerror(code))
+
+    folder = SpillFolder(disk_path)
+    f = folder.file(("a", 3))
+    monkeypatch.setattr(disk_mod, "write_at", failing)
+    with pytest.raises(SpillWriteError) as err:
+        f.write(_items())
+    assert type(err.value) is cls and err.value.code == code
+    assert (err.value.task, err.value.shard, err.value.path) == ("a", 3, str(folder.path))
+    assert advice in str(err.value) and "restore the task" in str(err.value)
+    assert pickle.loads(pickle.dumps(err.value)).args == err.value.args
+    folder.close()
+
+
+def test_reads_go_through_open_files_after_the_folder_is_deleted(disk_path: Path) -> None:
+    folder = SpillFolder(disk_path)
+    f = folder.file(("a", 0))
+    items = _items()
+    f.write(items)
+    shutil.rmtree(folder.path)
+    views = f.views()  # mapped through the descriptor, not the (gone) name
+    for key, t in items:
+        out = torch.empty(t.shape, dtype=t.dtype)
+        f.read_into(key, out)
+        assert torch.equal(out, t) and torch.equal(views[key], t)
+    f.write(items)  # the same layout: rewritten through the descriptor
+    assert not folder.path.exists()
+    g = folder.file(("b", 0))  # a new file: the folder is made again, and locked
+    g.write(items[:1])
+    assert folder.path.is_dir() and (folder.path / LOCK_NAME).stat().st_size > 0
+    assert torch.equal(g.views()[items[0][0]], items[0][1])
+    folder.close()
+    assert not folder.path.exists()
+
+
+def test_a_spill_file_that_cannot_be_read_names_the_task_and_folder(disk_path: Path) -> None:
+    folder = SpillFolder(disk_path)
+    f = folder.file(("a", 4))
+    f.write(_items())
+    assert f._fd is not None
+    os.ftruncate(f._fd, 8)  # changed under the engine
+    key, t = _items()[0]
+    with pytest.raises(SpillReadError, match=r"task 'a': reading shard 4's state") as err:
+        f.read_into(key, torch.empty(t.shape, dtype=t.dtype))
+    assert err.value.path == str(folder.path) and "short" in err.value.detail
+    folder.close()
+
+
+def test_a_folder_is_removed_only_once_its_lock_can_be_taken(disk_path: Path) -> None:
+    """Whatever pid its name carries (one from another PID namespace means nothing here),
+    another engine's folder goes only when its lock is free and says who held it."""
+    own = SpillFolder(disk_path)
+    prefix = own.path.name[: own.path.name.rindex(f"-{os.getpid()}-")]
+    own.close()
+    theirs = disk_path / f"{prefix}-999999999-abc"  # a pid no process has here
+    theirs.mkdir()
+    (theirs / "x.bin").write_bytes(b"1" * 64)
+    lock = theirs / LOCK_NAME
+    lock.write_text(f"{prefix} 1\n")
+    fd = os.open(lock, os.O_RDWR)  # its engine, alive: flock is per open file description
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        SpillFolder(disk_path).close()
+        assert (theirs / "x.bin").read_bytes() == b"1" * 64
+    finally:
+        os.close(fd)  # it is gone
+    lock.write_text("")  # ... or being made: locked only after its lock file exists
+    SpillFolder(disk_path).close()
+    assert (theirs / "x.bin").exists()
+    lock.write_text(f"{prefix} 1\n")
+    SpillFolder(disk_path).close()
+    assert not theirs.exists()
+    assert not list(disk_path.iterdir())
+
+
+def test_a_folder_in_ram_is_refused(disk_path: Path) -> None:
+    assert ram_file_system(disk_path) is None
+    if not os.path.isdir("/dev/shm") or ram_file_system("/dev/shm") is None:
+        pytest.skip("no RAM file system at /dev/shm here")
+    assert ram_file_system("/dev/shm") in ("tmpfs", "ramfs")
+    with pytest.raises(SpillDirError, match=r"'/dev/shm' is on a RAM file system"):
+        SpillFolder("/dev/shm")
 
 
 class _Host:
@@ -101,13 +216,13 @@ class _Host:
         self.calls.append("wait")
 
 
-def test_a_store_goes_to_disk_and_back_exactly(tmp_path: Path) -> None:
+def test_a_store_goes_to_disk_and_back_exactly(disk_path: Path) -> None:
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3)).double()
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
     model(torch.randn(5, 4, dtype=torch.float64)).sum().backward()
     opt.step()
-    folder = SpillFolder(tmp_path)
+    folder = SpillFolder(disk_path)
     host = _Host()
     store = ShardStore([model], opt, host=host, spill_file=folder.file(("a", 0)))
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -395,14 +395,20 @@ class ShardStore:
         leaves the state on the host. Returns the bytes moved.
 
         Args:
-            load: bring a state on disk back into host memory too (the task leaves the
-                engine: its model gets plain tensors back). Otherwise it stays on disk,
+            load: the task leaves the engine, whose runner (and optimizer) is discarded:
+                read the model's tensors of a state on disk (parameters, gradients,
+                buffers) back into plain RAM tensors, and drop its optimizer state there
+                (never read): nothing of it then maps the spill file, whose disk space is
+                freed when the file is removed. Otherwise a state on disk stays there,
                 readable through its views.
+
+        Raises:
+            SpillReadError: the file cannot be read (the state stays on disk).
         """
         with self.lock:
             moved = self._demote(None)
             if load and self._residency.state is Residency.DISK:
-                self._load(speculative=False)
+                self._load(speculative=False, model_only=True)
             self._residency.retire()
             self._synchronize()  # an earlier asynchronous demote, too
             return moved
@@ -426,7 +432,10 @@ class ShardStore:
         freed.
 
         Raises:
-            SpillDiskFullError: the write failed; the state stays in host memory.
+            SpillWriteError: the write failed (``SpillDiskFullError``: the disk is full);
+                the state stays in host memory.
+            SpillReadError: the written file cannot be mapped; the state stays in host
+                memory.
         """
         if not self.lock.acquire(blocking=False):
             return False
@@ -466,7 +475,10 @@ class ShardStore:
     def load(self, *, speculative: bool = True) -> bool:
         """Read the state back from the disk tier into host memory (the disk thread's
         read-ahead). ``speculative``: never wait for the store's lock, and only if room
-        can be made by spilling colder states. Returns whether it was loaded."""
+        can be made by spilling colder states. Returns whether it was loaded.
+
+        Raises:
+            SpillReadError: the file cannot be read (the state stays on disk)."""
         if not self.lock.acquire(blocking=not speculative):
             return False
         try:
@@ -476,23 +488,36 @@ class ShardStore:
         finally:
             self.lock.release()
 
-    def _load(self, *, speculative: bool) -> bool:
+    def _load(self, *, speculative: bool, model_only: bool = False) -> bool:
         assert self.host is not None and self.spill_file is not None
-        layout = self.spill_file.layout
-        nbytes = sum(shape.numel() * dtype.itemsize for _, dtype, shape in layout.values())
+        templates = self.spill_file.templates()
+        if model_only:  # see retire(load=True): the optimizer's state is dropped, not read
+            dropped = [key for key in templates if key[0] == "o"]
+            templates = {k: t for k, t in templates.items() if k[0] != "o"}
+        nbytes = sum(t.numel() * t.element_size() for t in templates.values())
         if not self.host.reserve(self, max(self.state_bytes, nbytes), speculative=speculative):
             return False
         self._loading = True
         try:
             start = time.perf_counter()
-            views = self.spill_file.views()
             bufs = {}
-            for key, view in views.items():
-                buf = self._tier.put(key, view)
-                self.spill_file.read_into(key, buf)
-                bufs[key] = buf
+            # Read through the file's descriptor (no mapping, no name: the spill folder may
+            # have been deleted under the engine).
+            try:
+                for key, like in templates.items():
+                    buf = self._tier.put(key, like)
+                    self.spill_file.read_into(key, buf)
+                    bufs[key] = buf
+            except BaseException:
+                self._tier.clear()  # the state stays on disk, its views untouched
+                self.host.release(self)
+                raise
             self._tier.flush()
             self._point_at(bufs)
+            if model_only and self.optimizer is not None:
+                for key in dropped:
+                    param = self.params[key[1]]  # type: ignore[call-overload]
+                    self.optimizer.state[param].pop(key[2], None)
             self._residency.load()
             self.host.note_io(self, "from_disk", nbytes, start)
         finally:
