@@ -29,6 +29,7 @@ import os
 from dataclasses import InitVar, dataclass
 from typing import TYPE_CHECKING, Any
 
+from tune_hydra.core.trace import DEFAULT_WINDOW as DEFAULT_TRACE_WINDOW
 from tune_hydra.exceptions import InvalidOptionError, SpillDirError
 
 if TYPE_CHECKING:
@@ -305,6 +306,8 @@ class EngineOptions:
         host_memory, spill_dir: the host-memory budget and the folder of the disk tier
             below it (see ``Engine``); ``host_memory`` needs ``spill_dir`` (checked here;
             the folder itself is checked when the engine starts).
+        trace_window: the most trace events the engine keeps (``None``: all); older
+            ones are folded into the trace's running totals (see ``Engine``).
         where: who got them, for the messages (``"Engine"``, ``"train_models"``); not
             stored.
 
@@ -327,6 +330,7 @@ class EngineOptions:
     max_layers_per_shard: int | None = None
     host_memory: int | str | None = None
     spill_dir: str | os.PathLike[str] | None = None
+    trace_window: int | None = DEFAULT_TRACE_WINDOW
     where: InitVar[str] = "Engine"
 
     def __post_init__(self, where: str) -> None:
@@ -336,6 +340,10 @@ class EngineOptions:
             check_max_layers_per_shard(self.max_layers_per_shard, where=where),
         )
         check_spill(self.host_memory, self.spill_dir, where=where)
+        window = check_positive_int(
+            self.trace_window, "trace_window", allow_none=True, meaning="None: keep all"
+        )
+        object.__setattr__(self, "trace_window", window)
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``Engine(...)`` (a shallow copy: a policy instance is

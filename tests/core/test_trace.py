@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import json
+import random
 import threading
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from tune_hydra.core.trace import Trace, TraceEvent, plot_timeline, save_trace
-from tune_hydra.exceptions import ScheduleError, TuneHydraError
+from tune_hydra.core.trace import (
+    DEFAULT_WINDOW,
+    Trace,
+    TraceEvent,
+    plot_timeline,
+    save_trace,
+)
+from tune_hydra.exceptions import InvalidOptionError, ScheduleError, TuneHydraError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -334,3 +343,214 @@ def test_host_budget_catches_a_take_before_its_spill() -> None:
     )
     with pytest.raises(ScheduleError, match="120 bytes"):
         trace.validate(host_budget=100)
+
+
+# -- a bounded trace (issue 23, item 7): a window of events, whole-run figures ----------
+
+
+def _run_events(n_ops: int, seed: int = 0) -> list[TraceEvent]:
+    """A plausible engine trace of ``n_ops`` shard ops, in the order the engine adds events
+    (each when it ends): 2 devices copying 3-shard states of 5 tasks, carries, the host
+    account and the disk tier."""
+    rng = random.Random(seed)
+    devices, tasks = ["d0", "d1"], [f"t{i}" for i in range(5)]
+    free = dict.fromkeys(devices, 0.0)
+    ready = dict.fromkeys(tasks, 0.0)
+    step = dict.fromkeys(tasks, 0)
+    out = [_host("host_take", t, s, 1000, 0.0) for t in tasks for s in range(3)]
+    for i in range(n_ops):
+        d = min(devices, key=lambda x: free[x])
+        t = min(tasks, key=lambda x: ready[x])
+        shard = step[t] % 3
+        step[t] += 1
+        t0 = max(free[d], ready[t])
+        s, e = t0 + 0.001, t0 + 0.001 + rng.uniform(0.001, 0.01)
+        out.append(_host("host_give", t, shard, 1000, t0))
+        out.append(TraceEvent(d, t, shard, "copy_in", t0, s, 1000, i, i))
+        carry = rng.choice([0, 0, 64])
+        out.append(TraceEvent(d, t, shard, rng.choice("FB"), s, e, 8, i, i, carry))
+        out.append(TraceEvent(d, t, shard, "copy_out", e, e + 0.001, 1000, i, i))
+        out.append(_host("host_take", t, shard, 1000, e + 0.001))
+        if i % 7 == 0:
+            out.append(TraceEvent("disk", t, shard, "to_disk", e, e + 0.002, 1000))
+            out.append(TraceEvent("disk", t, shard, "from_disk", e + 0.002, e + 0.003, 1000))
+            out.append(TraceEvent(d, t, shard, "disk_wait", e + 0.002, e + 0.003))
+        free[d], ready[t] = e + 0.001, e
+    out.sort(key=lambda x: x.end)  # stable: the host account keeps its order
+    return out
+
+
+def _fed(events: list[TraceEvent], window: int | None) -> Trace:
+    trace = Trace(["d0", "d1"], window=window)
+    for e in events:
+        trace.add(e)
+    return trace
+
+
+def _close(a: Any, b: Any) -> None:
+    if isinstance(a, dict):
+        assert a.keys() == b.keys()
+        for key in a:
+            _close(a[key], b[key])
+    elif isinstance(a, float):
+        assert a == pytest.approx(b, rel=1e-9, abs=1e-12)
+    else:
+        assert a == b
+
+
+def test_a_bounded_trace_keeps_its_window_and_the_whole_runs_figures() -> None:
+    events = _run_events(3000)
+    full, bounded = _fed(events, None), _fed(events, 100)
+    assert len(full) == len(events) and full.dropped == 0
+    assert 90 <= len(bounded) <= 100 and bounded.dropped == len(events) - len(bounded)
+    assert bounded.events == events[-len(bounded) :]
+    expected = full.summary()
+    got = bounded.summary()
+    assert got["dropped"] == bounded.dropped and expected["dropped"] == 0
+    del got["dropped"], expected["dropped"]
+    _close(got, expected)
+    assert got["events"] == len(events) and got["ops"] == 3000
+    _close(bounded.busy_s(), full.busy_s())
+    _close(bounded.utilization(), full.utilization())
+    assert bounded.wall_s() == full.wall_s()
+    # The same run without the bound: the same checks pass over the whole run.
+    for trace in (full, bounded):
+        trace.validate(state_budget=1320, host_budget=15_000)
+
+
+def _verdict(trace: Trace, **kw: Any) -> bool:
+    try:
+        trace.validate(**kw)
+    except ScheduleError:
+        return False
+    return True
+
+
+@pytest.mark.parametrize("window", [1, 7, 100, 5000])
+def test_a_bounded_trace_checks_the_whole_run_against_the_budgets(window: int) -> None:
+    events = _run_events(2000)
+    full, bounded = _fed(events, None), _fed(events, window)
+    assert bounded.dropped > 0
+    bounded.validate(state_budget=1320, host_budget=15_000)
+    with pytest.raises(ScheduleError, match="over its budget of 999 bytes"):
+        bounded.validate(state_budget=999)
+    with pytest.raises(ScheduleError, match="host memory holds 15000 bytes"):
+        bounded.validate(host_budget=14_999)
+    # Boundary tensors left waiting (64 bytes a task) count as in the unbounded replay
+    # (to the order of steps where chunks were cut: tiny windows fold one event at a time).
+    verdicts = [(b, _verdict(full, state_budget=b)) for b in range(1000, 1330, 32)]
+    assert {v for _, v in verdicts} == {True, False}
+    if window >= 100:
+        assert [(b, _verdict(bounded, state_budget=b)) for b, _ in verdicts] == verdicts
+
+
+@pytest.mark.parametrize("at", [40, 3000, -3])
+@pytest.mark.parametrize("window", [None, 50])
+def test_a_bad_event_is_caught_whether_or_not_it_is_still_kept(at: int, window: int) -> None:
+    events = _run_events(1000)
+    i = next(j for j in range(at % len(events), len(events)) if events[j].is_compute)
+    e = events[i]
+    before = [x for x in events[:i] if x.is_compute and x.device == e.device]
+    overlapping = replace(e, start=before[-1].end - 0.003)  # 3 ms into the op before
+    for bad, message in [
+        (replace(e, end=e.start - 0.5), "ends before it starts"),
+        (overlapping, "runs two operations at once"),
+    ]:
+        trace = _fed([*events[:i], bad, *events[i + 1 :]], window)
+        with pytest.raises(ScheduleError, match=message) as err:
+            trace.validate()
+        assert ("no longer kept" in str(err.value)) == (i < trace.dropped)
+    trace = _fed([*events[:i], overlapping, *events[i + 1 :]], window)
+    trace.validate(tolerance=0.005)  # the overlap is within the tolerance
+
+
+def test_the_default_trace_is_bounded() -> None:
+    trace = Trace(["cpu"])
+    for i in range(DEFAULT_WINDOW + 1000):
+        trace.add(TraceEvent("cpu", "a", 0, "F", float(i), i + 0.5))
+    assert len(trace) <= DEFAULT_WINDOW
+    assert trace.window == DEFAULT_WINDOW
+    assert trace.dropped == DEFAULT_WINDOW + 1000 - len(trace)
+    summary = trace.summary()
+    assert summary["ops"] == DEFAULT_WINDOW + 1000 and summary["tasks"]["a"] == pytest.approx(
+        (DEFAULT_WINDOW + 1000) * 0.5
+    )
+    assert trace.wall_s() == DEFAULT_WINDOW + 999.5
+    trace.validate()
+
+
+def test_window_option_and_printing() -> None:
+    with pytest.raises(InvalidOptionError, match="trace_window"):
+        Trace(["cpu"], window=0)
+    with pytest.raises(InvalidOptionError, match="trace_window"):
+        Trace(["cpu"], window=1.5)  # type: ignore[arg-type]
+    trace = Trace.from_events(_run_events(100), window=20)
+    assert len(trace) <= 20 and trace.dropped > 0
+    assert f"{trace.dropped} earlier events dropped" in trace.table()
+    assert f"dropped={trace.dropped}" in repr(trace)
+    assert Trace.from_events(_run_events(100)).dropped == 0  # a given list: all kept
+    from tune_hydra.options import EngineOptions
+
+    assert EngineOptions().trace_window == DEFAULT_WINDOW
+    assert EngineOptions(trace_window=None).trace_window is None
+    with pytest.raises(InvalidOptionError, match="trace_window"):
+        EngineOptions(trace_window=0)
+
+
+def test_an_engines_bounded_trace_holds_its_window_with_whole_run_figures() -> None:
+    torch = pytest.importorskip("torch")
+    from torch import nn
+
+    from tune_hydra.engine import Engine
+    from tune_hydra.engine.task import ModelTask
+
+    def task() -> ModelTask:
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(2, 2) for _ in range(4)])
+        data = [(torch.randn(2, 2), torch.randn(2, 2)) for _ in range(8)]
+        return ModelTask(model, nn.MSELoss(), lambda p: torch.optim.SGD(p, lr=0.1), data)
+
+    runs = {}
+    for window in (None, 40):
+        with Engine(
+            devices=["cpu", "cpu"], max_layers_per_shard=1, copy_on_cpu=True, trace_window=window
+        ) as engine:
+            for name in ("a", "b"):
+                engine.add_task(name, task(), seed=0)
+            futures = [engine.train(name, iterations=3) for name in ("a", "b")]
+            for f in futures:
+                f.result(timeout=120)
+            runs[window] = (engine.trace, engine.summary())
+    (full, _), (bounded, figures) = runs[None], runs[40]
+    assert full.dropped == 0 and len(bounded) <= 40 < bounded.dropped
+    a, b = full.summary(), bounded.summary()
+    # The same work (which device ran what, and the parked bytes, depend on timing).
+    assert a["ops"] == b["ops"] and a["tasks"].keys() == b["tasks"].keys()
+    assert b["events"] == b["dropped"] + len(bounded)
+    # From running totals, the bounded trace's figures agree with the workers' own.
+    for label, device in figures["devices"].items():
+        assert b["devices"][label]["busy_s"] == pytest.approx(device["busy_s"], rel=1e-6)
+    assert sum(b["tasks"].values()) == pytest.approx(
+        sum(busy for busy in bounded.busy_s().values())
+    )
+    bounded.validate()
+
+
+def test_a_bounded_trace_folds_while_threads_add() -> None:
+    trace = Trace([f"d{i}" for i in range(4)], window=100)
+
+    def work(i: int) -> None:
+        for k in range(5000):
+            trace.add(TraceEvent(f"d{i}", f"t{i}", 0, "F", float(k), k + 0.5, bytes_moved=1))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(trace) <= 100 and trace.dropped + len(trace) == 20_000
+    summary = trace.summary()
+    assert summary["ops"] == 20_000 and summary["bytes_moved"] == 20_000
+    assert trace.busy_s() == pytest.approx({f"d{i}": 2500.0 for i in range(4)})
+    assert summary["tasks"] == pytest.approx({f"t{i}": 2500.0 for i in range(4)})
+    trace.validate()

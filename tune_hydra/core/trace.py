@@ -5,6 +5,10 @@ table (``print(trace)``), summarised (:meth:`Trace.summary`), written as a Chrom
 (:func:`save_trace`, opens in Perfetto or ``chrome://tracing``) and drawn as a Gantt chart
 (:func:`plot_timeline`).
 
+A trace keeps the most recent ``window`` events (default :data:`DEFAULT_WINDOW`): older
+ones are folded into running totals, so its figures and its validation still cover the
+whole run while its memory stays bounded on a days-long search.
+
 Example:
     >>> from tune_hydra.core.trace import Trace, TraceEvent
     >>> trace = Trace(["cpu#0", "cpu#1"])
@@ -17,6 +21,7 @@ Example:
 from __future__ import annotations
 
 import json
+import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +31,7 @@ from typing import Any
 from tune_hydra.core.ledger import DeviceLedger
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.core.program import ends_batch, is_batch_kind, starts_batch
-from tune_hydra.exceptions import ScheduleError
+from tune_hydra.exceptions import InvalidOptionError, ScheduleError
 
 COMPUTE_OPS = frozenset({"F", "L", "B", "S", "E"})
 """Operations that occupy a device's compute stream."""
@@ -93,93 +98,394 @@ class TraceEvent:
         return f"{self.task}:{self.label}[{self.batch}]@{self.device}"
 
 
+DEFAULT_WINDOW = 200_000
+"""Events a :class:`Trace` keeps by default (the most recent ones; 35-55 MiB at 180-280
+bytes an event). Older events are folded into running totals (:class:`_Folded`)."""
+
+
+@dataclass(slots=True)
+class _DeviceSum:
+    """A device's figures over the dropped events."""
+
+    busy_s: float = 0.0
+    frontier: float = float("-inf")  # the latest end of its dropped compute events
+    ops: int = 0
+    bytes_moved: int = 0
+
+
+_CHUNK = 4096
+"""The most events a bounded trace folds at once."""
+_FREE, _DONE, _RUN, _HOLD = range(4)  # steps of the memory replay
+_NO_PEAK: tuple[int, list[TraceEvent]] = (0, [])
+
+
+class _Folded:
+    """What the events dropped from a bounded trace leave behind: the running totals its
+    figures need and the checkpoint its validation of the kept events starts from.
+
+    Events are folded in chunks, oldest first, in the order they were added; inside a
+    chunk, compute events are taken in time order (busy time is their union, continued
+    from each device's ``frontier``) and the memory replay steps in the order
+    :func:`_check_memory` uses. Nothing here depends on ``validate``'s arguments: budgets
+    are compared with the peaks kept here when ``validate`` is called.
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.first_start = float("inf")
+        self.last_end = float("-inf")
+        self.ops = 0
+        self.copies = 0
+        self.bytes_moved = 0
+        self.read_bytes = 0
+        self.written_bytes = 0
+        self.wait_s = 0.0
+        self.devices: dict[str, _DeviceSum] = {}
+        self.tasks: dict[str, float] = {}
+        # Validation checkpoint.
+        self.backwards: TraceEvent | None = None  # the first event that ended before it began
+        self.latest_device: dict[str, TraceEvent] = {}  # the latest-ending compute event
+        self.latest_task: dict[str, TraceEvent] = {}
+        self.overlap: tuple[float, str, str, TraceEvent, TraceEvent] | None = None  # worst
+        self.host_held = 0
+        self.host_recent: list[TraceEvent] = []
+        self.host_peak = 0
+        self.host_peak_rows: list[TraceEvent] = []
+        self.resident: dict[tuple[str, int], tuple[str, int, TraceEvent]] = {}
+        self.state_held: dict[str, int] = {}
+        self.state_peak: dict[str, tuple[int, list[TraceEvent]]] = {}  # states alone
+        self.carries: dict[str, tuple[str, int, TraceEvent]] = {}
+        self.carried: dict[str, int] = {}
+        self.usage_peak: dict[str, tuple[int, list[TraceEvent]]] = {}  # with carries
+
+    def copy(self) -> _Folded:
+        """A snapshot (containers copied; events are immutable)."""
+        out = _Folded.__new__(_Folded)
+        out.__dict__.update(self.__dict__)
+        out.devices = {
+            k: _DeviceSum(v.busy_s, v.frontier, v.ops, v.bytes_moved)
+            for k, v in self.devices.items()
+        }
+        for name in (
+            "tasks",
+            "latest_device",
+            "latest_task",
+            "resident",
+            "state_held",
+            "state_peak",
+            "carries",
+            "carried",
+            "usage_peak",
+        ):
+            setattr(out, name, dict(getattr(self, name)))
+        return out
+
+    def _device(self, label: str) -> _DeviceSum:
+        d = self.devices.get(label)
+        if d is None:
+            d = self.devices[label] = _DeviceSum()
+        return d
+
+    def fold(self, chunk: Sequence[TraceEvent]) -> None:
+        """Fold ``chunk`` (the oldest kept events, in the order they were added)."""
+        if not chunk:
+            return
+        self.count += len(chunk)
+        self.first_start = min(self.first_start, min(e.start for e in chunk))
+        self.last_end = max(self.last_end, max(e.end for e in chunk))
+        if self.backwards is None:
+            self.backwards = next((e for e in chunk if e.end < e.start), None)
+        compute: list[tuple[float, float, int, TraceEvent]] = []
+        tasks, device_of = self.tasks, self._device
+        for i, e in enumerate(chunk):
+            op = e.op
+            if op in COMPUTE_OPS:
+                compute.append((e.start, e.end, i, e))
+                self.ops += 1
+                self.bytes_moved += e.bytes_moved
+                tasks[e.task] = tasks.get(e.task, 0.0) + (e.end - e.start)
+                d = device_of(e.device)
+                d.ops += 1
+                d.bytes_moved += e.bytes_moved
+            elif op in _TIER_OPS:
+                if op == "from_disk":
+                    self.read_bytes += e.bytes_moved
+                elif op == "to_disk":
+                    self.written_bytes += e.bytes_moved
+                elif op == "disk_wait":
+                    self.wait_s += e.end - e.start
+                else:  # the host account, in the order it was kept
+                    self.host_held += e.bytes_moved if op == "host_take" else -e.bytes_moved
+                    self.host_recent = [*self.host_recent[-7:], e]
+                    if self.host_held > self.host_peak:
+                        self.host_peak = self.host_held
+                        self.host_peak_rows = self.host_recent
+            else:
+                self.copies += 1
+                self.bytes_moved += e.bytes_moved
+                device_of(e.device).bytes_moved += e.bytes_moved
+        compute.sort()  # by (start, end, order added)
+        devices, latest_device, latest_task = self.devices, self.latest_device, self.latest_task
+        for start, end, _, e in compute:
+            d = devices[e.device]
+            begin = start if start > d.frontier else d.frontier
+            if end > begin:
+                d.busy_s += end - begin
+                d.frontier = end
+            latest = latest_device.get(e.device)
+            if latest is None or end > latest.end:
+                latest_device[e.device] = e
+            if latest is not None and latest.end > start:
+                self._overlap("device", e.device, latest, e)
+            latest = latest_task.get(e.task)
+            if latest is None or end > latest.end:
+                latest_task[e.task] = e
+            if latest is not None and latest.end > start:
+                self._overlap("task", e.task, latest, e)
+        self._fold_memory(chunk)
+
+    def _overlap(self, what: str, name: str, latest: TraceEvent, e: TraceEvent) -> None:
+        if self.overlap is None or latest.end - e.start > self.overlap[0]:
+            self.overlap = (latest.end - e.start, what, name, latest, e)
+
+    def _fold_memory(self, chunk: Sequence[TraceEvent]) -> None:
+        """Replay the shard states' copies and the waiting boundary tensors (the parts of
+        :func:`_check_memory` that need no budget, activations or kept graphs), keeping
+        each device's peak at the steps where that replay compares with the budget."""
+        steps: list[tuple[float, int, int, TraceEvent, int]] = []
+        add = steps.append
+        for i, e in enumerate(chunk):
+            op = e.op
+            if op in COMPUTE_OPS:
+                add((e.end, 0, i, e, _DONE))
+                add((e.start, 1, i, e, _RUN))
+            elif op == "copy_in":
+                add((e.start, 1, i, e, _HOLD))
+            elif op in ("copy_out", "carry_out"):
+                add((e.end, 0, i, e, _FREE))
+        steps.sort()  # (time, frees first, order added): the index is unique
+        resident, held_of, carries, carried = (
+            self.resident,
+            self.state_held,
+            self.carries,
+            self.carried,
+        )
+        state_peak, usage_peak = self.state_peak, self.usage_peak
+        for _, _, _, e, what in steps:
+            if what == _FREE:
+                if e.op == "carry_out":
+                    carry = carries.get(e.task)
+                    if carry is not None and carry[0] == e.device:
+                        del carries[e.task]
+                        carried[carry[0]] -= carry[1]
+                else:
+                    key = (e.task, e.shard)
+                    here = resident.get(key)
+                    if here is not None and here[0] == e.device:
+                        del resident[key]
+                        held_of[e.device] -= here[1]
+                continue
+            if what == _DONE:
+                if e.carry_bytes:
+                    carry = carries.pop(e.task, None)
+                    if carry is not None:
+                        carried[carry[0]] -= carry[1]
+                    carries[e.task] = (e.device, e.carry_bytes, e)
+                    carried[e.device] = carried.get(e.device, 0) + e.carry_bytes
+                continue
+            device = e.device
+            if what == _RUN:
+                carry = carries.pop(e.task, None)
+                if carry is not None:
+                    carried[carry[0]] -= carry[1]
+            else:
+                key = (e.task, e.shard)
+                old = resident.pop(key, None)
+                if old is not None:  # a shard is on one device at a time
+                    held_of[old[0]] -= old[1]
+                resident[key] = (device, e.bytes_moved, e)
+                held_of[device] = held_of.get(device, 0) + e.bytes_moved
+            states = held_of.get(device, 0)
+            if states > state_peak.get(device, _NO_PEAK)[0]:
+                state_peak[device] = (states, self._rows_on(e, carries=False))
+            usage = states + carried.get(device, 0)
+            if usage > usage_peak.get(device, _NO_PEAK)[0]:
+                usage_peak[device] = (usage, self._rows_on(e, carries=True))
+
+    def _rows_on(self, e: TraceEvent, carries: bool) -> list[TraceEvent]:
+        """The events behind what ``e``'s device holds (for a message)."""
+        rows = [x[2] for x in self.resident.values() if x[0] == e.device]
+        if carries:
+            rows += [x[2] for x in self.carries.values() if x[0] == e.device]
+        return sorted({id(x): x for x in [*rows, e]}.values(), key=lambda x: x.start)
+
+
 class Trace:
-    """A thread-safe, append-only list of :class:`TraceEvent` plus the device labels.
+    """A thread-safe list of the most recent :class:`TraceEvent` (at most ``window``),
+    plus running totals of the older ones, and the device labels.
+
+    Every figure (:meth:`wall_s`, :meth:`busy_s`, :meth:`utilization`, :meth:`summary`)
+    covers the whole run: events dropped from the window were folded into running totals
+    first. :attr:`events`, the table, :func:`save_trace` and :func:`plot_timeline` show the
+    window. :meth:`validate` checks the whole run where it can (see there).
 
     Args:
         devices: device labels, in the engine's order (rows of the table and the plot).
+        window: the most events kept (``None``: all, never trimmed). Past it the oldest
+            tenth (at most 4096 events) is folded into the totals at once, so between 90%
+            and 100% of ``window`` are kept.
+
+    Raises:
+        InvalidOptionError: ``window`` is not an int >= 1 or ``None``.
     """
 
-    def __init__(self, devices: Sequence[str]) -> None:
+    def __init__(self, devices: Sequence[str], window: int | None = DEFAULT_WINDOW) -> None:
+        if window is not None and (
+            isinstance(window, bool) or not isinstance(window, int) or window < 1
+        ):
+            raise InvalidOptionError(
+                "trace_window", window, "give an int >= 1 (events kept) or None (all)", "Trace"
+            )
         self.devices = list(devices)
+        self.window = window
+        self._limit = sys.maxsize if window is None else window
+        # Past the window, fold a tenth of it (at most _CHUNK events) at once.
+        self._keep = 0 if window is None else window - min(window // 10, _CHUNK)
         self._events: list[TraceEvent] = []
+        self._folded = _Folded()
         self._lock = threading.Lock()
+        self._fold_lock = threading.Lock()  # taken before _lock; folds outside it
 
     @classmethod
-    def from_events(cls, events: Iterable[TraceEvent], devices: Sequence[str] = ()) -> Trace:
-        """A trace holding ``events``; devices not in ``devices`` are appended in order of
-        first appearance."""
+    def from_events(
+        cls, events: Iterable[TraceEvent], devices: Sequence[str] = (), window: int | None = None
+    ) -> Trace:
+        """A trace holding ``events`` (all of them, unless ``window`` is given); devices
+        not in ``devices`` are appended in order of first appearance."""
         events = list(events)
         labels = list(devices)
         for event in events:
             if event.device not in labels and event.device not in TIER_LABELS:
                 labels.append(event.device)
-        trace = cls(labels)
+        trace = cls(labels, window)
         trace._events.extend(events)
+        if len(trace._events) > trace._limit:
+            trace._trim()
         return trace
 
     def add(self, event: TraceEvent) -> None:
-        """Append one event (safe from any thread)."""
+        """Append one event (safe from any thread); past the window, fold the oldest."""
         with self._lock:
             self._events.append(event)
+            if len(self._events) <= self._limit:
+                return
+        self._trim()
+
+    def _trim(self) -> None:
+        """Fold the oldest events into the totals, keeping the newest ``_keep``. Adding
+        goes on meanwhile (the fold holds only ``_fold_lock``; readers wait for it)."""
+        with self._fold_lock:
+            with self._lock:
+                if len(self._events) <= self._limit:
+                    return  # another thread folded them
+                n = len(self._events) - self._keep
+                chunk = self._events[:n]
+                del self._events[:n]
+            self._folded.fold(chunk)
 
     @property
     def events(self) -> list[TraceEvent]:
-        """A snapshot of the events, in the order they were added."""
+        """A snapshot of the kept events (the window), in the order they were added."""
         with self._lock:
             return list(self._events)
+
+    @property
+    def dropped(self) -> int:
+        """How many events were folded into the totals and are no longer kept."""
+        return self._folded.count
 
     def __len__(self) -> int:
         return len(self._events)
 
-    def _all_devices(self, events: Sequence[TraceEvent]) -> list[str]:
+    def _snapshot(self) -> tuple[list[TraceEvent], _Folded]:
+        with self._fold_lock, self._lock:
+            return list(self._events), self._folded.copy()
+
+    def _all_devices(
+        self, events: Sequence[TraceEvent], folded: _Folded | None = None
+    ) -> list[str]:
         labels = list(self.devices)
+        for label in folded.devices if folded is not None else ():
+            if label not in labels:
+                labels.append(label)
         for event in events:
             if event.device not in labels and event.device not in TIER_LABELS:
                 labels.append(event.device)
         return labels
 
-    def wall_s(self) -> float:
-        """Seconds from the first start to the last end (0.0 for an empty trace)."""
-        events = self.events
-        if not events:
+    @staticmethod
+    def _wall(events: Sequence[TraceEvent], folded: _Folded) -> float:
+        if not events and not folded.count:
             return 0.0
-        return max(e.end for e in events) - min(e.start for e in events)
+        first = min((e.start for e in events), default=folded.first_start)
+        last = max((e.end for e in events), default=folded.last_end)
+        return max(last, folded.last_end) - min(first, folded.first_start)
+
+    def _busy(self, events: Sequence[TraceEvent], folded: _Folded) -> dict[str, float]:
+        spans: dict[str, list[tuple[float, float]]] = {}
+        for e in events:
+            if e.op in COMPUTE_OPS:
+                spans.setdefault(e.device, []).append((e.start, e.end))
+        out: dict[str, float] = {}
+        for device in self._all_devices(events, folded):
+            total = _DeviceSum()
+            if device in folded.devices:
+                total = folded.devices[device]
+            out[device] = total.busy_s + _union_length(
+                sorted(spans.get(device, ())), total.frontier
+            )
+        return out
+
+    def wall_s(self) -> float:
+        """Seconds from the first start to the last end of the whole run (0.0 for an
+        empty trace)."""
+        return self._wall(*self._snapshot())
 
     def busy_s(self) -> dict[str, float]:
         """Per device, seconds during which a compute operation ran (copies excluded)."""
-        events = self.events
-        out: dict[str, float] = {}
-        for device in self._all_devices(events):
-            spans = sorted((e.start, e.end) for e in events if e.device == device and e.is_compute)
-            out[device] = _union_length(spans)
-        return out
+        return self._busy(*self._snapshot())
 
     def utilization(self) -> dict[str, float]:
-        """Per device, compute busy time / wall time of the whole trace (0.0 when empty)."""
-        wall = self.wall_s()
-        return {d: (b / wall if wall > 0 else 0.0) for d, b in self.busy_s().items()}
+        """Per device, compute busy time / wall time of the whole run (0.0 when empty)."""
+        events, folded = self._snapshot()
+        wall = self._wall(events, folded)
+        busy = self._busy(events, folded)
+        return {d: (b / wall if wall > 0 else 0.0) for d, b in busy.items()}
 
     def summary(self) -> dict[str, Any]:
-        """Headline numbers.
+        """Headline numbers of the whole run (dropped events included, from the totals).
 
         Returns:
             ``{"wall_s", "ops", "copies", "bytes_moved", "devices": {label: {"busy_s",
-            "utilization", "ops", "bytes_moved"}}, "tasks": {name: busy_s}}``.
+            "utilization", "ops", "bytes_moved"}}, "tasks": {name: busy_s}, "disk":
+            {"read_bytes", "written_bytes", "wait_s"}, "events", "dropped"}`` (``events``:
+            all events of the run; ``dropped``: those no longer kept).
         """
-        events = self.events
-        wall = self.wall_s()
-        busy = self.busy_s()
+        events, folded = self._snapshot()
+        wall = self._wall(events, folded)
+        busy = self._busy(events, folded)
         devices: dict[str, dict[str, float]] = {}
-        for device in self._all_devices(events):
+        for device in self._all_devices(events, folded):
+            past = folded.devices.get(device, _DeviceSum())
             mine = [e for e in events if e.device == device]
             devices[device] = {
                 "busy_s": busy[device],
                 "utilization": busy[device] / wall if wall > 0 else 0.0,
-                "ops": sum(1 for e in mine if e.is_compute),
-                "bytes_moved": sum(e.bytes_moved for e in mine if e.op not in _TIER_OPS),
+                "ops": past.ops + sum(1 for e in mine if e.is_compute),
+                "bytes_moved": past.bytes_moved
+                + sum(e.bytes_moved for e in mine if e.op not in _TIER_OPS),
             }
-        tasks: dict[str, float] = {}
+        tasks = dict(folded.tasks)
         for e in events:
             if e.is_compute:
                 tasks[e.task] = tasks.get(e.task, 0.0) + e.duration
@@ -187,16 +493,20 @@ class Trace:
         moves = [e for e in events if e.op not in _TIER_OPS]
         return {
             "wall_s": wall,
-            "ops": sum(1 for e in events if e.is_compute),
-            "copies": sum(1 for e in moves if not e.is_compute),
-            "bytes_moved": sum(e.bytes_moved for e in moves),
+            "ops": folded.ops + sum(1 for e in events if e.is_compute),
+            "copies": folded.copies + sum(1 for e in moves if not e.is_compute),
+            "bytes_moved": folded.bytes_moved + sum(e.bytes_moved for e in moves),
             "devices": devices,
             "tasks": tasks,
             "disk": {
-                "read_bytes": sum(e.bytes_moved for e in events if e.op == "from_disk"),
-                "written_bytes": sum(e.bytes_moved for e in events if e.op == "to_disk"),
-                "wait_s": sum(e.duration for e in events if e.op == "disk_wait"),
+                "read_bytes": folded.read_bytes
+                + sum(e.bytes_moved for e in events if e.op == "from_disk"),
+                "written_bytes": folded.written_bytes
+                + sum(e.bytes_moved for e in events if e.op == "to_disk"),
+                "wait_s": folded.wait_s + sum(e.duration for e in events if e.op == "disk_wait"),
             },
+            "events": folded.count + len(events),
+            "dropped": folded.count,
         }
 
     def validate(
@@ -237,6 +547,26 @@ class Trace:
             the device workers keep the budget with (a task's waiting boundary tensors
             inside its batch's reservation are not counted again).
 
+        Events no longer kept (a trace past its ``window``, see :attr:`dropped`) were
+        checked as they were folded, against figures that need no argument, so that the
+        check still covers the whole run: every event's end after its start; the
+        sequential rules over all compute events (each device's and each task's events
+        taken in time order within each folded chunk and continued from the latest one
+        before it: exact when, as in the engine, they are added when they end; the worst
+        overlap is kept and compared with ``tolerance`` here); the host account replayed
+        over the whole run (its peak compared with ``host_budget``; the kept events
+        replay from the account's value when the window starts); for ``state_budget``,
+        the replay of the dropped events' copies and waiting boundary tensors (their
+        peak per device, at the steps where this replay compares, is compared with the
+        budget: states and waiting tensors, or states alone with ``kept_bytes``), and the
+        kept events replay from the states and waiting tensors each device held when the
+        window starts. The folded replay steps in time order within each chunk, so at the
+        cuts between chunks it may take two steps in the order they were added (a tiny
+        ``window`` folds one event at a time). Not re-checked for dropped events: the
+        running ops' activations and the kept graphs (``activation_bytes``,
+        ``kept_bytes`` are only given here); a batch whose first forward was dropped is
+        not reserved in the replay of the kept events.
+
         Raises:
             ScheduleError: an event ends before it starts, two compute operations overlap on
                 one device, two compute operations of one task overlap (a task's
@@ -244,19 +574,45 @@ class Trace:
                 ``state_budget``, or host memory holds more than ``host_budget``. The
                 message shows the offending rows.
         """
-        events = self.events
-        for e in events:
-            if e.end < e.start:
-                raise ScheduleError(
-                    f"event ends before it starts ({e.end:.6f} < {e.start:.6f}):\n" + _rows([e])
-                )
+        events, folded = self._snapshot()
+        kept = f" (an event no longer kept: the trace keeps the last {self.window})"
+        first_bad = folded.backwards or next((e for e in events if e.end < e.start), None)
+        if first_bad is not None:
+            raise ScheduleError(
+                f"event ends before it starts ({first_bad.end:.6f} < {first_bad.start:.6f})"
+                + (kept if first_bad is folded.backwards else "")
+                + ":\n"
+                + _rows([first_bad])
+            )
+        if folded.overlap is not None and folded.overlap[0] > tolerance:
+            gap, what, name, a, b = folded.overlap
+            raise ScheduleError(
+                f"{what} {name!r} runs two operations at once (overlap {gap:.6f} s)"
+                f"{kept}:\n" + _rows([a, b])
+            )
         compute = [e for e in events if e.is_compute]
-        _check_sequential(compute, lambda e: e.device, "device", tolerance)
-        _check_sequential(compute, lambda e: e.task, "task", tolerance)
+        _check_sequential(compute, lambda e: e.device, "device", tolerance, folded.latest_device)
+        _check_sequential(compute, lambda e: e.task, "task", tolerance, folded.latest_task)
         if state_budget is not None:
-            _check_memory(events, state_budget, activation_bytes or {}, kept_bytes or {})
+            # Waiting boundary tensors count in full unless batches kept their graphs.
+            peaks = folded.state_peak if kept_bytes else folded.usage_peak
+            for device, (peak, rows) in peaks.items():
+                limit = state_budget if isinstance(state_budget, int) else state_budget.get(device)
+                if limit is not None and peak > limit:
+                    what = "shard state" if kept_bytes else "shard state and waiting tensors"
+                    raise ScheduleError(
+                        f"device {device!r} holds {peak} bytes of {what}, over its "
+                        f"budget of {limit} bytes{kept}:\n" + _rows(rows)
+                    )
+            _check_memory(events, state_budget, activation_bytes or {}, kept_bytes or {}, folded)
         if host_budget is not None:
-            _check_host(events, host_budget)
+            if folded.host_peak > host_budget:
+                raise ScheduleError(
+                    f"host memory holds {folded.host_peak} bytes, over its budget of "
+                    f"{host_budget} bytes{kept} (the last account events):\n"
+                    + _rows(folded.host_peak_rows)
+                )
+            _check_host(events, host_budget, folded.host_held, folded.host_recent)
 
     def table(self, limit: int | None = None) -> str:
         """A fixed-width table of the events sorted by start time.
@@ -269,39 +625,50 @@ class Trace:
         text = _rows(shown)
         if len(shown) < len(events):
             text += f"\n... {len(events) - len(shown)} more events"
+        if self.dropped:
+            text += (
+                f"\n({self.dropped} earlier events dropped: the trace keeps the last {self.window})"
+            )
         return text
 
     def __str__(self) -> str:
         return self.table()
 
     def __repr__(self) -> str:
-        return f"Trace(devices={self.devices!r}, events={len(self)})"
+        dropped = f", dropped={self.dropped}" if self.dropped else ""
+        return f"Trace(devices={self.devices!r}, events={len(self)}{dropped})"
 
 
-def _union_length(spans: Sequence[tuple[float, float]]) -> float:
-    """Total length covered by sorted ``(start, end)`` spans."""
+def _union_length(spans: Sequence[tuple[float, float]], frontier: float = float("-inf")) -> float:
+    """Total length covered by sorted ``(start, end)`` spans after ``frontier`` (the end
+    of earlier spans already counted)."""
     total = 0.0
-    cur_start = cur_end = None
     for start, end in spans:
-        if cur_end is None or start > cur_end:
-            if cur_end is not None and cur_start is not None:
-                total += cur_end - cur_start
-            cur_start, cur_end = start, end
-        else:
-            cur_end = max(cur_end, end)
-    if cur_end is not None and cur_start is not None:
-        total += cur_end - cur_start
+        begin = start if start > frontier else frontier
+        if end > begin:
+            total += end - begin
+            frontier = end
     return total
 
 
-def _check_sequential(events: list[TraceEvent], key: Any, what: str, tolerance: float) -> None:
+def _check_sequential(
+    events: list[TraceEvent],
+    key: Any,
+    what: str,
+    tolerance: float,
+    seed: Mapping[str, TraceEvent] | None = None,
+) -> None:
+    """Raise at the first overlap within a group; ``seed``: per group, the latest-ending
+    event before these (dropped from a bounded trace)."""
     groups: dict[str, list[TraceEvent]] = {}
     for e in events:
         groups.setdefault(key(e), []).append(e)
     for name, group in groups.items():
         group.sort(key=lambda e: (e.start, e.end))
-        latest = group[0]  # the event with the latest end so far
-        for e in group[1:]:
+        latest = (seed or {}).get(name)  # the event with the latest end so far
+        if latest is None:
+            latest, group = group[0], group[1:]
+        for e in group:
             if e.start < latest.end - tolerance:
                 raise ScheduleError(
                     f"{what} {name!r} runs two operations at once "
@@ -358,9 +725,11 @@ def _check_memory(
     budget: int | Mapping[str, int],
     acts: Mapping[tuple[str, int], int],
     kept: Mapping[str, int],
+    folded: _Folded | None = None,
 ) -> None:
     """Replay ``events`` through one :class:`DeviceLedger` per device (the workers'
-    arithmetic) and raise at the first allocation that leaves a device over budget."""
+    arithmetic) and raise at the first allocation that leaves a device over budget;
+    ``folded``: start from the states and waiting boundary tensors it left on devices."""
     # Replay in time order; at equal times frees (end of a copy_out or carry_out, end of
     # an op or a batch) come before allocations (start of a copy_in, an op, a batch).
     steps = []
@@ -379,12 +748,23 @@ def _check_memory(
     ledgers: dict[str, DeviceLedger[_Held, _Left]] = {}
     where: dict[tuple[str, int], tuple[str, _Held]] = {}  # each state's device
     running: dict[str, _Held] = {}
+
+    def ledger_of(device: str) -> DeviceLedger[_Held, _Left]:
+        ledger = ledgers.get(device)
+        if ledger is None:
+            limit = budget if isinstance(budget, int) else budget.get(device)
+            ledger = ledgers[device] = DeviceLedger(limit)
+        return ledger
+
+    if folded is not None:
+        for name, (device, nbytes, event) in folded.resident.items():
+            where[name] = (device, _Held(name, nbytes, 0, event))
+            ledger_of(device).hold(where[name][1])
+        for task, (device, nbytes, event) in folded.carries.items():
+            ledger_of(device).set_carry(task, _Left(nbytes, event))
     for _, _, _, e, what in steps:
         key = (e.task, e.shard)
-        ledger = ledgers.get(e.device)
-        if ledger is None:
-            limit = budget if isinstance(budget, int) else budget.get(e.device)
-            ledger = ledgers[e.device] = DeviceLedger(limit)
+        ledger = ledger_of(e.device)
         if what == "unreserve":
             ledger.reserve(e.task, None)
             continue
@@ -438,11 +818,13 @@ def _check_memory(
             )
 
 
-def _check_host(events: list[TraceEvent], budget: int) -> None:
+def _check_host(
+    events: list[TraceEvent], budget: int, held: int = 0, recent: Sequence[TraceEvent] = ()
+) -> None:
     """Replay the host memory account in the order it was kept and raise at the first
-    take that leaves it over ``budget``."""
-    held = 0
-    recent: list[TraceEvent] = []
+    take that leaves it over ``budget``; ``held``: the account when ``events`` begin
+    (``recent``: its last events before them)."""
+    recent = list(recent)
     for e in events:
         if e.op not in HOST_OPS:
             continue
@@ -582,6 +964,8 @@ def plot_timeline(
     trace = _as_trace(trace)
     events = trace.events
     devices = trace._all_devices(events)
+    dropped = trace.dropped
+    trace = Trace.from_events(events, devices)  # the figures of the events drawn
     util = trace.utilization()
     tasks = list(dict.fromkeys(e.task for e in events))
     cmap = matplotlib.colormaps["tab20"]
@@ -616,7 +1000,10 @@ def plot_timeline(
     if events:
         ax.set_xlim(min(e.start for e in events), max(e.end for e in events))
     mean = sum(util.values()) / len(util) if util else 0.0
-    ax.set_title(title or f"{len(tasks)} tasks, wall {wall:.3f} s, mean utilization {mean:.0%}")
+    shown = f" (the last {len(events)} events)" if dropped else ""
+    ax.set_title(
+        title or f"{len(tasks)} tasks, wall {wall:.3f} s{shown}, mean utilization {mean:.0%}"
+    )
     handles = [Patch(facecolor=colour[t], label=t) for t in tasks[:30]]
     if any(not e.is_compute for e in events):
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="////", label="copy"))
@@ -633,4 +1020,12 @@ def plot_timeline(
     return path
 
 
-__all__ = ["COMPUTE_OPS", "COPY_OPS", "Trace", "TraceEvent", "plot_timeline", "save_trace"]
+__all__ = [
+    "COMPUTE_OPS",
+    "COPY_OPS",
+    "DEFAULT_WINDOW",
+    "Trace",
+    "TraceEvent",
+    "plot_timeline",
+    "save_trace",
+]

@@ -47,7 +47,7 @@ from tune_hydra.exceptions import (
     TaskFailedError,
     TuneHydraError,
 )
-from tune_hydra.options import EngineOptions, TrainOptions, check_seed
+from tune_hydra.options import DEFAULT_TRACE_WINDOW, EngineOptions, TrainOptions, check_seed
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +79,9 @@ class Engine:
         spill_dir: an existing folder on a local disk (not a tmpfs) for the disk tier;
             the engine works in a folder of its own there, removed when it closes (or, after
             a crash, by the next engine started with the same ``spill_dir``).
+        trace_window: the most events :attr:`trace` keeps (default 200,000, 35-55 MiB;
+            ``None``: all, growing with the run); older ones are folded into running
+            totals, so the trace's figures (``trace.summary()``) still cover the whole run.
 
     Raises:
         InvalidOptionError: a bad ``max_layers_per_shard``.
@@ -114,6 +117,7 @@ class Engine:
         max_layers_per_shard: int | None = None,
         host_memory: int | str | None = None,
         spill_dir: str | os.PathLike[str] | None = None,
+        trace_window: int | None = DEFAULT_TRACE_WINDOW,
     ) -> None:
         options = EngineOptions(
             devices,
@@ -125,6 +129,7 @@ class Engine:
             max_layers_per_shard=max_layers_per_shard,
             host_memory=host_memory,
             spill_dir=spill_dir,
+            trace_window=trace_window,
         )
         max_layers_per_shard = options.max_layers_per_shard
         self.devices = resolve_devices(devices)
@@ -140,7 +145,7 @@ class Engine:
             f"cpu#{i}" if d.type == "cpu" and n_cpu > 1 else str(d)
             for i, d in enumerate(self.devices)
         ]
-        self.trace = Trace(labels)
+        self.trace = Trace(labels, options.trace_window)
         self.clock = default_clock()
         host_budget = parse_bytes(host_memory, option="host_memory")
         folder = SpillFolder(spill_dir) if host_budget is not None and spill_dir else None
