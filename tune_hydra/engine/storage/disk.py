@@ -78,6 +78,10 @@ LOCK_NAME = "owner.lock"  # in each engine's folder: flocked by its engine while
 _RAM_FS = frozenset({"tmpfs", "ramfs"})
 _PROC_FD = os.path.isdir("/proc/self/fd")
 _FULL = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# POSIX flags (0 where absent). Descriptors are not inherited by exec'd children anyway
+# (PEP 446), so no O_CLOEXEC is needed.
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)  # a planted FIFO must not block the cleanup
 
 
 def write_at(path: str, fd: int, data: memoryview, offset: int) -> None:
@@ -215,9 +219,7 @@ class SpillFolder:
         holds it (only then: a cleaner that takes the lock of an empty file leaves the
         folder alone). Returns the descriptor to keep open, or ``None`` without flock."""
         try:
-            fd = os.open(
-                path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600
-            )
+            fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW, 0o600)
         except OSError as err:
             raise SpillDirError(
                 f"cannot create a file in the spill folder {str(path)!r}: {err}"
@@ -263,9 +265,7 @@ class SpillFolder:
     def _clean_if_stale(entry: Path) -> None:
         assert fcntl is not None
         try:
-            fd = os.open(
-                entry / LOCK_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-            )
+            fd = os.open(entry / LOCK_NAME, os.O_RDONLY | _NOFOLLOW | _NONBLOCK)
         except FileNotFoundError:
             log.info(
                 "leaving %s alone: it has no %s (an older tune_hydra's folder, or one being "
@@ -317,7 +317,7 @@ class SpillFolder:
             OSError: the file cannot be created.
         """
         path = self.path / name
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | _NOFOLLOW
         try:
             return str(path), os.open(path, flags, 0o600)
         except FileNotFoundError:
