@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +21,7 @@ from tune_hydra.frontends.ray.actor import MODEL_FILE, EngineActor, _merge_hyper
 from tune_hydra.frontends.ray.errors import (
     EngineUnavailableError,
     NotATaskFactoryError,
+    NotOwnerError,
     TaskFactoryError,
     TaskFactoryTimeoutError,
     TrialNotRegisteredError,
@@ -42,11 +44,11 @@ def _call(coro: Any) -> Any:
 def actor() -> Any:
     a = EngineActor(ENGINE, {"seed": 5}, factories=FACTORIES, secret=SECRET)
     yield a
-    _call(a.close())
+    _call(a.close(SECRET))
 
 
 def test_register_train_save_load_with_mutated_config(actor: Any, tmp_path: Path) -> None:
-    assert _call(actor.register("a", "t1", BLOB, {"lr": 0.01})) == 2
+    assert _call(actor.register("a", "t1", BLOB, {"lr": 0.01}, secret=SECRET)) == 2
     results = _call(actor.train("a", "t1", 2))
     assert [r["iteration"] for r in results] == [1, 2]
     meta = _call(actor.save("a", "t1", str(tmp_path)))
@@ -56,7 +58,7 @@ def test_register_train_save_load_with_mutated_config(actor: Any, tmp_path: Path
     model.load_state_dict(saved)  # the user's own keys
 
     # PBT: another trial with a mutated lr restores this checkpoint
-    _call(actor.register("b", "t2", BLOB, {"lr": 0.05}))
+    _call(actor.register("b", "t2", BLOB, {"lr": 0.05}, secret=SECRET))
     _call(actor.load("b", "t2", str(tmp_path)))
     state = actor._engine.get_state(actor._regs["b"].name)
     groups = state["optimizer"]["param_groups"]
@@ -64,15 +66,15 @@ def test_register_train_save_load_with_mutated_config(actor: Any, tmp_path: Path
     assert all(torch.equal(state["model"][k], saved[k]) for k in saved)
     assert state["iteration"] == 2
     # same config: everything, lr included, comes from the checkpoint
-    _call(actor.register("c", "t3", BLOB, {"lr": 0.01}))
+    _call(actor.register("c", "t3", BLOB, {"lr": 0.01}, secret=SECRET))
     _call(actor.load("c", "t3", str(tmp_path)))
     state_c = actor._engine.get_state(actor._regs["c"].name)
     assert all(g["lr"] == 0.01 for g in state_c["optimizer"]["param_groups"])
 
 
 def test_ownership_token(actor: Any) -> None:
-    _call(actor.register("a", "old", BLOB, {"lr": 0.01}))
-    _call(actor.register("a", "new", BLOB, {"lr": 0.01}))  # a newer copy takes over
+    _call(actor.register("a", "old", BLOB, {"lr": 0.01}, secret=SECRET))
+    _call(actor.register("a", "new", BLOB, {"lr": 0.01}, secret=SECRET))  # a newer copy takes over
     with pytest.raises(TrialNotRegisteredError, match="newer copy"):
         _call(actor.train("a", "old", 1))
     assert _call(actor.deregister("a", "old")) is False  # the stale copy cannot free it
@@ -86,17 +88,17 @@ def test_ownership_token(actor: Any) -> None:
 
 def test_factory_errors_are_clear(actor: Any) -> None:
     with pytest.raises(TaskFactoryError, match=r"(?s)Factory traceback.*factory exploded"):
-        _call(actor.register("f", "t", BLOB, {"fail": "factory"}))
+        _call(actor.register("f", "t", BLOB, {"fail": "factory"}, secret=SECRET))
     with pytest.raises(TaskFactoryError, match=r"not a tune_hydra\.ModelTask"):
-        _call(actor.register("g", "t", BLOB, {"fail": "type"}))
+        _call(actor.register("g", "t", BLOB, {"fail": "type"}, secret=SECRET))
     with pytest.raises(Exception, match="Raise device_memory"):
-        _call(actor.register("h", "t", BLOB, {"width": 512}))
+        _call(actor.register("h", "t", BLOB, {"width": 512}, secret=SECRET))
     assert _call(actor.registered(SECRET)) == {"trials": [], "engine_tasks": []}
 
 
 def test_hints_reach_the_engine(actor: Any) -> None:
     _call(actor.set_remaining("a", SECRET, 7))  # before registration: kept for later
-    _call(actor.register("a", "t", BLOB, {"lr": 0.01}))
+    _call(actor.register("a", "t", BLOB, {"lr": 0.01}, secret=SECRET))
     name = actor._regs["a"].name
     assert actor._engine._tasks[name].hint == 7
     _call(actor.cancel("a", SECRET))
@@ -160,7 +162,10 @@ def test_concurrent_registrations_build_identical_models(actor: Any) -> None:
     # thread pool must not interleave their draws (it broke exact resume parity once).
     async def register_all() -> None:
         await asyncio.gather(
-            *[actor.register(f"t{i}", "tok", BLOB, {"lr": 0.01, "width": 24}) for i in range(8)]
+            *[
+                actor.register(f"t{i}", "tok", BLOB, {"lr": 0.01, "width": 24}, secret=SECRET)
+                for i in range(8)
+            ]
         )
 
     for _ in range(3):
@@ -177,13 +182,15 @@ def test_recompute_reaches_the_engine() -> None:
     from tune_hydra.frontends.ray.executor import HydraExecutor
 
     assert HydraExecutor(recompute=True).recompute is True
-    a = EngineActor(dataclasses.replace(ENGINE, recompute=True), {"seed": 5}, factories=FACTORIES)
+    a = EngineActor(
+        dataclasses.replace(ENGINE, recompute=True), {"seed": 5}, factories=FACTORIES, secret=SECRET
+    )
     try:
-        assert _call(a.register("a", "t1", BLOB, {"lr": 0.01})) == 2
+        assert _call(a.register("a", "t1", BLOB, {"lr": 0.01}, secret=SECRET)) == 2
         assert a._engine.recompute is True
         assert [r["iteration"] for r in _call(a.train("a", "t1", 1))] == [1]
     finally:
-        _call(a.close())
+        _call(a.close(SECRET))
 
 
 @pytest.mark.parametrize(
@@ -291,7 +298,7 @@ def test_disk_tier_options_reach_each_engine_actor(
 
 
 def test_driver_calls_need_the_executors_secret(actor: Any) -> None:
-    _call(actor.register("a", "tok", BLOB, {"lr": 0.01}))
+    _call(actor.register("a", "tok", BLOB, {"lr": 0.01}, secret=SECRET))
     for call in (
         lambda: actor.cancel("a", "stranger"),
         lambda: actor.set_remaining("a", "stranger", 3),
@@ -302,6 +309,19 @@ def test_driver_calls_need_the_executors_secret(actor: Any) -> None:
     ):
         with pytest.raises(TrialNotRegisteredError):
             _call(call())
+    for call in (
+        # issue 23, item 6: the timeline, the figures, closing, re-registering
+        lambda: actor.trace(),
+        lambda: actor.trace("stranger"),
+        lambda: actor.summary("stranger"),
+        lambda: actor.close("stranger"),
+        lambda: actor.register("a", "evil", BLOB, {"lr": 0.01}),
+        lambda: actor.register("a", "evil", BLOB, {"lr": 0.01}, None, "stranger"),
+    ):
+        with pytest.raises(NotOwnerError, match="key of the experiment"):
+            _call(call())
+    assert _call(actor.registered(SECRET))["trials"] == ["a"]
+    assert actor._regs["a"].token == "tok"  # the owner's registration is untouched
     assert _call(actor.deregister("a", "stranger")) is False
     assert _call(actor.registered(SECRET))["trials"] == ["a"]
     assert len(_call(actor.train("a", SECRET, 1))) == 1  # the driver may act for a trial
@@ -309,13 +329,13 @@ def test_driver_calls_need_the_executors_secret(actor: Any) -> None:
 
 
 def test_a_released_factory_says_the_experiment_ended(actor: Any) -> None:
-    _call(actor.register("a", "tok", BLOB, {"lr": 0.01}))
+    _call(actor.register("a", "tok", BLOB, {"lr": 0.01}, secret=SECRET))
     _call(actor.release_factory(SECRET, BLOB))
     backup = dict(FACTORIES)
     FACTORIES.clear()  # the driver freed it in the cluster store too
     try:
         with pytest.raises(TaskFactoryError, match="experiment ended"):
-            _call(actor.register("b", "tok", BLOB, {"lr": 0.01}))
+            _call(actor.register("b", "tok", BLOB, {"lr": 0.01}, secret=SECRET))
         assert len(_call(actor.train("a", "tok", 1))) == 1  # registered trials go on
     finally:
         FACTORIES.update(backup)
@@ -328,7 +348,7 @@ def test_a_factory_wait_is_aborted_by_its_owner_or_the_driver(tmp_path: Path) ->
     async def scenario(aborter: str) -> BaseException:
         started = tmp_path / f"started-{aborter}"
         reg = asyncio.ensure_future(
-            a.register("k", "tok", "h", {"hang": True, "started": str(started)})
+            a.register("k", "tok", "h", {"hang": True, "started": str(started)}, secret=SECRET)
         )
         while not started.exists():
             await asyncio.sleep(0.05)
@@ -350,7 +370,7 @@ def test_a_factory_wait_is_aborted_by_its_owner_or_the_driver(tmp_path: Path) ->
             assert isinstance(err, EngineUnavailableError) and "stopped while" in str(err)
         assert _call(a.registered(SECRET))["trials"] == []
     finally:
-        _call(a.close())
+        _call(a.close(SECRET))
 
 
 def test_a_hung_factory_times_out() -> None:
@@ -358,9 +378,9 @@ def test_a_hung_factory_times_out() -> None:
     a = EngineActor(ENGINE, {"seed": 5}, factories=hang, secret=SECRET, factory_timeout_s=0.5)
     try:
         with pytest.raises(TaskFactoryTimeoutError, match=r"within 0\.5 s"):
-            _call(a.register("k", "tok", "h", {"hang": True}))
+            _call(a.register("k", "tok", "h", {"hang": True}, secret=SECRET))
     finally:
-        _call(a.close())
+        _call(a.close(SECRET))
 
 
 def test_a_module_level_model_is_refused_live_or_reused() -> None:
@@ -369,18 +389,20 @@ def test_a_module_level_model_is_refused_live_or_reused() -> None:
     shared = {"s": cloudpickle.dumps(tune_tasks.make_shared_task)}
     a = EngineActor(ENGINE, {"seed": 5}, factories=shared, secret=SECRET)
     try:
-        _call(a.register("t1", "tok", "s", {"lr": 0.01}))
+        _call(a.register("t1", "tok", "s", {"lr": 0.01}, secret=SECRET))
         with pytest.raises(SharedModelError, match="inside make_task") as info:
-            _call(a.register("t2", "tok", "s", {"lr": 0.02}))
+            _call(a.register("t2", "tok", "s", {"lr": 0.02}, secret=SECRET))
         assert not isinstance(info.value, ReusedModelError)  # t1 is live: the engine says
         _call(a.train("t1", "tok", 1))
         assert _call(a.deregister("t1", "tok")) is True
         with pytest.raises(ReusedModelError, match=r"trial 't1' already trained"):
-            _call(a.register("t3", "tok", "s", {"lr": 0.02}))
+            _call(a.register("t3", "tok", "s", {"lr": 0.02}, secret=SECRET))
         assert _call(a.registered(SECRET))["trials"] == []
-        _call(a.register("t1", "tok2", "s", {"lr": 0.01}))  # the same trial again: allowed
+        _call(
+            a.register("t1", "tok2", "s", {"lr": 0.01}, secret=SECRET)
+        )  # the same trial again: allowed
     finally:
-        _call(a.close())
+        _call(a.close(SECRET))
 
 
 # -- issue 13: fail once, Tune's wrappers, checkpoints by default (no Ray started) ---------
@@ -491,16 +513,16 @@ def test_systematic_mistakes_are_marked_and_config_ones_are_not() -> None:
     a = EngineActor(ENGINE, {"seed": 5}, factories=factories, secret=SECRET)
     try:
         with pytest.raises(NotATaskError) as info:
-            _call(a.register("t1", "tok", "make_no_task", {"lr": 0.01}))
+            _call(a.register("t1", "tok", "make_no_task", {"lr": 0.01}, secret=SECRET))
         err = info.value
         assert isinstance(err, TaskFactoryError) and isinstance(err, TypeError)
         assert err.trial == "t1" and "returned NoneType, not a tune_hydra.ModelTask" in str(err)
         assert "function trainable passed by mistake" in str(err)
         assert "experiment stops at the first one" in str(err)
         with pytest.raises(NotATaskError, match="function trainable"):
-            _call(a.register("t2", "tok", "hidden_train_fn", {"lr": 0.01}))
+            _call(a.register("t2", "tok", "hidden_train_fn", {"lr": 0.01}, secret=SECRET))
         with pytest.raises(UncuttableModelError, match=r"nn\.Sequential") as cut:
-            _call(a.register("t3", "tok", "make_net_task", {"lr": 0.01}))
+            _call(a.register("t3", "tok", "make_net_task", {"lr": 0.01}, secret=SECRET))
         # a search space may choose the architecture: that trial alone
         assert isinstance(cut.value, InvalidModelError)
         assert not isinstance(cut.value, SystematicTaskError)
@@ -508,17 +530,19 @@ def test_systematic_mistakes_are_marked_and_config_ones_are_not() -> None:
         # config-dependent: that trial alone
         for config in ({"fail": "factory"}, {"width": 512}):
             with pytest.raises(Exception) as other:
-                _call(a.register("t4", "tok", "make_task", config))
+                _call(a.register("t4", "tok", "make_task", config, secret=SECRET))
             assert not isinstance(other.value, SystematicTaskError)
         assert isinstance(other.value, ShardTooLargeError)
         # what tune.with_parameters around the trainable sends: keyword arguments
         data = tune_tasks.dataset(n_batches=2)
         a._store["with"] = cloudpickle.dumps(tune_tasks.make_task_with)
-        assert _call(a.register("t5", "tok", "with", {"lr": 0.01}, {"data": data})) == 2
+        assert (
+            _call(a.register("t5", "tok", "with", {"lr": 0.01}, {"data": data}, secret=SECRET)) == 2
+        )
         assert len(_call(a.train("t5", "tok", 1))) == 1
         assert _call(a.registered(SECRET))["trials"] == ["t5"]
     finally:
-        _call(a.close())
+        _call(a.close(SECRET))
 
 
 def test_stopper_keeps_tune_semantics_and_stops_all_on_a_systematic_mistake() -> None:
@@ -584,7 +608,7 @@ def test_callback_checkpoint_modes(monkeypatch: pytest.MonkeyPatch) -> None:
         cb.on_trial_result(0, [], trial, result)
         return bool(result.get(SHOULD_CHECKPOINT))
 
-    every, end = HydraCallback("r", "every"), HydraCallback("r", "end")
+    every, end = HydraCallback("r", "every", secret="s"), HydraCallback("r", "end", secret="s")
     assert after(every, plain, **{SHOULD_CHECKPOINT: True})  # the proxy asked: kept
     # tune.Tuner sets checkpoint_at_end=True for every class trainable: it adds the last
     # checkpoint and must not drop the per-iteration ones (issue 23, item 3)
@@ -597,6 +621,7 @@ def test_callback_checkpoint_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     assert not after(HydraCallback("r", None), plain, **{DONE: True})
     copy = cloudpickle.loads(cloudpickle.dumps(end))
     assert (copy.run_id, copy.checkpoint) == ("r", "end")
+    assert b"secret" not in cloudpickle.dumps(end)  # Tune writes callbacks to disk
 
     # a trial's recorded mistake (JSON in the cluster store; here a dict) -> recorded once
     # for the executor, rebuilt as its own class
@@ -608,9 +633,19 @@ def test_callback_checkpoint_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(internal_kv, "_internal_kv_put", lambda k, v, **_: kv.__setitem__(k, v))
     monkeypatch.setattr(internal_kv, "_internal_kv_get", lambda k, **_: kv.get(k))
     mistake = NotATaskError("t1", "the task factory returned NoneType", "return a ModelTask")
-    FactoryStore("r").record_error("t1", mistake)
-    assert b"NoneType" in next(iter(kv.values()))  # plain JSON, nothing to unpickle
+    # issue 23, item 6: a record another driver planted (no tag, or one made with
+    # another key) is ignored; the experiment goes on
+    FactoryStore("r", "other-key").record_error("t1", mistake)
     failed = SimpleNamespace(trial_id="t1")
+    every.on_trial_error(0, [], failed)
+    assert systematic_error("r") is None
+    kv[next(iter(kv))] = json.dumps(
+        {"type": "NotATaskError", "trial": "t1", "problem": "planted", "fix": "none"}
+    ).encode()
+    every.on_trial_error(0, [], failed)
+    assert systematic_error("r") is None
+    FactoryStore("r", "s").record_error("t1", mistake)
+    assert b"NoneType" in next(iter(kv.values()))  # plain JSON, nothing to unpickle
     try:
         every.on_trial_error(0, [], failed)
         found = systematic_error("r")
@@ -656,7 +691,7 @@ def test_restore_refuses_a_planted_dict_checkpoint_before_ray_unpickles_it(
 
     from tune_hydra.exceptions import CheckpointError, ForeignCheckpointFileError
 
-    _call(actor.register("a", "t", BLOB, {"lr": 0.01}))
+    _call(actor.register("a", "t", BLOB, {"lr": 0.01}, secret=SECRET))
     _call(actor.train("a", "t", 1))
     ckpt = tmp_path / "checkpoint_000000"
     _call(actor.save("a", "t", str(ckpt)))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import shutil
 import signal
@@ -157,7 +158,8 @@ def test_another_executor_cannot_touch_this_ones_trials(ray_session: Any) -> Non
         factory_id = next(c._factory_id for c in trainable.__mro__ if "_factory_id" in vars(c))
         node = next(iter(mine.engines()))
         handle = mine.engines()[node]
-        assert ray.get(handle.register.remote("k", "tok", factory_id, {"lr": 0.01})) == 1
+        config = {"lr": 0.01}
+        assert ray.get(handle.register.remote("k", "tok", factory_id, config, None, mine._secret))
         # the other experiment's driver finds the actor by name, but cannot use it
         stranger = ray.get_actor(engine_actor_name(mine.run_id, node))
         assert ray.get(stranger.deregister.remote("k", other._secret)) is False
@@ -168,12 +170,22 @@ def test_another_executor_cannot_touch_this_ones_trials(ray_session: Any) -> Non
             stranger.registered.remote(other._secret),
             stranger.train.remote("k", other._secret, 1),
             stranger.save.remote("k", "guess", "/tmp/x"),
+            # issue 23, item 6: reading the timeline and figures, closing the engine, and
+            # re-registering the owner's trial id under another token
+            stranger.trace.remote(),
+            stranger.summary.remote(other._secret),
+            stranger.close.remote("guess"),
+            stranger.register.remote("k", "evil", factory_id, config),
+            stranger.register.remote("k", "evil", factory_id, config, None, other._secret),
         ):
             with pytest.raises(ray.exceptions.RayTaskError) as info:
                 ray.get(call)
             assert isinstance(info.value.cause, TrialNotRegisteredError)
-        # the owner's trial is untouched and trains
+        with pytest.raises(ray.exceptions.RayTaskError, match="key of the experiment"):
+            ray.get(stranger.register.remote("k", "evil", factory_id, config))
+        # the owner's trial is untouched and trains (not "queued work was cancelled")
         assert [r["iteration"] for r in ray.get(handle.train.remote("k", "tok", 1))] == [1]
+        assert len(mine.trace().events) > 0 and mine.summary()[node]["devices"]
         assert mine.registered_trials()[node]["trials"] == ["k"]
         assert ray.get(handle.deregister.remote("k", "tok")) is True
 
@@ -208,7 +220,7 @@ def test_the_factory_is_stored_once_and_freed(ray_session: Any, storage: str) ->
             assert all(t.status == "TERMINATED" for t in analysis.trials)
             assert ex._factory_ids == []  # freed in the cluster and the engines
             rss.append(_rss_mib(pid))
-        store = FactoryStore(ex.run_id)
+        store = FactoryStore(ex.run_id, ex._secret)
         trainable = ex.trainable(tune_tasks.make_task)
         factory_id = ex._factory_ids[-1]
         assert store.get(factory_id) is not None
@@ -281,3 +293,81 @@ def test_a_module_level_model_trains_one_trial_and_refuses_the_others(
         want = eng.get_state("ref")["model"]
     got = torch.load(Path(done[0].checkpoint.path) / "model.pt", weights_only=True)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _kv() -> Any:
+    from ray.experimental import internal_kv
+
+    return internal_kv
+
+
+def test_another_driver_cannot_read_or_replace_the_factory(
+    ray_session: Any, tmp_path: Path
+) -> None:
+    """Issue 23, item 6: another driver lists tune_hydra's keys in the cluster store: it
+    finds no key naming the experiment and no factory it can unpickle; a factory it
+    replaces is refused by the engine, never unpickled."""
+    kv = _kv()
+    with HydraExecutor(devices="cpu") as mine:
+        trainable = mine.trainable(tune_tasks.closure_factory(1))
+        factory_id = mine._factory_ids[-1]
+        keys = kv._internal_kv_list(b"", namespace="tune_hydra")
+        values = [kv._internal_kv_get(k, namespace="tune_hydra") for k in keys]
+        assert keys and not any(mine.run_id.encode() in k or factory_id.encode() in k for k in keys)
+        for value in values:
+            with pytest.raises(Exception):  # noqa: B017  (any failure: not a pickle)
+                cloudpickle.loads(value)
+        assert FactoryStore(mine.run_id, "guess").get(factory_id) is None  # other key: absent
+        # plant a payload in place of the factory's value
+        marker = tmp_path / "payload-ran"
+
+        class Payload:
+            def __reduce__(self) -> Any:
+                return (exec, (f"open({str(marker)!r}, 'w').write('ran')",))
+
+        (key,) = [k for k in keys if k.startswith(b"factory:")]
+        kv._internal_kv_put(key, cloudpickle.dumps(Payload()), namespace="tune_hydra")
+        handle = next(iter(mine.engines().values()))
+        with pytest.raises(ray.exceptions.RayTaskError, match="not sealed with the experiment"):
+            ray.get(handle.register.remote("k", "tok", factory_id, {}, None, mine._secret))
+        assert not marker.exists()
+        mine.release(trainable)
+
+
+class _PlantRecords(tune.Callback):
+    """What another driver does: writes an untagged ``systematic:`` record for each trial
+    of the experiment as it starts."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+
+    def on_trial_start(self, iteration: int, trials: Any, trial: Any, **info: Any) -> None:
+        record = {"type": "NotATaskError", "trial": trial.trial_id, "problem": "planted"}
+        _kv()._internal_kv_put(
+            f"systematic:{self.run_id}:{trial.trial_id}".encode(),
+            json.dumps({**record, "fix": "none"}).encode(),
+            namespace="tune_hydra",
+        )
+
+
+def test_a_planted_systematic_record_does_not_end_the_experiment(
+    ray_session: Any, storage: str, tmp_path: Path
+) -> None:
+    """Issue 23, item 6: a ``systematic:`` record without the experiment's tag is ignored
+    (it ended the owner's whole experiment with the planted error before); the trial that
+    really failed fails alone, the other one finishes."""
+    fail = tmp_path / "fail"
+    fail.touch()
+    with HydraExecutor(devices="cpu", device_memory="18KiB") as ex:
+        analysis = th.run(
+            tune_tasks.make_task,
+            config={"marker": tune.grid_search([str(fail), None]), "fail_after": 1},
+            stop={"training_iteration": 2},
+            callbacks=[_PlantRecords(ex.run_id)],
+            raise_on_failed_trial=False,
+            storage_path=storage,
+            trial_executor=ex,
+            verbose=0,
+        )
+    status = {t.config["marker"]: t.status for t in analysis.trials}
+    assert status == {str(fail): "ERROR", None: "TERMINATED"}

@@ -20,6 +20,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import hmac
 import importlib
 import os
 import pickle
@@ -47,6 +48,7 @@ from tune_hydra.frontends.checkpoint import (
 from tune_hydra.frontends.ray.errors import (
     EngineError,
     EngineUnavailableError,
+    NotOwnerError,
     TaskFactoryError,
     TrialNotRegisteredError,
 )
@@ -388,10 +390,12 @@ class EngineActor:
 
     def _driver(self, secret: str) -> None:
         """Refuse a driver-side call that does not carry this executor's secret."""
-        if not self._secret or secret != self._secret:
-            raise TrialNotRegisteredError(
-                "this call needs the key of the HydraExecutor that started this engine; "
-                "another experiment's driver cannot change or list its trials"
+        if not self._secret or not hmac.compare_digest(str(secret), self._secret):
+            raise NotOwnerError(
+                "this call needs the key of the experiment (HydraExecutor) that started "
+                "this engine, and did not carry it: another experiment's driver on the "
+                "cluster cannot register, change, list, trace or close its trials. Use the "
+                "HydraExecutor (or the trainable it made) that started this engine"
             )
 
     def _owned(self, key: str, token: str) -> _Registration:
@@ -702,18 +706,25 @@ class EngineActor:
         factory_id: str,
         config: dict[str, Any],
         params: dict[str, Any] | None = None,
+        secret: str = "",
     ) -> int:
         """Build trial ``key``'s task with the experiment's factory ``factory_id`` and add
-        it to the engine; it replaces any older registration of ``key`` and belongs to
-        ``token`` from now on. Returns the number of shards.
+        it to the engine; it replaces any older registration of ``key`` (a retried or
+        newer copy of the trial) and belongs to ``token`` from now on. Returns the number
+        of shards.
 
         ``params``: keyword arguments for the factory from ``tune.with_parameters``
         around the trainable (``ObjectRef``s, fetched once per engine, or values).
+        ``secret``: the experiment's secret; a registration without it (another
+        experiment's driver re-registering one of our trial ids) is refused before it
+        touches anything.
 
         Raises:
+            NotOwnerError: ``secret`` is not the experiment's.
             NotATaskError: the factory returned no ModelTask (systematic).
             UncuttableModelError: the model's type cannot be cut (this trial alone).
         """
+        self._driver(secret)  # before anything: the owner's trial keeps running
         try:
             task = await self._make_task(key, token, factory_id, config, params)
         except TuneHydraError as err:
@@ -757,6 +768,14 @@ class EngineActor:
             return list(await asyncio.wrap_future(fut))
         except (asyncio.CancelledError, concurrent.futures.CancelledError):
             # A cancelled asyncio task would read as a Ray task cancellation; say why.
+            with self._lock:
+                now = self._regs.get(key)
+            if now is not None and now.token != token:
+                raise TrialNotRegisteredError(
+                    f"trial {key!r}: a newer copy of this trial (of the same experiment: "
+                    f"Tune retried or re-created it) registered it again, which dropped "
+                    f"this copy's queued work"
+                ) from None
             raise EngineUnavailableError(
                 f"trial {key!r}: its queued work was cancelled (Tune stopped or paused it, "
                 f"or it was deregistered)"
@@ -832,8 +851,10 @@ class EngineActor:
         return {"trials": trials, "engine_tasks": tasks}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def trace(self) -> list[Any]:
-        """The engine's trace events, device labels prefixed with this node's label."""
+    async def trace(self, secret: str = "") -> list[Any]:
+        """The engine's trace events, device labels prefixed with this node's label (for
+        the experiment's driver only)."""
+        self._driver(secret)
         if self._engine is None:
             return []
         events = list(self._engine.trace.events)
@@ -844,13 +865,17 @@ class EngineActor:
         return events
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def summary(self) -> dict[str, Any]:
-        """The engine's summary (per-device utilization ...)."""
+    async def summary(self, secret: str = "") -> dict[str, Any]:
+        """The engine's summary (per-device utilization ...; for the experiment's driver
+        only)."""
+        self._driver(secret)
         return dict(self._engine.summary()) if self._engine is not None else {}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def close(self) -> None:
-        """Close the engine (its threads stop); the actor may then be killed."""
+    async def close(self, secret: str = "") -> None:
+        """Close the engine (its threads stop); the actor may then be killed (for the
+        experiment's driver only)."""
+        self._driver(secret)
         if self._engine is not None:
             await self._offload(self._engine.close)
             self._engine = None

@@ -137,11 +137,15 @@ class HydraCallback(Callback):
     Args:
         run_id: the executor's id (``""``: record no mistakes).
         checkpoint: the executor's ``checkpoint`` option (``"every"``, ``"end"`` or None).
+        secret: the experiment's secret, which the trials' systematic-error records must
+            carry (kept in this process only; after ``Tuner.restore`` unpickles the
+            callback it is the active executor's).
     """
 
-    def __init__(self, run_id: str = "", checkpoint: str | None = None) -> None:
+    def __init__(self, run_id: str = "", checkpoint: str | None = None, secret: str = "") -> None:
         self.run_id = run_id
         self.checkpoint = checkpoint
+        self._secret = secret  # never pickled: Tune writes callbacks to the experiment folder
         self._previous: Any = None
         self._installed: Any = None
 
@@ -199,7 +203,9 @@ class HydraCallback(Callback):
         if not self.run_id:
             return
         try:
-            found = FactoryStore(self.run_id).recorded_error(trial.trial_id)
+            ex = registry.active(self.run_id)
+            secret = ex._secret if ex is not None else self._secret
+            found = FactoryStore(self.run_id, secret).recorded_error(trial.trial_id)
         except Exception:  # an unreadable record is no systematic error
             logger.debug("tune_hydra: could not read trial %s's record", trial, exc_info=True)
             return

@@ -57,6 +57,12 @@ class TrialNotRegisteredError(EngineUnavailableError):
     after a newer copy of the trial took it over."""
 
 
+class NotOwnerError(TrialNotRegisteredError):
+    """A call to an engine actor that does not carry the key of the experiment that
+    started it (another experiment's driver on the same cluster, or a stale handle): it
+    is refused and changes nothing."""
+
+
 class EngineError(TuneHydraError, RuntimeError):
     """An engine error whose original type could not cross the process boundary; the
     message names the original type."""
@@ -70,6 +76,7 @@ __all__ = [
     "MissingMetricError",
     "NotATaskError",
     "NotATaskFactoryError",
+    "NotOwnerError",
     "SystematicTaskError",
     "TaskFactoryError",
     "TaskFactoryTimeoutError",

@@ -14,6 +14,7 @@ import dataclasses
 import inspect
 import logging
 import os
+import secrets
 import types
 import uuid
 import warnings
@@ -341,10 +342,13 @@ class HydraExecutor:
         self.checkpoint: str | None = checkpoint
         self._engine_class = _engine_class
         self.run_id = uuid.uuid4().hex[:10]
-        # Carried by this executor's driver-side calls (cancel, hints, deregister); another
-        # experiment's driver does not know it. Never leaves this process but for our actors.
-        self._secret = uuid.uuid4().hex
-        self._store = FactoryStore(self.run_id)
+        # The experiment's secret: every call to its engine actors (the driver's, and the
+        # trials' registrations) and every record it keeps in the cluster store is bound
+        # to it; calls and records without it are refused. It travels to the engine actors
+        # (creation arguments) and to the trials (the trainable class), never in a name or
+        # a key; see the README's "Ownership" for what that does and does not keep out.
+        self._secret = secrets.token_hex(16)
+        self._store = FactoryStore(self.run_id, self._secret)
         self._factory_ids: list[str] = []
         self._handles: dict[str, Any] = {}  # node id -> engine actor handle
         self._slots = 0
@@ -486,7 +490,7 @@ class HydraExecutor:
         except Exception:
             logger.warning("tune_hydra: could not collect the engines' trace", exc_info=True)
         with contextlib.suppress(Exception):
-            ray.get([h.close.remote() for h in self._handles.values()], timeout=30)
+            ray.get([h.close.remote(self._secret) for h in self._handles.values()], timeout=30)
         self._kill(self._handles)
         self._handles = {}
 
@@ -537,6 +541,7 @@ class HydraExecutor:
             {
                 "_factory_id": factory_id,
                 "_run_id": self.run_id,
+                "_secret": self._secret,
                 "_slot_resource": "" if self._fallback else self.slot_resource,
                 "_checkpoint": self.checkpoint,
                 "__module__": HydraTrainable.__module__,
@@ -602,7 +607,7 @@ class HydraExecutor:
         experiment), and ask for the checkpoints of ``HydraExecutor(checkpoint=...)``."""
         from tune_hydra.frontends.ray.callback import HydraCallback
 
-        return [HydraCallback(run_id=self.run_id, checkpoint=self.checkpoint)]
+        return [HydraCallback(run_id=self.run_id, checkpoint=self.checkpoint, secret=self._secret)]
 
     def stopper(self, stop: Any = None) -> Any:
         """The run's stopping condition for ``tune.Tuner``: ``stop`` (a dict such as
@@ -699,12 +704,12 @@ class HydraExecutor:
 
     def _gather_trace(self) -> list[Any]:
         events: list[Any] = []
-        for ref in [h.trace.remote() for h in self._handles.values()]:
+        for ref in [h.trace.remote(self._secret) for h in self._handles.values()]:
             events.extend(ray.get(ref, timeout=60))
         return events
 
     def _gather_summary(self) -> dict[str, Any]:
-        refs = {node: h.summary.remote() for node, h in self._handles.items()}
+        refs = {node: h.summary.remote(self._secret) for node, h in self._handles.items()}
         return {node: ray.get(ref, timeout=60) for node, ref in refs.items()}
 
     def trace(self) -> Any:

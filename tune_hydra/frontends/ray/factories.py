@@ -9,48 +9,134 @@ carry only the id, and each engine actor reads the factory once, on its first tr
 keeps it until the experiment releases it. The KV entry survives an engine actor restart
 (the restarted actor reads it again); :meth:`FactoryStore.delete` frees it when the
 experiment ends.
+
+Ownership (Ray gives drivers of one cluster no isolation from each other: any of them can
+list and read every key of the KV store): every record is bound to the experiment's
+secret (:class:`~tune_hydra.HydraExecutor` makes one with :func:`secrets.token_hex`). A
+factory is stored under a key derived from the secret, encrypted with a key stream derived
+from it (SHAKE-256) and authenticated (HMAC-SHA256, encrypt-then-MAC), so another driver
+that lists the store finds bytes it can neither unpickle nor replace; a systematic-error
+record carries an HMAC tag, and one without a valid tag (planted by another driver) is
+ignored with a log line.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
+import logging
+import os
 import uuid
 
 from tune_hydra.exceptions import SystematicTaskError
 
+logger = logging.getLogger(__name__)
+
 _NAMESPACE = "tune_hydra"
+_SEALED = b"THS1"  # format tag of a sealed (encrypted and authenticated) value
+_NONCE = 16
+_TAG = 32
+
+
+def _subkey(secret: str, purpose: str) -> bytes:
+    return hmac.new(secret.encode(), purpose.encode(), hashlib.sha256).digest()
+
+
+def _xor(data: bytes, stream: bytes) -> bytes:
+    n = len(data)
+    return (int.from_bytes(data, "little") ^ int.from_bytes(stream, "little")).to_bytes(n, "little")
+
+
+def seal(secret: str, purpose: str, data: bytes) -> bytes:
+    """``data`` encrypted and authenticated with keys derived from ``secret`` and
+    ``purpose`` (the KV key it is stored under, so a sealed value cannot be moved to
+    another key): a SHAKE-256 key stream over (key, random nonce), then an HMAC-SHA256
+    tag over nonce and ciphertext. :func:`unseal` reverses it.
+
+    Example:
+        >>> unseal("k", "a", seal("k", "a", b"data")), unseal("x", "a", seal("k", "a", b"d"))
+        (b'data', None)
+    """
+    nonce = os.urandom(_NONCE)
+    stream = hashlib.shake_256(_subkey(secret, "enc:" + purpose) + nonce).digest(len(data))
+    body = nonce + _xor(data, stream)
+    tag = hmac.new(_subkey(secret, "mac:" + purpose), body, hashlib.sha256).digest()
+    return _SEALED + tag + body
+
+
+def unseal(secret: str, purpose: str, sealed: bytes) -> bytes | None:
+    """The data :func:`seal` sealed with the same ``secret`` and ``purpose``; None for
+    anything else (another key, another purpose, changed bytes)."""
+    head = len(_SEALED)
+    if len(sealed) < head + _TAG + _NONCE or not sealed.startswith(_SEALED):
+        return None
+    tag, body = sealed[head : head + _TAG], sealed[head + _TAG :]
+    want = hmac.new(_subkey(secret, "mac:" + purpose), body, hashlib.sha256).digest()
+    if not hmac.compare_digest(tag, want):
+        return None
+    nonce, data = body[:_NONCE], body[_NONCE:]
+    stream = hashlib.shake_256(_subkey(secret, "enc:" + purpose) + nonce).digest(len(data))
+    return _xor(data, stream)
 
 
 class FactoryStore:
     """The pickled task factories of one executor (``run_id``) in Ray's cluster KV store.
 
-    Any process connected to the cluster (driver, engine actors) can read them; only the
+    Only processes that hold the experiment's ``secret`` (its driver, its engine actors
+    and its trials) can read a factory or write a record the driver believes; only the
     id is passed around. Picklable: an engine actor receives one at creation.
 
     Args:
-        run_id: the executor's id (keys are ``"<run_id>:<factory id>"``).
+        run_id: the executor's id.
+        secret: the experiment's secret (keys and seals are derived from it).
     """
 
-    def __init__(self, run_id: str) -> None:
+    def __init__(self, run_id: str, secret: str = "") -> None:
         self.run_id = run_id
+        self.secret = secret
 
     def _key(self, factory_id: str) -> bytes:
-        return f"factory:{self.run_id}:{factory_id}".encode()
+        # Derived from the secret: the key names neither the experiment nor the factory.
+        digest = hmac.new(
+            self.secret.encode(), f"factory:{self.run_id}:{factory_id}".encode(), hashlib.sha256
+        ).hexdigest()
+        return f"factory:{digest[:40]}".encode()
 
     def put(self, blob: bytes) -> str:
-        """Store a pickled factory; returns its new id."""
+        """Store a pickled factory (sealed); returns its new id."""
         from ray.experimental import internal_kv
 
         factory_id = uuid.uuid4().hex
-        internal_kv._internal_kv_put(self._key(factory_id), blob, namespace=_NAMESPACE)
+        key = self._key(factory_id)
+        sealed = seal(self.secret, key.decode(), blob)
+        internal_kv._internal_kv_put(key, sealed, namespace=_NAMESPACE)
         return factory_id
 
     def get(self, factory_id: str) -> bytes | None:
-        """The pickled factory, or None if it was deleted (or never stored)."""
+        """The pickled factory, or None if it was deleted (or never stored).
+
+        Raises:
+            TaskFactoryError: the stored value does not unseal with this experiment's
+                secret (another driver replaced it); it is never unpickled.
+        """
         from ray.experimental import internal_kv
 
-        value = internal_kv._internal_kv_get(self._key(factory_id), namespace=_NAMESPACE)
-        return bytes(value) if value is not None else None
+        from tune_hydra.exceptions import TaskFactoryError
+
+        key = self._key(factory_id)
+        value = internal_kv._internal_kv_get(key, namespace=_NAMESPACE)
+        if value is None:
+            return None
+        blob = unseal(self.secret, key.decode(), bytes(value))
+        if blob is None:
+            raise TaskFactoryError(
+                f"the stored task factory {factory_id[:8]} of experiment {self.run_id} is "
+                f"not sealed with the experiment's key: something else on the cluster "
+                f"replaced it in Ray's key-value store, so it was not unpickled. Nothing of "
+                f"it ran; restart the experiment (a new HydraExecutor stores it afresh)"
+            )
+        return blob
 
     def delete(self, factory_id: str) -> None:
         """Free a stored factory (idempotent)."""
@@ -77,9 +163,16 @@ class FactoryStore:
             "problem": err.problem,
             "fix": err.fix,
         }
+        record["tag"] = self._tag(trial_id, record)
         internal_kv._internal_kv_put(
             self._error_key(trial_id), json.dumps(record).encode(), namespace=_NAMESPACE
         )
+
+    def _tag(self, trial_id: str, record: dict[str, str]) -> str:
+        """HMAC-SHA256 of a record's fields and key, with the experiment's secret."""
+        fields = {k: str(record.get(k)) for k in ("type", "trial", "problem", "fix")}
+        text = json.dumps([self._error_key(trial_id).decode(), fields], sort_keys=True)
+        return hmac.new(self.secret.encode(), text.encode(), hashlib.sha256).hexdigest()
 
     def recorded_error(self, trial_id: str) -> SystematicTaskError | None:
         """The mistake trial ``trial_id`` recorded, rebuilt as its own error class (one
@@ -92,7 +185,16 @@ class FactoryStore:
         try:
             record = json.loads(raw)
             args = (str(record["trial"]), str(record["problem"]), str(record["fix"]))
-        except (ValueError, KeyError, TypeError):
+            tag = str(record.get("tag", ""))
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            return None
+        if not self.secret or not hmac.compare_digest(tag, self._tag(trial_id, record)):
+            logger.warning(
+                "tune_hydra: ignoring a systematic-error record for trial %s of experiment "
+                "%s that does not carry the experiment's key (written by another driver?)",
+                trial_id,
+                self.run_id,
+            )
             return None
         return _systematic_classes().get(str(record.get("type")), SystematicTaskError)(*args)
 
@@ -123,4 +225,4 @@ def _systematic_classes() -> dict[str, type[SystematicTaskError]]:
     return found
 
 
-__all__ = ["FactoryStore"]
+__all__ = ["FactoryStore", "seal", "unseal"]

@@ -27,7 +27,12 @@ from ray import tune
 from ray.tune.registry import _ParameterRegistry
 from ray.tune.result import SHOULD_CHECKPOINT
 
-from tune_hydra.exceptions import CheckpointError, SystematicTaskError, UndeclaredMetricError
+from tune_hydra.exceptions import (
+    CheckpointError,
+    SystematicTaskError,
+    TuneHydraError,
+    UndeclaredMetricError,
+)
 from tune_hydra.frontends.checkpoint import check_checkpoint_files, discard_partial_save
 from tune_hydra.frontends.common import RESULT_KEYS
 from tune_hydra.frontends.ray.actor import engine_actor_name
@@ -99,6 +104,10 @@ class HydraTrainable(tune.Trainable):
             :mod:`tune_hydra.frontends.ray.factories`): only the engine actors load the factory, so
             neither its bytes nor its imports (torch ...) ever reach a trial process.
         _run_id: the executor's id (part of the engine actors' names).
+        _secret: the experiment's secret (see :class:`~tune_hydra.HydraExecutor`): a
+            registration must present it, and the systematic-error records a trial writes
+            are tagged with it. It comes with the class (which Tune pickles into the
+            trial processes and its registry), never in a name, a key or the config.
         _slot_resource: the engine-slot resource every trial must hold (``""``: none,
             when Ray was started without slots).
         _checkpoint: ``"every"`` asks Tune for a checkpoint after every iteration (the
@@ -115,6 +124,7 @@ class HydraTrainable(tune.Trainable):
 
     _factory_id: ClassVar[str] = ""
     _run_id: ClassVar[str] = ""
+    _secret: ClassVar[str] = ""
     _slot_resource: ClassVar[str] = ""
     _checkpoint: ClassVar[str | None] = None
     _param_refs: ClassVar[dict[str, Any]] = {}
@@ -167,7 +177,11 @@ class HydraTrainable(tune.Trainable):
         return self._actor
 
     def _no_engine_message(self, node_id: str) -> str:
-        if FactoryStore(self._run_id).get(self._factory_id) is not None:
+        try:
+            live = FactoryStore(self._run_id, self._secret).get(self._factory_id) is not None
+        except TuneHydraError:  # replaced by someone else: still stored, so live
+            live = True
+        if live:
             # The experiment is live (its factory is stored): the engine died for good.
             return (
                 f"the tune_hydra engine actor of this trial's node ({node_id}) is dead and "
@@ -251,7 +265,7 @@ class HydraTrainable(tune.Trainable):
             # For the driver, which then ends the experiment once (plain JSON in the
             # cluster store: it never unpickles what a trial process wrote).
             try:
-                FactoryStore(self._run_id).record_error(self.trial_id, err)
+                FactoryStore(self._run_id, self._secret).record_error(self.trial_id, err)
             except Exception:
                 logger.warning("tune_hydra: could not record %s", err, exc_info=True)
             raise
@@ -269,6 +283,7 @@ class HydraTrainable(tune.Trainable):
                 self._factory_id,
                 self.config,
                 self._params,
+                self._secret,
             )
         )
         self._key = self.trial_id
