@@ -458,9 +458,9 @@ class UnknownOptionError(TuneHydraError, TypeError):
 class SystematicTaskError(TuneHydraError, RuntimeError):
     """A mistake that every trial of an experiment would repeat, whatever its config: the
     task factory is not one (it returns no ``ModelTask``, or it is a function trainable
-    that calls ``tune.report``), or the trials lost their engine slots. The Tune front end stops the experiment at the first
-    trial that hits one and ``th.run`` raises it, instead of failing every trial with the
-    same traceback. Mistakes that depend on the config (a layer over budget for one
+    that calls ``tune.report``), or the trials lost their engine slots. The Tune front
+    end stops the experiment at the first trial that hits one and ``th.run`` raises it,
+    instead of failing every trial with the same traceback. Mistakes that depend on the config (a layer over budget for one
     width, a factory raising for one config, a NaN loss) fail that trial alone.
 
     Attributes:

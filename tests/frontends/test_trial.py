@@ -148,7 +148,7 @@ def test_a_module_global_wrapped_in_a_fresh_parameter_is_never_trained() -> None
     from W's values when the study began, exactly as a fresh process would (before: W was
     trained in place, 8.30 -> 8.89 -> -4.8e7 over three trials)."""
     torch.manual_seed(0)
-    W = torch.randn(16, 8, dtype=F64)  # noqa: N806  (stands for a module global)
+    W = torch.randn(16, 8, dtype=F64)  # stands for a module global
     start = W.clone()
     data = batches(3)
 

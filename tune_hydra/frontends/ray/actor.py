@@ -600,7 +600,9 @@ class EngineActor:
             return UncuttableModelError(
                 key,
                 f"the model the task factory built cannot be cut into shards: {err}",
-                "Every config builds a model of this type: change it in make_task",
+                "Build a model of another type for this config in make_task (an "
+                "nn.Sequential, a traced nn.Module or a Hugging Face model); the other "
+                "trials go on",
             )
         return err
 
