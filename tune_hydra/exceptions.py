@@ -460,8 +460,9 @@ class SystematicTaskError(TuneHydraError, RuntimeError):
     task factory is not one (it returns no ``ModelTask``, or it is a function trainable
     that calls ``tune.report``), or the trials lost their engine slots. The Tune front
     end stops the experiment at the first trial that hits one and ``th.run`` raises it,
-    instead of failing every trial with the same traceback. Mistakes that depend on the config (a layer over budget for one
-    width, a factory raising for one config, a NaN loss) fail that trial alone.
+    instead of failing every trial with the same traceback. Mistakes that depend on the
+    config (a layer over budget for one width, a factory raising for one config, a NaN
+    loss, a model type that cannot be cut) fail that trial alone.
 
     Attributes:
         trial: the trial that hit it first (``""``: found before any trial started).
