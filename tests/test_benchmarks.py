@@ -12,6 +12,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
@@ -115,6 +117,7 @@ def test_gpu_session_script_without_a_gpu(tmp_path: Path) -> None:
     assert "no CUDA device" in proc.stdout + proc.stderr
 
 
+@pytest.mark.integration  # starts a local Ray of its own (proxy_memory.py)
 def test_proxy_memory_quick() -> None:
     out = _run("proxy_memory.py", "--quick", timeout=300)
     for text in ("bare Trainable", "bare Trainable + torch", "tune_hydra proxy", "engine RSS"):
