@@ -26,11 +26,17 @@ import math
 import numbers
 import operator
 import os
-from dataclasses import InitVar, dataclass
+import re
+from dataclasses import InitVar, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from tune_hydra.core.trace import DEFAULT_WINDOW as DEFAULT_TRACE_WINDOW
-from tune_hydra.exceptions import InvalidOptionError, SpillDirError
+from tune_hydra.exceptions import (
+    BudgetFormatError,
+    InvalidOptionError,
+    SpillDirError,
+    UnknownDeviceError,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -176,6 +182,198 @@ def check_precision(value: Any, *, where: str = "") -> str | None:
     )
 
 
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_BYTES_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_bytes(value: int | str | None, *, option: str = "device_memory") -> int | None:
+    """Turn a budget such as ``"512MiB"``, ``"8GiB"``, ``"1.5GB"`` or ``4096`` into bytes:
+    the one validator of ``device_memory`` and ``host_memory`` (torch-free, so the Ray
+    driver checks a budget without loading the engine).
+
+    ``None`` stays ``None`` (meaning: no limit, such as the whole device).
+
+    Args:
+        value: the budget given.
+        option: its name in the messages (``"device_memory"``, ``"host_memory"``).
+
+    Raises:
+        BudgetFormatError: not a positive int or a number with a known unit.
+
+    Example:
+        >>> parse_bytes("1.5KiB")
+        1536
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise BudgetFormatError(f"{option} must be bytes or a string like '8GiB', not {value!r}")
+    if isinstance(value, int):
+        if value <= 0:
+            raise BudgetFormatError(f"{option} must be positive, got {value}")
+        return value
+    if isinstance(value, str):
+        match = _BYTES_RE.match(value)
+        unit = match.group(2).lower() if match else None
+        if match is None or unit not in _UNITS:
+            # device_memory keeps its historical wording; other budgets are named.
+            what = "the memory budget" if option == "device_memory" else f"the {option} budget"
+            raise BudgetFormatError(
+                f"cannot parse {what} {value!r}; write a number of bytes or a number "
+                f"with a unit such as '512MiB', '8GiB' or '1.5GB'"
+            )
+        nbytes = int(float(match.group(1)) * _UNITS[unit])
+        if nbytes <= 0:
+            raise BudgetFormatError(f"{option} must be positive, got {value!r}")
+        return nbytes
+    raise BudgetFormatError(
+        f"{option} must be an int (bytes), a string like '8GiB', or None; got "
+        f"{type(value).__name__}"
+    )
+
+
+_DEVICE_RE = re.compile(r"^(cpu|cuda)(:\d+)?$")
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _is_torch_device(value: Any) -> bool:
+    """Whether ``value`` is a ``torch.device`` (told without importing torch)."""
+    kind = type(value)
+    return kind.__module__ == "torch" and kind.__name__ == "device"
+
+
+def check_devices(devices: Any) -> None:
+    """``devices`` as written: ``"auto"`` (or ``None``), ``"cpu"``, ``"cuda"``,
+    ``"cuda:N"``, a ``torch.device`` of those types, or a non-empty list of them.
+
+    Torch-free: whether a CUDA device is there is the engine's to check
+    (``tune_hydra.engine.units.resolve_devices``), on the node it runs on.
+
+    Raises:
+        UnknownDeviceError: an empty list, or a device of another spelling or type.
+    """
+    if devices is None or (isinstance(devices, str) and devices == "auto"):
+        return
+    names = [devices] if isinstance(devices, str) or _is_torch_device(devices) else devices
+    try:
+        names = list(names)
+    except TypeError:
+        names = [devices]
+    if not names:
+        raise UnknownDeviceError(
+            "devices is empty; pass 'auto', 'cpu', or a list such as ['cuda:0', 'cuda:1']"
+        )
+    for dev in names:
+        if isinstance(dev, str) and _DEVICE_RE.match(dev):
+            continue
+        if not _is_torch_device(dev):
+            raise UnknownDeviceError(
+                f"unknown device {dev!r}; use 'cpu', 'cuda', 'cuda:N' or 'auto'"
+            )
+        if dev.type not in DEVICE_TYPES:
+            raise UnknownDeviceError(
+                f"device {dev!r} is not supported; use 'cpu', 'cuda:N' or 'auto'"
+            )
+
+
+def check_policy(policy: Any) -> Any:
+    """``policy``: a name (``"lrtf"``, ``"fifo"``, ``"round_robin"``) or a ``BasePolicy``
+    instance, returned as given (each engine makes its own instance from a name).
+
+    Raises:
+        UnknownPolicyError: anything else (the message lists the names).
+    """
+    from tune_hydra.core.policies import BasePolicy, get_policy
+
+    if not isinstance(policy, BasePolicy):
+        get_policy(policy)  # the one message of an unknown policy
+    return policy
+
+
+def check_flag(value: Any, option: str, *, allow_none: bool = False, where: str = "") -> Any:
+    """An on/off option (``prefetch``, ``copy_on_cpu``; ``recompute`` also takes ``None``:
+    the engine's default for its devices).
+
+    Raises:
+        InvalidOptionError: anything but ``True`` / ``False`` (numpy's bools included)
+            (or ``None`` with ``allow_none``): a string such as ``"no"`` would be true.
+    """
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        return bool(value)
+    alt = ", or None (the default for the devices)" if allow_none else ""
+    raise InvalidOptionError(option, value, f"give True or False{alt}", where)
+
+
+def check_seconds(
+    value: Any, option: str, *, meaning: str, allow_zero: bool = False, where: str = ""
+) -> float | None:
+    """A duration in seconds, or ``None`` (no limit).
+
+    Args:
+        value: the value given.
+        option: its name.
+        meaning: what it bounds, for the message.
+        allow_zero: whether 0 is accepted (``th.optimize(timeout=0)``: start no trial).
+        where: who got it, for the message.
+
+    Raises:
+        InvalidOptionError: a string, a bool, NaN, a negative number, or 0 without
+            ``allow_zero``.
+    """
+    if value is None:
+        return None
+    number = float(value) if isinstance(value, numbers.Real) else math.nan
+    ok = number >= 0 if allow_zero else number > 0
+    if isinstance(value, bool) or not ok:
+        bound = ">= 0" if allow_zero else "> 0"
+        raise InvalidOptionError(
+            option, value, f"give a number of seconds {bound} ({meaning}), or None for no limit",
+            where,
+        )  # fmt: skip
+    return number
+
+
+def check_factory_timeout(value: Any, *, where: str = "") -> float | None:
+    """``factory_timeout_s``: how long one call of the task factory may take, seconds > 0,
+    or ``None`` (no limit). The same rule for ``HydraExecutor`` and ``th.optimize``: 0
+    would fail every trial before its factory ran.
+
+    Raises:
+        InvalidOptionError: 0, a negative number, NaN, a string or a bool.
+    """
+    return check_seconds(
+        value,
+        "factory_timeout_s",
+        meaning="the most one call of the task factory may take",
+        where=where,
+    )
+
+
+def check_trace_window(value: Any, *, where: str = "") -> int | None:
+    """``trace_window``: the most trace events an engine keeps, an int >= 1, or ``None``
+    (all).
+
+    Raises:
+        InvalidOptionError: anything else.
+    """
+    return check_positive_int(
+        value, "trace_window", allow_none=True, meaning="None: keep all", where=where
+    )
+
+
 def check_task_options(
     *,
     seed: Any = None,
@@ -293,32 +491,43 @@ iteration_batches=None, recompute=False)
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """The options of an :class:`~tune_hydra.engine.Engine`, as given (``Engine`` resolves
-    ``devices``, ``device_memory``, ``policy`` and ``recompute`` itself: that takes torch).
+    """The options of an :class:`~tune_hydra.engine.Engine`, checked: the one place where
+    every front end's engine options are judged (``Engine``, ``train_models``,
+    ``HydraExecutor``, ``th.optimize``), each by the one validator of its option.
 
-    Front ends build one where the user gives them and hand it down; ``kwargs()`` are the
-    keyword arguments of ``Engine(...)``. Frozen: derive a changed copy with
-    ``dataclasses.replace``.
+    The fields keep the values as given (a policy name stays a name: each engine makes
+    its own instance); the budgets are parsed once, here, into :attr:`device_bytes` and
+    :attr:`host_bytes`. What takes torch (the device list, ``recompute``'s default) the
+    engine resolves when it starts. ``Engine(options=...)`` takes one as it is;
+    ``kwargs()`` are the keyword arguments of ``Engine(...)``. Frozen: derive a changed
+    copy with ``dataclasses.replace`` (checked again).
 
     Args:
-        devices, device_memory, policy, prefetch, recompute, copy_on_cpu: see ``Engine``.
-        max_layers_per_shard: ``None`` or an int >= 1 (checked here).
-        host_memory, spill_dir: the host-memory budget and the folder of the disk tier
-            below it (see ``Engine``); ``host_memory`` needs ``spill_dir`` (checked here;
-            the folder itself is checked when the engine starts).
+        devices: ``"auto"``, ``"cpu"``, ``"cuda:N"`` or a list (:func:`check_devices`).
+        device_memory: per-device budget (:func:`parse_bytes`).
+        policy: a policy name or instance (:func:`check_policy`).
+        prefetch, copy_on_cpu: ``True`` / ``False``; recompute: also ``None``
+            (:func:`check_flag`).
+        max_layers_per_shard: ``None`` or an int >= 1 (:func:`check_max_layers_per_shard`).
+        host_memory, spill_dir: the host-memory budget (:func:`parse_bytes`) and the
+            folder of the disk tier below it; ``host_memory`` needs ``spill_dir``
+            (:func:`check_spill`; the folder itself is checked when the engine starts).
         trace_window: the most trace events the engine keeps (``None``: all); older
-            ones are folded into the trace's running totals (see ``Engine``).
+            ones are folded into the trace's running totals (:func:`check_trace_window`).
         where: who got them, for the messages (``"Engine"``, ``"train_models"``); not
             stored.
 
     Raises:
-        InvalidOptionError: a bad ``max_layers_per_shard``, or a ``spill_dir`` that is not a
-            path.
+        UnknownDeviceError, BudgetFormatError, UnknownPolicyError: a bad device, budget or
+            policy.
+        InvalidOptionError: a bad flag, ``max_layers_per_shard`` or ``trace_window``, or
+            a ``spill_dir`` that is not a path.
         SpillDirError: ``host_memory`` without ``spill_dir``.
 
     Example:
-        >>> EngineOptions(devices="cpu", max_layers_per_shard=2).kwargs()["max_layers_per_shard"]
-        2
+        >>> opts = EngineOptions(devices="cpu", device_memory="1KiB", max_layers_per_shard=2)
+        >>> opts.device_bytes, opts.kwargs()["device_memory"], opts.kwargs()["max_layers_per_shard"]
+        (1024, '1KiB', 2)
     """
 
     devices: str | Sequence[Any] = "auto"
@@ -332,23 +541,62 @@ class EngineOptions:
     spill_dir: str | os.PathLike[str] | None = None
     trace_window: int | None = DEFAULT_TRACE_WINDOW
     where: InitVar[str] = "Engine"
+    #: ``device_memory`` in bytes (``None``: the whole device).
+    device_bytes: int | None = field(init=False, repr=False, compare=False, default=None)
+    #: ``host_memory`` in bytes (``None``: no limit, no disk tier).
+    host_bytes: int | None = field(init=False, repr=False, compare=False, default=None)
 
     def __post_init__(self, where: str) -> None:
-        object.__setattr__(
-            self,
-            "max_layers_per_shard",
-            check_max_layers_per_shard(self.max_layers_per_shard, where=where),
-        )
+        check_devices(self.devices)
+        checked = {
+            "device_bytes": parse_bytes(self.device_memory),
+            "policy": check_policy(self.policy),
+            "prefetch": check_flag(self.prefetch, "prefetch", where=where),
+            "recompute": check_flag(self.recompute, "recompute", allow_none=True, where=where),
+            "copy_on_cpu": check_flag(self.copy_on_cpu, "copy_on_cpu", where=where),
+            "max_layers_per_shard": check_max_layers_per_shard(
+                self.max_layers_per_shard, where=where
+            ),
+            "host_bytes": parse_bytes(self.host_memory, option="host_memory"),
+            "trace_window": check_trace_window(self.trace_window, where=where),
+        }
         check_spill(self.host_memory, self.spill_dir, where=where)
-        window = check_positive_int(
-            self.trace_window, "trace_window", allow_none=True, meaning="None: keep all"
-        )
-        object.__setattr__(self, "trace_window", window)
+        for name, value in checked.items():
+            object.__setattr__(self, name, value)
 
     def kwargs(self) -> dict[str, Any]:
         """The keyword arguments of ``Engine(...)`` (a shallow copy: a policy instance is
         passed as itself, not copied)."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.init}
+
+
+#: The fields of :class:`EngineOptions`, in order: what ``Engine(...)`` takes.
+ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineOptions) if f.init)
+#: The per-task options of ``Engine.add_task`` (:func:`check_task_options`), in order.
+TASK_OPTIONS = ("seed", "max_grad_norm", "accumulate_steps", "precision", "iteration_batches")
+
+#: The one place that says which engine and task option a front end does not offer, and
+#: why; it takes every other one, with the default of ``EngineOptions`` /
+#: ``check_task_options``, and hands it on unchanged (``tests/test_options.py`` holds each
+#: front end's signature to this).
+NOT_OFFERED: dict[str, dict[str, str]] = {
+    "train_models": {
+        "iteration_batches": "it trains whole epochs (epochs=)",
+        "trace_window": "its History holds the engine's trace with the default window; "
+        "drive an Engine(trace_window=...) yourself for another",
+    },
+    "optimize": {
+        "iteration_batches": "a trial reports to Optuna once per epoch (the epoch is the step)",
+        "trace_window": "pass engine=Engine(trace_window=...) for another window",
+    },
+    "HydraExecutor": {
+        "copy_on_cpu": "a test aid of the engine's copy path on CPU 'devices' "
+        "(Engine / train_models); a node's engine computes on its devices",
+        "max_layers_per_shard": "the engine cuts by device_memory; HydraExecutor.plan("
+        "max_layers_per_shard=...) shows finer cuts",
+        "trace_window": "each engine keeps the default window; executor.trace() gathers them",
+    },
+}
 
 
 def check_spill(host_memory: Any, spill_dir: Any, *, where: str = "") -> None:
@@ -372,17 +620,28 @@ def check_spill(host_memory: Any, spill_dir: Any, *, where: str = "") -> None:
 
 
 __all__ = [
+    "DEVICE_TYPES",
     "ENGINE_KEYS",
+    "ENGINE_OPTIONS",
+    "NOT_OFFERED",
     "PRECISIONS",
     "SEED_MAX",
     "SEED_MIN",
+    "TASK_OPTIONS",
     "EngineOptions",
     "TrainOptions",
+    "check_devices",
+    "check_factory_timeout",
+    "check_flag",
     "check_max_grad_norm",
     "check_max_layers_per_shard",
+    "check_policy",
     "check_positive_int",
     "check_precision",
+    "check_seconds",
     "check_seed",
     "check_spill",
     "check_task_options",
+    "check_trace_window",
+    "parse_bytes",
 ]

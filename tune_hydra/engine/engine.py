@@ -29,7 +29,7 @@ from tune_hydra.engine.runner import TaskRunner
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.storage.disk import SpillFolder
 from tune_hydra.engine.task import ModelTask, OwnedTensors, model_layers, owned_tensors
-from tune_hydra.engine.units import device_capacity, parse_bytes, resolve_devices
+from tune_hydra.engine.units import device_capacity, resolve_devices
 from tune_hydra.engine.workers import (
     _POLL_S,
     Assignment,
@@ -41,13 +41,19 @@ from tune_hydra.exceptions import (
     EmptyDataError,
     HostBudgetError,
     InvalidModelError,
+    InvalidOptionError,
     InvalidTaskError,
     ScheduleError,
     SharedModelError,
     TaskFailedError,
     TuneHydraError,
 )
-from tune_hydra.options import DEFAULT_TRACE_WINDOW, EngineOptions, TrainOptions, check_seed
+from tune_hydra.options import (
+    DEFAULT_TRACE_WINDOW,
+    EngineOptions,
+    TrainOptions,
+    check_seed,
+)
 
 log = logging.getLogger(__name__)
 
@@ -82,9 +88,15 @@ class Engine:
         trace_window: the most events :attr:`trace` keeps (default 200,000, 35-55 MiB;
             ``None``: all, growing with the run); older ones are folded into running
             totals, so the trace's figures (``trace.summary()``) still cover the whole run.
+        options: the same options as one checked :class:`~tune_hydra.options.EngineOptions`
+            (what the front ends build where the user gives them, and hand down as it is),
+            instead of the keywords above (``Engine(options=opts)``; giving both is
+            refused). The keywords build one; either way ``engine.options`` holds it, the
+            one place the engine reads them from.
 
     Raises:
-        InvalidOptionError: a bad ``max_layers_per_shard``.
+        InvalidOptionError: a bad ``prefetch``, ``recompute``, ``copy_on_cpu``,
+            ``max_layers_per_shard`` or ``trace_window``, or ``options`` with keywords.
         SpillDirError: ``host_memory`` without ``spill_dir``, or a ``spill_dir`` that is
             missing, not writable or on a full disk.
         UnknownDeviceError, BudgetFormatError, UnknownPolicyError: a bad device, budget or
@@ -118,28 +130,28 @@ class Engine:
         host_memory: int | str | None = None,
         spill_dir: str | os.PathLike[str] | None = None,
         trace_window: int | None = DEFAULT_TRACE_WINDOW,
+        options: EngineOptions | None = None,
     ) -> None:
-        options = EngineOptions(
-            devices,
-            device_memory,
-            policy,
-            prefetch=prefetch,
-            recompute=recompute,
-            copy_on_cpu=copy_on_cpu,
-            max_layers_per_shard=max_layers_per_shard,
-            host_memory=host_memory,
-            spill_dir=spill_dir,
-            trace_window=trace_window,
-        )
-        max_layers_per_shard = options.max_layers_per_shard
-        self.devices = resolve_devices(devices)
-        self.budget = parse_bytes(device_memory)
-        self.policy = get_policy(policy)
-        self.prefetch = prefetch
+        given = {
+            "devices": devices,
+            "device_memory": device_memory,
+            "policy": policy,
+            "prefetch": prefetch,
+            "recompute": recompute,
+            "copy_on_cpu": copy_on_cpu,
+            "max_layers_per_shard": max_layers_per_shard,
+            "host_memory": host_memory,
+            "spill_dir": spill_dir,
+            "trace_window": trace_window,
+        }
+        options = _engine_options(options, given)
+        self.options = options
+        self.devices = resolve_devices(options.devices)
+        self.policy = get_policy(options.policy)
         gpu = any(d.type == "cuda" for d in self.devices)
-        self.recompute = (gpu or copy_on_cpu) if recompute is None else recompute
-        self.copy_on_cpu = copy_on_cpu
-        self.max_layers_per_shard = max_layers_per_shard
+        copy_on_cpu = options.copy_on_cpu
+        self.recompute = (gpu or copy_on_cpu) if options.recompute is None else options.recompute
+        prefetch = options.prefetch
         n_cpu = sum(d.type == "cpu" for d in self.devices)
         labels = [
             f"cpu#{i}" if d.type == "cpu" and n_cpu > 1 else str(d)
@@ -147,7 +159,7 @@ class Engine:
         ]
         self.trace = Trace(labels, options.trace_window)
         self.clock = default_clock()
-        host_budget = parse_bytes(host_memory, option="host_memory")
+        host_budget, spill_dir = options.host_bytes, options.spill_dir
         folder = SpillFolder(spill_dir) if host_budget is not None and spill_dir else None
         self.host = HostMemory(host_budget, folder, self.trace, self.clock)
         self._saved_threads = torch.get_num_threads()  # workers may change it; restored
@@ -180,6 +192,26 @@ class Engine:
         self._broken: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="hydra-dispatch", daemon=True)
         self._thread.start()
+
+    # -- options (read from the one EngineOptions) -----------------------------------------
+
+    @property
+    def budget(self) -> int | None:
+        """``device_memory`` in bytes, as parsed by :class:`EngineOptions` (``None``: the
+        whole device; on a GPU the plans then budget 90% of it)."""
+        return self.options.device_bytes
+
+    @property
+    def prefetch(self) -> bool:
+        return self.options.prefetch
+
+    @property
+    def copy_on_cpu(self) -> bool:
+        return self.options.copy_on_cpu
+
+    @property
+    def max_layers_per_shard(self) -> int | None:
+        return self.options.max_layers_per_shard
 
     # -- context manager ------------------------------------------------------------------
 
@@ -767,6 +799,32 @@ def _parts(store: Store) -> list[ShardStore]:
     if isinstance(store, LinkedStore):
         return [store.own, *store.shared]
     return [store]
+
+
+def _engine_options(options: Any, given: dict[str, Any]) -> EngineOptions:
+    """The engine's options: ``options`` as it is (checked when it was built), else the
+    keywords ``given``, checked.
+
+    Raises:
+        InvalidOptionError: ``options`` is no ``EngineOptions``, or comes with keywords.
+    """
+    if options is None:
+        return EngineOptions(**given, where="Engine")
+    if not isinstance(options, EngineOptions):
+        raise InvalidOptionError(
+            "options", options, "give a tune_hydra.options.EngineOptions, or None", "Engine"
+        )
+    defaults = EngineOptions().kwargs()
+    mixed = [k for k, v in given.items() if v is not defaults[k] and v != defaults[k]]
+    if mixed:
+        raise InvalidOptionError(
+            mixed[0],
+            given[mixed[0]],
+            f"leave out {', '.join(mixed)} when passing options=: the EngineOptions holds "
+            f"them (derive another with dataclasses.replace(options, {mixed[0]}=...))",
+            "Engine",
+        )
+    return options
 
 
 def _options(

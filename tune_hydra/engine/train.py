@@ -101,6 +101,10 @@ def train_models(
             refused), where the engine makes its own scratch subfolder, removed when
             training ends. Unused without ``host_memory``.
 
+    The engine options are forwarded as one checked
+    :class:`~tune_hydra.options.EngineOptions` (``Engine(options=...)``); those not taken
+    here, and why, are in ``tune_hydra.options.NOT_OFFERED``.
+
     Returns:
         A :class:`History`: ``history["a"]`` is a list with one dict per epoch holding
         ``loss``, ``val_loss`` (with ``eval_data``), each of the task's ``metrics`` (its
@@ -120,8 +124,12 @@ def train_models(
             (``SpillDiskFullError`` for a full disk), one that could not be read back with
             ``SpillReadError``.
         InvalidOptionError: an option of the call itself is bad (``epochs``, ``seed``,
-            ``max_grad_norm``, ``accumulate_steps``, ``precision``,
-            ``max_layers_per_shard``, ``spill_dir`` not a path): no task is trained.
+            ``max_grad_norm``, ``accumulate_steps``, ``precision``, ``prefetch``,
+            ``recompute``, ``copy_on_cpu``, ``max_layers_per_shard``, ``spill_dir`` not a
+            path): no task is trained. Every option is judged by the one validator of
+            :mod:`tune_hydra.options` that ``Engine``, ``HydraExecutor`` and
+            ``th.optimize`` use too.
+        UnknownDeviceError, UnknownPolicyError: a bad device or policy.
         BudgetFormatError: ``device_memory`` or ``host_memory`` does not parse.
         SpillDirError: ``host_memory`` without ``spill_dir``, or ``spill_dir`` missing,
             not a writable folder, on a RAM file system, or on a full disk: no task is
@@ -165,7 +173,7 @@ def train_models(
     )
     history = History({name: [] for name in tasks})  # in the order of ``tasks``
     errors: dict[str, BaseException] = {}
-    with Engine(**engine_options.kwargs()) as engine:
+    with Engine(options=engine_options) as engine:
         added = []
         for name, task in tasks.items():
             try:

@@ -45,10 +45,15 @@ from tune_hydra.frontends.checkpoint import _fsync_dir, temp_name
 from tune_hydra.frontends.common import LOSS_METRICS, MODEL_FILE
 from tune_hydra.options import (
     ENGINE_KEYS,
+    NOT_OFFERED,
     EngineOptions,
+    check_factory_timeout,
     check_positive_int,
+    check_seconds,
     check_task_options,
 )
+from tune_hydra.options import ENGINE_OPTIONS as _ENGINE_FIELDS
+from tune_hydra.options import TASK_OPTIONS as _TASK_FIELDS
 
 if TYPE_CHECKING:
     import optuna
@@ -59,17 +64,15 @@ METRICS = LOSS_METRICS
 """The metrics :func:`optimize` can report to Optuna (keys of the engine's per-epoch
 results), each lower-is-better."""
 
-ENGINE_OPTIONS = (
-    "policy",
-    "prefetch",
-    "recompute",
-    "copy_on_cpu",
-    "max_layers_per_shard",
-    "host_memory",
-    "spill_dir",
+ENGINE_OPTIONS = tuple(
+    k
+    for k in _ENGINE_FIELDS
+    if k not in ("devices", "device_memory") and k not in NOT_OFFERED["optimize"]
 )
-"""``train_opts`` that configure the engine (see :class:`~tune_hydra.engine.Engine`)."""
-TASK_OPTIONS = ("seed", "max_grad_norm", "accumulate_steps", "precision")
+"""``train_opts`` that configure the engine (the fields of
+:class:`~tune_hydra.options.EngineOptions` but ``devices`` and ``device_memory``, which are
+arguments of their own, and those ``NOT_OFFERED["optimize"]`` names)."""
+TASK_OPTIONS = tuple(k for k in _TASK_FIELDS if k not in NOT_OFFERED["optimize"])
 """``train_opts`` given to every trial's task (see ``Engine.add_task``)."""
 OTHER_OPTIONS = ("factory_timeout_s",)
 """Other ``train_opts``: the most seconds one ``make_task(trial)`` call may take."""
@@ -162,7 +165,10 @@ def optimize(
             ``copy_on_cpu``, ``max_layers_per_shard``, and the disk tier's ``host_memory``
             and ``spill_dir``: see :func:`~tune_hydra.train_models`), task options for
             every trial (``seed``, ``max_grad_norm``, ``accumulate_steps``,
-            ``precision``) and ``factory_timeout_s`` (default ``None``: no limit).
+            ``precision``) and ``factory_timeout_s`` (seconds > 0, as for
+            ``HydraExecutor``; default ``None``: no limit). Each is judged by the one
+            validator of :mod:`tune_hydra.options` that every front end uses (see
+            ``tune_hydra.options.NOT_OFFERED`` for the options not taken here, and why).
 
     Returns:
         ``study``, with this call's trials finished (``COMPLETE``, ``PRUNED`` or ``FAIL``).
@@ -220,11 +226,15 @@ def optimize(
     max_concurrent = check_positive_int(
         max_concurrent, "max_concurrent", allow_none=True, meaning="trials at once", where=where
     )
-    timeout = _check_seconds(timeout, "timeout", "seconds after which no new trial starts")
-    factory_timeout_s = _check_seconds(
-        options["other"].get("factory_timeout_s"),
-        "factory_timeout_s",
-        "the most seconds one make_task(trial) call may take",
+    timeout = check_seconds(
+        timeout,
+        "timeout",
+        meaning="after which no new trial starts",
+        allow_zero=True,
+        where=where,
+    )
+    factory_timeout_s = check_factory_timeout(
+        options["other"].get("factory_timeout_s"), where=where
     )
     task_options = check_task_options(**options["task"], where=where)
     del task_options["iteration_batches"]  # an iteration is an epoch here
@@ -237,7 +247,7 @@ def optimize(
         _check_given_engine(Engine, engine, devices, device_memory, options["engine"])
         own = False
     else:
-        engine = Engine(**engine_options.kwargs())
+        engine = Engine(options=engine_options)
         own = True
     if max_concurrent is None:
         max_concurrent = 2 * len(engine.devices)
@@ -721,16 +731,6 @@ def _check_metric(optuna: Any, study: optuna.Study, metric: Any) -> None:
             f"study {study.study_name!r} maximizes, but metric={metric!r} is a loss (lower "
             f"is better): create the study with optuna.create_study(direction='minimize')"
         )
-
-
-def _check_seconds(value: Any, option: str, meaning: str) -> float | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not float(value) >= 0:
-        raise InvalidOptionError(
-            option, value, f"give a number of seconds >= 0 ({meaning}), or None", "optimize"
-        )
-    return float(value)
 
 
 def _prepare_save_dir(save_dir: Any) -> Path | None:

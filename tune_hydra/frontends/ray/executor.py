@@ -25,8 +25,8 @@ import ray
 from ray import tune
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from tune_hydra.core.policies import POLICIES
-from tune_hydra.exceptions import TuneHydraError, UnknownPolicyError
+from tune_hydra.core.policies import BasePolicy
+from tune_hydra.exceptions import TuneHydraError
 from tune_hydra.frontends.ray import registry
 from tune_hydra.frontends.ray.actor import (
     CONTROL_GROUP,
@@ -43,7 +43,13 @@ from tune_hydra.frontends.ray.errors import (
     TrialResourcesError,
 )
 from tune_hydra.frontends.ray.factories import FactoryStore
-from tune_hydra.options import EngineOptions, check_positive_int, check_task_options
+from tune_hydra.options import (
+    EngineOptions,
+    check_factory_timeout,
+    check_positive_int,
+    check_seconds,
+    check_task_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -230,6 +236,11 @@ class HydraExecutor:
             Every checkpoint holds the whole model: bound their number with
             ``CheckpointConfig(num_to_keep=...)`` for large models.
 
+    Every option is checked here, when the executor is built (before Ray starts, and
+    without loading torch), by the one validator of :mod:`tune_hydra.options` that
+    ``Engine``, ``train_models`` and ``th.optimize`` use too; the engine options it does
+    not take, and why, are in ``tune_hydra.options.NOT_OFFERED``.
+
     Mistakes that every trial would repeat (a task factory that returns no ``ModelTask``
     or is a function trainable, a model type that cannot be cut, trials that lost their
     slot) end the experiment at the first trial that hits one: ``th.run`` raises that
@@ -249,7 +260,7 @@ class HydraExecutor:
         self,
         devices: str | Sequence[str] = "auto",
         device_memory: int | str | None = None,
-        policy: Any = "lrtf",
+        policy: str | BasePolicy = "lrtf",
         *,
         host_memory: int | str | None = None,
         spill_dir: str | os.PathLike[str] | None = None,
@@ -276,20 +287,10 @@ class HydraExecutor:
                 f"(after each trial's last iteration) or None (only what the run's "
                 f"checkpoint settings ask), not {checkpoint!r}"
             )
-        if factory_timeout_s is not None and (
-            isinstance(factory_timeout_s, bool)
-            or not isinstance(factory_timeout_s, (int, float))
-            or not factory_timeout_s > 0
-        ):
-            raise TuneHydraError(
-                f"factory_timeout_s must be a number of seconds > 0, or None for no limit, "
-                f"not {factory_timeout_s!r}"
-            )
-        if isinstance(policy, str) and policy not in POLICIES:
-            raise UnknownPolicyError(
-                f"unknown policy {policy!r}; use one of {list(POLICIES)} or an instance "
-                f"of tune_hydra.core.policies.BasePolicy"
-            )
+        where = "HydraExecutor"
+        # Every option is judged here by the one validator of tune_hydra.options that the
+        # other front ends use (torch-free: nothing of the engine is imported into the
+        # driver), rather than in every trial later.
         # Every trial's Engine.add_task options, as given (the engine resolves the seed).
         task_options: dict[str, Any] = {
             "seed": seed,
@@ -298,23 +299,10 @@ class HydraExecutor:
             "precision": precision,
             "iteration_batches": iteration_batches,
         }
-        # The engine's own rules (torch-free), checked here rather than in every trial.
-        check_task_options(**task_options, where="HydraExecutor")
-        check_positive_int(
-            slots_per_node,
-            "slots_per_node",
-            allow_none=True,
-            meaning="concurrent trials per node; None: the default",
-            where="HydraExecutor",
-        )
-        if device_memory is not None or host_memory is not None:
-            from tune_hydra.engine.units import parse_bytes  # fails fast on "8 gigs"
-
-            parse_bytes(device_memory)
-            parse_bytes(host_memory, option="host_memory")
-        # What every engine actor gets (devices="auto" is resolved per node). It checks
-        # the disk tier's options as given; the folder itself is checked on each node,
-        # where the engine starts (a path on the driver need not exist there).
+        check_task_options(**task_options, where=where)
+        # What every engine actor gets (devices="auto" is resolved per node, and the
+        # spill folder is checked on each node, where the engine starts: a path on the
+        # driver need not exist there).
         self.engine_options = EngineOptions(
             devices,
             device_memory,
@@ -323,22 +311,35 @@ class HydraExecutor:
             recompute=recompute,
             host_memory=host_memory,
             spill_dir=spill_dir,
-            where="HydraExecutor",
+            where=where,
         )
-        self.devices = devices
-        self.device_memory = device_memory
-        self.host_memory = host_memory
-        self.spill_dir = spill_dir
-        self.policy = policy
-        self.prefetch = prefetch
-        self.recompute = recompute
+        self.factory_timeout_s = check_factory_timeout(factory_timeout_s, where=where)
+        check_positive_int(
+            slots_per_node,
+            "slots_per_node",
+            allow_none=True,
+            meaning="concurrent trials per node; None: the default",
+            where=where,
+        )
+        check_positive_int(
+            torch_threads,
+            "torch_threads",
+            allow_none=True,
+            meaning="torch CPU threads in each engine; None: the node's CPUs",
+            where=where,
+        )
+        check_seconds(
+            start_timeout_s,
+            "start_timeout_s",
+            meaning="the longest wait for the engine actors to start",
+            where=where,
+        )
         self.iteration_batches = iteration_batches
         self.task_options = task_options
         self.slots_per_node = slots_per_node
         self.slot_resource = slot_resource
         self.torch_threads = torch_threads
         self.start_timeout_s = start_timeout_s
-        self.factory_timeout_s = factory_timeout_s
         self.checkpoint: str | None = checkpoint
         self._engine_class = _engine_class
         self.run_id = uuid.uuid4().hex[:10]
@@ -355,6 +356,36 @@ class HydraExecutor:
         self._fallback = False
         self._last_trace: list[Any] = []
         self._last_summary: dict[str, Any] = {}
+
+    # ---------------------------------------------------------------- options
+    # The engine options are held once, in ``engine_options``; these read them.
+    @property
+    def devices(self) -> Any:
+        return self.engine_options.devices
+
+    @property
+    def device_memory(self) -> int | str | None:
+        return self.engine_options.device_memory
+
+    @property
+    def host_memory(self) -> int | str | None:
+        return self.engine_options.host_memory
+
+    @property
+    def spill_dir(self) -> str | os.PathLike[str] | None:
+        return self.engine_options.spill_dir
+
+    @property
+    def policy(self) -> str | BasePolicy:
+        return self.engine_options.policy
+
+    @property
+    def prefetch(self) -> bool:
+        return self.engine_options.prefetch
+
+    @property
+    def recompute(self) -> bool | None:
+        return self.engine_options.recompute
 
     # ---------------------------------------------------------------- lifecycle
     @property
