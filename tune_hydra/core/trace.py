@@ -257,7 +257,8 @@ class _Folded:
         for i, e in enumerate(chunk):
             op = e.op
             if op in COMPUTE_OPS:
-                add((e.end, 0, i, e, _DONE))
+                if e.carry_bytes:  # else its end changes nothing here
+                    add((e.end, 0, i, e, _DONE))
                 add((e.start, 1, i, e, _RUN))
             elif op == "copy_in":
                 add((e.start, 1, i, e, _HOLD))
@@ -286,12 +287,11 @@ class _Folded:
                         held_of[e.device] -= here[1]
                 continue
             if what == _DONE:
-                if e.carry_bytes:
-                    carry = carries.pop(e.task, None)
-                    if carry is not None:
-                        carried[carry[0]] -= carry[1]
-                    carries[e.task] = (e.device, e.carry_bytes, e)
-                    carried[e.device] = carried.get(e.device, 0) + e.carry_bytes
+                carry = carries.pop(e.task, None)
+                if carry is not None:
+                    carried[carry[0]] -= carry[1]
+                carries[e.task] = (e.device, e.carry_bytes, e)
+                carried[e.device] = carried.get(e.device, 0) + e.carry_bytes
                 continue
             device = e.device
             if what == _RUN:
