@@ -456,6 +456,9 @@ class DeviceWorker:
         # nor before its end is taken for the trace.
         with store.lock:
             t0 = self.clock()
+            # A device copy that changed nothing is dropped (0 bytes moved): its stay here
+            # still ends with a copy_out event (the trace's replay frees it there).
+            held = store.copied and store.owner is self
             moved = store.demote(self.copy_stream, only_owner=self)
             if moved:
                 store.synchronize()
@@ -464,7 +467,7 @@ class DeviceWorker:
                 self.ledger.release(store)
                 if moved:
                     self.ledger.note_spilled(store.name[0], moved)
-        if moved:
+        if moved or held:
             task, shard = store.name
             self.trace.add(TraceEvent(self.label, task, shard, "copy_out", t0, t1, moved))
 
@@ -488,6 +491,9 @@ class DeviceWorker:
                 a.start()
             t0 = self.clock()
             if err is None:
+                # The store learns whether the op changes its state (else its device copy
+                # is dropped at eviction, and a valid host or disk copy is kept).
+                a.store.begin_op(a.op.kind)
                 try:
                     if self.compute_stream is not None:
                         with torch.cuda.stream(self.compute_stream):
@@ -499,6 +505,7 @@ class DeviceWorker:
                         a.run(self.device)
                 except BaseException as e:  # the engine fails that task only
                     err = e
+                a.store.end_op(failed=err is not None)
             t1 = self.clock()
             self.busy_s += t1 - t0
             a.duration = t1 - t0

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from tests.engine.test_disk_tier import disk_folder
+from tune_hydra.core.ops import OpKind
 from tune_hydra.engine.storage import Residency, ShardStore
 from tune_hydra.engine.storage import disk as disk_mod
 from tune_hydra.engine.storage.disk import LOCK_NAME, SpillFolder, ram_file_system
@@ -248,9 +249,21 @@ def test_a_store_goes_to_disk_and_back_exactly(disk_path: Path) -> None:
     # Untouched since it was read back: going to disk again writes nothing.
     assert store.try_spill()
     assert host.calls[-1] == "release" and host.calls.count("to_disk") == 1
-    # A promotion reads it back first (and the values may change there: written next time).
+    # A promotion reads it back first; a visit that changed nothing keeps the file valid.
     store.promote(torch.device("cpu"), copy=True)
     assert store.residency is Residency.DEVICE and "wait" in host.calls
-    store.demote()
+    store.begin_op(OpKind.EVAL)
+    store.end_op()
+    assert store.demote() == 0  # dropped, not copied back
+    assert store.try_spill() and host.calls.count("to_disk") == 1
+    # One that changed it (a step) is written next time.
+    store.promote(torch.device("cpu"), copy=True)
+    store.begin_op(OpKind.STEP)
+    with torch.no_grad():
+        next(model.parameters()).add_(1.0)
+    store.end_op()
+    assert store.demote() > 0
     assert store.try_spill() and host.calls.count("to_disk") == 2
+    store.load(speculative=False)
+    assert torch.equal(next(model.parameters()), before["0.weight"] + 1.0)
     folder.close()

@@ -24,6 +24,8 @@ Design:
   Going to a device or retiring straight from ``DEVICE`` raises :class:`ResidencyError`.
   ``try_spill`` goes to ``DISK`` from ``HOST``, ``IN_PLACE`` or ``RETIRED`` (on ``DEVICE``
   it only drops the stale host copy); ``load`` comes back (to ``RETIRED`` if it was).
+  ``demote`` of a visit that changed nothing (see below) goes from ``DEVICE`` straight to
+  ``DISK`` when its host copy was dropped meanwhile and the file still holds its values.
   There are no in-between states: each transition, copies included, runs under
   ``store.lock``. The one thing in flight after a transition is an asynchronous copy home
   on a CUDA copy stream; its event is a data fence (``synchronize()``), not a residency.
@@ -34,6 +36,14 @@ Design:
   eviction plus ``retire`` (a task leaving the engine). ``nbytes()`` reads the live tensors
   without it (workers cache it at promotion).
 
+* **Unchanged visits.** Whoever computes with the live tensors tells the store first
+  (``begin_op(kind)``): an eval, or a forward of a shard without buffers, changes nothing;
+  any other op does, and so does an optimizer step (a step pre-hook) or a live tensor
+  replaced or written in place (identities and version counters, compared at the op's end
+  and at the demotion). A visit no op vouched for counts as a change. ``demote`` drops the
+  device copy of a visit that changed nothing (the tier's buffers still hold the values)
+  and a later ``try_spill`` of a state whose file is still valid writes nothing.
+
 * **Tiers** (:mod:`.tiers`). The host side is a :class:`StorageTier`, a mapping from the
   store's keys to host tensors that owns their allocation (once per key, reused) and
   their accounting (``nbytes()``). The store only asks it for a buffer to copy into
@@ -43,7 +53,8 @@ Design:
 * **Disk** (:mod:`.disk`). With a host budget, a store has a :class:`SpillFile` in its
   engine's :class:`SpillFolder` and the engine's host memory manager
   (``tune_hydra.engine.host``) as its ``host``: it reserves host memory before its
-  buffers are filled and spills or loads when asked.
+  buffers are filled and spills or loads when asked. The disk is a level below the host
+  tier, not a :class:`StorageTier` (``docs/engine.md`` says why).
 
 * **Shared parameters** (:mod:`.linked`). A parameter several shards use (tied weights)
   has a store of its own, promoted with each of them by a :class:`LinkedStore`.

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from tune_hydra.core.ops import OpKind
 from tune_hydra.engine.storage.residency import Residency
 from tune_hydra.engine.storage.store import ShardStore
 
@@ -106,6 +107,16 @@ class LinkedStore:
 
     def host_tensors(self) -> list[tuple[nn.Parameter | tuple[nn.Module, str], torch.Tensor]]:
         return [*self.own.host_tensors(), *(t for s in self.shared for t in s.host_tensors())]
+
+    def begin_op(self, kind: OpKind) -> None:
+        self.own.begin_op(kind)
+        for s in self.shared:
+            s.begin_op(kind)
+
+    def end_op(self, failed: bool = False) -> None:
+        self.own.end_op(failed)
+        for s in self.shared:
+            s.end_op(failed)
 
     # -- moving ------------------------------------------------------------------------
 

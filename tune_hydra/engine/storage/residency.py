@@ -38,6 +38,7 @@ _FROM: dict[str, frozenset[Residency]] = {
     "retire": frozenset({Residency.HOST, Residency.IN_PLACE, Residency.RETIRED}),
     "spill": frozenset({Residency.HOST, Residency.IN_PLACE, Residency.RETIRED}),
     "load": frozenset({Residency.DISK}),
+    "drop": frozenset({Residency.DEVICE}),
 }
 
 
@@ -49,6 +50,8 @@ class ShardResidency:
     :attr:`Residency.DEVICE` are errors. A state on :attr:`Residency.DISK` must be loaded
     (``load``, back to :attr:`Residency.HOST`, or :attr:`Residency.RETIRED` if it was
     retired when spilled) before it goes anywhere; ``home`` and ``retire`` leave it there.
+    A device copy that changed nothing, whose values are still in the disk tier's file,
+    may go straight back there (``drop_to_disk``).
     Not thread-safe on its own: the store changes it only under its lock.
 
     Example:
@@ -131,6 +134,13 @@ class ShardResidency:
         retired = self._state is Residency.RETIRED
         self._move("spill", Residency.DISK, _HOST_DEVICE, None)
         self._retired_on_disk = retired
+
+    def drop_to_disk(self) -> None:
+        """A device copy that changed nothing was dropped; the values are in the disk
+        tier's file (its host copy had been dropped meanwhile), the live tensors views of
+        it."""
+        self._move("drop", Residency.DISK, _HOST_DEVICE, None)
+        self._retired_on_disk = False
 
     def load(self) -> None:
         """The values are back in host memory (the live tensors are the host tensors)."""

@@ -4,7 +4,9 @@ A :class:`ShardStore` owns one shard's parameters, gradients, buffers and optimi
 state. ``promote(device)`` copies them onto the device and points the live
 ``nn.Parameter`` objects at the copies (so the optimizer, keyed by parameter, keeps
 working); ``demote()`` copies them back into the tier's host buffers, allocated once (and
-pinned, with CUDA) and reused on every visit. Round trips are bitwise exact.
+pinned, with CUDA) and reused on every visit. Round trips are bitwise exact. A visit
+that changed nothing (see :meth:`ShardStore.begin_op`) is not copied back: the device
+copy is dropped and the host buffers (or the disk tier's file) keep the values.
 
 With CUDA, copies run on a caller-supplied copy stream and are ordered against compute
 with events; on the CPU they are plain synchronous copies (or skipped entirely when the
@@ -15,15 +17,18 @@ from __future__ import annotations
 
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
+from tune_hydra.core.ops import OpKind
 from tune_hydra.engine.storage.disk import SpillFile
 from tune_hydra.engine.storage.residency import Residency, ShardResidency
 from tune_hydra.engine.storage.tiers import HostTier, Key, PinnedHostTier, StorageTier
+from tune_hydra.exceptions import SpillReadError
 
 
 class HostAccount(Protocol):
@@ -113,6 +118,9 @@ class ShardStore:
             for name, b in sub._buffers.items()
             if b is not None
         ]
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._step_hook: Any = None
+        self._tracked = True  # whether its optimizer's steps are seen (see begin_op)
         self.optimizer = optimizer
         if tier is None:
             tier = PinnedHostTier() if pin and torch.cuda.is_available() else HostTier()
@@ -128,17 +136,105 @@ class ShardStore:
         self.host = host
         self.spill_file = spill_file
         self._file_valid = False  # the file holds the current values (loaded, untouched)
+        # On a device: the tier's host buffers still hold the values it was copied from,
+        # and nothing changed them on the device (see begin_op): demoting drops the copy.
+        self._host_copy = False
+        # The live tensors' (key, data pointer, version) when last known unchanged, while
+        # a host copy or the file is still valid (None: nothing to keep): a change no op
+        # announced (a module writing a buffer in eval) shows here.
+        self._sig: tuple[tuple[Any, ...], ...] | None = None
+        # An op announced itself read-only since the promotion (begin_op): a visit no op
+        # vouched for (a lease whose user said nothing) counts as a change.
+        self._vouched = False
         self._loading = False  # a disk read is under way (a promotion waiting counts it)
         for key, t in list(self._live()):
             home = tier.keep(key, t)
             if home is not t:
                 self._set(key, home)
         tier.flush()
+        # The live tensors' identities when they were last pointed at the tier's buffers
+        # (None: the tier was cleared since).
+        self._home: tuple[tuple[Any, ...], ...] | None = self._identity()
 
     def host_charge(self) -> int:
         """Host bytes this state takes in RAM: the plan's state bytes (gradients and
         optimizer state appear while it trains), or more if it holds more now."""
         return max(self.state_bytes, self.nbytes())
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The shard's optimizer (its param-shaped state moves with the shard)."""
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, optimizer: torch.optim.Optimizer | None) -> None:
+        if self._step_hook is not None:
+            self._step_hook.remove()
+            self._step_hook = None
+        self._optimizer = optimizer
+        register = getattr(optimizer, "register_step_pre_hook", None)
+        self._tracked = optimizer is None or register is not None
+        if register is not None:
+            self._step_hook = register(_changed_by_step(weakref.ref(self)))
+        if not self._tracked:
+            self._changed()
+
+    # -- did a visit change the state? ----------------------------------------------------
+
+    def begin_op(self, kind: OpKind) -> None:
+        """An op of ``kind`` is about to compute with the live tensors (whoever computes
+        with them says so first, under the op's busy mark). An eval, or a forward of a
+        shard without buffers, leaves the state as it was; any other op (a forward in
+        train mode updating BatchNorm statistics, a backward writing gradients, a step)
+        changes it: its host copy and file are stale from here on. An optimizer step
+        during any op (a deferred one, at the start of a visit) is seen through a step
+        hook; :meth:`end_op` checks the rest."""
+        if kind is OpKind.EVAL or (kind is OpKind.FORWARD and not self.buffer_slots):
+            self._vouched = self._sig is not None
+            return
+        self._changed()
+
+    def end_op(self, failed: bool = False) -> None:
+        """The op begun with :meth:`begin_op` ended (``failed``: it raised; whatever it
+        did counts as a change). A read-only op that replaced or wrote into a live tensor
+        anyway (a user module writing a buffer in eval) makes the state changed."""
+        if failed:
+            self._changed()
+            return
+        if self._sig is not None:
+            with self.lock:
+                if self._sig is not None and self._signature() != self._sig:
+                    self._changed()
+
+    def _changed(self) -> None:
+        """The live values differ from the host copy's and the file's (if any)."""
+        self._file_valid = False
+        self._host_copy = False
+        self._sig = None
+        self._vouched = False
+
+    def _unchanged(self) -> bool:
+        """Whether the visit since the promotion left the state as it was: every op said
+        so (at least one did) and no live tensor was replaced or written in place."""
+        return self._vouched and self._sig is not None and self._signature() == self._sig
+
+    def _signature(self) -> tuple[tuple[Any, ...], ...]:
+        # A parameter's .data is a new tensor with a version counter of its own: the
+        # parameter's counts its in-place writes.
+        return tuple(
+            (key, t.data_ptr(), t.shape, (self.params[key[1]] if key[0] == "p" else t)._version)
+            for key, t in self._live()
+        )
+
+    def _identity(self) -> tuple[tuple[Any, ...], ...]:
+        """Which tensors are live (not their versions)."""
+        return tuple((key, t.data_ptr(), t.shape) for key, t in self._live())
+
+    def _point_home(self, tensors: dict[Key, torch.Tensor]) -> None:
+        """Point every live slot at the tier's buffer ``tensors[key]``, and remember which
+        they are: while they stay live (and the tier keeps them), they are its values."""
+        self._point_at(tensors)
+        self._home = self._identity()
 
     # -- residency, as the store's own record of it ---------------------------------------
 
@@ -305,16 +401,24 @@ class ShardStore:
 
     def _promote(self, device: torch.device, stream: Any, copy: bool, owner: object) -> int:
         residency = self._residency
-        self._file_valid = False  # it may change where it goes
         if residency.state is Residency.DEVICE:
             if residency.holds(device, owner):
                 return 0
             # From another GPU: ``stream`` belongs to the new device, and a copy issued
             # under it would still run on the old device's current stream, unordered
             # with the promotion below. Rare (LRTF keeps tasks put), so copy back blocking.
-            self._demote(stream if residency.device == device else None)
+            self._demote(stream if residency.device == device else None, to_disk=False)
+        # Whether the values it leaves behind stay valid: the host buffers (a device copy
+        # that changes nothing is dropped at its demotion) or the file (not rewritten).
+        # (The live tensors are the tier's buffers, unless an op in place replaced one.)
+        host_copy = copy and self._tracked and self._home is not None
+        host_copy = host_copy and self._identity() == self._home
+        if not self._tracked:
+            self._file_valid = False
+        self._vouched = False
         if device.type == "cpu" and not copy:
             residency.lend(device, owner)
+            self._sig = self._signature() if self._file_valid else None
             return 0
         if stream is None:
             self._synchronize()
@@ -339,11 +443,15 @@ class ShardStore:
                 moved += host.numel() * host.element_size()
                 self._set(key, dev)
         residency.arrive(device, owner)
+        self._host_copy = host_copy
+        self._sig = self._signature() if host_copy or self._file_valid else None
         self.moved_total += moved
         return moved
 
     def demote(self, stream: Any = None, *, only_owner: object = None) -> int:
-        """Copy the shard's state back into its host buffers; returns the bytes moved.
+        """Copy the shard's state back into its host buffers; returns the bytes moved (0
+        when the visit changed nothing: the device copy is dropped, the host buffers or
+        the disk tier's file keep the values).
 
         Args:
             stream: CUDA stream for the copies (``None``: the current stream).
@@ -356,9 +464,24 @@ class ShardStore:
                 return 0
             return self._demote(stream)
 
-    def _demote(self, stream: Any) -> int:
+    def _demote(self, stream: Any, *, to_disk: bool = True) -> int:
         if self._residency.state is not Residency.DEVICE:
+            if self._residency.state is Residency.IN_PLACE and not self._unchanged():
+                self._changed()
             self._residency.home()
+            return 0
+        if not self._unchanged():
+            self._changed()  # an op changed it, or none vouched for the visit
+        self._sig = None
+        self._vouched = False
+        if self._host_copy:
+            # Nothing changed on the device: the host buffers hold its values. Drop the
+            # device copy (its memory is free once the caller's compute is done).
+            self._host_copy = False
+            self._point_home({key: self._tier.get(key) for key, _ in list(self._live())})
+            self._residency.home()
+            return 0
+        if self._file_valid and to_disk and self._drop_to_disk():
             return 0
         moved = 0
         if self.host is not None:
@@ -380,7 +503,7 @@ class ShardStore:
                     # kernel while this copy still reads it.
                     dev.record_stream(stream)
                 moved += dev.numel() * dev.element_size()
-            self._point_at({key: self._tier.get(key) for key, _ in live})
+            self._point_home({key: self._tier.get(key) for key, _ in live})
             if asynchronous:
                 self._event = torch.cuda.Event()
                 self._event.record(stream)
@@ -389,6 +512,24 @@ class ShardStore:
         self._residency.home()
         self.moved_total += moved
         return moved
+
+    def _drop_to_disk(self) -> bool:
+        """Unchanged on its device, and its host copy was dropped meanwhile: back to disk
+        without a write (the file holds these values). False if the file cannot be mapped
+        (the caller copies the state home instead)."""
+        assert self.host is not None and self.spill_file is not None
+        try:
+            views = self.spill_file.views()
+        except SpillReadError:
+            return False
+        self._point_at(views)
+        if self._tier.nbytes():  # stale buffers (none expected: they were dropped)
+            self._synchronize()
+            self._tier.clear()
+            self.host.release(self)
+        self._home = None
+        self._residency.drop_to_disk()
+        return True
 
     def retire(self, *, load: bool = False) -> int:
         """:meth:`demote` for good: until the next :meth:`promote`, :meth:`try_promote`
@@ -454,10 +595,14 @@ class ShardStore:
                 return False
             self._synchronize()
             self._tier.clear()
+            self._home = None
+            self._host_copy = False
             self.host.release(self)
             return True
         if self.host.busy(self):  # a device computes with the host tensors themselves
             return False
+        if state is Residency.IN_PLACE and not self._unchanged():
+            self._changed()
         self._synchronize()
         live = list(self._live())
         if not self._file_valid:
@@ -467,6 +612,7 @@ class ShardStore:
         views = self.spill_file.views()
         self._point_at(views)
         self._tier.clear()
+        self._home = None
         self._residency.spill()
         self._file_valid = True
         self.host.release(self)
@@ -510,10 +656,11 @@ class ShardStore:
                     bufs[key] = buf
             except BaseException:
                 self._tier.clear()  # the state stays on disk, its views untouched
+                self._home = None
                 self.host.release(self)
                 raise
             self._tier.flush()
-            self._point_at(bufs)
+            self._point_home(bufs)
             if model_only and self.optimizer is not None:
                 for key in dropped:
                     param = self.params[key[1]]  # type: ignore[call-overload]
@@ -544,6 +691,17 @@ class ShardStore:
             self._event.synchronize()
             self._event = None
             self._tier.flush()
+
+
+def _changed_by_step(ref: weakref.ReferenceType[ShardStore]) -> Any:
+    """An optimizer step pre-hook: the store's state changes (whichever op steps it)."""
+
+    def hook(optimizer: Any, args: Any, kwargs: Any) -> None:
+        store = ref()
+        if store is not None:
+            store._changed()
+
+    return hook
 
 
 class _nullctx:
