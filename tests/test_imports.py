@@ -196,7 +196,9 @@ def test_engine_works_without_ray() -> None:
     )
 
 
-@pytest.mark.parametrize("module", ["tune_hydra.frontends.common", "tune_hydra.options"])
+@pytest.mark.parametrize(
+    "module", ["tune_hydra.frontends.common", "tune_hydra.options", "tune_hydra.core.dispatch"]
+)
 def test_without_ray_or_torch(module: str) -> None:
     _run(
         f"import sys, {module}\n"

@@ -3,10 +3,14 @@
 Synthetic tasks (mixed shard counts, shard costs, epochs and batches; each task's ops
 from its :class:`~tune_hydra.core.program.Program`) run on simulated devices. Each time a
 device frees up, the policy is offered one :class:`~tune_hydra.core.policies.Candidate`
-per ready task (a task whose previous operation still runs is not ready), exactly as the
-engine does, with ``remaining_s`` the task's exact remaining work (optionally with
-multiplicative estimation noise) and ``resident`` true when the task's previous
-operation ran on that device.
+per ready task (a task whose previous operation still runs is not ready) and its choice
+is validated by the engine's own dispatch code (:mod:`tune_hydra.core.dispatch`:
+:func:`~tune_hydra.core.dispatch.offer` builds the candidates,
+:func:`~tune_hydra.core.dispatch.decide` asks the policy and checks its answer), with
+``remaining_s`` the task's exact remaining work (optionally with multiplicative
+estimation noise) and ``resident`` true when the task's previous operation ran on that
+device. Simulated devices have no memory limit: every candidate fits and brings nothing
+in.
 
 :func:`run` prints each policy's makespan over the lower bound
 ``max(total work / devices, longest task's work)``; ``benchmarks/simulate.py`` is its
@@ -23,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from itertools import pairwise
 
+from tune_hydra.core.dispatch import decide, offer
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.core.policies import BasePolicy, Candidate, get_policy
 from tune_hydra.core.program import Program
@@ -70,7 +75,8 @@ class SimResult:
     moves: int
     """Operations that ran on a different device than the task's previous one."""
     choose_s: float
-    """Seconds spent inside ``policy.choose``."""
+    """Seconds spent deciding (:func:`~tune_hydra.core.dispatch.decide`: the policy's
+    choice and its validation)."""
 
 
 def make_tasks(
@@ -138,12 +144,12 @@ def simulate(
         The makespan and the full schedule.
 
     Raises:
-        ScheduleError: the policy returned something it was not offered, or left every
-            device idle while operations were ready.
+        ScheduleError: the policy returned something it was not offered (see
+            :func:`~tune_hydra.core.dispatch.decide`), or left every device idle while
+            operations were ready.
     """
     pol = get_policy(policy)
     rng = random.Random(seed)
-    index = {t.name: i for i, t in enumerate(tasks)}
     suffix = []  # suffix[i][j]: work of task i from op j on
     for t in tasks:
         acc = [0.0] * (len(t.ops) + 1)
@@ -152,12 +158,15 @@ def simulate(
         suffix.append(acc)
     nxt = [0] * len(tasks)
     last_dev = [-1] * len(tasks)
-    offer: dict[int, tuple[Candidate, Candidate]] = {}  # ready task -> (elsewhere, resident)
+    offers: dict[int, tuple[Candidate, Candidate]] = {}  # ready task -> (elsewhere, resident)
 
     def make_ready(i: int, now: float) -> None:
         est = suffix[i][nxt[i]] * (math.exp(rng.gauss(0.0, noise)) if noise else 1.0)
         op = tasks[i].ops[nxt[i]]
-        offer[i] = (Candidate(op, est, False, now, i), Candidate(op, est, True, now, i))
+        offers[i] = (
+            offer(op, est, ready_since=now, order=i, resident=False),
+            offer(op, est, ready_since=now, order=i, resident=True),
+        )
 
     for i in range(len(tasks)):
         make_ready(i, 0.0)
@@ -171,29 +180,28 @@ def simulate(
     while remaining_tasks:
         still_idle = []
         for d in idle:
-            if not offer:
+            if not offers:
                 still_idle.append(d)
                 continue
-            cands = [pair[last_dev[i] == d] for i, pair in offer.items()]
+            ready = list(offers)
+            cands = [offers[i][last_dev[i] == d] for i in ready]
             t0 = time.perf_counter()
-            pick = pol.choose(d, cands)
+            k = decide(pol, d, cands)
             choose_s += time.perf_counter() - t0
             decisions += 1
-            if pick is None:
+            if k is None:
                 still_idle.append(d)
                 continue
-            i = index.get(pick.op.task, -1)
-            if i not in offer or pick not in offer[i]:
-                raise ScheduleError(f"policy {pol!r} returned {pick}, which was not offered")
-            del offer[i]
+            i = ready[k]
+            del offers[i]
             moves += last_dev[i] not in (-1, d)
             last_dev[i] = d
             end = now + tasks[i].costs[nxt[i]]
-            schedule.append(SimEvent(d, pick.op, now, end))
+            schedule.append(SimEvent(d, cands[k].op, now, end))
             heapq.heappush(running, (end, d, i))
         idle = still_idle
         if not running:
-            raise ScheduleError(f"policy {pol!r} left every device idle with {len(offer)} ready")
+            raise ScheduleError(f"policy {pol!r} left every device idle with {len(offers)} ready")
         now = running[0][0]
         while running and running[0][0] == now:
             _, d, i = heapq.heappop(running)

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from tune_hydra.core.dispatch import decide, offer
 from tune_hydra.core.ops import Op
 from tune_hydra.core.policies import BasePolicy, Candidate, get_policy
 from tune_hydra.core.trace import Trace
@@ -684,7 +685,7 @@ class Engine:
         running = [e for e in live if e.assigned is not None]
         waiting = [e for e in live if e.assigned is None]
         cands = [
-            Candidate(op, e.remaining_s(default_op_s), False, e.ready_since, e.order)
+            self._offer(e, op, None, default_op_s)
             for e in waiting
             if (op := e.runner.current) is not None
         ]
@@ -711,54 +712,74 @@ class Engine:
                     return
 
     def _fill(self, w: DeviceWorker) -> bool:
-        """Give ``w`` one op if the policy picks one; False when no task is ready at all
-        (only then may the dispatch stop early)."""
-        cands = []
+        """Offer ``w`` every ready op and give it the one the policy picks (if any); False
+        when no task is ready at all (only then may the dispatch stop early)."""
         # A task not measured yet is estimated like the average task so far (not as
         # "infinitely long", which would make LRTF alternate on cold estimates).
         default_op_s = self._op_sum / self._op_n if self._op_n else 1.0
+        cands = []
         entries = []
-        waiting = False
-        kept = self._kept.active
-        host = self.host.active  # whether a state is in host memory changes by itself
         for e in self._tasks.values():
             op = e.runner.current
             if e.assigned is None and e.error is None and not e.cancelled and op is not None:
-                if kept and self._kept.blocks(e, op, w):
-                    waiting = True  # its batch's graph is elsewhere, or no room for one here
-                    continue
-                if w.assigned and not w.fits(e.runner.shards[op.shard].store):
-                    waiting = True  # would not fit beside the running op: not here, not now
-                    continue
-                res = w.holds(e.runner.shards[op.shard].store) if w.copy else w.last_task == e.name
-                c = e.candidate
-                # A task's offer changes only with its own op or grant (both reset it);
-                # a task not measured yet follows the engine-wide mean, so is rebuilt.
-                if c is None or c.op is not op or c.resident is not res or not e.known_n or host:
-                    c = e.candidate = Candidate(
-                        op,
-                        e.remaining_s(default_op_s),
-                        res,
-                        e.ready_since,
-                        e.order,
-                        not e.runner.shards[op.shard].store.on_disk,
-                    )
+                cands.append(self._offer(e, op, w, default_op_s))
                 entries.append(e)
-                cands.append(c)
         if not cands:
-            return waiting
-        pick = self.policy.choose(w.index, cands)
-        if pick is None:
-            return True
-        for c, e in zip(cands, entries, strict=True):
-            if c is pick:
-                self._assign(w, e, pick.op)
-                return True
-        raise ScheduleError(
-            f"policy {self.policy!r} returned {pick!r}, which is not one of the ready "
-            f"operations offered ({', '.join(str(c.op) for c in cands)}); choose() must "
-            f"return one of its candidates or None"
+            return False
+        i = decide(self.policy, w.index, cands)
+        if i is not None:
+            self._assign(w, entries[i], cands[i].op)
+        return True
+
+    def _offer(
+        self, e: TaskRecord, op: Op, w: DeviceWorker | None, default_op_s: float
+    ) -> Candidate:
+        """The candidate ``e``'s ready ``op`` is offered as for device ``w`` (``None``: for
+        no device, to rank the tasks); the engine's one place that builds candidates."""
+        store = e.runner.shards[op.shard].store
+        in_host = not store.on_disk if self.host.active else True
+        if w is None:
+            return offer(
+                op,
+                e.remaining_s(default_op_s),
+                ready_since=e.ready_since,
+                order=e.order,
+                in_host=in_host,
+            )
+        if w.copy:
+            res = w.holds(store)
+            bring = 0 if res else store.state_bytes
+        else:  # computes in host memory: "resident" is the task that ran here last
+            res = w.last_task == e.name
+            bring = 0
+        # Not now: its batch's graph is on another device, or has no room here, or its
+        # shard would not fit beside the op(s) queued here.
+        fits = not (self._kept.active and self._kept.blocks(e, op, w)) and (
+            not w.assigned or w.fits(store)
         )
+        c = e.candidate
+        # A task's offer changes only with its own op or grant (both reset it), and with
+        # where its shard is; a task not measured yet follows the engine-wide mean.
+        if (
+            c is None
+            or c.op is not op
+            or c.resident is not res
+            or c.fits is not fits
+            or c.in_host is not in_host
+            or c.bring_in_bytes != bring
+            or not e.known_n
+        ):
+            c = e.candidate = offer(
+                op,
+                e.remaining_s(default_op_s),
+                ready_since=e.ready_since,
+                order=e.order,
+                resident=res,
+                in_host=in_host,
+                fits=fits,
+                bring_in_bytes=bring,
+            )
+        return c
 
     def _assign(self, w: DeviceWorker, entry: TaskRecord, op: Op) -> None:
         # A shard another device holds stays counted there until it is copied out (by

@@ -27,6 +27,20 @@ class Candidate:
         in_host: the shard's state is in host memory (or on a device), not in the disk
             tier below it (always ``True`` without ``host_memory``): running it needs no
             disk read first.
+        fits: the operation may run on the device being filled now, within its memory:
+            its shard fits beside the operations already queued there, and its batch's
+            kept graphs (``recompute=False``) are there or have room. A policy is offered
+            every ready operation, but may only choose one that fits (the default
+            :meth:`BasePolicy.select` hands ``choose`` only those).
+        bring_in_bytes: bytes of shard state the device must copy in before running it
+            (0 when resident, or on a device that computes in host memory).
+        milestone_s: estimated seconds of the task's work before its trial's next
+            milestone (the next result a search waits for, such as a successive-halving
+            rung); ``None`` when not known.
+
+    Candidates are built by :func:`tune_hydra.core.dispatch.offer` (the engine and the
+    simulator both); those given to :meth:`BasePolicy.rank` are offered for no device
+    (``resident=False``, ``fits=True``, ``bring_in_bytes=0``).
     """
 
     op: Op
@@ -35,6 +49,9 @@ class Candidate:
     ready_since: float
     order: int
     in_host: bool = True
+    fits: bool = True
+    bring_in_bytes: int = 0
+    milestone_s: float | None = None
 
 
 class BasePolicy(abc.ABC):
@@ -54,13 +71,30 @@ class BasePolicy(abc.ABC):
 
     name: str = "custom"
 
+    def select(self, device: int, candidates: Sequence[Candidate]) -> Candidate | None:
+        """What the dispatcher calls (:func:`tune_hydra.core.dispatch.decide`): offered
+        every ready operation, fitting or not, return one that fits, or ``None``.
+
+        By default the candidates that do not fit are dropped here and :meth:`choose`
+        picks among the others (``None`` when none fits). Override it to weigh memory:
+        for instance to leave a device idle for a while rather than start a small task
+        while a long one waits for room. Choosing a candidate with ``fits=False`` is a
+        :class:`~tune_hydra.exceptions.ScheduleError`.
+        """
+        for c in candidates:
+            if not c.fits:
+                fitting = [c for c in candidates if c.fits]
+                return self.choose(device, fitting) if fitting else None
+        return self.choose(device, candidates)
+
     @abc.abstractmethod
     def choose(self, device: int, candidates: Sequence[Candidate]) -> Candidate | None:
         """Pick one of ``candidates`` for device number ``device``.
 
         Args:
             device: index of the free device in the engine's device list.
-            candidates: the ready operations (never empty), one per task at most.
+            candidates: the ready operations that fit on that device now (never empty),
+                one per task at most.
 
         Returns:
             One element of ``candidates``, or ``None`` to leave the device idle for now.

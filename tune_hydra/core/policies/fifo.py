@@ -13,4 +13,6 @@ class FIFOPolicy(BasePolicy):
     name = "fifo"
 
     def choose(self, device: int, candidates: Sequence[Candidate]) -> Candidate | None:
+        if len(candidates) == 1:
+            return candidates[0]
         return min(candidates, key=lambda c: (c.ready_since, c.order))

@@ -30,6 +30,8 @@ class LRTFPolicy(BasePolicy):
         self.affinity = affinity
 
     def choose(self, device: int, candidates: Sequence[Candidate]) -> Candidate | None:
+        if len(candidates) == 1:  # one decision per op: the common case, made cheap
+            return candidates[0]
         longest = max(c.remaining_s for c in candidates)
         close = [c for c in candidates if c.remaining_s >= longest * (1.0 - self.affinity)]
         return max(close, key=lambda c: (c.resident, c.in_host, c.remaining_s, -c.order))

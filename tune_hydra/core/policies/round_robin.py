@@ -16,7 +16,10 @@ class RoundRobinPolicy(BasePolicy):
         self._last = -1
 
     def choose(self, device: int, candidates: Sequence[Candidate]) -> Candidate | None:
-        after = [c for c in candidates if c.order > self._last]
-        pick = min(after or candidates, key=lambda c: c.order)
+        if len(candidates) == 1:
+            pick = candidates[0]
+        else:
+            after = [c for c in candidates if c.order > self._last]
+            pick = min(after or candidates, key=lambda c: c.order)
         self._last = pick.order
         return pick
