@@ -83,6 +83,14 @@ _RETRY_S = 0.001
 _WAIT_S = 0.05
 
 
+def _victim_order(store: ShardStore) -> int:
+    """0: a stale host copy of a state a device changes; 1: a host copy of a state on a
+    device that is still valid; 2: a state at home."""
+    if not store.copied:
+        return 2
+    return 1 if store.host_copy_valid else 0
+
+
 class HostMemory:
     """The engine's host memory account, the disk tier's folder and its thread.
 
@@ -371,8 +379,10 @@ class HostMemory:
             if colder_than is not None and not h > colder_than:
                 continue
             out.append((h, s))
-        # Stale copies of states on a device first (dropped, no write), then the coldest.
-        out.sort(key=lambda hs: (not hs[1].copied, -hs[0]))
+        # Stale copies of states on a device first (dropped, no write): those a visit
+        # changed or will change (useless) before those still valid (a visit that changes
+        # nothing drops its device copy and keeps them); then the coldest.
+        out.sort(key=lambda hs: (_victim_order(hs[1]), -hs[0]))
         return [s for _, s in out]
 
     def _spill_or_fail(self, store: ShardStore) -> bool:

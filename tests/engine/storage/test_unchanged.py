@@ -254,6 +254,17 @@ def test_a_store_drops_copies_of_visits_that_change_nothing() -> None:
     assert _visit(store, OpKind.EVAL) == 0
     store.promote(torch.device("cpu"), copy=True, owner="w")
     assert store.demote() > 0
+    # While on a device, its host copy is valid until an op changes the state (host
+    # memory drops such copies after the useless ones).
+    assert not store.host_copy_valid
+    store.promote(torch.device("cpu"), copy=True, owner="w")
+    assert store.host_copy_valid
+    store.begin_op(OpKind.EVAL)
+    assert store.host_copy_valid
+    store.begin_op(OpKind.BACKWARD)
+    assert not store.host_copy_valid
+    store.end_op()
+    assert store.demote() > 0 and not store.host_copy_valid
 
 
 def test_a_step_or_a_write_during_a_read_only_visit_is_kept() -> None:

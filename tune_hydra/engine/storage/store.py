@@ -562,6 +562,12 @@ class ShardStore:
         return self._residency.state is Residency.DISK
 
     @property
+    def host_copy_valid(self) -> bool:
+        """On a device: whether its host buffers still hold its values (no op changed it
+        there so far), so that demoting it would drop the device copy."""
+        return self._residency.state is Residency.DEVICE and self._host_copy
+
+    @property
     def in_host(self) -> bool:
         """Whether host memory holds buffers of this state (current or stale)."""
         return self._residency.state is not Residency.DISK and bool(self._tier.nbytes())
