@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import tune_hydra as th
-from tests.conftest import batches, make_task, mlp
+from tests.conftest import OPTIMIZERS, batches, make_task, mlp
 from tune_hydra.engine import Engine
 from tune_hydra.engine.resume import param_names
 from tune_hydra.exceptions import InvalidTaskError, ResumeStateError
@@ -278,3 +278,41 @@ def test_damaged_states_are_refused_before_loading_anything() -> None:
             assert_equal(eng.get_state("t"), before, field)  # nothing was loaded
         eng.set_state("t", state)  # the genuine state still restores
         eng.train("t", 1).result(timeout=120)
+
+
+class _Stream:
+    """Train data without ``__len__`` (a streaming dataset): a position past its end can
+    only be found while skipping to it."""
+
+    def __init__(self, data: list[Any]) -> None:
+        self.data = data
+
+    def __iter__(self) -> Any:
+        return iter(self.data)
+
+
+def test_a_position_past_the_end_of_data_without_a_length_names_the_field() -> None:
+    """Issue 23, item 8, for data set_state cannot measure: the skip to the saved position
+    runs out of batches. Before: TaskFailedError: StopIteration; now the task fails with a
+    ResumeStateError naming batch_in_epoch, and the other task of the engine goes on."""
+    data = batches()
+    with Engine("cpu") as eng:
+        eng.add_task(
+            "t",
+            th.ModelTask(mlp(seed=1), nn.CrossEntropyLoss(), OPTIMIZERS["sgd"], _Stream(data)),
+            seed=3,
+            iteration_batches=2,
+        )
+        eng.add_task("ok", make_task(mlp(seed=2), "sgd"), seed=3)
+        eng.train("t", 1).result(timeout=120)
+        state = eng.get_state("t")
+        eng.set_state("t", {**state, "batch_in_epoch": len(data) + 2})
+        failing, fine = eng.train("t", 1), eng.train("ok", 1)
+        with pytest.raises(Exception) as info:
+            failing.result(timeout=120)
+        assert len(fine.result(timeout=120)) == 1
+    err = info.value
+    chain = [err, err.__cause__, getattr(err, "error", None)]
+    text = " ".join(str(e) for e in chain if e is not None)
+    assert "StopIteration" not in type(err).__name__
+    assert "'batch_in_epoch' is 7" in text and "yielded only 5 batch(es)" in text, text

@@ -16,8 +16,10 @@ import torch
 from tune_hydra.engine import rng
 from tune_hydra.engine.boundary import split_batch
 from tune_hydra.engine.task import ModelTask
+from tune_hydra.exceptions import ResumeStateError
 
 _CPU = torch.device("cpu")
+_END = object()  # what next() gives when the data ends
 
 
 class DataCursor:
@@ -80,8 +82,16 @@ class DataCursor:
                 replay = self._resume_epoch_rng
                 with rng.task_stream(self._stream, _CPU, self._seed, replay=replay):
                     self._train_iter = iter(self._task.train_data)
-                    for _ in range(self._skip):
-                        next(self._train_iter)
+                    for done in range(self._skip):
+                        if next(self._train_iter, _END) is _END:
+                            raise ResumeStateError(
+                                self.name,
+                                f"the resume state's 'batch_in_epoch' is {self._skip}, but "
+                                f"train_data yielded only {done} batch(es) this epoch: the "
+                                f"state was saved with other data, or it is damaged or was "
+                                f"tampered with. Restore it into a task with the data it "
+                                f"was trained on, or start the trial afresh",
+                            )
                 self._epoch_rng, self._skip = self._resume_epoch_rng, 0
         with rng.task_stream(self._stream, _CPU, self._seed):
             if self._train_iter is None:
