@@ -42,14 +42,7 @@ TrialState = optuna.trial.TrialState
 ROOT = Path(__file__).resolve().parents[2]  # the repository
 EPOCHS = 3
 BUDGET = 24_000  # cuts mlp() into 2+ shards
-
-
-@pytest.fixture(autouse=True)
-def _quiet_optuna() -> Any:
-    level = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    yield
-    optuna.logging.set_verbosity(level)
+pytestmark = pytest.mark.usefixtures("quiet_optuna")
 
 
 def _engine() -> Engine:

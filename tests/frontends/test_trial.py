@@ -20,14 +20,7 @@ from tune_hydra.frontends.trial import TrialClaims, own_storage
 
 optuna = pytest.importorskip("optuna")
 F64 = torch.float64
-
-
-@pytest.fixture(autouse=True)
-def _quiet_optuna() -> Any:
-    level = optuna.logging.get_verbosity()
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    yield
-    optuna.logging.set_verbosity(level)
+pytestmark = pytest.mark.usefixtures("quiet_optuna")
 
 
 # ---------------------------------------------------------------- own_storage
