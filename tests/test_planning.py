@@ -208,6 +208,27 @@ class Gate(nn.Module):
         return x * 2 if float(x.detach().abs().sum()) > 0 else x
 
 
+def test_a_factory_that_reads_values_is_planned_on_the_cpu_without_blame() -> None:
+    """A factory that reads a tensor's value fails on the meta device only: the note says
+    the cause (not the factory wrapper's "fix make_task") and the cut equals the CPU's."""
+
+    def reads(config: dict[str, Any]) -> th.ModelTask:
+        scale = torch.ones(3)
+        model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+        if float(scale.sum()) != 3.0:  # a value: no meta kernel can answer it
+            raise AssertionError
+        return th.ModelTask(
+            model, nn.CrossEntropyLoss(), OPTIMIZERS["sgd"], batches(2, torch.float32)
+        )
+
+    (report,) = th.plan(reads, {}, device_memory=6000)
+    (cpu,) = th.plan(reads, {}, device_memory=6000, meta=False)
+    assert report.probe_device == "cpu" and report.layers == cpu.layers
+    (note,) = report.notes
+    assert note.startswith("planned on the CPU with real weights") and "meta" in note
+    assert "TaskFactoryError" not in note and "fix make_task" not in note
+
+
 def test_meta_failures_fall_back_to_the_cpu_with_a_note() -> None:
     def gated(config: dict[str, Any]) -> th.ModelTask:
         model = nn.Sequential(nn.Linear(8, 16), Gate(), nn.Linear(16, 4))
@@ -217,7 +238,10 @@ def test_meta_failures_fall_back_to_the_cpu_with_a_note() -> None:
 
     (report,) = th.plan(gated, {}, device_memory=6000)
     assert report.probe_device == "cpu"
-    assert "meta device could not" in report.notes[0] and "CPU" in report.notes[0]
+    # Informational: names the op that has no meta kernel, asks for no fix.
+    assert report.notes[0].startswith("planned on the CPU with real weights")
+    assert "Tensor.item() cannot be called on meta tensors" in report.notes[0]
+    assert "fix" not in report.notes[0].replace("nothing to fix", "")
     with Engine("cpu", device_memory=6000) as eng:
         eng.add_task("t", gated({}))
         assert list(report.layers) == list(eng.plan("t").layers)

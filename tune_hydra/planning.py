@@ -390,9 +390,12 @@ def _plan_one(
         ):
             raise  # not the meta device's doing: the CPU would not do better
         except Exception as err:
+            # Informational, not an error: the CPU plan is the same cut, only slower to
+            # make. The innermost cause says why (not the wrapper's "fix make_task").
             notes.append(
-                f"the meta device could not build or probe it ({_what(err)}); built with "
-                f"real weights and probed on the CPU"
+                f"planned on the CPU with real weights (the meta device holds no values and "
+                f"could not run it: {_what(_root_cause(err))}); the plan is exact, nothing "
+                f"to fix"
             )
     if costs is None:
         task = _build(make_task, config, index, seed, timeout_s, on_meta=False)
@@ -677,6 +680,15 @@ def _table(
         ).rstrip()
         for row in rows
     ]
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    """The innermost exception ``err`` was raised from (itself when none)."""
+    seen = {id(err)}
+    while err.__cause__ is not None and id(err.__cause__) not in seen:
+        err = err.__cause__
+        seen.add(id(err))
+    return err
 
 
 def _what(err: BaseException) -> str:

@@ -187,11 +187,15 @@ def start_factory(
         try:
             with private_rng(seed):
                 result = factory(argument)
-        except BaseException:  # reported to the caller, whatever it is
+        except BaseException as err:  # reported to the caller, whatever it is
             outcome: Any = TaskFactoryError(
                 f"the task factory raised for {what}; fix make_task, the other trials go "
                 f"on. Factory traceback:\n{traceback.format_exc()}"
             )
+            # In-process callers (th.plan's note) read the cause; pickling drops it, so
+            # an unpicklable user exception never travels. Without its traceback, which
+            # would keep the factory's frames (a half-built model) alive with the error.
+            outcome.__cause__ = _without_tracebacks(err)
         else:
             outcome = None
         try:
@@ -208,6 +212,20 @@ def start_factory(
 
     threading.Thread(target=target, name="hydra-factory", daemon=True).start()
     return future
+
+
+def _without_tracebacks(err: BaseException) -> BaseException:
+    """``err`` with the tracebacks of it and of its causes and contexts dropped."""
+    seen: set[int] = set()
+    todo: list[BaseException | None] = [err]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        e.__traceback__ = None
+        todo += [e.__cause__, e.__context__]
+    return err
 
 
 def call_factory(
