@@ -7,11 +7,12 @@ of epochs; the Ray Tune front end drives it one iteration per trial step.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import logging
 import os
 import threading
 import traceback
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ from tune_hydra.engine.boundary import split_batch
 from tune_hydra.engine.host import HostMemory
 from tune_hydra.engine.kept import KeptGraphs
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
+from tune_hydra.engine.protocol import Runner, check_runner
 from tune_hydra.engine.records import PendingIterations, TaskRecord, batches_per_iter
 from tune_hydra.engine.rng import CPU_RNG_LOCK
 from tune_hydra.engine.runner import TaskRunner
@@ -94,6 +96,10 @@ class Engine:
             instead of the keywords above (``Engine(options=opts)``; giving both is
             refused). The keywords build one; either way ``engine.options`` holds it, the
             one place the engine reads them from.
+        clock: the engine's clock, seconds (default: ``time.perf_counter`` from the
+            start); it times ops (the estimates policies see), readiness and the trace.
+            Tests that script time pass a
+            :class:`~tune_hydra.engine.scripted.ManualClock`.
 
     Raises:
         InvalidOptionError: a bad ``prefetch``, ``recompute``, ``copy_on_cpu``,
@@ -132,6 +138,7 @@ class Engine:
         spill_dir: str | os.PathLike[str] | None = None,
         trace_window: int | None = DEFAULT_TRACE_WINDOW,
         options: EngineOptions | None = None,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         given = {
             "devices": devices,
@@ -159,7 +166,7 @@ class Engine:
             for i, d in enumerate(self.devices)
         ]
         self.trace = Trace(labels, options.trace_window)
-        self.clock = default_clock()
+        self.clock = default_clock() if clock is None else clock
         host_budget, spill_dir = options.host_bytes, options.spill_dir
         folder = SpillFolder(spill_dir) if host_budget is not None and spill_dir else None
         self.host = HostMemory(host_budget, folder, self.trace, self.clock)
@@ -189,6 +196,7 @@ class Engine:
         # they claim, so that two concurrent add_task calls cannot share a model either.
         self._adding: dict[str, OwnedTensors] = {}
         self._order = 0
+        self._held = 0  # hold_dispatch() depth: no decision while > 0
         self._closed = False
         self._broken: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="hydra-dispatch", daemon=True)
@@ -344,6 +352,92 @@ class Engine:
                 f"a task named {name!r} is already registered; remove it first or pick another name"
             )
 
+    def add_runner(self, name: str, runner: Runner, *, options: TrainOptions | None = None) -> int:
+        """Register a task whose operations come from ``runner`` (any
+        :class:`~tune_hydra.engine.protocol.Runner`, such as a
+        :class:`~tune_hydra.engine.scripted.ScriptedRunner`) instead of a ``ModelTask``;
+        returns its number of shards. It is then trained, cancelled and removed like a
+        task of :meth:`add_task` (checkpoints, :meth:`get_state`, are ``add_task``'s).
+
+        Args:
+            name: the task's name (the ``task`` of the runner's ops).
+            runner: the runner; its ``plan`` must be checked against this engine's
+                budget by whoever built it.
+            options: the task's options as the engine reads them (``iteration_batches``:
+                an iteration is that many batches rather than an epoch); default
+                ``TrainOptions()``.
+
+        Raises:
+            InvalidTaskError: ``runner`` lacks a ``Runner`` member, its ``plan`` has no
+                shard, a name in use, or its batch's kept graphs would not fit.
+        """
+        check_runner(name, runner)
+        plan = runner.plan
+        if not isinstance(plan, ShardPlan) or not plan.shards:
+            raise InvalidTaskError(
+                f"runner {name!r}: its plan must be a ShardPlan with at least one shard, "
+                f"not {plan!r}"
+            )
+        if options is None:
+            options = TrainOptions(recompute=self.recompute, where=f"task {name!r}")
+        elif not isinstance(options, TrainOptions):
+            raise InvalidTaskError(
+                f"runner {name!r}: options must be a tune_hydra.options.TrainOptions, not "
+                f"{type(options).__name__}"
+            )
+        with self._cv:
+            self._check_name(name)
+            self._kept.check(name, plan)
+            self.host.register(runner.stores)
+            entry = TaskRecord(name, None, plan, options, self._order, runner)
+            entry.batches_per_iter = float(options.iteration_batches or 1)
+            runner.on_iteration = lambda result, e=entry: self._on_iteration(e, result)
+            self._tasks[name] = entry
+            self._order += 1
+        return len(plan)
+
+    # -- read-only views of a task (for callers and tests; none changes anything) ---------
+
+    def runner(self, name: str) -> Runner:
+        """Task ``name``'s runner (a :class:`~tune_hydra.engine.runner.TaskRunner` for a
+        task of :meth:`add_task`; a new one after :meth:`set_state`)."""
+        with self._cv:
+            return self._entry(name).runner
+
+    def task_options(self, name: str) -> TrainOptions:
+        """Task ``name``'s checked options (its seed resolved)."""
+        with self._cv:
+            return self._entry(name).options
+
+    def kept_on(self, name: str) -> str | None:
+        """The label of the device holding task ``name``'s batch's kept graphs
+        (``recompute=False`` on a device that copies), or ``None`` outside a batch."""
+        with self._cv:
+            w = self._entry(name).kept_on
+            return None if w is None else w.label
+
+    def queued(self) -> dict[str, list[Op]]:
+        """The ops queued on each device (by label), the running one first."""
+        with self._cv:
+            return {w.label: [a.op for a in list(w.assigned)] for w in self.workers}
+
+    @contextlib.contextmanager
+    def hold_dispatch(self) -> Iterator[None]:
+        """Make no dispatch decision inside the ``with`` block (ops already queued run
+        on); on leaving it, one dispatch on the caller's thread. Grants made inside (for
+        several tasks at once) are then all seen by the first decision, rather than the
+        first task's op being dispatched alone."""
+        with self._cv:
+            self._held += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._held -= 1
+                if not self._held and not self._closed and self._broken is None:
+                    self._dispatch()
+                self._cv.notify_all()
+
     @property
     def keeps_graphs(self) -> bool:
         """Whether batches' forward graphs are kept, and reserved, on devices that copy
@@ -394,6 +488,31 @@ class Engine:
             entry.hint = max(0, int(iterations))
             entry.candidate = None
 
+    def set_milestone(self, name: str, iterations: int | None) -> None:
+        """Tell the scheduler how many iterations of task ``name``'s work (from now,
+        granted or not) remain until its trial's next milestone, such as a
+        successive-halving rung; ``None``: unknown, or no more milestones.
+
+        The count goes down as the task finishes iterations; policies see it as
+        ``Candidate.milestone_s`` (seconds, estimated as ``remaining_s`` is), ``None``
+        once the milestone is reached (until the next is set).
+
+        Raises:
+            InvalidTaskError: no such task, or ``iterations`` is not an int >= 0 or None.
+        """
+        if iterations is not None and (
+            isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 0
+        ):
+            raise InvalidTaskError(
+                f"set_milestone({name!r}, {iterations!r}): give the iterations until the "
+                f"next milestone as an int >= 0, or None when there is none"
+            )
+        with self._cv:
+            entry = self._entry(name)
+            at = None if iterations is None else entry.runner.iteration + iterations
+            entry.milestone_at = at
+            entry.candidate = None
+
     def cancel(self, name: str) -> None:
         """Drop the task's queued work; its futures are cancelled once its running op ends."""
         with self._cv:
@@ -422,26 +541,30 @@ class Engine:
     def metric_names(self, name: str) -> list[str]:
         """The names of task ``name``'s own ``metrics``, reported with each iteration."""
         with self._cv:
-            return list(self._entry(name).task.metrics or {})
+            task = self._entry(name).task
+            return [] if task is None else list(task.metrics or {})
 
     def get_state(self, name: str) -> dict[str, Any]:
         """A checkpoint of a task between iterations: everything needed to resume exactly."""
         with self._cv:
             entry = self._entry(name)
-            if entry.assigned is not None or entry.runner.granted:
+            runner = self._task_runner(entry, "get_state")
+            if entry.assigned is not None or runner.granted:
                 raise TuneHydraError(
                     f"task {name!r} is training; get_state() needs it idle "
                     f"(wait for its train() future)"
                 )
             self._offload(entry)
-            return entry.runner.get_state()
+            return runner.get_state()
 
     def set_state(self, name: str, state: dict[str, Any]) -> None:
         """Restore a task from :meth:`get_state` (rebuilds its runner; clears errors)."""
         with self._cv:
             entry = self._entry(name)
+            old = self._task_runner(entry, "set_state")
             if entry.assigned is not None:
                 raise TuneHydraError(f"task {name!r} is training; cancel it first")
+            assert entry.task is not None  # a TaskRunner's record has its ModelTask
             self._offload(entry, leave=True)
             layers = model_layers(entry.task.model)  # type: ignore[arg-type]
             pin = any(d.type == "cuda" for d in self.devices)
@@ -454,7 +577,7 @@ class Engine:
                 order=entry.order,
                 pin=pin,
                 budgeted_graphs=self._kept.active,
-                probed=entry.runner.probed,
+                probed=old.probed,
                 host=self.host,
             )
             runner.set_state(state)
@@ -530,6 +653,16 @@ class Engine:
             return int(device_capacity(device) * 0.9)
         return self.budget
 
+    @staticmethod
+    def _task_runner(entry: TaskRecord, what: str) -> TaskRunner:
+        """``entry``'s runner, which must be a ``TaskRunner`` (checkpoints are theirs)."""
+        if not isinstance(entry.runner, TaskRunner):
+            raise InvalidTaskError(
+                f"task {entry.name!r} was registered with add_runner "
+                f"({type(entry.runner).__name__}); {what}() is for tasks of add_task"
+            )
+        return entry.runner
+
     def _entry(self, name: str) -> TaskRecord:
         try:
             return self._tasks[name]
@@ -543,10 +676,11 @@ class Engine:
         leaves them there). ``leave``: the task leaves the engine (or its runner is
         replaced): its states are the user's again, and with ``load`` those on disk come
         back into host memory."""
+        runner = entry.runner
         if leave:
-            self.host.unregister(entry.runner.stores)
-        for shard in entry.runner.shards:
-            store = shard.store
+            self.host.unregister(runner.stores)
+        for i in range(len(entry.plan)):
+            store = runner.store_of(i)
             with store.lock:  # a prefetch may be bringing it in right now: after it
                 if isinstance(store.owner, DeviceWorker):
                     store.owner.evict(store)  # counted there until copied out, and traced
@@ -554,7 +688,7 @@ class Engine:
             for w in self.workers:
                 w.release(store)
         if leave:
-            self.host.discard(entry.runner.stores)
+            self.host.discard(runner.stores)
 
     def _cancel_futures(self, entry: TaskRecord) -> None:
         self._kept.end(entry, drop=True)
@@ -694,15 +828,18 @@ class Engine:
         heat: dict[int, float] = {}
         per_slot = max(1, len(self.workers))
         for i, e in enumerate(ranked):
-            program, op = e.runner.program, e.runner.current
-            base = (i // per_slot) * program.ops_per_batch
-            for shard in e.runner.shards:
-                h = base + program.ops_until(op, shard.index)
-                for s in _parts(shard.store):
+            runner = e.runner
+            op = runner.current
+            base = (i // per_slot) * runner.ops_per_batch
+            for shard in range(len(e.plan)):
+                h = base + runner.ops_until(op, shard)
+                for s in _parts(runner.store_of(shard)):
                     heat[id(s)] = min(h, heat.get(id(s), h))
         self.host.set_outlook(heat)
 
     def _dispatch(self) -> None:
+        if self._held:  # hold_dispatch(): decided on leaving it
+            return
         if self.host.active:
             self._outlook()
         # Idle devices first; only then queue a second (prefetched) op on busy ones.
@@ -736,7 +873,7 @@ class Engine:
     ) -> Candidate:
         """The candidate ``e``'s ready ``op`` is offered as for device ``w`` (``None``: for
         no device, to rank the tasks); the engine's one place that builds candidates."""
-        store = e.runner.shards[op.shard].store
+        store = e.runner.store_of(op.shard)
         in_host = not store.on_disk if self.host.active else True
         if w is None:
             return offer(
@@ -745,6 +882,7 @@ class Engine:
                 ready_since=e.ready_since,
                 order=e.order,
                 in_host=in_host,
+                milestone_s=e.milestone_s(default_op_s),
             )
         if w.copy:
             res = w.holds(store)
@@ -778,14 +916,15 @@ class Engine:
                 in_host=in_host,
                 fits=fits,
                 bring_in_bytes=bring,
+                milestone_s=e.milestone_s(default_op_s),
             )
         return c
 
     def _assign(self, w: DeviceWorker, entry: TaskRecord, op: Op) -> None:
         # A shard another device holds stays counted there until it is copied out (by
         # that device's LRU eviction, or by this device's copy thread taking it over).
-        store = entry.runner.shards[op.shard].store
         runner = entry.runner
+        store = runner.store_of(op.shard)
         self._kept.begin(entry, op, w)
         a = Assignment(
             op,
@@ -812,7 +951,7 @@ class Engine:
             # queue it yet; its shard is known, though: copy it in while this one computes.
             nxt = runner.next_shard(op)
             if nxt is not None:
-                w.prefetch(runner.shards[nxt].store, op.task, nxt, op.iteration)
+                w.prefetch(runner.store_of(nxt), op.task, nxt, op.iteration)
 
 
 def _parts(store: Store) -> list[ShardStore]:
@@ -870,7 +1009,7 @@ def _options(
 def _check_shared(
     name: str,
     claim: OwnedTensors,
-    registered: list[tuple[str, TaskRunner]],
+    registered: list[tuple[str, Runner]],
     adding: list[tuple[str, OwnedTensors]],
 ) -> None:
     """Refuse task ``name`` if its tensors are those of a registered task, or of a task

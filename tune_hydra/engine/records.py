@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 from tune_hydra.core.policies.base import Candidate
 from tune_hydra.core.program import BATCH_KINDS
 from tune_hydra.engine.partition import ShardPlan
-from tune_hydra.engine.runner import TaskRunner
+from tune_hydra.engine.protocol import Runner
 from tune_hydra.engine.task import ModelTask
 from tune_hydra.options import TrainOptions
 
@@ -31,19 +31,27 @@ class PendingIterations:
 @dataclass
 class TaskRecord:
     """The engine's record of one task: its runner, where it runs, its futures, and the
-    online estimate of its remaining work that the policy sees."""
+    online estimates of its remaining work (and of its work to its trial's next
+    milestone) that the policy sees.
+
+    ``task`` is ``None`` for a runner registered with ``Engine.add_runner`` (no
+    ``ModelTask`` behind it).
+    """
 
     name: str
-    task: ModelTask
+    task: ModelTask | None
     plan: ShardPlan
     options: TrainOptions
     order: int
-    runner: TaskRunner
+    runner: Runner
     pending: list[PendingIterations] = field(default_factory=list)
     assigned: DeviceWorker | None = None
     error: BaseException | None = None
     cancelled: bool = False
     hint: int = 0  # iterations still to come after the granted ones
+    # The iteration count (runner.iteration) at which its trial's next milestone falls
+    # (Engine.set_milestone); None: none known.
+    milestone_at: int | None = None
     ready_since: float = 0.0
     op_time: dict[tuple[str, int], float] = field(default_factory=dict)
     batches_per_iter: float = 0.0
@@ -66,13 +74,24 @@ class TaskRecord:
     def remaining_s(self, default_op_s: float = 1.0) -> float:
         """Estimated seconds of work left; ops not measured yet count as the task's mean
         measured op, or ``default_op_s`` (the engine-wide mean) before the first."""
-        kinds = self.runner.program.ops_per_batch
+        return self._work_s(self.runner.granted + self.hint, default_op_s)
+
+    def milestone_s(self, default_op_s: float = 1.0) -> float | None:
+        """Estimated seconds of work until its trial's next milestone (the iterations
+        :attr:`milestone_at` is away, estimated as :meth:`remaining_s` counts them);
+        ``None`` when none is known or the task has reached it."""
+        if self.milestone_at is None:
+            return None
+        iters = self.milestone_at - self.runner.iteration
+        return self._work_s(iters, default_op_s) if iters > 0 else None
+
+    def _work_s(self, iters: int, default_op_s: float) -> float:
+        """Seconds of ``iters`` iterations from now, less the current one's progress."""
+        kinds = self.runner.ops_per_batch
         fallback = self.known_sum / self.known_n if self.known_n else default_op_s
         per_batch = self.known_sum + (kinds - self.known_n) * fallback
-        iters = self.runner.granted + self.hint
         per_iter = self.batches_per_iter or 1.0
-        done = self.runner.batch_in_epoch if self.options.iteration_batches is None else 0
-        return per_batch * max(iters * per_iter - done, 1.0)
+        return per_batch * max(iters * per_iter - self.runner.batches_done, 1.0)
 
 
 _BATCH_KINDS = frozenset(kind.value for kind in BATCH_KINDS)  # as ``record`` gets them

@@ -77,7 +77,8 @@ class ShardRuntime:
 
 
 class TaskRunner:
-    """Produces and executes one task's shard operations."""
+    """Produces and executes one task's shard operations: the engine's
+    :class:`~tune_hydra.engine.protocol.Runner` for a ``ModelTask``."""
 
     def __init__(
         self,
@@ -255,6 +256,28 @@ class TaskRunner:
             for one in [store.own, *store.shared] if isinstance(store, LinkedStore) else [store]:
                 out[id(one)] = one
         return list(out.values())
+
+    # -- the Runner protocol's views (tune_hydra.engine.protocol) -----------------------
+
+    def store_of(self, shard: int) -> Store:
+        """The store holding shard ``shard``'s state."""
+        return self.shards[shard].store
+
+    @property
+    def ops_per_batch(self) -> int:
+        """Ops of one training batch (see :meth:`Program.ops_per_batch`)."""
+        return self.program.ops_per_batch
+
+    def ops_until(self, op: Op | None, shard: int) -> int:
+        """How many ops from ``op`` until one visits ``shard`` (see
+        :meth:`Program.ops_until`)."""
+        return self.program.ops_until(op, shard)
+
+    @property
+    def batches_done(self) -> int:
+        """Train batches of the current iteration run: of the epoch, when an iteration
+        is an epoch; 0 with ``iteration_batches`` (its iterations are counted whole)."""
+        return self.batch_in_epoch if self.options.iteration_batches is None else 0
 
     def owned_tensors(self) -> OwnedTensors:
         """The parameters and buffers this task trains, as they are now: the model's live
