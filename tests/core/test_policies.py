@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 import random
 from collections.abc import Sequence
 
 import pytest
 
+from tune_hydra.core.dispatch import offer
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.core.policies import (
     POLICIES,
@@ -15,8 +17,10 @@ from tune_hydra.core.policies import (
     Candidate,
     FIFOPolicy,
     LRTFPolicy,
+    MilestonePolicy,
     RoundRobinPolicy,
     get_policy,
+    resolve_policy,
 )
 from tune_hydra.exceptions import TuneHydraError, UnknownPolicyError
 
@@ -159,7 +163,12 @@ def test_get_policy_by_name(name: str) -> None:
 
 
 def test_get_policy_names_and_classes() -> None:
-    assert {"lrtf": LRTFPolicy, "fifo": FIFOPolicy, "round_robin": RoundRobinPolicy} == POLICIES
+    assert {
+        "lrtf": LRTFPolicy,
+        "fifo": FIFOPolicy,
+        "round_robin": RoundRobinPolicy,
+        "milestone": MilestonePolicy,
+    } == POLICIES
 
 
 @pytest.mark.parametrize("bad", ["LRTF ", "srtf", "", 3, None])
@@ -200,3 +209,277 @@ def test_base_policy_is_abstract_and_forget_is_optional() -> None:
     FIFOPolicy().forget("anything")  # default hook: no error
     assert repr(LRTFPolicy(0.1)) == "LRTFPolicy(affinity=0.1)"
     assert repr(FIFOPolicy()) == "FIFOPolicy()"
+
+
+# --- milestone first, with admission ------------------------------------------------------
+
+
+def mcand(
+    order: int,
+    milestone: float | None,
+    remaining: float = 100.0,
+    iteration: int = 0,
+    fits: bool = True,
+    resident: bool = False,
+    in_host: bool = True,
+) -> Candidate:
+    """Trial ``t<order>``'s ready op with ``milestone`` seconds to its next milestone."""
+    return offer(
+        Op(f"t{order}", OpKind.FORWARD, 0, iteration, 0),
+        remaining,
+        ready_since=0.0,
+        order=order,
+        resident=resident,
+        in_host=in_host,
+        fits=fits,
+        milestone_s=milestone,
+    )
+
+
+def sel(policy: BasePolicy, candidates: Sequence[Candidate], device: int = 0) -> int | None:
+    choice = policy.select(device, list(candidates))
+    if choice is None:
+        return None
+    assert any(choice is c for c in candidates)
+    return choice.order
+
+
+def test_milestone_without_milestones_decides_exactly_as_lrtf() -> None:
+    rng = random.Random(3)
+    milestone, lrtf = MilestonePolicy(), LRTFPolicy()
+    for _ in range(300):
+        cands = [
+            dataclasses.replace(
+                cand(k, rng.uniform(0, 10), resident=rng.random() < 0.3),
+                fits=rng.random() < 0.8,
+                in_host=rng.random() < 0.7,
+            )
+            for k in range(rng.randint(1, 6))
+        ]
+        device = rng.randrange(3)
+        assert milestone.select(device, cands) is lrtf.select(device, cands)
+        assert milestone.rank(cands) == lrtf.rank(cands)
+    assert milestone.admitted == []
+
+
+def test_milestone_least_work_to_the_milestone_not_to_the_end() -> None:
+    # t0 has the most work to its end (LRTF's pick), t1 the least to its milestone.
+    cands = [mcand(0, 5.0, remaining=90.0), mcand(1, 1.0, remaining=50.0), mcand(2, 3.0)]
+    assert sel(MilestonePolicy(), cands) == 1
+    assert picked(LRTFPolicy(), cands) == 2
+
+
+def test_milestone_admission_keeps_the_admitted_trials_going() -> None:
+    policy = MilestonePolicy(slots_per_device=1)
+    assert sel(policy, [mcand(k, 4.0) for k in range(4)], device=0) == 0
+    assert sel(policy, [mcand(k, 4.0) for k in (1, 2, 3)], device=1) == 1
+    assert policy.admitted == ["t0", "t1"] and policy.capacity == 2
+    # t0 came back with work done: the others (less work to their milestone than t0
+    # had when admitted) wait, though they are as close as t0 now.
+    assert sel(policy, [mcand(0, 3.0), mcand(2, 3.0), mcand(3, 1.0)], device=0) == 0
+    assert sel(policy, [mcand(1, 2.0), mcand(2, 0.5)], device=1) == 1
+    assert policy.admitted == ["t0", "t1"]
+
+
+def test_milestone_admission_never_idles_a_device() -> None:
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    assert sel(policy, [mcand(0, 4.0), mcand(1, 4.0)]) == 0
+    # The admitted trial does not fit now: another one runs (the device never idles)...
+    assert sel(policy, [mcand(0, 3.0, fits=False), mcand(1, 4.0)]) == 1
+    # ... without being admitted, since the one slot is taken.
+    assert policy.admitted == ["t0"]
+    # Nothing fits: None (the dispatcher's rule).
+    assert sel(policy, [mcand(0, 3.0, fits=False), mcand(1, 4.0, fits=False)]) is None
+    # The admitted trial not ready at all (waiting for its search): same.
+    assert sel(policy, [mcand(1, 4.0), mcand(2, 4.0)]) == 1
+    assert policy.admitted == ["t0"]
+
+
+def test_milestone_trial_leaves_admission_at_its_milestone() -> None:
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    assert sel(policy, [mcand(0, 2.0), mcand(1, 2.0)]) == 0
+    # A new iteration with less work to the same milestone: still admitted.
+    assert sel(policy, [mcand(0, 1.0, iteration=1), mcand(1, 2.0)]) == 0
+    assert policy.admitted == ["t0"]
+    # The next iteration with more to go: the front end moved its milestone on; t1,
+    # fresh, is admitted in its place (the fewest iterations done).
+    assert sel(policy, [mcand(0, 2.0, iteration=2), mcand(1, 2.0)]) == 1
+    assert policy.admitted == ["t1"]
+    # Committed (no milestone left) also leaves admission.
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    assert sel(policy, [mcand(0, 2.0), mcand(1, 2.0)]) == 0
+    assert sel(policy, [mcand(0, None, iteration=1), mcand(1, 2.0)]) == 1
+    assert policy.admitted == ["t1"]
+
+
+def test_milestone_forget_frees_the_slot() -> None:
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    assert sel(policy, [mcand(0, 2.0), mcand(1, 2.0)]) == 0
+    policy.forget("t0")
+    policy.forget("never-seen")
+    assert policy.admitted == []
+    assert sel(policy, [mcand(1, 2.0), mcand(2, 1.0)]) == 2
+    assert policy.admitted == ["t2"]
+
+
+def test_milestone_committed_trials_come_last_by_lrtf() -> None:
+    policy = MilestonePolicy(devices=1)
+    committed = [mcand(0, None, remaining=5.0), mcand(1, None, remaining=9.0)]
+    # With a milestone ahead of t2, the committed ones wait (here t1 is no critical
+    # path: 9 s < (5 + 9 + 20) s of ready work on 1 device).
+    assert sel(policy, [*committed, mcand(2, 20.0)]) == 2
+    # Only committed work left: the longest first.
+    assert sel(MilestonePolicy(devices=1), committed) == 1
+
+
+def test_milestone_committed_trial_on_the_critical_path_runs_first() -> None:
+    policy = MilestonePolicy(devices=2)
+    # 10 s >= (10 + 1 + 1) / 2 devices: each second t0 waits lengthens the run.
+    cands = [mcand(0, None, remaining=10.0), mcand(1, 1.0), mcand(2, 1.0)]
+    assert sel(policy, cands) == 0
+    assert policy.admitted == []
+    assert sel(MilestonePolicy(devices=2, critical=float("inf")), cands) == 1
+
+
+def test_milestone_ties_prefer_resident_then_in_host() -> None:
+    policy = MilestonePolicy()
+    cands = [mcand(0, 2.0), mcand(1, 2.0, in_host=False, resident=True), mcand(2, 2.0)]
+    assert sel(policy, cands) == 1
+    policy = MilestonePolicy()
+    assert sel(policy, [mcand(0, 2.0, in_host=False), mcand(1, 2.0)]) == 1
+
+
+def test_milestone_learns_the_devices() -> None:
+    policy = MilestonePolicy()
+    assert policy.capacity == 2
+    policy.select(3, [mcand(0, 1.0)])
+    assert policy.capacity == 8
+    assert MilestonePolicy(slots_per_device=3, devices=2).capacity == 6
+
+
+def test_milestone_rank_admitted_then_admission_order_then_committed() -> None:
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    assert sel(policy, [mcand(0, 5.0), mcand(1, 5.0)]) == 0
+    cands = [
+        mcand(1, 3.0),
+        mcand(2, None, remaining=4.0),
+        mcand(3, 1.0, iteration=2),
+        mcand(0, 4.0),
+        mcand(4, None, remaining=8.0),
+        mcand(5, 2.0),
+    ]
+    assert [c.order for c in policy.rank(cands)] == [0, 5, 1, 3, 4, 2]
+    assert policy.admitted == ["t0"]
+    # A trial past its milestone ranks with the waiting ones, and ranking released nothing.
+    moved_on = [mcand(0, 9.0, iteration=1), mcand(1, 3.0)]
+    assert [c.order for c in policy.rank(moved_on)] == [1, 0]
+    assert policy.admitted == ["t0"]
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"slots_per_device": 0},
+        {"slots_per_device": 1.5},
+        {"slots_per_device": True},
+        {"devices": 0},
+        {"devices": "2"},
+        {"critical": 0.0},
+        {"affinity": 1.0},
+    ],
+)
+def test_milestone_rejects_bad_arguments(kw: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        MilestonePolicy(**kw)  # type: ignore[arg-type]
+
+
+# --- auto ---------------------------------------------------------------------------------
+
+
+def test_auto_resolves_from_the_run(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.INFO, logger="tune_hydra.core.policies"):
+        assert isinstance(resolve_policy("auto", search_aware=True), MilestonePolicy)
+        assert type(resolve_policy("auto", search_aware=False)) is LRTFPolicy
+        assert isinstance(resolve_policy("auto"), MilestonePolicy)
+        assert isinstance(get_policy("auto"), MilestonePolicy)
+    lines = [r.getMessage() for r in caplog.records]
+    assert len(lines) == 4 and all(line.startswith("policy='auto': ") for line in lines)
+    assert "lrtf" in lines[1] and "milestone" in lines[0]
+    # Anything else is get_policy's: no log line.
+    caplog.clear()
+    fifo = FIFOPolicy()
+    assert resolve_policy(fifo, search_aware=True) is fifo
+    assert type(resolve_policy("lrtf", search_aware=True)) is LRTFPolicy
+    assert not caplog.records
+    with pytest.raises(UnknownPolicyError, match="'auto'"):
+        resolve_policy("Auto", search_aware=True)
+
+
+# --- the contract every registered policy keeps ----------------------------------------
+
+
+def _random_offers(rng: random.Random, n: int) -> list[Candidate]:
+    return [
+        offer(
+            Op(f"t{k}", OpKind.FORWARD, 0, rng.randint(0, 3), 0),
+            rng.uniform(0.0, 20.0),
+            ready_since=rng.uniform(0.0, 5.0),
+            order=k,
+            resident=rng.random() < 0.3,
+            in_host=rng.random() < 0.8,
+            fits=rng.random() < 0.75,
+            milestone_s=None if rng.random() < 0.3 else rng.uniform(0.0, 5.0),
+        )
+        for k in rng.sample(range(12), n)
+    ]
+
+
+def _builtins() -> list[str]:
+    return [*sorted(POLICIES), "auto"]
+
+
+@pytest.mark.parametrize("name", _builtins())
+def test_contract_select_returns_a_fitting_offered_candidate(name: str) -> None:
+    policy = get_policy(name)
+    rng = random.Random(hash(name) % 1000)
+    for _ in range(400):
+        cands = _random_offers(rng, rng.randint(1, 8))
+        choice = policy.select(rng.randrange(4), cands)
+        if any(c.fits for c in cands):
+            assert choice is not None, f"{name} idled a device while an op fitting it waited"
+            assert any(choice is c for c in cands) and choice.fits
+        else:
+            assert choice is None
+        if rng.random() < 0.2:
+            policy.forget(f"t{rng.randrange(12)}")
+
+
+@pytest.mark.parametrize("name", _builtins())
+def test_contract_rank_is_a_permutation_and_changes_nothing(name: str) -> None:
+    rng = random.Random(7)
+    plain, ranked = get_policy(name), get_policy(name)
+    for _ in range(300):
+        cands = _random_offers(rng, rng.randint(1, 8))
+        order = ranked.rank(cands)
+        assert sorted(id(c) for c in order) == sorted(id(c) for c in cands)
+        assert ranked.rank(cands) == order, "ranking twice gives the same order"
+        device = rng.randrange(3)
+        a, b = plain.select(device, cands), ranked.select(device, cands)
+        assert (a is None and b is None) or (a is not None and b is not None and a.op == b.op)
+        if rng.random() < 0.2:
+            task = f"t{rng.randrange(12)}"
+            plain.forget(task)
+            ranked.forget(task)
+    assert repr(plain) == repr(ranked)
+
+
+@pytest.mark.parametrize("name", _builtins())
+def test_contract_forget_unknown_and_known_tasks(name: str) -> None:
+    policy = get_policy(name)
+    policy.forget("nobody")
+    cands = [mcand(0, 1.0), mcand(1, None)]
+    first = policy.select(0, cands)
+    assert first is not None
+    policy.forget(first.op.task)
+    policy.forget(first.op.task)  # twice: no error
+    assert policy.select(0, cands) is not None

@@ -1,0 +1,217 @@
+"""Milestone first, with admission: serve a search's next decisions before its long tails.
+
+A search with early stopping (ASHA, HyperBand, median stopping, PBT, Optuna's pruners)
+acts on results at *milestones* (rungs, report steps); an adaptive searcher learns from
+finished trials. Sharded-LRTF serves the trial with the most work left to its *end*, so
+equal trials advance in lockstep and every trial's first result comes late.
+:class:`MilestonePolicy` instead serves the work to each trial's *next milestone*
+(``Candidate.milestone_s``), and *admits* only a few trials at a time, so the first ones
+reach their milestones early and the others wait with their state spilled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tune_hydra.core.policies.base import BasePolicy, Candidate
+from tune_hydra.core.policies.lrtf import LRTFPolicy
+
+SLOTS_PER_DEVICE = 2
+"""Trials admitted per device by default: the engine's queue depth on a device that
+copies state (``prefetch=True``: one op runs while the next op's shard is copied in, and
+that next op must be another trial's, since a trial's ops run one after another). On a
+device of depth 1 (a CPU that copies nothing) the second slot is simply never asked for
+by admission's own rule (a trial is admitted only when no admitted one is ready)."""
+
+
+@dataclass(slots=True)
+class _Admitted:
+    """What the policy last saw of an admitted trial."""
+
+    iteration: int
+    milestone_s: float
+
+
+class MilestonePolicy(BasePolicy):
+    """Work to the next milestone first, a few trials at a time; LRTF for committed work.
+
+    The rules, in the order a free device applies them (to the ops that fit on it):
+
+    1. **The critical path.** A committed trial (``milestone_s is None``: no decision
+       point ahead — past its last rung, or the search cannot stop it) whose remaining
+       work is at least ``critical`` x the ready work per device (the ready trials'
+       remaining work, to the end for committed ones and to the next milestone for the
+       others, over the devices) runs first: each second it waits lengthens the run.
+    2. **Admitted trials.** A resident one first (its shard is on the device, or it ran
+       there last), then one whose state is in host memory, then the least work to its
+       milestone.
+    3. **Admission.** When no admitted trial's op fits, a trial with a milestone ahead
+       is admitted and runs, so a device never idles while such a trial could run: the
+       one with the fewest iterations done (breadth-first across rungs: a fresh trial's
+       first rung before a promoted trial's next one, and equal trials take turns
+       between milestones instead of one running ahead without evidence to be judged
+       by), then the least work to its milestone (shortest first: the earliest
+       results), then resident, in host memory, first registered. Admission is on
+       demand, so the admitted set is what keeps the devices busy (with prefetch, the
+       engine asks for a second op per device while the first runs: another trial's);
+       at most ``slots_per_device x devices`` stay admitted, beyond that an op runs
+       without admitting its trial (a trial waiting for its search between iterations
+       lends its slot that way).
+    4. **Committed trials**, when no trial with a milestone ahead fits: by
+       :class:`LRTFPolicy` among themselves, since for them only the makespan is left
+       to win.
+
+    A trial leaves admission when it reaches its milestone (its iteration advanced and
+    its ``milestone_s`` did not decrease although it did work: the front end announced
+    the next milestone; or it became ``None``) or leaves the engine (:meth:`forget`).
+    When no ready op has a milestone and none is admitted, every decision is exactly
+    :class:`LRTFPolicy`'s (so ``auto`` costs a fixed-budget run nothing).
+
+    :meth:`rank` lists the admitted trials first, then the others in admission order,
+    then the committed ones: with a disk tier, the engine reads states back in that
+    order, so the trials waiting for admission stay spilled.
+
+    Args:
+        slots_per_device: trials admitted per device (:data:`SLOTS_PER_DEVICE`).
+        devices: the number of devices; ``None``: learnt from the device indices offered.
+        affinity: the LRTF band for committed trials (see :class:`LRTFPolicy`).
+        critical: the fraction of the work per device at which a committed trial runs
+            ahead of the milestones (``float("inf")``: never).
+
+    Raises:
+        ValueError: ``slots_per_device`` or ``devices`` below 1, a bad ``affinity`` or a
+            non-positive ``critical``.
+    """
+
+    name = "milestone"
+
+    def __init__(
+        self,
+        slots_per_device: int = SLOTS_PER_DEVICE,
+        devices: int | None = None,
+        affinity: float = 0.05,
+        critical: float = 1.0,
+    ) -> None:
+        if isinstance(slots_per_device, bool) or not isinstance(slots_per_device, int):
+            raise ValueError(f"slots_per_device must be an int >= 1, got {slots_per_device!r}")
+        if slots_per_device < 1:
+            raise ValueError(f"slots_per_device must be >= 1, got {slots_per_device}")
+        if devices is not None and (isinstance(devices, bool) or not isinstance(devices, int)):
+            raise ValueError(f"devices must be an int >= 1 or None, got {devices!r}")
+        if devices is not None and devices < 1:
+            raise ValueError(f"devices must be >= 1 or None, got {devices}")
+        if not critical > 0:
+            raise ValueError(f"critical must be > 0, got {critical}")
+        self.slots_per_device = slots_per_device
+        self.devices = devices
+        self.critical = critical
+        self._lrtf = LRTFPolicy(affinity)
+        self._seen_devices = 0
+        self._admitted: dict[str, _Admitted] = {}
+
+    # --- state -------------------------------------------------------------------------
+
+    @property
+    def admitted(self) -> list[str]:
+        """The admitted trials, in admission order (a copy)."""
+        return list(self._admitted)
+
+    @property
+    def capacity(self) -> int:
+        """How many trials stay admitted at most: slots per device x devices."""
+        return self.slots_per_device * max(1, self.devices or self._seen_devices)
+
+    def forget(self, task: str) -> None:
+        self._admitted.pop(task, None)
+
+    @staticmethod
+    def _reached(seen: _Admitted, c: Candidate) -> bool:
+        """Whether ``c`` shows its trial past the milestone it was admitted for."""
+        m = c.milestone_s
+        return m is None or (c.op.iteration > seen.iteration and m >= seen.milestone_s)
+
+    def _refresh(self, candidates: Sequence[Candidate]) -> None:
+        admitted = self._admitted
+        for c in candidates:
+            seen = admitted.get(c.op.task)
+            if seen is None:
+                continue
+            if self._reached(seen, c):
+                del admitted[c.op.task]
+            else:
+                seen.iteration = c.op.iteration
+                seen.milestone_s = c.milestone_s  # type: ignore[assignment]  # not None
+
+    # --- decisions ---------------------------------------------------------------------
+
+    def select(self, device: int, candidates: Sequence[Candidate]) -> Candidate | None:
+        if device >= self._seen_devices:
+            self._seen_devices = device + 1
+        if not self._admitted and all(c.milestone_s is None for c in candidates):
+            return self._lrtf.select(device, candidates)  # no search: plain LRTF
+        self._refresh(candidates)
+        return self.choose(device, [c for c in candidates if c.fits] if candidates else [])
+
+    def choose(self, device: int, candidates: Sequence[Candidate]) -> Candidate | None:
+        if not candidates:
+            return None
+        admitted = self._admitted
+        committed = [c for c in candidates if c.milestone_s is None]
+        if committed:
+            urgent = self._urgent(committed, candidates)
+            if urgent is not None:
+                return urgent
+        mine = [c for c in candidates if c.op.task in admitted]
+        if mine:
+            return min(mine, key=_admitted_key)
+        bound = [c for c in candidates if c.milestone_s is not None]
+        if not bound:
+            return self._lrtf.choose(device, committed)
+        pick = min(bound, key=_admission_key)
+        if len(admitted) < self.capacity:
+            admitted[pick.op.task] = _Admitted(pick.op.iteration, pick.milestone_s or 0.0)
+        return pick
+
+    def _urgent(
+        self, committed: Sequence[Candidate], candidates: Sequence[Candidate]
+    ) -> Candidate | None:
+        """The longest committed trial if it is on the critical path, else ``None``."""
+        if self.critical == float("inf") or len(candidates) < 2:
+            return None
+        longest = max(committed, key=lambda c: (c.remaining_s, -c.order))
+        work = sum(c.remaining_s if c.milestone_s is None else c.milestone_s for c in candidates)
+        devices = max(1, self.devices or self._seen_devices)
+        if longest.remaining_s >= self.critical * work / devices:
+            return self._lrtf.choose(0, committed)
+        return None
+
+    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        if not self._admitted and all(c.milestone_s is None for c in candidates):
+            return self._lrtf.rank(candidates)
+        admitted, bound, committed = [], [], []
+        for c in candidates:
+            seen = self._admitted.get(c.op.task)
+            if seen is not None and not self._reached(seen, c):
+                admitted.append(c)
+            elif c.milestone_s is not None:
+                bound.append(c)
+            else:
+                committed.append(c)
+        admitted.sort(key=_admitted_key)
+        bound.sort(key=_admission_key)
+        return admitted + bound + self._lrtf.rank(committed)
+
+    def __repr__(self) -> str:
+        return (
+            f"MilestonePolicy(slots_per_device={self.slots_per_device}, devices={self.devices}, "
+            f"affinity={self._lrtf.affinity}, critical={self.critical})"
+        )
+
+
+def _admitted_key(c: Candidate) -> tuple[bool, bool, float, int]:
+    return (not c.resident, not c.in_host, c.milestone_s or 0.0, c.order)
+
+
+def _admission_key(c: Candidate) -> tuple[int, float, bool, bool, int]:
+    return (c.op.iteration, c.milestone_s or 0.0, not c.resident, not c.in_host, c.order)
