@@ -390,3 +390,19 @@ def test_parse_bytes_is_torch_free_and_the_engine_s() -> None:
     )
     assert EngineOptions(host_memory="2KB", spill_dir="/x").host_bytes == 2000
     assert dataclasses.replace(EngineOptions(), device_memory=7).device_bytes == 7
+
+
+@pytest.mark.parametrize("name", ["auto", "lrtf", "fifo", "round_robin", "milestone"])
+def test_every_policy_name_and_auto_are_accepted_as_given(
+    name: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level("INFO", logger="tune_hydra"):
+        assert EngineOptions(devices="cpu", policy=name).policy == name
+    assert not caplog.records, "checking 'auto' does not resolve it (resolving logs the choice)"
+
+
+@pytest.mark.parametrize("bad", ["AUTO", "auto ", "milestones", 0])
+def test_bad_policy_names_list_auto(bad: object) -> None:
+    with pytest.raises(UnknownPolicyError) as info:
+        EngineOptions(devices="cpu", policy=bad)  # type: ignore[arg-type]
+    assert "'auto'" in str(info.value) and "milestone" in str(info.value)

@@ -288,14 +288,18 @@ def check_devices(devices: Any) -> None:
 
 
 def check_policy(policy: Any) -> Any:
-    """``policy``: a name (``"lrtf"``, ``"fifo"``, ``"round_robin"``) or a ``BasePolicy``
-    instance, returned as given (each engine makes its own instance from a name).
+    """``policy``: ``"auto"``, a name (``"lrtf"``, ``"fifo"``, ``"round_robin"``,
+    ``"milestone"``) or a ``BasePolicy`` instance, returned as given (each engine makes
+    its own instance from a name; ``"auto"`` is resolved by the front end that knows
+    the run, see :func:`tune_hydra.core.policies.resolve_policy`).
 
     Raises:
         UnknownPolicyError: anything else (the message lists the names).
     """
-    from tune_hydra.core.policies import BasePolicy, get_policy
+    from tune_hydra.core.policies import AUTO, BasePolicy, get_policy
 
+    if isinstance(policy, str) and policy == AUTO:
+        return policy  # checked without resolving: resolving logs the choice
     if not isinstance(policy, BasePolicy):
         get_policy(policy)  # the one message of an unknown policy
     return policy
