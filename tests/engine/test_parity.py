@@ -291,3 +291,14 @@ def test_a_layer_that_writes_its_input_only_sometimes_is_refused() -> None:
     err = info.value.errors["a"]
     assert isinstance(err, th.exceptions.InvalidModelError)
     assert "in place" in str(err) and "inplace=False" in str(err)
+
+
+def test_a_model_given_in_eval_mode_trains_in_train_mode(budget_3_shards: int) -> None:
+    """Plain training calls ``model.train()`` first: a model registered in eval mode (as
+    ``from_pretrained`` returns it) trains with its dropout on, as it would there."""
+    task = make_task(mlp().eval(), "adam")
+    ref = plain_copy(task)
+    h = th.train_models({"a": task}, devices=["cpu"], device_memory=budget_3_shards, seed=3)
+    assert_same_history(h["a"], th.train_plain(ref, 1, seed=3))
+    assert_same_model(task.model, ref.model)
+    assert task.model.training

@@ -295,6 +295,9 @@ class Engine:
         layers = model_layers(task.model, name)  # type: ignore[arg-type]
         _check_trainable(name, task.model)  # type: ignore[arg-type]
         task.model.to("cpu")  # type: ignore[union-attr]
+        # Plain training's model.train(): a model given in eval mode (from_pretrained
+        # returns it so) trains, and is probed, with its dropout on.
+        task.model.train()  # type: ignore[union-attr]
         dtype = torch.bfloat16 if options.precision == "bf16" else None
         # Peeking at the data and probing the layers must not draw from any task's stream:
         # fork the global generators, and hold the lock other tasks' ops install theirs under.
