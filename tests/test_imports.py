@@ -170,15 +170,20 @@ def test_core_imports_neither_torch_nor_ray() -> None:
     )
 
 
-BLOCK_RAY = (
-    "import sys\n"
-    "class BlockRay:\n"
-    "    def find_spec(self, name, path=None, target=None):\n"
-    "        if name == 'ray' or name.startswith('ray.'):\n"
-    "            raise ImportError(f'ray is blocked in this test ({name})')\n"
-    "        return None\n"
-    "sys.meta_path.insert(0, BlockRay())\n"
-)
+def blocking(package: str) -> str:
+    """Code that makes importing ``package`` (or a submodule) fail from then on."""
+    return (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        f"        if name == {package!r} or name.startswith({package + '.'!r}):\n"
+        f"            raise ImportError(f'{package} is blocked in this test ({{name}})')\n"
+        "        return None\n"
+        "sys.meta_path.insert(0, Block())\n"
+    )
+
+
+BLOCK_RAY = blocking("ray")
 
 
 def test_engine_works_without_ray() -> None:
@@ -204,4 +209,18 @@ def test_without_ray_or_torch(module: str) -> None:
         f"import sys, {module}\n"
         "bad = sorted(m for m in ('torch', 'ray') if m in sys.modules)\n"
         f"assert not bad, f'importing {module} loaded {{bad}}'\n"
+    )
+
+
+def test_peft_is_optional_and_never_imported() -> None:
+    """peft is the ``lora`` extra: importing the package (its model adapters included)
+    never loads it, and models are told apart without it."""
+    _run(
+        blocking("peft")
+        + "import tune_hydra, tune_hydra.engine, tune_hydra.models, tune_hydra.models.peft\n"
+        "from torch import nn\n"
+        "from tune_hydra.engine.task import model_layers\n"
+        "assert not tune_hydra.models.is_peft_model(nn.Linear(2, 2))\n"
+        "assert len(model_layers(nn.Sequential(nn.Linear(2, 2), nn.ReLU()))) == 2\n"
+        "assert 'peft' not in sys.modules\n"
     )

@@ -148,6 +148,8 @@ def model_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, n
     its children, nested ``nn.Sequential`` flattened, named by their state-dict prefix);
     a Hugging Face ``PreTrainedModel`` at its list of blocks
     (:func:`~tune_hydra.models.hf_layers`: ``embed``, one stage per block, ``head``);
+    a peft ``PeftModel`` (LoRA ...) as its base model is, adapters inside their layers
+    (:func:`~tune_hydra.models.peft.peft_layers`);
     any other module by tracing its ``forward`` with torch.fx
     (:func:`~tune_hydra.models.trace_layers`: one stage per submodule call, named after
     that submodule, with the values live across the cut carried by the boundary).
@@ -160,10 +162,19 @@ def model_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, n
         InvalidModelError: not an ``nn.Module``, no layers, or a ``forward`` that cannot
             be traced (the message names the construct and the fix).
     """
-    from tune_hydra.models import hf_layers, is_hf_model, sequential_layers, trace_layers
+    from tune_hydra.models import (
+        hf_layers,
+        is_hf_model,
+        is_peft_model,
+        peft_layers,
+        sequential_layers,
+        trace_layers,
+    )
 
     if isinstance(model, nn.Sequential):
         return sequential_layers(model, task)
+    if is_peft_model(model):  # cut at its base model's layers (see tune_hydra.models.peft)
+        return peft_layers(model, task)
     if is_hf_model(model):  # cut at its blocks, not traced (see tune_hydra.models.hf)
         return hf_layers(model, task)
     if not isinstance(model, nn.Module):

@@ -41,21 +41,31 @@ FINAL_NORMS = ("ln_f", "norm", "final_layernorm", "final_layer_norm", "final_nor
 
 
 def is_hf_model(model: Any) -> bool:
-    """Whether ``model`` is a transformers ``PreTrainedModel`` (without importing
-    transformers: a model of another library never loads it)."""
-    return any(
-        c.__name__ == "PreTrainedModel" and c.__module__.startswith("transformers")
-        for c in type(model).__mro__
-    )
+    """Whether ``model`` is a transformers ``PreTrainedModel``, or a peft ``PeftModel``
+    around one (either takes a batch's dict as keyword arguments). Neither library is
+    imported: a model of another library never loads them."""
+    if _is_a(model, "PeftModel", "peft"):
+        model = model.get_base_model()
+    return _is_a(model, "PreTrainedModel", "transformers")
 
 
-def hf_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, nn.Module]]:
+def _is_a(obj: Any, name: str, package: str) -> bool:
+    return any(c.__name__ == name and c.__module__.startswith(package) for c in type(obj).__mro__)
+
+
+def hf_layers(
+    model: nn.Module, task: str | None = None, *, wrapper: nn.Module | None = None
+) -> list[tuple[str, nn.Module]]:
     """Cut a transformers model into ``embed``, one stage per block, and ``head``.
 
     Args:
         model: a ``PreTrainedModel`` with a head (``GPT2LMHeadModel``,
             ``GPT2ForSequenceClassification``, ``LlamaForCausalLM``, Mistral, Qwen2 ...).
         task: the task's name, for errors.
+        wrapper: a module holding ``model`` whose ``forward`` runs it (a peft
+            ``PeftModel``, see :mod:`tune_hydra.models.peft`): the ``embed`` and ``head``
+            stages run the wrapper's ``forward``, so whatever it adds around the model's
+            is kept, and the blocks are named by their qualified names in the wrapper.
 
     Returns:
         ``(name, stage)`` in execution order: ``"embed"``, the blocks by their qualified
@@ -106,20 +116,45 @@ def hf_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, nn.M
     if len(path) > 1:  # a base nested deeper than one level: its wrappers are not handled
         why = f"its blocks' base model {base_name!r} is not a child of the model"
         raise _unknown(of, name, why)
-    stages: list[tuple[str, nn.Module]] = [("embed", EmbedStage(model, base, blocks, norm, embeds))]
-    stages += [(f"{blocks_name}.{i}", BlockStage(b)) for i, b in enumerate(blocks)]
-    stages.append(("head", HeadStage(model, base, norm, heads)))
+    runs, shells, prefix = model, [model, base], ""
+    if wrapper is not None:
+        inner = _qualified_name(wrapper, model, of)
+        prefix = f"{inner}." if inner else ""
+        # The modules from the wrapper down to the model: their forwards run, and read
+        # their own training flags.
+        path = inner.split(".") if inner else []
+        chain = [wrapper, *(wrapper.get_submodule(".".join(path[:i])) for i in range(1, len(path)))]
+        runs, shells = wrapper, [*chain, model, base]
+    embed = EmbedStage(runs, shells, blocks, norm, embeds)
+    stages: list[tuple[str, nn.Module]] = [("embed", embed)]
+    stages += [(f"{prefix}{blocks_name}.{i}", BlockStage(b)) for i, b in enumerate(blocks)]
+    stages.append(("head", HeadStage(runs, shells, norm, heads)))
     return stages
+
+
+def _qualified_name(wrapper: nn.Module, model: nn.Module, of: str) -> str:
+    for n, m in wrapper.named_modules():
+        if m is model:
+            return n
+    raise InvalidModelError(
+        f"{of}{type(model).__name__} is not a submodule of its wrapper {type(wrapper).__name__}"
+    )
 
 
 class _Stage(nn.Module):
     """A stage that runs parts of the whole model's ``forward``: the model and its base
     are referenced, not registered (their parameters belong to the stages that use
-    them), and follow the stage's train/eval mode."""
+    them), and follow the stage's train/eval mode.
 
-    def __init__(self, model: nn.Module, base: nn.Module) -> None:
+    Args:
+        model: the module whose ``forward`` the stage runs (the model, or its wrapper).
+        shells: the modules whose ``forward`` runs around the blocks, down to the base
+            model (the last one): they follow the stage's mode.
+    """
+
+    def __init__(self, model: nn.Module, shells: list[nn.Module]) -> None:
         super().__init__()
-        self.__dict__["_refs"] = (model, base)  # not registered as submodules
+        self.__dict__["_refs"] = (model, shells)  # not registered as submodules
 
     @property
     def _model(self) -> nn.Module:
@@ -127,13 +162,13 @@ class _Stage(nn.Module):
 
     @property
     def _base(self) -> nn.Module:
-        return self.__dict__["_refs"][1]
+        return self.__dict__["_refs"][1][-1]
 
     def train(self, mode: bool = True) -> _Stage:
         super().train(mode)
         # The flags only (forwards read them); their submodules follow their own stages.
-        self._model.training = mode
-        self._base.training = mode
+        for shell in self.__dict__["_refs"][1]:
+            shell.training = mode
         return self
 
 
@@ -143,12 +178,12 @@ class EmbedStage(_Stage):
     def __init__(
         self,
         model: nn.Module,
-        base: nn.Module,
+        shells: list[nn.Module],
         blocks: nn.ModuleList,
         norm: nn.Module,
         embeds: Mapping[str, nn.Module],
     ) -> None:
-        super().__init__(model, base)
+        super().__init__(model, shells)
         self.embeds = nn.ModuleDict(dict(embeds))
         self.__dict__["_around"] = (list(blocks), norm)  # their own stages hold them
 
@@ -229,11 +264,11 @@ class HeadStage(_Stage):
     def __init__(
         self,
         model: nn.Module,
-        base: nn.Module,
+        shells: list[nn.Module],
         norm: nn.Module,
         heads: Mapping[str, nn.Module],
     ) -> None:
-        super().__init__(model, base)
+        super().__init__(model, shells)
         self.norm = norm
         self.heads = nn.ModuleDict(dict(heads))
 
