@@ -255,7 +255,7 @@ def _engine_ops(
     """Train ``task`` alone; its program, the ops its runner produced and the trace's."""
     with th.Engine(devices=["cpu"], max_layers_per_shard=2) as engine:
         engine.add_task("a", task, seed=0, **options)
-        runner = engine._tasks["a"].runner
+        runner = engine.runner("a")
         produced: list[Op] = []
         advance = runner.advance
 

@@ -48,7 +48,7 @@ def test_a_task_parked_after_every_op_trains_exactly_like_plain_pytorch() -> Non
     th.train_plain(ref, 2, seed=0)
     with th.Engine(devices="cpu", max_layers_per_shard=1) as engine:
         engine.add_task("a", task, seed=0)
-        runner = engine._tasks["a"].runner
+        runner = engine.runner("a")
     runner.granted = 2
     parked = 0
     op = runner.advance()
@@ -72,7 +72,7 @@ def test_a_running_task_is_not_parked() -> None:
     task = _task()
     with th.Engine(devices="cpu", max_layers_per_shard=1) as engine:
         engine.add_task("a", task, seed=0)
-        runner = engine._tasks["a"].runner
+        runner = engine.runner("a")
     runner.granted = 1
     runner.execute(runner.advance(), CPU)  # type: ignore[arg-type]
     op = runner.advance()
@@ -107,7 +107,7 @@ def test_a_late_park_leaves_the_next_ops_boundary_tensors_alone() -> None:
     task = _task()
     with th.Engine(devices="cpu", max_layers_per_shard=1) as engine:
         engine.add_task("a", task, seed=0)
-        runner = engine._tasks["a"].runner
+        runner = engine.runner("a")
     runner.granted = 1
     runner.execute(runner.advance(), CPU)  # type: ignore[arg-type]
     stale = runner.carry_parker()  # the carry of the first op, as a worker reads it

@@ -485,7 +485,7 @@ def test_a_spill_folder_made_unwritable_fails_only_the_task_that_must_write(
         first = {name: eng.train(name, 1).result(timeout=120) for name in tasks}
         for name in tasks:  # every state written with its final layout: no new file needed
             eng.get_state(name)
-            for store in eng._tasks[name].runner.stores:
+            for store in eng.runner(name).stores:
                 store.try_spill()
         with _unwritable(folder):
             with pytest.raises(OSError):

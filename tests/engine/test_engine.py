@@ -155,7 +155,7 @@ def test_a_task_removed_mid_run_leaves_the_device_within_budget() -> None:
         eng.add_task("stop", stop, seed=0)
         eng.add_task("other", other, seed=0)
         plans = {n: eng.plan(n) for n in ("stop", "other")}
-        stores = [s.store for s in eng._tasks["stop"].runner.shards]
+        stores = [s.store for s in eng.runner("stop").shards]
         eng.train("stop", 1).result(timeout=120)  # its shards have been on the device
         doomed = eng.train("stop", 5)
         keep = eng.train("other", 2)
@@ -203,8 +203,8 @@ def test_a_task_leaving_mid_batch_releases_its_kept_graphs(how: str) -> None:
             fut.result(timeout=120)
         assert eng.workers[0].reserved == {}
         if how != "remove":
-            assert eng._tasks["stop"].kept_on is None
-            assert eng._tasks["stop"].runner._outputs == {}
+            assert eng.kept_on("stop") is None
+            assert eng.runner("stop").stage.outputs == {}
         trace = eng.trace
     assert doomed.cancelled() or doomed.exception() is not None
     acts = {(n, s.index): s.activation_bytes for n, p in plans.items() for s in p.shards}
@@ -231,7 +231,7 @@ def _keeping_engine(**kw: Any) -> Engine:
 
 def _until_in_batch(eng: Engine, name: str) -> None:
     deadline = time.monotonic() + 60
-    while eng._tasks[name].kept_on is None and time.monotonic() < deadline:
+    while eng.kept_on(name) is None and time.monotonic() < deadline:
         time.sleep(0.001)
 
 

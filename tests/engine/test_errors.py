@@ -345,7 +345,7 @@ def test_a_bad_seed() -> None:
         import numpy as np
 
         engine.add_task("c", _task(), seed=np.int64(3))  # type: ignore[arg-type]
-        assert engine._tasks["c"].options.seed == 3
+        assert engine.task_options("c").seed == 3
 
 
 def test_max_grad_norm_given_as_a_string() -> None:

@@ -163,7 +163,7 @@ def test_the_schedule_really_changes_the_learning_rate() -> None:
     with Engine(**DEVICES) as eng:
         eng.add_task("a", t, **OPTIONS)
         eng.train("a", 1).result(timeout=120)
-        runner = eng._tasks["a"].runner
+        runner = eng.runner("a")
         lrs = {s.optimizer.param_groups[0]["lr"] for s in runner.shards if s.optimizer}
         steps = {s.scheduler.last_epoch for s in runner.shards if s.scheduler is not None}
     # 5 batches in groups of 2: 3 steps, StepLR(step_size=2, gamma=0.5) halves once

@@ -118,7 +118,7 @@ def test_shared_storage_is_refused_while_the_owner_is_on_a_device() -> None:
     with Engine(devices=["cpu"], copy_on_cpu=True, device_memory=24_000) as engine:
         assert engine.add_task("a", task, seed=0) >= 3
         engine.train("a", 1).result(timeout=120)
-        runner = engine._tasks["a"].runner
+        runner = engine.runner("a")
         promoted = [s for s in runner.shards if s.store.copied and s.params]
         assert promoted, "no shard stayed on its device after training"
         names = {id(p): n for n, p in task.model.named_parameters()}

@@ -191,7 +191,7 @@ def test_parameter_free_shards() -> None:
     ref = plain_copy(task)
     with th.Engine(devices="cpu", max_layers_per_shard=1, copy_on_cpu=True) as engine:
         engine.add_task("a", task, seed=5)
-        runner = engine._tasks["a"].runner
+        runner = engine.runner("a")
         assert any(s.optimizer is None for s in runner.shards)
         first = engine.train("a", 1).result(timeout=120)
         state = engine.get_state("a")
@@ -230,7 +230,7 @@ def test_layers_that_write_their_input_in_place(recompute: bool, cut: int | None
         devices="cpu", max_layers_per_shard=cut, recompute=recompute, copy_on_cpu=True
     ) as engine:
         engine.add_task("a", task, seed=2)
-        runner = engine._tasks["a"].runner
+        runner = engine.runner("a")
         got = engine.train("a", 2).result(timeout=120)
     want = th.train_plain(ref, 2, seed=2)
     assert_same_history(got, want)

@@ -158,7 +158,7 @@ def test_next_shard_predicts_the_ops_that_follow() -> None:
     task.eval_data = task.train_data[:2]
     with th.Engine(devices="cpu", device_memory="4MiB") as engine:
         engine.add_task("a", task, seed=0)
-        runner = engine._tasks["a"].runner
+        runner = engine.runner("a")
     cpu = torch.device("cpu")
     runner.granted = 2
     ops = []

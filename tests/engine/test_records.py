@@ -9,16 +9,20 @@ from torch import nn
 
 import tune_hydra as th
 from tune_hydra.engine import Engine
+from tune_hydra.engine.records import TaskRecord, batches_per_iter
 
 
-def _record(granted: int = 2):  # type: ignore[no-untyped-def]
+def _record(granted: int = 2) -> TaskRecord:
+    """A record of a 4-shard task on 5 batches (its runner built by the engine)."""
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
     data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(5)]
     task = th.ModelTask(model, nn.MSELoss(), lambda p: torch.optim.SGD(p, lr=0.1), data)
     with Engine(devices="cpu", max_layers_per_shard=1) as engine:
         engine.add_task("a", task, seed=0)
-        rec = engine._tasks["a"]
-    rec.runner.granted = granted
+        runner, options, plan = engine.runner("a"), engine.task_options("a"), engine.plan("a")
+    rec = TaskRecord("a", task, plan, options, 0, runner)
+    rec.batches_per_iter = batches_per_iter(task, options)
+    runner.grant(granted)
     return rec
 
 
@@ -38,3 +42,14 @@ def test_running_sum_equals_the_explicit_estimate() -> None:
     assert math.isclose(rec.remaining_s(), per_batch * 2 * 5)
     rec.hint = 3  # the front end announced 3 more iterations
     assert math.isclose(rec.remaining_s(), per_batch * 5 * 5)
+
+
+def test_milestone_s_counts_the_iterations_to_the_milestone_as_remaining_s_does() -> None:
+    rec = _record(granted=4)
+    assert rec.milestone_s(0.5) is None  # none set
+    rec.milestone_at = 2  # the runner has finished 0 iterations: 2 to go
+    per_batch = (2 * 4 - 1) * 0.5
+    assert rec.milestone_s(0.5) == per_batch * 2 * 5
+    assert rec.remaining_s(0.5) == per_batch * 4 * 5
+    rec.milestone_at = 0  # reached (or passed): no milestone ahead
+    assert rec.milestone_s(0.5) is None

@@ -165,7 +165,7 @@ def test_a_state_taken_right_after_a_restore_is_the_restored_one() -> None:
 def _legacy(eng: Engine, name: str) -> dict[str, Any]:
     """The per-shard layout older tune_hydra versions wrote, from a live engine."""
     eng.get_state(name)  # offloads every shard
-    runner = eng._tasks[name].runner
+    runner = eng.runner(name)
     state = eng.get_state(name)
     del state["optimizer"], state["param_grads"]
     state["optimizers"] = [

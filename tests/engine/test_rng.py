@@ -60,7 +60,7 @@ def test_shards_learn_whether_they_draw() -> None:
     with Engine(["cpu"], 24_000) as eng:
         eng.add_task("a", make_task(mlp()), seed=0)
         eng.train("a").result(timeout=60)
-        shards = eng._tasks["a"].runner.shards
+        shards = eng.runner("a").shards
         has_dropout = [
             any(isinstance(m, torch.nn.Dropout) for m in s.module.modules()) for s in shards
         ]
