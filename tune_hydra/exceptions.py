@@ -158,6 +158,12 @@ class TaskFactoryTimeoutError(TaskFactoryError, TimeoutError):
         return (type(self), (self.what, self.timeout_s))
 
 
+_BUILD_INSIDE = (
+    "a module-level MODEL = Net() is shared by every trial in the engine's process, so "
+    "build the model inside make_task(config)"
+)
+
+
 class SharedModelError(InvalidTaskError):
     """A task's model shares parameters or buffers with another task the same engine is
     training (two tasks would then train one set of weights and corrupt each other).
@@ -180,10 +186,9 @@ class SharedModelError(InvalidTaskError):
         super().__init__(
             f"task {task!r}: its model shares {len(self.tensors)} tensor(s) with task "
             f"{owner!r}, which this engine is training: {shown}{more}. Two tasks training "
-            f"the same tensors corrupt each other. Build a new model for every task: a "
-            f"module-level MODEL = Net() is shared by every trial in the engine's process, "
-            f"so build the model inside make_task(config) (or copy.deepcopy a template per "
-            f"task); or remove task {owner!r} before reusing its model."
+            f"the same tensors corrupt each other. Build a new model for every task: "
+            f"{_BUILD_INSIDE} (or copy.deepcopy a template per task); or remove task "
+            f"{owner!r} before reusing its model."
         )
 
     def __reduce__(self) -> tuple[Any, ...]:
@@ -211,8 +216,7 @@ class ReusedModelError(SharedModelError):
             self,
             f"task {task!r}: the task factory returned modules that trial {owner!r} already "
             f"trained ({names}): it would start from that trial's weights, not from a fresh "
-            f"model. A module-level MODEL = Net() is shared by every trial in the engine's "
-            f"process; build the model inside make_task(config).",
+            f"model. {_BUILD_INSIDE[0].upper()}{_BUILD_INSIDE[1:]}.",
         )
 
 
@@ -415,17 +419,17 @@ class CheckpointError(TuneHydraError, ValueError):
         fix: what to do about it.
     """
 
+    RESTORE_FIX = "Restore the trial from an earlier checkpoint (or start it afresh)"
+    """The fix of a checkpoint that cannot be trusted (the default ``fix``)."""
+
     def __init__(
-        self,
-        checkpoint: str,
-        file: str | None,
-        problem: str,
-        fix: str = "Restore the trial from an earlier checkpoint (or start it afresh)",
+        self, checkpoint: str, file: str | None, problem: str, fix: str | None = None
     ) -> None:
         self.checkpoint = checkpoint
         self.file = file
         self.problem = problem
-        self.fix = fix
+        self.fix = self.RESTORE_FIX if fix is None else fix
+        fix = self.fix
         what = file if file is not None else "the directory"
         super().__init__(f"checkpoint {checkpoint}: {what} {problem}. {fix}.")
 
@@ -438,6 +442,12 @@ class ForeignCheckpointFileError(CheckpointError):
     only ``model.pt``, ``hydra_state.pt`` and ``hydra_meta.json``), such as Ray's
     ``_dict_checkpoint.pkl``, which Ray's ``Trainable.restore`` would unpickle (running
     any code planted in it). Refused before Ray or tune_hydra reads anything there."""
+
+
+class EngineError(TuneHydraError, RuntimeError):
+    """An error raised in an engine's process whose original type could not cross the
+    process boundary (it does not pickle); the message names the original type and holds
+    the traceback of its cause."""
 
 
 class UnknownMetricError(TuneHydraError, ValueError):

@@ -68,10 +68,9 @@ _ADDRESS_RE = re.compile(r" at 0x[0-9a-fA-F]+")
 _ANSI_RE = re.compile(r"\x1b\[[0-9;]*m")
 _UNPICKLER_RE = re.compile(r"WeightsUnpickler error:\s*(.+?)(?:\.\s|\n|$)", re.S)
 _LEGACY_CONFIG_KEY = "_tune_config"  # format 1 kept the whole Tune config in STATE_FILE
-_RESTORE_FIX = (
-    "Restore the trial from an earlier checkpoint (or start it afresh); never copy files "
-    "between checkpoint folders"
-)
+_RESTORE_FIX = f"{CheckpointError.RESTORE_FIX}; never copy files between checkpoint folders"
+_DAMAGED = "the checkpoint is damaged or was tampered with"
+_TAMPERED = f"no save writes that, so {_DAMAGED}"
 
 
 # ------------------------------------------------------------------------------ helpers
@@ -404,8 +403,8 @@ def _check_manifest_fields(root: Path, manifest: Mapping[str, Any]) -> None:
     def refuse(field: str, what: str) -> CheckpointError:
         return CheckpointError(
             str(root), META_FILE,
-            f"holds {field} {_short(manifest.get(field))}, not {what}: no save writes "
-            f"that, so the checkpoint is damaged or was tampered with", _RESTORE_FIX,
+            f"holds {field} {_short(manifest.get(field))}, not {what}: {_TAMPERED}",
+            _RESTORE_FIX,
         )  # fmt: skip
 
     for field in ("iteration", "epoch", "num_shards"):
@@ -453,16 +452,15 @@ def _manifest(root: Path) -> dict[str, Any]:
         if size > _MAX_MANIFEST_BYTES:
             raise CheckpointError(
                 str(root), META_FILE,
-                f"has {size} bytes, far more than any manifest tune_hydra writes: the "
-                f"checkpoint is damaged or was tampered with", _RESTORE_FIX,
+                f"has {size} bytes, far more than any manifest tune_hydra writes: {_DAMAGED}",
+                _RESTORE_FIX,
             )  # fmt: skip
         text = meta.read_text(encoding="utf-8")
         if _nesting_depth(text, _MAX_MANIFEST_DEPTH) > _MAX_MANIFEST_DEPTH:
             raise CheckpointError(
                 str(root), META_FILE,
                 f"nests arrays or objects more than {_MAX_MANIFEST_DEPTH} deep, which no "
-                f"manifest tune_hydra writes does: the checkpoint is damaged or was tampered "
-                f"with", _RESTORE_FIX,
+                f"manifest tune_hydra writes does: {_DAMAGED}", _RESTORE_FIX,
             )  # fmt: skip
         manifest = json.loads(text)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as err:
@@ -634,8 +632,8 @@ def read_checkpoint(
         field, what = problem
         raise CheckpointError(
             str(root), STATE_FILE if field != "model" else MODEL_FILE,
-            f"holds the entry {field!r}, which {what}: no save writes that, so the checkpoint is "
-            f"damaged or was tampered with. Nothing of it was loaded into the trial",
+            f"holds the entry {field!r}, which {what}: {_TAMPERED}. Nothing of it was loaded "
+            f"into the trial",
             _RESTORE_FIX,
         )  # fmt: skip
     for key in ("iteration", "epoch", "num_shards"):
@@ -648,3 +646,218 @@ def read_checkpoint(
                 _RESTORE_FIX,
             )  # fmt: skip
     return model_state, state, manifest
+
+
+# -------------------------------------------------------------------- a trial's checkpoint
+# What a front end saves and restores: a trial of an engine (``engine.get_state`` /
+# ``set_state``) into and out of the files above. The engine's state dict is the engine's
+# (``tune_hydra.engine.resume``); which of its entries go where, and what a restore under
+# another config or another cut needs, is decided here alone.
+_LEGACY_OPTIMIZERS = "optimizers"  # the engine's older per-shard optimizer layout
+
+
+def save_trial(
+    engine: Any,
+    name: str,
+    path: str | os.PathLike[str],
+    *,
+    trial_id: str,
+    config: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Write the checkpoint of the engine's task ``name`` into ``path`` (atomic files,
+    manifest last; see :func:`write_checkpoint`). The manifest records a digest of the
+    trial's config, not the config itself.
+
+    Args:
+        engine: the engine training the trial (``get_state``, and ``plan`` when it has one).
+        name: the trial's task name in the engine.
+        path: the checkpoint directory.
+        trial_id: the trial's id, for the manifest.
+        config: the trial's config (only its digest is stored).
+
+    Returns:
+        The manifest that was written.
+
+    Raises:
+        CheckpointError: a file could not be written.
+    """
+    state = dict(engine.get_state(name))
+    model = state.pop("model")
+    return write_checkpoint(
+        path, model, state, trial_id=trial_id, config=config, shards=_plan(engine, name)
+    )
+
+
+def restore_trial(
+    engine: Any,
+    name: str,
+    path: str | os.PathLike[str],
+    *,
+    trial_id: str,
+    config: Mapping[str, Any],
+) -> None:
+    """Verify the checkpoint in ``path`` and restore the engine's task ``name`` from it.
+
+    Written under another config (a PBT exploit), the optimizers keep the new config's
+    hyperparameters (:func:`merge_hyperparameters`). Made with the model cut another way
+    (another ``device_memory`` or device count), it restores exactly: the engine keeps
+    optimizer state per parameter and rebuilds each shard's from it. Only a checkpoint of
+    the engine's older per-shard layout needs the cut it was made with.
+
+    Raises:
+        CheckpointError: the checkpoint fails verification, is of the older layout under
+            another cut, or does not fit the trial's task; nothing of it was loaded.
+    """
+    model, state, manifest = read_checkpoint(path)  # CheckpointError: nothing loaded
+    saved_plan, plan = manifest.get("shards"), _plan(engine, name)
+    legacy = _LEGACY_OPTIMIZERS in state  # one optimizer state_dict per shard
+    if saved_plan is not None and plan is not None and saved_plan != plan:
+        diff = _plan_diff(saved_plan, plan)
+        if legacy:
+            raise CheckpointError(
+                str(path), STATE_FILE,
+                f"keeps optimizer state per shard (an older tune_hydra wrote it), and trial "
+                f"{trial_id}'s model is now cut another way ({diff})",
+                "Restore it once with the device_memory of the run that wrote it and save "
+                "a new checkpoint: those restore under any device_memory",
+            )  # fmt: skip
+        logger.info("tune_hydra: trial %s: re-sharding checkpoint %s (%s)", trial_id, path, diff)
+    state["model"] = model
+    saved_digest = manifest.get("config_digest")
+    key = _LEGACY_OPTIMIZERS if legacy else "optimizer"
+    if saved_digest is not None and saved_digest != config_digest(config) and key in state:
+        fresh = engine.get_state(name)
+        state[key] = merge_hyperparameters(state[key], fresh.get("optimizer"))
+    from tune_hydra.exceptions import ResumeStateError
+
+    try:
+        engine.set_state(name, state)  # checks the state against the task first
+    except ResumeStateError as err:
+        raise CheckpointError(
+            str(path), STATE_FILE, f"does not fit trial {trial_id}'s task: {err.detail}",
+            "Nothing of the checkpoint was loaded into the trial",
+        ) from None  # fmt: skip
+
+
+def _plan(engine: Any, name: str) -> list[list[str]] | None:
+    plan_of = getattr(engine, "plan", None)  # test engines may not have one
+    return plan_layers(plan_of(name)) if callable(plan_of) else None
+
+
+def _plan_diff(saved: list[list[str]], now: list[list[str]]) -> str:
+    """Where two shard plans first differ, in words."""
+    i = next(
+        (i for i, (a, b) in enumerate(zip(saved, now, strict=False)) if a != b),
+        min(len(saved), len(now)),
+    )
+    return (
+        f"{len(saved)} shard(s) in the checkpoint, {len(now)} now; first difference at shard "
+        f"{i}: {saved[i] if i < len(saved) else 'none'} in the checkpoint, "
+        f"{now[i] if i < len(now) else 'none'} now"
+    )
+
+
+def merge_hyperparameters(loaded: Any, fresh: Any) -> Any:
+    """Optimizer state from a checkpoint, with the hyperparameters (``lr``, betas, ...)
+    of freshly built optimizers.
+
+    PBT restores a checkpoint into a trial with a *mutated* config: the moments must come
+    from the checkpoint but the learning rate from the new config, as in a hand-written
+    PBT loop that sets ``lr`` after loading.
+
+    ``loaded`` and ``fresh`` are the engine state's ``"optimizer"``: per-parameter state
+    and groups of parameter names (``tune_hydra.engine.resume``); the result keeps
+    ``loaded``'s per-parameter state with ``fresh``'s groups, so each parameter gets the
+    hyperparameters the new config gives it, however either was cut into shards. A
+    checkpoint of the older layout (one ``state_dict`` per shard, which restores under
+    the same cut only) is merged group by group with ``fresh``'s groups, listed in the
+    same order. Structures that do not match are left alone.
+
+    Example:
+        >>> loaded = {"state": {"0.weight": {"momentum_buffer": 1.0}},
+        ...           "param_groups": [{"lr": 0.1, "params": ["0.weight"]}]}
+        >>> fresh = {"state": {}, "param_groups": [{"lr": 0.5, "params": ["0.weight"]}]}
+        >>> merge_hyperparameters(loaded, fresh)["param_groups"]
+        [{'lr': 0.5, 'params': ['0.weight']}]
+    """
+    fresh_groups = fresh.get("param_groups") if isinstance(fresh, dict) else None
+    if not isinstance(fresh_groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in fresh_groups
+    ):
+        return loaded
+    if isinstance(loaded, dict):
+        if not isinstance(loaded.get("param_groups"), list):
+            return loaded
+        old = {n for g in loaded["param_groups"] for n in g.get("params", ())}
+        new = {n for g in fresh_groups for n in g["params"]}
+        if old != new:
+            return loaded
+        return {**loaded, "param_groups": [dict(g) for g in fresh_groups]}
+    if not isinstance(loaded, list):
+        return loaded
+    # The older per-shard layout: its groups, shard after shard, pair with fresh's.
+    old_groups = [g for sd in loaded if isinstance(sd, dict) for g in sd.get("param_groups") or ()]
+    if len(old_groups) != len(fresh_groups) or any(
+        len(og.get("params", ())) != len(ng["params"])
+        for og, ng in zip(old_groups, fresh_groups, strict=True)
+    ):
+        return loaded
+    pairs = iter(fresh_groups)
+    out = []
+    for sd in loaded:
+        if isinstance(sd, dict) and isinstance(sd.get("param_groups"), list):
+            groups = [
+                {**{k: v for k, v in next(pairs).items() if k != "params"}, "params": og["params"]}
+                for og in sd["param_groups"]
+            ]
+            sd = {**sd, "param_groups": groups}
+        out.append(sd)
+    return out
+
+
+def save_model(folder: str | os.PathLike[str], model_state: Mapping[str, Any]) -> Path:
+    """Write a model's ``state_dict`` alone, atomically, as ``folder``'s model file (the
+    same file a checkpoint holds): ``model.load_state_dict(torch.load(path))`` works
+    outside tune_hydra.
+
+    Returns:
+        The file's path.
+
+    Raises:
+        CheckpointError: it could not be written (no file is left half written).
+    """
+    import torch
+
+    out = Path(folder)
+    target = out / MODEL_FILE
+    tmp = out / temp_name(MODEL_FILE)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tmp.open("xb") as f:
+            torch.save(dict(model_state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, target)
+        _fsync_dir(out)
+    except Exception as err:
+        raise CheckpointError(
+            str(out), MODEL_FILE, f"could not be written ({type(err).__name__}: {err})",
+            "Check free disk space and permissions of the folder; the trial's model was not "
+            "saved",
+        ) from err  # fmt: skip
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+    return target
+
+
+def not_a_folder(checkpoint: Any) -> CheckpointError:
+    """The error for a checkpoint that reached a restore as an object, not a folder (Ray
+    passes a dict only when the folder held a pickled one: never a tune_hydra checkpoint)."""
+    return CheckpointError(
+        "(unknown folder)",
+        None,
+        f"reached tune_hydra as a {type(checkpoint).__name__}, not a folder: tune_hydra "
+        f"checkpoints are folders holding {MODEL_FILE}, {STATE_FILE} and {META_FILE}",
+        "Restore the trial from a checkpoint tune_hydra wrote",
+    )

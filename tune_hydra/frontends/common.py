@@ -1,19 +1,22 @@
-"""What every front end (Ray Tune, Optuna) shares: the result keys a trial reports and
-the checkpoint's file names.
+"""The results every front end (Ray Tune, Optuna) reports for a trial: the keys of the
+engine's per-iteration figures, which of them are losses, the result a trial reports,
+and the words every message about a metric uses.
 
 Importing this module imports neither torch nor Ray: the Ray trial processes and the
 Optuna driver both read it before anything heavy is loaded.
 
 Example:
-    >>> from tune_hydra.frontends.common import LOSS_METRICS, RESULT_KEYS
+    >>> from tune_hydra.frontends.common import LOSS_METRICS, RESULT_KEYS, trial_result
     >>> [k for k in RESULT_KEYS if k in LOSS_METRICS]
     ['loss', 'val_loss']
+    >>> trial_result({"loss": 0.5, "iteration": 3, "acc": 0.9}, ["acc"], num_shards=2)
+    {'loss': 0.5, 'acc': 0.9, 'num_shards': 2}
 """
 
 from __future__ import annotations
 
-# The file format is checkpoint.py's; the names are re-exported for the front ends.
-from tune_hydra.frontends.checkpoint import META_FILE, MODEL_FILE, STATE_FILE
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 LOSS_METRICS = {
     "loss": "the epoch's mean training loss",
@@ -33,4 +36,40 @@ RESULT_KEYS = (
 """The engine's per-iteration figures a trial reports (``val_loss`` only with
 ``eval_data``), before the task's own metrics."""
 
-__all__ = ["LOSS_METRICS", "META_FILE", "MODEL_FILE", "RESULT_KEYS", "STATE_FILE"]
+REPORTED = ", ".join(k if k != "val_loss" else "val_loss (with eval_data)" for k in RESULT_KEYS)
+"""The figures a trial reports, as messages list them."""
+TASK_METRICS = "each metric the task declares in th.ModelTask(metrics={name: fn})"
+"""What a trial reports beside :data:`REPORTED`, as messages say it."""
+
+
+def declare_metric(name: str) -> str:
+    """How a task declares metric ``name``, as messages say it.
+
+    Example:
+        >>> declare_metric("accuracy")
+        "th.ModelTask(..., eval_data=..., metrics={'accuracy': fn(output, target)})"
+    """
+    return f"th.ModelTask(..., eval_data=..., metrics={{{name!r}: fn(output, target)}})"
+
+
+def trial_result(
+    figures: Mapping[str, Any], metrics: Iterable[str], *, num_shards: int | None = None
+) -> dict[str, Any]:
+    """What a trial reports for one iteration: the engine's :data:`RESULT_KEYS` and the
+    task's own ``metrics`` that ``figures`` (the engine's result of that iteration)
+    holds, and ``num_shards`` when the engine's result does not say.
+    """
+    out = {k: figures[k] for k in (*RESULT_KEYS, *metrics) if k in figures}
+    if num_shards is not None:
+        out.setdefault("num_shards", num_shards)
+    return out
+
+
+__all__ = [
+    "LOSS_METRICS",
+    "REPORTED",
+    "RESULT_KEYS",
+    "TASK_METRICS",
+    "declare_metric",
+    "trial_result",
+]

@@ -32,17 +32,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tune_hydra.exceptions import (
-    CheckpointError,
     InvalidOptionError,
     InvalidStudyError,
     InvalidTaskError,
     MissingDependencyError,
-    TaskFactoryError,
     UnknownMetricError,
     UnknownOptionError,
 )
-from tune_hydra.frontends.checkpoint import _fsync_dir, temp_name
-from tune_hydra.frontends.common import LOSS_METRICS, MODEL_FILE
+from tune_hydra.frontends.build import TrialSet, check_task
+from tune_hydra.frontends.checkpoint import save_model
+from tune_hydra.frontends.common import LOSS_METRICS, TASK_METRICS, declare_metric
+from tune_hydra.frontends.failures import error_text
 from tune_hydra.options import (
     ENGINE_KEYS,
     NOT_OFFERED,
@@ -279,7 +279,8 @@ class _Run:
     """One trial in flight: its Optuna trial, its engine task and where it stands."""
 
     trial: optuna.Trial
-    name: str  # its task's name in the engine
+    key: str  # its key in the driver's TrialSet: trial_<number>
+    name: str = ""  # its task's name in the engine, once built
     stage: str = "build"  # build -> train -> (save) ; each stage is one future
     task: ModelTask | None = None
     epoch: int = 0  # epochs trained
@@ -332,9 +333,9 @@ class _Driver:
         self._interval: int | None = get_interval() if callable(get_interval) else None
         self._beat_at = -math.inf
         self._beaten: set[int] = set()  # trials that beat once (a new one beats at once)
-        self._lock = threading.Lock()  # guards the three below (build threads use them)
+        self.trials = TrialSet(engine, task_options)  # built trials, by key
+        self._lock = threading.Lock()  # guards _stopping (build threads read it)
         self._stopping = False
-        self._names: set[str] = set()
 
     # -- heartbeats: what study.optimize does with a storage that has them --------------
 
@@ -368,11 +369,6 @@ class _Driver:
             warnings.simplefilter("ignore", self.optuna.exceptions.ExperimentalWarning)
             self.optuna.storages.fail_stale_trials(self.study)
 
-    def _trains(self, name: str) -> bool:
-        """Whether this call still trains the task ``name`` (asked and not dropped)."""
-        with self._lock:
-            return name in self._names
-
     # -- the loop ---------------------------------------------------------------------
 
     def run(self, n_trials: int | None, max_concurrent: int, timeout: float | None) -> None:
@@ -398,16 +394,9 @@ class _Driver:
                 self._advance(self.running.pop(future), future)
 
     def _start(self, trial: optuna.Trial) -> None:
-        with self._lock:
-            name, k = f"trial_{trial.number}", 1
-            taken = set(self.engine.tasks()) | self._names
-            while name in taken:
-                k += 1
-                name = f"trial_{trial.number}#{k}"
-            self._names.add(name)
-        run = _Run(trial, name)
+        run = _Run(trial, f"trial_{trial.number}")
         self.live[trial.number] = run
-        self.running[_in_thread(self._build, run, name=f"hydra-build-{name}")] = run
+        self.running[_in_thread(self._build, run, name=f"hydra-build-{run.key}")] = run
 
     def _advance(self, run: _Run, future: concurrent.futures.Future[Any]) -> None:
         """Take the next step of ``run`` now that its current stage's future is done."""
@@ -469,7 +458,7 @@ class _Driver:
                 self._tell(run, self.optuna.trial.TrialState.COMPLETE)
             else:
                 run.stage = "save"
-                future = _in_thread(self._save, run, name=f"hydra-save-{run.name}")
+                future = _in_thread(self._save, run, name=f"hydra-save-{run.key}")
                 self.running[future] = run
         else:
             self._train(run)
@@ -478,23 +467,18 @@ class _Driver:
 
     def _drop(self, run: _Run) -> None:
         """Drop the trial's queued shard work and remove its task from the engine."""
-        self.engine.cancel(run.name)
-        self.engine.remove_task(run.name)
-        with self._lock:
-            self._names.discard(run.name)
+        self.trials.cancel(run.key)
+        self.trials.remove(run.key)
 
     def _fail(self, run: _Run, err: BaseException) -> None:
         self._drop(run)
-        text = f"{type(err).__name__}: {err}"
         self.log.warning(
             "Trial %d failed with parameters: %s because of the following error: %s",
             run.trial.number,
             run.trial.params,
-            text,
+            error_text(err, limit=None),
         )
-        if len(text) > _MAX_ERROR_CHARS:
-            text = text[:_MAX_ERROR_CHARS] + " ... (truncated; the whole error is in the log)"
-        run.trial.set_user_attr("error", text)
+        run.trial.set_user_attr("error", error_text(err, limit=_MAX_ERROR_CHARS))
         self._tell(run, self.optuna.trial.TrialState.FAIL)
 
     def _tell(self, run: _Run, state: Any) -> None:
@@ -555,9 +539,7 @@ class _Driver:
 
     def _build(self, run: _Run) -> int:
         """Build the trial's task and add it to the engine; returns its number of shards."""
-        from tune_hydra.engine import ModelTask
         from tune_hydra.engine.factory import call_factory
-        from tune_hydra.frontends.trial import CLAIMS, prepare_model
 
         number = run.trial.number
         pruned = self.optuna.TrialPruned
@@ -578,20 +560,27 @@ class _Driver:
         )
         if isinstance(task, _PrunedByFactory):
             raise task
-        if not isinstance(task, ModelTask):
-            raise TaskFactoryError(
-                f"make_task returned {type(task).__name__} for trial {number}, not a "
-                f"tune_hydra.ModelTask; make_task(trial) must return th.ModelTask(model=..., "
-                f"loss_fn=..., optimizer=..., train_data=...)"
-            )
-        if self.metric not in METRICS and self.metric not in (task.metrics or {}):
-            close = difflib.get_close_matches(self.metric, [*METRICS, *(task.metrics or {})], n=1)
+        # A define-by-run factory may build no task for one trial alone: not systematic.
+        task = check_task(task, str(number), takes="trial", systematic=False)
+        self._check_metric(number, task)
+        trial, shards = self.trials.add(run.key, task)
+        run.name, run.task = trial.name, task
+        with self._lock:
+            if self._stopping:
+                self.trials.remove(run.key)
+                raise _Interrupted
+        return shards
+
+    def _check_metric(self, number: int, task: ModelTask) -> None:
+        """Refuse a task that does not report the study's metric."""
+        declared = task.metrics or {}
+        if self.metric not in METRICS and self.metric not in declared:
+            close = difflib.get_close_matches(self.metric, [*METRICS, *declared], n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise UnknownMetricError(
                 f"trial {number}: metric={self.metric!r} is not reported: it is neither "
                 f"{' nor '.join(map(repr, METRICS))} nor one of the task's metrics "
-                f"({sorted(task.metrics or {})}). Declare it: th.ModelTask(..., eval_data=..., "
-                f"metrics={{{self.metric!r}: fn(output, target)}}).{hint}"
+                f"({sorted(declared)}). Declare it: {declare_metric(self.metric)}.{hint}"
             )
         if self.metric == "val_loss" and task.eval_data is None:
             raise InvalidTaskError(
@@ -599,43 +588,12 @@ class _Driver:
                 f"a ModelTask without it; give th.ModelTask(..., eval_data=...) or call "
                 f"th.optimize(..., metric='loss')"
             )
-        # Modules another trial of this process trained are refused; tensors that outlive
-        # the trial (closure, module globals) are trained as copies (frontends/trial.py).
-        prepare_model(task.model, self, run.name, self.engine, type(self)._trains)  # type: ignore[arg-type]
-        shards = self.engine.add_task(run.name, task, **self.task_options)
-        CLAIMS.record(task.model, self, run.name, self.engine, type(self)._trains)  # type: ignore[arg-type]
-        run.task = task
-        with self._lock:
-            if self._stopping:
-                self.engine.remove_task(run.name)
-                raise _Interrupted
-        return int(shards)
 
     def _save(self, run: _Run) -> Path:
-        """Write the trial's ``model.pt`` atomically; returns its path."""
-        import torch
-
+        """Write the trial's model file atomically; returns its path."""
         assert self.folder is not None and run.task is not None
-        folder = self.folder / f"trial_{run.trial.number}"
-        target = folder / MODEL_FILE
-        tmp = folder / temp_name(MODEL_FILE)
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            with tmp.open("xb") as f:
-                torch.save(run.task.model.state_dict(), f)  # type: ignore[union-attr]
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, target)
-            _fsync_dir(folder)
-        except Exception as err:
-            raise CheckpointError(
-                str(folder), MODEL_FILE, f"could not be written ({type(err).__name__}: {err})",
-                "Check free disk space and permissions of save_dir; the trial's model is lost",
-            ) from err  # fmt: skip
-        finally:
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
-        return target
+        model = run.task.model.state_dict()  # type: ignore[union-attr]
+        return save_model(self.folder / f"trial_{run.trial.number}", model)
 
 
 def _in_thread(
@@ -724,7 +682,7 @@ def _check_metric(optuna: Any, study: optuna.Study, metric: Any) -> None:
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise UnknownMetricError(
             f"metric={metric!r} is not reported by training; th.optimize reports {listed}, "
-            f"and each metric the task declares in th.ModelTask(metrics={{name: fn}}).{hint}"
+            f"and {TASK_METRICS}.{hint}"
         )
     if metric in METRICS and study.direction == optuna.study.StudyDirection.MAXIMIZE:
         raise UnknownMetricError(

@@ -30,6 +30,8 @@ from tune_hydra.frontends.checkpoint import (
     STATE_FILE,
     config_digest,
     is_temp_name,
+    restore_trial,
+    save_trial,
 )
 from tune_hydra.frontends.ray import HydraExecutor
 from tune_hydra.frontends.ray.actor import EngineActor
@@ -206,7 +208,7 @@ def test_engine_killed_during_save_leaves_no_temp_files(ray_session: Any, storag
     assert json.loads((final / META_FILE).read_text())["iteration"] == 2
 
 
-# ------------------------------------- the engine actor's _save/_load, called in-process
+# ------------------------- a trial saved and restored the engine actor's way, in-process
 ENGINE = EngineOptions(devices="cpu", device_memory=BUDGET, policy="lrtf", prefetch=True)
 
 
@@ -228,6 +230,16 @@ def _trial(actor: Any, key: str, config: dict[str, Any], iterations: int = 0) ->
     return SimpleNamespace(key=key, token="t", name=key, config=config)
 
 
+def _save(actor: Any, reg: Any, path: str) -> dict[str, Any]:
+    """What the actor's ``save`` runs for ``reg`` (the kit's one way to save a trial)."""
+    return save_trial(actor._engine, reg.name, path, trial_id=reg.key, config=reg.config)
+
+
+def _load(actor: Any, reg: Any, path: str) -> None:
+    """What the actor's ``load`` runs for ``reg``."""
+    restore_trial(actor._engine, reg.name, path, trial_id=reg.key, config=reg.config)
+
+
 def _lrs(actor: Any, key: str) -> list[float]:
     state = actor._engine.get_state(key)
     return [g["lr"] for g in state["optimizer"]["param_groups"]]
@@ -236,7 +248,7 @@ def _lrs(actor: Any, key: str) -> list[float]:
 def test_actor_writes_a_verified_manifest_without_the_config(actor: Any, tmp_path: Path) -> None:
     config = {"lr": 0.01, "note": object()}  # not something a checkpoint may pickle
     reg = _trial(actor, "a", config, iterations=2)
-    manifest = actor._save(reg, str(tmp_path))
+    manifest = _save(actor, reg, str(tmp_path))
     assert manifest["format"] == 2 and manifest["iteration"] == 2 and manifest["trial_id"] == "a"
     plan = actor._engine.plan("a")
     assert manifest["shards"] == [list(s.layer_names) for s in plan.shards]
@@ -251,7 +263,7 @@ def test_actor_writes_a_verified_manifest_without_the_config(actor: Any, tmp_pat
 def test_actor_load_merges_hyperparameters_only_for_another_config(
     actor: Any, tmp_path: Path
 ) -> None:
-    actor._save(_trial(actor, "a", {"lr": 0.01}, iterations=2), str(tmp_path))
+    _save(actor, _trial(actor, "a", {"lr": 0.01}, iterations=2), str(tmp_path))
     moments = actor._engine.get_state("a")["optimizer"]["state"]
     # Mark the checkpoint's own hyperparameters, to tell where a trial's lr came from.
     state = torch.load(tmp_path / STATE_FILE, weights_only=True)
@@ -259,7 +271,7 @@ def test_actor_load_merges_hyperparameters_only_for_another_config(
         group["lr"] = 0.3
     replace_file(tmp_path, STATE_FILE, state, update_manifest=True)
     # PBT: a trial with a mutated lr takes the checkpoint: moments from it, lr its own
-    actor._load(_trial(actor, "b", {"lr": 0.05}), str(tmp_path))
+    _load(actor, _trial(actor, "b", {"lr": 0.05}), str(tmp_path))
     state_b = actor._engine.get_state("b")
     assert state_b["iteration"] == 2
     assert _lrs(actor, "b") and set(_lrs(actor, "b")) == {0.05}
@@ -269,7 +281,7 @@ def test_actor_load_merges_hyperparameters_only_for_another_config(
             state_b["optimizer"]["state"][k]["momentum_buffer"], v["momentum_buffer"]
         )
     # the same config (another dict, same digest) is a resume: lr from the checkpoint
-    actor._load(_trial(actor, "c", {"lr": 0.01}), str(tmp_path))
+    _load(actor, _trial(actor, "c", {"lr": 0.01}), str(tmp_path))
     assert set(_lrs(actor, "c")) == {0.3}
 
 
@@ -284,13 +296,13 @@ def test_actor_restores_a_checkpoint_cut_differently(tmp_path: Path) -> None:
     try:
         two, one = actors
         reg = _trial(two, "a", {"lr": 0.01}, iterations=1)
-        two._save(reg, str(tmp_path))
+        _save(two, reg, str(tmp_path))
         two._engine.train("a", 1).result(timeout=120)
         want = two._engine.get_state("a")
         assert len(two._engine.plan("a")) == 2
         back = _trial(one, "b", {"lr": 0.01})
         assert len(one._engine.plan("b")) == 1
-        one._load(back, str(tmp_path))
+        _load(one, back, str(tmp_path))
         one._engine.train("b", 1).result(timeout=120)
         got = one._engine.get_state("b")
         for k, v in want["model"].items():
@@ -299,7 +311,7 @@ def test_actor_restores_a_checkpoint_cut_differently(tmp_path: Path) -> None:
             assert torch.equal(
                 got["optimizer"]["state"][k]["momentum_buffer"], v["momentum_buffer"]
             )
-        one._load(_trial(one, "c", {"lr": 0.07}), str(tmp_path))  # PBT: the new lr
+        _load(one, _trial(one, "c", {"lr": 0.07}), str(tmp_path))  # PBT: the new lr
         assert set(_lrs(one, "c")) == {0.07}
 
         # the older layout: one optimizer state_dict per shard, restorable under its cut only
@@ -310,9 +322,9 @@ def test_actor_restores_a_checkpoint_cut_differently(tmp_path: Path) -> None:
         del state["optimizer"], state["param_grads"]
         replace_file(tmp_path, STATE_FILE, state, update_manifest=True)
         with pytest.raises(CheckpointError, match=r"(?s)older tune_hydra.*device_memory of the"):
-            one._load(_trial(one, "d", {"lr": 0.01}), str(tmp_path))
+            _load(one, _trial(one, "d", {"lr": 0.01}), str(tmp_path))
         assert one._engine.get_state("d")["iteration"] == 0  # nothing was loaded
-        two._load(_trial(two, "e", {"lr": 0.05}), str(tmp_path))  # same cut: loads, PBT lr
+        _load(two, _trial(two, "e", {"lr": 0.05}), str(tmp_path))  # same cut: loads, PBT lr
         assert two._engine.get_state("e")["iteration"] == 1 and set(_lrs(two, "e")) == {0.05}
     finally:
         for a in actors:
@@ -322,10 +334,10 @@ def test_actor_restores_a_checkpoint_cut_differently(tmp_path: Path) -> None:
 
 def test_actor_names_the_checkpoint_of_an_interrupted_save(actor: Any, tmp_path: Path) -> None:
     reg = _trial(actor, "a", {"lr": 0.01})
-    actor._save(reg, str(tmp_path))
+    _save(actor, reg, str(tmp_path))
     (tmp_path / META_FILE).unlink()
     with pytest.raises(CheckpointError, match="interrupted") as info:
-        actor._load(reg, str(tmp_path))
+        _load(actor, reg, str(tmp_path))
     assert info.value.checkpoint == str(tmp_path) and info.value.file == META_FILE
     assert isinstance(info.value, th.TuneHydraError)
 
@@ -337,13 +349,13 @@ def test_actor_names_a_position_past_the_data_as_a_damaged_checkpoint(
     TaskFailedError: StopIteration in the next epoch; now the load is refused naming the
     field, and the trial keeps what it had."""
     reg = _trial(actor, "a", {"lr": 0.01}, iterations=1)
-    actor._save(reg, str(tmp_path))
+    _save(actor, reg, str(tmp_path))
     state = torch.load(tmp_path / STATE_FILE, weights_only=True)
     replace_file(tmp_path, STATE_FILE, {**state, "batch_in_epoch": 99}, update_manifest=True)
     back = _trial(actor, "b", {"lr": 0.01})
     before = actor._engine.get_state("b")
     with pytest.raises(CheckpointError, match=r"'batch_in_epoch' is 99, past the end") as info:
-        actor._load(back, str(tmp_path))
+        _load(actor, back, str(tmp_path))
     assert info.value.checkpoint == str(tmp_path) and info.value.file == STATE_FILE
     assert "tampered" in str(info.value)
     after = actor._engine.get_state("b")

@@ -17,7 +17,8 @@ from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, HyperBandScheduler
 
 from tests.frontends.ray import tune_tasks
 from tune_hydra.exceptions import TuneHydraError
-from tune_hydra.frontends.ray.actor import MODEL_FILE, EngineActor, _merge_hyperparameters
+from tune_hydra.frontends.checkpoint import MODEL_FILE, merge_hyperparameters
+from tune_hydra.frontends.ray.actor import EngineActor
 from tune_hydra.frontends.ray.errors import (
     EngineUnavailableError,
     NotATaskFactoryError,
@@ -60,7 +61,7 @@ def test_register_train_save_load_with_mutated_config(actor: Any, tmp_path: Path
     # PBT: another trial with a mutated lr restores this checkpoint
     _call(actor.register("b", "t2", BLOB, {"lr": 0.05}, secret=SECRET))
     _call(actor.load("b", "t2", str(tmp_path)))
-    state = actor._engine.get_state(actor._regs["b"].name)
+    state = actor._engine.get_state(actor._trials.get("b").name)
     groups = state["optimizer"]["param_groups"]
     assert groups and all(g["lr"] == 0.05 for g in groups)
     assert all(torch.equal(state["model"][k], saved[k]) for k in saved)
@@ -68,7 +69,7 @@ def test_register_train_save_load_with_mutated_config(actor: Any, tmp_path: Path
     # same config: everything, lr included, comes from the checkpoint
     _call(actor.register("c", "t3", BLOB, {"lr": 0.01}, secret=SECRET))
     _call(actor.load("c", "t3", str(tmp_path)))
-    state_c = actor._engine.get_state(actor._regs["c"].name)
+    state_c = actor._engine.get_state(actor._trials.get("c").name)
     assert all(g["lr"] == 0.01 for g in state_c["optimizer"]["param_groups"])
 
 
@@ -99,7 +100,7 @@ def test_factory_errors_are_clear(actor: Any) -> None:
 def test_hints_reach_the_engine(actor: Any) -> None:
     _call(actor.set_remaining("a", SECRET, 7))  # before registration: kept for later
     _call(actor.register("a", "t", BLOB, {"lr": 0.01}, secret=SECRET))
-    name = actor._regs["a"].name
+    name = actor._trials.get("a").name
     assert actor._engine._tasks[name].hint == 7
     _call(actor.cancel("a", SECRET))
     with pytest.raises(Exception, match="cancelled"):
@@ -114,13 +115,13 @@ def test_merge_hyperparameters_keeps_state() -> None:
         "param_groups": [{"lr": 1.0, "params": ["0.weight"]}, {"lr": 1.0, "params": ["2.weight"]}],
     }
     fresh = {"state": {}, "param_groups": [{"lr": 2.0, "params": ["0.weight", "2.weight"]}]}
-    assert _merge_hyperparameters(loaded, fresh) == {
+    assert merge_hyperparameters(loaded, fresh) == {
         "state": {"0.weight": "m0", "2.weight": "m2"},
         "param_groups": [{"lr": 2.0, "params": ["0.weight", "2.weight"]}],
     }
     other_model = {"state": {}, "param_groups": [{"lr": 2.0, "params": ["0.weight"]}]}
-    assert _merge_hyperparameters(loaded, other_model) is loaded
-    assert _merge_hyperparameters(loaded, None) is loaded
+    assert merge_hyperparameters(loaded, other_model) is loaded
+    assert merge_hyperparameters(loaded, None) is loaded
     # the older per-shard layout: group by group, in order
     legacy = [
         {"state": {0: "m"}, "param_groups": [{"lr": 1.0, "params": [0]}]},
@@ -128,12 +129,12 @@ def test_merge_hyperparameters_keeps_state() -> None:
         {"state": {}, "param_groups": [{"lr": 1.0, "params": [0]}]},
     ]
     two = {"param_groups": [{"lr": 2.0, "params": ["a"]}, {"lr": 3.0, "params": ["b"]}]}
-    assert _merge_hyperparameters(legacy, two) == [
+    assert merge_hyperparameters(legacy, two) == [
         {"state": {0: "m"}, "param_groups": [{"lr": 2.0, "params": [0]}]},
         None,
         {"state": {}, "param_groups": [{"lr": 3.0, "params": [0]}]},
     ]
-    assert _merge_hyperparameters(legacy, fresh) is legacy  # 2 groups then, 1 now
+    assert merge_hyperparameters(legacy, fresh) is legacy  # 2 groups then, 1 now
 
 
 def test_scheduler_budget() -> None:
@@ -170,7 +171,7 @@ def test_concurrent_registrations_build_identical_models(actor: Any) -> None:
 
     for _ in range(3):
         _call(register_all())
-        states = [actor._engine.get_state(actor._regs[f"t{i}"].name)["model"] for i in range(8)]
+        states = [actor._engine.get_state(actor._trials.get(f"t{i}").name)["model"] for i in range(8)]
         for state in states[1:]:
             assert all(torch.equal(state[k], states[0][k]) for k in state)
         for i in range(8):
@@ -288,7 +289,7 @@ def test_disk_tier_options_reach_each_engine_actor(
     monkeypatch.setattr(ray, "remote", lambda **kw: _Remote())
     monkeypatch.setattr(ray, "nodes", lambda: [{}])
     with pytest.warns(UserWarning, match="no GPU"):
-        assert ex._create_actor("ab" * 28, {"CPU": 2.0}, 0) == "handle"
+        assert ex._engines.create_actor("ab" * 28, {"CPU": 2.0}, 0) == "handle"
     options = created[0][0]
     assert isinstance(options, EngineOptions)
     kwargs = options.kwargs()
@@ -321,7 +322,7 @@ def test_driver_calls_need_the_executors_secret(actor: Any) -> None:
         with pytest.raises(NotOwnerError, match="key of the experiment"):
             _call(call())
     assert _call(actor.registered(SECRET))["trials"] == ["a"]
-    assert actor._regs["a"].token == "tok"  # the owner's registration is untouched
+    assert actor._trials.get("a").token == "tok"  # the owner's registration is untouched
     assert _call(actor.deregister("a", "stranger")) is False
     assert _call(actor.registered(SECRET))["trials"] == ["a"]
     assert len(_call(actor.train("a", SECRET, 1))) == 1  # the driver may act for a trial
@@ -535,7 +536,7 @@ def test_systematic_mistakes_are_marked_and_config_ones_are_not() -> None:
         assert isinstance(other.value, ShardTooLargeError)
         # what tune.with_parameters around the trainable sends: keyword arguments
         data = tune_tasks.dataset(n_batches=2)
-        a._store["with"] = cloudpickle.dumps(tune_tasks.make_task_with)
+        factories["with"] = cloudpickle.dumps(tune_tasks.make_task_with)  # the store
         assert (
             _call(a.register("t5", "tok", "with", {"lr": 0.01}, {"data": data}, secret=SECRET)) == 2
         )

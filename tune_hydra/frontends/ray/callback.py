@@ -42,7 +42,7 @@ from ray.tune.result import DONE, SHOULD_CHECKPOINT
 from ray.tune.stopper import FunctionStopper
 from ray.tune.utils import flatten_dict
 
-from tune_hydra.exceptions import SystematicTaskError
+from tune_hydra.exceptions import SystematicTaskError, TuneHydraError
 from tune_hydra.frontends.ray import registry
 from tune_hydra.frontends.ray.factories import FactoryStore
 
@@ -53,6 +53,24 @@ _SYSTEMATIC: dict[str, SystematicTaskError] = {}
 # Executors whose HydraStopper Tune consults (so the callback knows the run will stop).
 _WATCHED: set[str] = set()
 _LOCK = threading.Lock()
+
+
+def check_checkpoint(checkpoint: Any) -> str | None:
+    """``HydraExecutor(checkpoint=...)`` checked: ``"every"``, ``"end"`` or None (False
+    means None).
+
+    Raises:
+        TuneHydraError: anything else.
+    """
+    if checkpoint is False:
+        return None
+    if checkpoint not in ("every", "end", None):
+        raise TuneHydraError(
+            f"checkpoint must be 'every' (a checkpoint after every iteration), 'end' "
+            f"(after each trial's last iteration) or None (only what the run's "
+            f"checkpoint settings ask), not {checkpoint!r}"
+        )
+    return checkpoint
 
 
 def systematic_error(run_id: str) -> SystematicTaskError | None:

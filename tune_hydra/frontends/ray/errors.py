@@ -6,7 +6,10 @@ that says how to fix the problem.
 
 from __future__ import annotations
 
+from typing import Any
+
 from tune_hydra.exceptions import (
+    EngineError,
     InvalidTaskError,
     NotATaskError,
     SystematicTaskError,
@@ -63,12 +66,48 @@ class NotOwnerError(TrialNotRegisteredError):
     is refused and changes nothing."""
 
 
-class EngineError(TuneHydraError, RuntimeError):
-    """An engine error whose original type could not cross the process boundary; the
-    message names the original type."""
+RETRY = "Tune retries this trial from its last checkpoint if max_failures allows"
+"""What becomes of a trial that lost its engine (said in every such message)."""
+
+
+def engine_lost(node_id: str, what: str, *, then: str = "", ray_said: Any = None) -> str:
+    """The message of a trial whose node's engine actor ``what`` (``"died during its
+    'train' call (...)"``): where the engine's log is, what Tune does about it, ``then``
+    (what else to do) and what Ray said (``ray_said``: its error, first line)."""
+    text = (
+        f"the tune_hydra engine actor of this trial's node ({node_id}) {what}; its log is in "
+        f"Ray's session folder (logs/worker-*.err). {RETRY}{then}."
+    )
+    if ray_said is not None:
+        said = str(ray_said).splitlines()[0] if str(ray_said) else type(ray_said).__name__
+        text += f" Ray said: {said}"
+    return text
+
+
+def no_slot(
+    trial: str, asks: str, slot: str, replaced_by: str, reserves: Any
+) -> TrialResourcesError:
+    """The error for a trial whose resource request holds no engine slot ``slot``.
+
+    Args:
+        trial: the trial id.
+        asks: what it asks for instead, in words.
+        slot: the slot resource.
+        replaced_by: what may have replaced its request.
+        reserves: what a trial of ``executor.trainable(...)`` reserves.
+    """
+    return TrialResourcesError(
+        trial,
+        f"{asks} and no {slot!r}: its resource request was replaced ({replaced_by}), so "
+        f"trials would hold CPUs instead of engine slots and run one at a time",
+        f"Pass executor.trainable(make_task) to Tune without tune.with_resources: it already "
+        f"reserves {reserves} per trial, and the models train on the engine's devices (size "
+        f"them with HydraExecutor(devices=..., device_memory=...))",
+    )
 
 
 __all__ = [
+    "RETRY",
     "EngineError",
     "EngineStartError",
     "EngineUnavailableError",
@@ -84,4 +123,6 @@ __all__ = [
     "TrialResourcesError",
     "UncuttableModelError",
     "UnreportedMetricError",
+    "engine_lost",
+    "no_slot",
 ]

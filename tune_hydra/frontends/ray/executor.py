@@ -10,59 +10,40 @@ by :func:`tune_hydra.run`; for ``tune.Tuner`` use :meth:`HydraExecutor.trainable
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import inspect
 import logging
 import os
 import secrets
 import types
 import uuid
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import ray
 from ray import tune
-from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tune_hydra.core.policies import BasePolicy
 from tune_hydra.exceptions import TuneHydraError
+from tune_hydra.frontends.failures import RUNS_THE_LOOP
 from tune_hydra.frontends.ray import registry
 from tune_hydra.frontends.ray.actor import (
-    CONTROL_GROUP,
     DEFAULT_ENGINE_CLASS,
     DEFAULT_FACTORY_TIMEOUT_S,
-    BoundFactory,
-    EngineActor,
-    engine_actor_name,
     tune_report_call,
 )
+from tune_hydra.frontends.ray.engines import DEFAULT_SLOT_RESOURCE, EngineFleet
 from tune_hydra.frontends.ray.errors import (
-    EngineStartError,
     NotATaskFactoryError,
     TrialResourcesError,
 )
-from tune_hydra.frontends.ray.factories import FactoryStore
+from tune_hydra.frontends.ray.factories import BoundFactory, FactoryStore
 from tune_hydra.options import (
     EngineOptions,
     check_factory_timeout,
-    check_positive_int,
-    check_seconds,
     check_task_options,
 )
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_SLOT_RESOURCE = "hydra_slot"
-DEFAULT_SLOTS_PER_NODE = 8
-
-
-def _unwrap(err: BaseException) -> BaseException:
-    """The user-facing error inside a RayTaskError / ActorDiedError, if there is one."""
-    cause = getattr(err, "cause", None)
-    if isinstance(cause, BaseException):
-        return cause
-    return err
 
 
 def unwrap_with_parameters(fn: Any) -> tuple[Callable[..., Any], dict[str, Any]] | None:
@@ -142,8 +123,7 @@ def check_task_factory(make_task: Any) -> None:
     if call is not None:
         raise NotATaskFactoryError(
             f"{name!r} calls {call}(...): it is a function trainable, which trains and "
-            f"reports by itself, not a task factory (tune_hydra runs the training loop and "
-            f"reports loss and val_loss itself). {fix}"
+            f"reports by itself, not a task factory ({RUNS_THE_LOOP}). {fix}"
         )
     try:
         inspect.signature(fn).bind({}, **dict.fromkeys(params))
@@ -154,6 +134,19 @@ def check_task_factory(make_task: Any) -> None:
         ) from None
     except ValueError:
         pass  # no signature (a builtin): let the engine actor find out
+
+
+class _Held:
+    """An option of the executor that another object holds (read-only here)."""
+
+    def __init__(self, holder: str) -> None:
+        self.holder = holder
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(getattr(obj, self.holder), self.name)
 
 
 class HydraExecutor:
@@ -279,14 +272,8 @@ class HydraExecutor:
         checkpoint: str | bool | None = "every",
         _engine_class: str = DEFAULT_ENGINE_CLASS,
     ) -> None:
-        if checkpoint is False:
-            checkpoint = None
-        if checkpoint not in ("every", "end", None):
-            raise TuneHydraError(
-                f"checkpoint must be 'every' (a checkpoint after every iteration), 'end' "
-                f"(after each trial's last iteration) or None (only what the run's "
-                f"checkpoint settings ask), not {checkpoint!r}"
-            )
+        from tune_hydra.frontends.ray.callback import check_checkpoint
+
         where = "HydraExecutor"
         # Every option is judged here by the one validator of tune_hydra.options that the
         # other front ends use (torch-free: nothing of the engine is imported into the
@@ -314,199 +301,63 @@ class HydraExecutor:
             where=where,
         )
         self.factory_timeout_s = check_factory_timeout(factory_timeout_s, where=where)
-        check_positive_int(
-            slots_per_node,
-            "slots_per_node",
-            allow_none=True,
-            meaning="concurrent trials per node; None: the default",
-            where=where,
-        )
-        check_positive_int(
-            torch_threads,
-            "torch_threads",
-            allow_none=True,
-            meaning="torch CPU threads in each engine; None: the node's CPUs",
-            where=where,
-        )
-        check_seconds(
-            start_timeout_s,
-            "start_timeout_s",
-            meaning="the longest wait for the engine actors to start",
-            where=where,
-        )
         self.iteration_batches = iteration_batches
         self.task_options = task_options
-        self.slots_per_node = slots_per_node
-        self.slot_resource = slot_resource
-        self.torch_threads = torch_threads
-        self.start_timeout_s = start_timeout_s
-        self.checkpoint: str | None = checkpoint
+        self.checkpoint = check_checkpoint(checkpoint)
         self._engine_class = _engine_class
         self.run_id = uuid.uuid4().hex[:10]
-        # The experiment's secret: every call to its engine actors (the driver's, and the
-        # trials' registrations) and every record it keeps in the cluster store is bound
-        # to it; calls and records without it are refused. It travels to the engine actors
-        # (creation arguments) and to the trials (the trainable class), never in a name or
-        # a key; see the README's "Ownership" for what that does and does not keep out.
+        # The experiment's secret: every call to its engine actors and every record it
+        # keeps in the cluster store is bound to it (see the README's "Ownership").
         self._secret = secrets.token_hex(16)
         self._store = FactoryStore(self.run_id, self._secret)
         self._factory_ids: list[str] = []
-        self._handles: dict[str, Any] = {}  # node id -> engine actor handle
-        self._slots = 0
-        self._fallback = False
-        self._last_trace: list[Any] = []
-        self._last_summary: dict[str, Any] = {}
+        self._engines = EngineFleet(  # checks slots_per_node, torch_threads, start_timeout_s
+            self.run_id,
+            self._secret,
+            self._store,
+            self.engine_options,
+            task_options,
+            slot_resource=slot_resource,
+            slots_per_node=slots_per_node,
+            torch_threads=torch_threads,
+            start_timeout_s=start_timeout_s,
+            factory_timeout_s=self.factory_timeout_s,
+            engine_class=_engine_class,
+        )
 
     # ---------------------------------------------------------------- options
-    # The engine options are held once, in ``engine_options``; these read them.
-    @property
-    def devices(self) -> Any:
-        return self.engine_options.devices
-
-    @property
-    def device_memory(self) -> int | str | None:
-        return self.engine_options.device_memory
-
-    @property
-    def host_memory(self) -> int | str | None:
-        return self.engine_options.host_memory
-
-    @property
-    def spill_dir(self) -> str | os.PathLike[str] | None:
-        return self.engine_options.spill_dir
-
-    @property
-    def policy(self) -> str | BasePolicy:
-        return self.engine_options.policy
-
-    @property
-    def prefetch(self) -> bool:
-        return self.engine_options.prefetch
-
-    @property
-    def recompute(self) -> bool | None:
-        return self.engine_options.recompute
+    # Held once, by what they configure: the engines' options, the engine actors.
+    devices = _Held("engine_options")
+    device_memory = _Held("engine_options")
+    host_memory = _Held("engine_options")
+    spill_dir = _Held("engine_options")
+    policy = _Held("engine_options")
+    prefetch = _Held("engine_options")
+    recompute = _Held("engine_options")
+    slots_per_node = _Held("_engines")
+    slot_resource = _Held("_engines")
+    torch_threads = _Held("_engines")
+    start_timeout_s = _Held("_engines")
 
     # ---------------------------------------------------------------- lifecycle
     @property
     def started(self) -> bool:
         """True while the engine actors are up."""
-        return bool(self._handles)
+        return bool(self._engines.handles)
 
     def start(self) -> HydraExecutor:
         """Start Ray (if needed) and one engine actor per engine node. Idempotent."""
-        if self._handles:
-            return self
-        if not ray.is_initialized():
-            slots = self.slots_per_node or DEFAULT_SLOTS_PER_NODE
-            ray.init(resources={self.slot_resource: slots})
-        nodes = [n for n in ray.nodes() if n.get("Alive")]
-        engine_nodes = [n for n in nodes if n["Resources"].get(self.slot_resource, 0) >= 1]
-        self._fallback = False
-        if not engine_nodes:
-            if len(nodes) != 1:
-                raise EngineStartError(
-                    f"no node of this Ray cluster has the {self.slot_resource!r} resource that "
-                    f"marks engine nodes; start each node that should train models with "
-                    f"ray start ... --resources='{{\"{self.slot_resource}\": 8}}'"
-                )
-            # A plain local ray.init(): trials ask for a sliver of CPU instead of a slot.
-            self._fallback = True
-            engine_nodes = nodes
-            warnings.warn(
-                f"Ray was started without the {self.slot_resource!r} resource; trials will "
-                f"each reserve 0.01 CPU. Call ray.init(resources={{'{self.slot_resource}': 8}}) "
-                f"(or let tune_hydra start Ray) to control concurrency with slots.",
-                stacklevel=2,
-            )
-        handles: dict[str, Any] = {}
-        slots = 0
-        try:
-            for node in engine_nodes:
-                node_id = node["NodeID"]
-                res = node["Resources"]
-                slots += (
-                    int(res[self.slot_resource])
-                    if not self._fallback
-                    else (self.slots_per_node or DEFAULT_SLOTS_PER_NODE)
-                )
-                handles[node_id] = self._create_actor(node_id, res, len(handles))
-        except BaseException:
-            self._kill(handles)
-            raise
-        self._slots = slots
-        refs = {node: h.start.remote() for node, h in handles.items()}
-        try:
-            ray.get(list(refs.values()), timeout=self.start_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self._kill(handles)
-            raise EngineStartError(
-                f"the engine actors did not start within {self.start_timeout_s:.0f} s; check "
-                f"that the engine nodes have free memory and that tune_hydra is installed there"
-            ) from None
-        except Exception as err:
-            self._kill(handles)
-            cause = _unwrap(err)
-            if isinstance(cause, TuneHydraError):
-                raise cause from None
-            raise EngineStartError(f"the engine actors failed to start: {cause}") from err
-        self._handles = handles
-        registry.register(self)
+        if not self._engines.handles:
+            self._engines.start()
+            registry.register(self)
         return self
-
-    def _create_actor(self, node_id: str, res: dict[str, float], index: int) -> Any:
-        devices = self.devices
-        if isinstance(devices, str) and devices == "auto":
-            num_gpus = int(res.get("GPU", 0))
-            if num_gpus == 0:
-                warnings.warn(
-                    f"devices='auto': node {node_id[:8]} has no GPU; its engine trains on the CPU",
-                    stacklevel=3,
-                )
-                devices = "cpu"  # say it here once rather than in every actor's log
-        else:
-            names = [devices] if isinstance(devices, str) else list(devices)
-            num_gpus = sum(1 for d in names if str(d).startswith("cuda"))
-        if num_gpus > int(res.get("GPU", 0)):
-            raise EngineStartError(
-                f"devices={self.devices!r} asks for {num_gpus} GPU(s), but node {node_id[:8]} "
-                f"has {int(res.get('GPU', 0))}: use devices='auto' (its GPUs, or its CPU), "
-                f"devices='cpu', or run on a node with GPUs"
-            )
-        threads = self.torch_threads or max(1, int(res.get("CPU", 1)))
-        cls = ray.remote(concurrency_groups={CONTROL_GROUP: 32})(EngineActor)  # type: ignore[call-overload]
-        return cls.options(
-            name=engine_actor_name(self.run_id, node_id),
-            # No CPU: an engine that reserved its node's CPUs starved Tune's trials (hang).
-            num_cpus=0,
-            num_gpus=num_gpus,
-            max_restarts=-1,
-            max_task_retries=0,
-            max_concurrency=1000,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
-        ).remote(
-            dataclasses.replace(self.engine_options, devices=devices),
-            self.task_options,
-            self._engine_class,
-            threads,
-            f"node{index}" if index or len(ray.nodes()) > 1 else "",
-            self._store,
-            self._secret,
-            self.factory_timeout_s,
-        )
-
-    @staticmethod
-    def _kill(handles: dict[str, Any]) -> None:
-        for handle in handles.values():
-            with contextlib.suppress(Exception):
-                ray.kill(handle, no_restart=True)
 
     def shutdown(self) -> None:
         """Collect the engines' trace and summary, then stop the engine actors.
 
         Safe to call twice. :meth:`trace` and :meth:`summary` still answer afterwards.
         """
-        if not self._handles:
+        if not self._engines.handles:
             return
         registry.unregister(self.run_id)
         for factory_id in list(self._factory_ids):
@@ -515,15 +366,7 @@ class HydraExecutor:
             self._store.clear_errors()  # the trials' recorded mistakes, read by now
         except Exception:
             logger.warning("tune_hydra: could not clear recorded trial errors", exc_info=True)
-        try:
-            self._last_trace = self._gather_trace()
-            self._last_summary = self._gather_summary()
-        except Exception:
-            logger.warning("tune_hydra: could not collect the engines' trace", exc_info=True)
-        with contextlib.suppress(Exception):
-            ray.get([h.close.remote(self._secret) for h in self._handles.values()], timeout=30)
-        self._kill(self._handles)
-        self._handles = {}
+        self._engines.stop()
 
     def __enter__(self) -> HydraExecutor:
         return self.start()
@@ -535,7 +378,7 @@ class HydraExecutor:
     @property
     def trial_resources(self) -> dict[str, float]:
         """What each trial reserves: no CPU, one slot (a CPU sliver without slots)."""
-        if self._fallback:
+        if self._engines.fallback:
             return {"cpu": 0.01}
         return {"cpu": 0, self.slot_resource: 1}
 
@@ -543,7 +386,7 @@ class HydraExecutor:
     def max_concurrent_trials(self) -> int:
         """The number of slots over all engine nodes (starts the engines if needed)."""
         self.start()
-        return self._slots
+        return self._engines.slots
 
     def trainable(self, make_task: Callable[..., Any]) -> Any:
         """A Tune trainable (for ``tune.Tuner`` or ``tune.run``) whose trials train
@@ -560,23 +403,18 @@ class HydraExecutor:
         from tune_hydra.frontends.ray.trainable import HydraTrainable
 
         self.start()
-        name = getattr(make_task, "__name__", "make_task")
         unwrapped = unwrap_with_parameters(make_task)
         factory: Any = make_task if unwrapped is None else BoundFactory(*unwrapped)
         # Stored once in the cluster; the trial processes carry only its id.
         factory_id = self._store.put(ray.cloudpickle.dumps(factory))
         self._factory_ids.append(factory_id)
-        cls = type(
-            f"Hydra_{name}",
-            (HydraTrainable,),
-            {
-                "_factory_id": factory_id,
-                "_run_id": self.run_id,
-                "_secret": self._secret,
-                "_slot_resource": "" if self._fallback else self.slot_resource,
-                "_checkpoint": self.checkpoint,
-                "__module__": HydraTrainable.__module__,
-            },
+        cls = HydraTrainable.for_factory(
+            getattr(make_task, "__name__", "make_task"),
+            factory_id=factory_id,
+            run_id=self.run_id,
+            secret=self._secret,
+            slot_resource="" if self._engines.fallback else self.slot_resource,
+            checkpoint=self.checkpoint,
         )
         return tune.with_resources(cls, self.trial_resources)
 
@@ -585,12 +423,8 @@ class HydraExecutor:
         and in every engine), once its experiment is over. ``th.run`` does this itself;
         call it between ``Tuner.fit`` calls that each made a new trainable, or let
         :meth:`shutdown` free them all. Trials of that trainable cannot start afterwards."""
+        # tune.with_resources wraps our class in a subclass: it inherits the id
         factory_id = getattr(trainable, "_factory_id", None)
-        if factory_id is None:  # tune.with_resources wraps our class in a subclass
-            factory_id = next(
-                (getattr(c, "_factory_id", None) for c in getattr(trainable, "__mro__", ())),
-                None,
-            )
         if not factory_id:
             raise TuneHydraError(
                 f"{trainable!r} was not made by HydraExecutor.trainable(); nothing to release"
@@ -600,12 +434,7 @@ class HydraExecutor:
     def _drop_factory(self, factory_id: str) -> None:
         if factory_id in self._factory_ids:
             self._factory_ids.remove(factory_id)
-        refs = []
-        for handle in self._handles.values():
-            with contextlib.suppress(Exception):  # a dead engine holds nothing
-                refs.append(handle.release_factory.remote(self._secret, factory_id))
-        with contextlib.suppress(Exception):
-            ray.get(refs, timeout=30)
+        self._engines.release_factory(factory_id)
         try:
             self._store.delete(factory_id)
         except Exception:
@@ -726,38 +555,27 @@ class HydraExecutor:
     # ------------------------------------------------------------- inspection
     def engines(self) -> dict[str, Any]:
         """Node id -> engine actor handle (empty when not started)."""
-        return dict(self._handles)
+        return dict(self._engines.handles)
 
     def registered_trials(self) -> dict[str, dict[str, list[str]]]:
         """Per node: the trials the engine actor knows and the engine's task names."""
-        refs = {node: h.registered.remote(self._secret) for node, h in self._handles.items()}
-        return {node: ray.get(ref, timeout=60) for node, ref in refs.items()}
-
-    def _gather_trace(self) -> list[Any]:
-        events: list[Any] = []
-        for ref in [h.trace.remote(self._secret) for h in self._handles.values()]:
-            events.extend(ray.get(ref, timeout=60))
-        return events
-
-    def _gather_summary(self) -> dict[str, Any]:
-        refs = {node: h.summary.remote(self._secret) for node, h in self._handles.items()}
-        return {node: ray.get(ref, timeout=60) for node, ref in refs.items()}
+        return self._engines.ask("registered")
 
     def trace(self) -> Any:
         """The engines' timeline (a ``Trace``; devices are prefixed by node when several):
         live while started, else the one collected at shutdown. Draw it with
         ``th.plot_timeline(executor.trace(), "timeline.png")``."""
-        events = self._gather_trace() if self._handles else list(self._last_trace)
         from tune_hydra.core.trace import Trace
 
-        return Trace.from_events(events)
+        return Trace.from_events(self._engines.trace_events())
 
     def summary(self) -> dict[str, Any]:
         """Node id -> the engine's summary (live while started, else the last collected)."""
-        return self._gather_summary() if self._handles else dict(self._last_summary)
+        return self._engines.summary()
 
     def __repr__(self) -> str:
-        state = f"{len(self._handles)} engine(s)" if self._handles else "not started"
+        handles = self._engines.handles
+        state = f"{len(handles)} engine(s)" if handles else "not started"
         return (
             f"HydraExecutor(devices={self.devices!r}, device_memory={self.device_memory!r}, "
             + (

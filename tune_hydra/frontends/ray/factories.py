@@ -27,7 +27,11 @@ import hmac
 import json
 import logging
 import os
+import threading
+import traceback
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 from tune_hydra.exceptions import SystematicTaskError
 
@@ -209,6 +213,130 @@ class FactoryStore:
             internal_kv._internal_kv_del(key, namespace=_NAMESPACE)
 
 
+class BoundFactory:
+    """A task factory with keyword arguments bound to it, as ``tune.with_parameters``
+    binds them: calling it with a config calls ``fn(config, **parameters)``.
+
+    Parameters that are Ray ``ObjectRef``s (what ``tune.with_parameters`` keeps in Ray's
+    object store) are fetched on the first call, in the calling thread, and the values
+    are kept for the next calls: one copy per engine process, shared by the trials it
+    builds (as the data a factory closes over is), none in the trial processes. Pickling
+    keeps the references, never the fetched values.
+
+    Args:
+        fn: the user's task factory, ``fn(config, **parameters) -> ModelTask``.
+        parameters: keyword name -> ``ObjectRef`` or value.
+    """
+
+    def __init__(self, fn: Callable[..., Any], parameters: dict[str, Any]) -> None:
+        self.fn = fn
+        self.parameters = dict(parameters)
+        self._values: dict[str, Any] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def __name__(self) -> str:  # names the factory in errors
+        return str(getattr(self.fn, "__name__", "make_task"))
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"fn": self.fn, "parameters": self.parameters}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["fn"], state["parameters"])  # type: ignore[misc]
+
+    def values(self) -> dict[str, Any]:
+        """The parameters' values (fetched from the object store once)."""
+        import ray
+
+        with self._lock:
+            if self._values is None:
+                refs = {k: v for k, v in self.parameters.items() if isinstance(v, ray.ObjectRef)}
+                fetched = dict(zip(refs, ray.get(list(refs.values())), strict=True))
+                self._values = {k: fetched.get(k, v) for k, v in self.parameters.items()}
+            return self._values
+
+    def __call__(self, config: Any) -> Any:
+        return self.fn(config, **self.values())
+
+    def __repr__(self) -> str:
+        return f"BoundFactory({self.__name__}, {sorted(self.parameters)})"
+
+
+class FactoryCache:
+    """An engine's copies of its experiments' task factories: each read from the store
+    on its first trial and kept until the experiment releases it (one copy per engine,
+    none in the trial processes), and bound to each set of ``tune.with_parameters``
+    references once (so their data is fetched once per engine).
+
+    Args:
+        store: a :class:`FactoryStore`, or a ``{id: blob}`` dict when hosted without Ray.
+    """
+
+    def __init__(self, store: Any) -> None:
+        self._store = store
+        self._lock = threading.Lock()
+        self._factories: dict[str, Callable[..., Any]] = {}
+        self._bound: dict[str, dict[tuple[tuple[str, str], ...], BoundFactory]] = {}
+
+    def get(self, factory_id: str) -> Callable[..., Any]:
+        """The factory (blocking: it may read the store and unpickle).
+
+        Raises:
+            TaskFactoryError: the experiment released it, or it does not unpickle here.
+        """
+        from tune_hydra.exceptions import TaskFactoryError
+
+        with self._lock:
+            fn = self._factories.get(factory_id)
+        if fn is not None:
+            return fn
+        blob = self._store.get(factory_id)
+        if blob is None:
+            raise TaskFactoryError(
+                f"the task factory {factory_id[:8]} is not available: its experiment ended "
+                f"(th.run returned, or the HydraExecutor was shut down) and released it. Get "
+                f"a new trainable with executor.trainable(make_task) for a new experiment"
+            )
+        try:
+            import ray
+
+            fn = ray.cloudpickle.loads(blob)
+        except Exception:
+            raise TaskFactoryError(
+                f"the task factory could not be unpickled in the engine's process; install "
+                f"what it imports on every engine node. Traceback:\n{traceback.format_exc()}"
+            ) from None
+        with self._lock:
+            return self._factories.setdefault(factory_id, fn)
+
+    def cached(self, factory_id: str) -> Callable[..., Any] | None:
+        """The factory if this engine holds it already, else None (reads nothing)."""
+        with self._lock:
+            return self._factories.get(factory_id)
+
+    def bind(self, factory_id: str, params: dict[str, Any]) -> Callable[..., Any]:
+        """The factory with a trial's ``tune.with_parameters`` parameters: object
+        references are fetched once per engine (the bound factory is kept until the
+        release); plain values come with every registration."""
+        import ray
+
+        factory = self.get(factory_id)
+        if not params:
+            return factory
+        if not all(isinstance(v, ray.ObjectRef) for v in params.values()):
+            return BoundFactory(factory, params)
+        key = tuple(sorted((k, v.hex()) for k, v in params.items()))
+        with self._lock:
+            bound = self._bound.setdefault(factory_id, {})
+            return bound.setdefault(key, BoundFactory(factory, params))
+
+    def release(self, factory_id: str) -> None:
+        """Forget an experiment's factory (it ended)."""
+        with self._lock:
+            self._factories.pop(factory_id, None)
+            self._bound.pop(factory_id, None)
+
+
 def _systematic_classes() -> dict[str, type[SystematicTaskError]]:
     """Every :class:`SystematicTaskError` class by name (the errors the driver may
     rebuild from a record: a closed set, never a class a record names freely)."""
@@ -225,4 +353,4 @@ def _systematic_classes() -> dict[str, type[SystematicTaskError]]:
     return found
 
 
-__all__ = ["FactoryStore", "seal", "unseal"]
+__all__ = ["BoundFactory", "FactoryCache", "FactoryStore", "seal", "unseal"]

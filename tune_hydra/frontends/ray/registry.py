@@ -12,7 +12,7 @@ import threading
 import warnings
 from typing import TYPE_CHECKING, Any
 
-from tune_hydra.frontends.ray.errors import TrialResourcesError
+from tune_hydra.frontends.ray.errors import no_slot
 
 if TYPE_CHECKING:
     from tune_hydra.frontends.ray.executor import HydraExecutor
@@ -52,7 +52,7 @@ def broadcast(method: str, key: str, *args: Any) -> None:
     executor, each call carrying its own executor's secret (the engine actors refuse
     driver-side calls without it)."""
     for ex in _executors():
-        for handle in ex._handles.values():
+        for handle in ex._engines.handles.values():
             try:
                 getattr(handle, method).remote(key, ex._secret, *args)
             except Exception:  # a dead actor must not break Tune's event loop
@@ -64,7 +64,7 @@ def abort_builds() -> None:
     factories still running (the driver is being interrupted). Safe in a signal handler:
     it only submits calls."""
     for ex in _executors():
-        for handle in ex._handles.values():
+        for handle in ex._engines.handles.values():
             try:
                 handle.abort_builds.remote(ex._secret)
             except Exception:  # interrupted anyway: nothing more to do
@@ -80,7 +80,7 @@ def check_trial_resources(run_id: str, trial: Any) -> None:
         TrialResourcesError: the trial would hold CPUs instead of a slot.
     """
     ex = active(run_id)
-    if ex is None or ex._fallback:
+    if ex is None or ex._engines.fallback:
         return
     pgf = getattr(trial, "placement_group_factory", None)
     if pgf is None:
@@ -96,15 +96,12 @@ def check_trial_resources(run_id: str, trial: Any) -> None:
             return
         if not (isinstance(cls, type) and issubclass(cls, HydraTrainable)):
             return
-        raise TrialResourcesError(
+        raise no_slot(
             trial.trial_id,
-            f"the trainable asks for {required} per trial and no {slot!r}: its resource "
-            f"request was replaced (tune.with_resources around executor.trainable(...), "
-            f"or a PlacementGroupFactory), so trials would hold CPUs instead of engine "
-            f"slots and run one at a time",
-            f"Pass executor.trainable(make_task) to Tune without tune.with_resources: it "
-            f"already reserves {ex.trial_resources} per trial, and the models train on the "
-            f"engine's devices (HydraExecutor(devices=..., device_memory=...))",
+            f"the trainable asks for {required} per trial",
+            slot,
+            "tune.with_resources around executor.trainable(...), or a PlacementGroupFactory",
+            ex.trial_resources,
         )
     if required.get("CPU", 0) > 0 and run_id not in _WARNED_CPU:
         _WARNED_CPU.add(run_id)

@@ -17,7 +17,7 @@ from ray.tune.error import TuneError
 from ray.tune.result import AUTO_RESULT_KEYS, DEBUG_METRICS, EPISODES_TOTAL, TIMESTEPS_TOTAL
 from ray.tune.search import BasicVariantGenerator
 
-from tune_hydra.frontends.common import RESULT_KEYS
+from tune_hydra.frontends.common import REPORTED, RESULT_KEYS, TASK_METRICS
 from tune_hydra.frontends.ray.callback import clear_systematic, systematic_error
 from tune_hydra.frontends.ray.errors import (
     InvalidExecutorError,
@@ -92,8 +92,7 @@ def _check_metric(kwargs: dict[str, Any]) -> None:
         raise MissingMetricError(
             f"{' and '.join(map(str, needs))} need(s) a metric to optimise; pass "
             f"metric='val_loss' (or 'loss') and mode='min' to th.run (tune_hydra reports "
-            f"loss, val_loss when the task has eval_data, num_shards, device_time_s, "
-            f"bytes_spilled)"
+            f"{REPORTED}, and {TASK_METRICS})"
         )
 
 
@@ -125,9 +124,8 @@ def _check_reported(kwargs: dict[str, Any]) -> tuple[str, ...]:
         tune_keys = ", ".join(k for k in _TUNE_NUMBERS if k in REPORTED_KEYS)
         raise UnreportedMetricError(
             f"{arg}={metric!r} is not reported by tune_hydra's trials: they report "
-            f"{', '.join(RESULT_KEYS)} (val_loss when the ModelTask has eval_data), each "
-            f"metric the task declares in th.ModelTask(metrics={{name: fn}}), and Tune's "
-            f"own {tune_keys}. Optimise one of those, e.g. metric='val_loss', mode='min'"
+            f"{REPORTED}, {TASK_METRICS}, and Tune's own {tune_keys}. Optimise one of "
+            f"those, e.g. metric='val_loss', mode='min'"
         )
     return tuple(custom)
 

@@ -28,15 +28,22 @@ from ray.tune.registry import _ParameterRegistry
 from ray.tune.result import SHOULD_CHECKPOINT
 
 from tune_hydra.exceptions import (
-    CheckpointError,
     SystematicTaskError,
     TuneHydraError,
     UndeclaredMetricError,
 )
-from tune_hydra.frontends.checkpoint import check_checkpoint_files, discard_partial_save
-from tune_hydra.frontends.common import RESULT_KEYS
+from tune_hydra.frontends.checkpoint import (
+    check_checkpoint_files,
+    discard_partial_save,
+    not_a_folder,
+)
+from tune_hydra.frontends.common import REPORTED, declare_metric, trial_result
 from tune_hydra.frontends.ray.actor import engine_actor_name
-from tune_hydra.frontends.ray.errors import EngineUnavailableError, TrialResourcesError
+from tune_hydra.frontends.ray.errors import (
+    EngineUnavailableError,
+    engine_lost,
+    no_slot,
+)
 from tune_hydra.frontends.ray.factories import FactoryStore
 
 logger = logging.getLogger(__name__)
@@ -140,6 +147,31 @@ class HydraTrainable(tune.Trainable):
             cls._param_refs = {**cls._param_refs, **refs}
             cls.setup = HydraTrainable.setup  # type: ignore[method-assign]
 
+    @classmethod
+    def for_factory(
+        cls,
+        name: str,
+        *,
+        factory_id: str,
+        run_id: str,
+        secret: str,
+        slot_resource: str,
+        checkpoint: str | None,
+    ) -> type[HydraTrainable]:
+        """The proxy class of one stored task factory (see the class attributes)."""
+        return type(
+            f"Hydra_{name}",
+            (cls,),
+            {
+                "_factory_id": factory_id,
+                "_run_id": run_id,
+                "_secret": secret,
+                "_slot_resource": slot_resource,
+                "_checkpoint": checkpoint,
+                "__module__": cls.__module__,
+            },
+        )
+
     def setup(self, config: dict[str, Any], **params: Any) -> None:
         """Remember the trial's parameters; registration with the engine is lazy.
 
@@ -183,12 +215,11 @@ class HydraTrainable(tune.Trainable):
             live = True
         if live:
             # The experiment is live (its factory is stored): the engine died for good.
-            return (
-                f"the tune_hydra engine actor of this trial's node ({node_id}) is dead and "
-                f"was not restarted (killed, out of memory, or its node failed); its log is "
-                f"in Ray's session folder (logs/worker-*.err). Tune retries this trial from "
-                f"its last checkpoint if max_failures allows; restart the experiment with "
-                f"Tuner.restore(..., resume_errored=True) otherwise."
+            return engine_lost(
+                node_id,
+                "is dead and was not restarted (killed, out of memory, or its node failed)",
+                then="; restart the experiment with Tuner.restore(..., resume_errored=True) "
+                "otherwise",
             )
         return (
             f"no tune_hydra engine actor on this trial's node ({node_id}): its "
@@ -216,21 +247,22 @@ class HydraTrainable(tune.Trainable):
                     continue
                 node_id = ray.get_runtime_context().get_node_id()
                 raise EngineUnavailableError(
-                    f"the tune_hydra engine actor of this trial's node ({node_id}) became "
-                    f"unreachable during its {method!r} call (it died and is restarting, or "
-                    f"its node is failing); the trial's state there is lost. Tune retries "
-                    f"this trial from its last checkpoint if max_failures allows; the "
-                    f"engine's log is in Ray's session folder (logs/worker-*.err). Ray said: "
-                    f"{str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                    engine_lost(
+                        node_id,
+                        f"became unreachable during its {method!r} call (it died and is "
+                        f"restarting, or its node is failing): the trial's state there is lost",
+                        ray_said=err,
+                    )
                 ) from None
             except ray.exceptions.ActorDiedError as err:
                 node_id = ray.get_runtime_context().get_node_id()
                 raise EngineUnavailableError(
-                    f"the tune_hydra engine actor of this trial's node ({node_id}) died "
-                    f"during its {method!r} call (killed, out of memory, or its node "
-                    f"failed); its log is in Ray's session folder (logs/worker-*.err). Tune "
-                    f"retries this trial from its last checkpoint if max_failures allows. "
-                    f"Ray said: {str(err).splitlines()[0] if str(err) else type(err).__name__}"
+                    engine_lost(
+                        node_id,
+                        f"died during its {method!r} call (killed, out of memory, or its node "
+                        f"failed)",
+                        ray_said=err,
+                    )
                 ) from None
 
     def _check_slot(self) -> None:
@@ -245,16 +277,12 @@ class HydraTrainable(tune.Trainable):
             return
         held = dict(required)
         if held.get(self._slot_resource, 0) < 1:
-            raise TrialResourcesError(
+            raise no_slot(
                 self.trial_id,
-                f"this trial reserves {held or 'no resources'} but no "
-                f"{self._slot_resource!r}: its resource request was replaced "
-                f"(tune.with_resources, resources_per_trial or a PlacementGroupFactory), so "
-                f"trials hold CPUs instead of engine slots and run one at a time",
-                f"Pass executor.trainable(make_task) to Tune as it is: it already reserves "
-                f"{{'cpu': 0, {self._slot_resource!r}: 1}} per trial, and the models train on "
-                f"the engine's devices (size them with HydraExecutor(devices=..., "
-                f"device_memory=...))",
+                f"this trial reserves {held or 'no resources'}",
+                self._slot_resource,
+                "tune.with_resources, resources_per_trial or a PlacementGroupFactory",
+                {"cpu": 0, self._slot_resource: 1},
             )
         self._slot_checked = True
 
@@ -295,10 +323,9 @@ class HydraTrainable(tune.Trainable):
                 self.trial_id,
                 f"the experiment optimises {', '.join(map(repr, missing))}, which the trials "
                 f"do not report: the task's metrics are {declared}, and the engine reports "
-                f"{', '.join(RESULT_KEYS)}",
-                f"Declare it in make_task: th.ModelTask(..., eval_data=..., "
-                f"metrics={{{missing[0]!r}: fn(output, target)}}), or optimise a metric the "
-                f"trials report (metric='val_loss', mode='min')",
+                f"{REPORTED}",
+                f"Declare it in make_task: {declare_metric(missing[0])}, or optimise a metric "
+                f"the trials report (metric='val_loss', mode='min')",
             )
 
     def _deregister(self) -> None:
@@ -314,9 +341,7 @@ class HydraTrainable(tune.Trainable):
         # No retry: if the engine restarted mid-iteration, the trial's state there is gone
         # and Tune must restore it from its checkpoint.
         results = self._call("train", self._key, self._token, 1, retry=False)
-        last = results[-1]
-        out = {k: last[k] for k in (*RESULT_KEYS, *self._metric_names) if k in last}
-        out.setdefault("num_shards", self._num_shards)
+        out = trial_result(results[-1], self._metric_names, num_shards=self._num_shards)
         if self._checkpoint == "every":
             out[SHOULD_CHECKPOINT] = True  # Tune saves one now (HydraExecutor(checkpoint=))
         return out
@@ -357,8 +382,9 @@ class HydraTrainable(tune.Trainable):
         writes that file.
 
         Raises:
-            ForeignCheckpointFileError: the folder holds another name than ``model.pt``,
-                ``hydra_state.pt`` and ``hydra_meta.json``; nothing in it was read.
+            ForeignCheckpointFileError: the folder holds a name that no tune_hydra
+                checkpoint holds (see :func:`~tune_hydra.frontends.checkpoint.
+                check_checkpoint_files`); nothing in it was read.
         """
         listed = _checkpoint_listing(checkpoint_path)
         if listed is not None:
@@ -369,15 +395,7 @@ class HydraTrainable(tune.Trainable):
         if isinstance(checkpoint, tune.Checkpoint) or not isinstance(
             checkpoint, (str, os.PathLike)
         ):
-            # Ray passes a dict only when the folder held a pickled one: never ours.
-            raise CheckpointError(
-                "(unknown folder)",
-                None,
-                f"reached tune_hydra as a {type(checkpoint).__name__}, not a folder: "
-                f"tune_hydra checkpoints are folders holding model.pt, hydra_state.pt and "
-                f"hydra_meta.json",
-                "Restore the trial from a checkpoint tune_hydra wrote",
-            )
+            raise not_a_folder(checkpoint)
         check_checkpoint_files(checkpoint, os.listdir(checkpoint))
         self._ensure_registered()
         self._call("load", self._key, self._token, str(checkpoint))
