@@ -41,7 +41,15 @@ def config(kind: str) -> Any:
             attention_dropout=0.1,
         )
     # GPT-2: dropout in the base too, lm_head tied to the (frozen) input embeddings.
-    return t.GPT2Config(n_layer=3, n_embd=16, n_head=2, vocab_size=VOCAB, n_positions=16)
+    return t.GPT2Config(
+        n_layer=3,
+        n_embd=16,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=16,
+        bos_token_id=1,  # within the tiny vocabulary
+        eos_token_id=1,
+    )
 
 
 # Four trials per base: rank, alpha, learning rate, target modules and dropout differ.
@@ -288,6 +296,27 @@ def test_four_lora_trials_multiplexed_are_exact(
     assert len({e.device for e in h.trace.events if e.op in "FLBSE"}) == 2
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_ia3_trials_multiplexed_are_exact(kind: str, saved: dict[str, Path]) -> None:
+    tasks = {}
+    for i in range(2):
+        torch.manual_seed(i)
+        model = peft.get_peft_model(load(kind, saved[kind]), ADAPTERS["ia3"](kind))
+        lr = 0.05 * (i + 1)
+        opt = lambda p, lr=lr: torch.optim.Adam(p, lr=lr)  # noqa: E731
+        tasks[f"t{i}"] = th.ModelTask(model, None, opt, data(i + 1), eval_data=data(i + 9, 2))
+    refs = {k: alone(t) for k, t in tasks.items()}
+    h = th.train_models(
+        tasks, devices=["cpu", "cpu"], max_layers_per_shard=2, epochs=2, seed=7, copy_on_cpu=True
+    )
+    for name, task in tasks.items():
+        want = plain_on_emulated_device(refs[name], 2, seed=7, devices=2)
+        assert [(r["loss"], r["val_loss"]) for r in h[name]] == [
+            (r["loss"], r["val_loss"]) for r in want
+        ]
+        assert_exact(task.model, refs[name].model)
+
+
 def test_frozen_tensors_have_no_gradient_nor_optimizer_state(saved: dict[str, Path]) -> None:
     task = trial("llama", saved["llama"], 1)
     names = set(trainable(task.model))
@@ -314,6 +343,13 @@ def test_trained_adapters_save_and_load_as_peft_does(
     assert got and all(torch.equal(loaded[n], t) for n, t in got.items())
     sa, sb = again.state_dict(), model.state_dict()
     assert list(sa) == list(sb) and all(torch.equal(sa[k], sb[k]) for k in sa)
+    # The front ends' model.pt is the whole state dict, peft's keys: it loads into the
+    # same peft model built afresh, and holds peft's adapter state.
+    fresh = peft.get_peft_model(load(kind, saved[kind]), again.peft_config["default"])
+    fresh.load_state_dict(model.state_dict())
+    adapter = peft.get_peft_model_state_dict(fresh)
+    want = peft.get_peft_model_state_dict(model)
+    assert list(adapter) == list(want) and all(torch.equal(adapter[k], want[k]) for k in want)
 
 
 def test_peft_around_a_sequential_is_exact() -> None:
