@@ -498,3 +498,107 @@ def test_tampered_fields_are_named_before_anything_loads(ckpt: Path, kind: str) 
     err = info.value
     assert err.file == file and str(ckpt) in str(err)
     assert "damaged or was tampered with" in str(err) or "does not record" in str(err)
+
+
+# --------------------------------------- a trial's checkpoint: the one way both front ends save
+def _sgd_task(seed: int, lr: float) -> Any:
+    """``make_task`` with SGD-momentum at ``lr`` (a trial's config), float64."""
+    import tune_hydra as th
+
+    model, data = mlp(seed=seed), make_task(mlp()).train_data
+    return th.ModelTask(
+        model, nn.CrossEntropyLoss(), lambda p: torch.optim.SGD(p, lr=lr, momentum=0.9), data
+    )
+
+
+def _lrs(engine: Engine, name: str) -> set[float]:
+    return {g["lr"] for g in engine.get_state(name)["optimizer"]["param_groups"]}
+
+
+def test_a_trial_restores_exactly_and_keeps_a_mutated_configs_hyperparameters(
+    tmp_path: Path,
+) -> None:
+    """save_trial/restore_trial (the engine actor's save/load): a resume trains on bit for
+    bit; the same config keeps the checkpoint's hyperparameters, another (a PBT exploit)
+    keeps the moments but takes its own lr; a model cut another way restores too."""
+    with Engine("cpu", device_memory=24_000) as two, Engine("cpu") as one:
+        two.add_task("a", _sgd_task(0, 0.05), seed=3)
+        two.train("a", 1).result(timeout=120)
+        manifest = ck.save_trial(two, "a", tmp_path, trial_id="trial-a", config={"lr": 0.05})
+        assert manifest["trial_id"] == "trial-a" and manifest["iteration"] == 1
+        assert manifest["config_digest"] == config_digest({"lr": 0.05})
+        assert manifest["num_shards"] == len(two.plan("a")) >= 2
+        two.train("a", 1).result(timeout=120)
+        want = two.get_state("a")
+
+        one.add_task("b", _sgd_task(9, 0.05), seed=3)  # other weights: the checkpoint's win
+        assert len(one.plan("b")) == 1
+        ck.restore_trial(one, "b", tmp_path, trial_id="b", config={"lr": 0.05})
+        one.train("b", 1).result(timeout=120)
+        got = one.get_state("b")
+        for k, v in want["model"].items():
+            torch.testing.assert_close(got["model"][k], v, rtol=0, atol=0)
+        assert _lrs(one, "b") == {0.05}
+
+        one.add_task("c", _sgd_task(9, 0.2), seed=3)
+        ck.restore_trial(one, "c", tmp_path, trial_id="c", config={"lr": 0.2})  # exploit
+        saved = torch.load(tmp_path / STATE_FILE, weights_only=True)["optimizer"]["state"]
+        restored = one.get_state("c")["optimizer"]["state"]
+        assert _lrs(one, "c") == {0.2} and sorted(restored) == sorted(saved)
+        for k, v in saved.items():
+            assert torch.equal(restored[k]["momentum_buffer"], v["momentum_buffer"])
+
+
+def test_a_checkpoint_of_another_task_is_refused_and_nothing_loads(tmp_path: Path) -> None:
+    with Engine("cpu") as engine:
+        engine.add_task("a", _sgd_task(0, 0.1))
+        engine.train("a", 1).result(timeout=120)
+        ck.save_trial(engine, "a", tmp_path, trial_id="a", config={})
+        import tune_hydra as th
+
+        wide = th.ModelTask(
+            mlp(width=32), nn.CrossEntropyLoss(), lambda p: torch.optim.SGD(p, lr=0.1),
+            make_task(mlp()).train_data,
+        )  # fmt: skip
+        engine.add_task("w", wide)
+        before = engine.get_state("w")
+        with pytest.raises(CheckpointError, match="does not fit trial w's task") as info:
+            ck.restore_trial(engine, "w", tmp_path, trial_id="w", config={})
+        assert info.value.file == STATE_FILE
+        after = engine.get_state("w")
+        assert after["iteration"] == 0
+        assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
+
+
+def test_both_front_ends_write_the_same_model_file(tmp_path: Path) -> None:
+    """The model file of a trial's checkpoint (HydraExecutor) and the one th.optimize
+    saves hold the same state_dict, loadable into the user's own model."""
+    with Engine("cpu") as engine:
+        engine.add_task("a", _sgd_task(0, 0.1))
+        engine.train("a", 1).result(timeout=120)
+        ck.save_trial(engine, "a", tmp_path / "ckpt", trial_id="a", config={})
+        model_state = engine.get_state("a")["model"]
+    path = ck.save_model(tmp_path / "trial_0", model_state)
+    assert path == tmp_path / "trial_0" / MODEL_FILE and _listing(path.parent) == [MODEL_FILE]
+    for file in (path, tmp_path / "ckpt" / MODEL_FILE):
+        fresh = mlp(seed=5)
+        fresh.load_state_dict(torch.load(file, weights_only=True))
+        for k, v in fresh.state_dict().items():
+            assert torch.equal(v, model_state[k]), (file, k)
+
+
+def test_save_model_failure_is_a_checkpoint_error_and_leaves_nothing(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    with pytest.raises(CheckpointError, match="could not be written") as info:
+        ck.save_model(blocker / "trial_0", {"w": torch.zeros(2)})
+    assert info.value.file == MODEL_FILE
+    with pytest.raises(CheckpointError, match="could not be written"):
+        ck.save_model(tmp_path / "t", {"w": lambda: 0})  # torch cannot save a lambda
+    assert _listing(tmp_path / "t") == []
+
+
+def test_a_checkpoint_that_is_no_folder_names_the_files_it_should_hold() -> None:
+    err = ck.not_a_folder({"model": 1})
+    assert isinstance(err, CheckpointError) and "reached tune_hydra as a dict" in str(err)
+    assert all(name in str(err) for name in (MODEL_FILE, STATE_FILE, META_FILE))

@@ -171,7 +171,9 @@ def test_concurrent_registrations_build_identical_models(actor: Any) -> None:
 
     for _ in range(3):
         _call(register_all())
-        states = [actor._engine.get_state(actor._trials.get(f"t{i}").name)["model"] for i in range(8)]
+        states = [
+            actor._engine.get_state(actor._trials.get(f"t{i}").name)["model"] for i in range(8)
+        ]
         for state in states[1:]:
             assert all(torch.equal(state[k], states[0][k]) for k in state)
         for i in range(8):
