@@ -134,6 +134,25 @@ class ScheduleError(TuneHydraError, RuntimeError):
     not ready)."""
 
 
+class LeaseError(TuneHydraError, RuntimeError):
+    """A lease on a shard's state (``Engine.acquire``) cannot be taken or used."""
+
+
+class LeaseConflictError(LeaseError):
+    """The shard cannot be leased now: its task is being trained by the engine
+    (``train()``), or another lease holds its task on another device."""
+
+
+class LeaseTimeoutError(LeaseError, TimeoutError):
+    """No room for the shard on the device (or the shard was leased) within the
+    ``timeout`` given to ``Engine.acquire``."""
+
+
+class LeaseEndedError(LeaseError):
+    """A lease was used after ``release()``, after its task left the engine (or was
+    checkpointed or restored), or after the engine closed."""
+
+
 class TaskFactoryError(TuneHydraError, RuntimeError):
     """The user's task factory raised inside the engine's process, or returned something
     that is not a :class:`~tune_hydra.ModelTask`. The message holds the factory's
