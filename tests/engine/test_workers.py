@@ -48,9 +48,9 @@ def _wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
         time.sleep(0.01)
 
 
-def _worker(budget: int) -> DeviceWorker:
+def _worker(budget: int | None, copy: bool = True) -> DeviceWorker:
     return DeviceWorker(
-        0, CPU, "dev", Trace(["dev"]), default_clock(), prefetch=True, copy=True, budget=budget
+        0, CPU, "dev", Trace(["dev"]), default_clock(), prefetch=True, copy=copy, budget=budget
     )
 
 
@@ -226,3 +226,89 @@ def test_a_failed_park_is_logged_and_the_tensors_stay(caplog: pytest.LogCaptureF
     finally:
         w.close()
         w.join(5.0)
+
+
+# -- leases: the copy thread's path, shared with callers' leases ---------------------------
+
+
+def test_an_assigned_op_runs_under_a_lease_released_as_it_ends() -> None:
+    w = _worker(budget=None)
+    log: list[str] = []
+    store = _store("a", state=10, act=5)
+    seen: list[list[tuple[str, int]]] = []
+    try:
+        a = _assignment(
+            w, store, lambda dev: seen.append([(x.task, x.shard) for x in w.leases()]), log
+        )
+        w.submit(a)
+        _wait_until(lambda: "done a" in log)
+        assert seen == [[("a", 0)]]  # held while it computed
+        assert a.lease is not None and not a.lease.active and w.leases() == []
+        assert w.holds(store)  # released: still resident (LRU)
+    finally:
+        w.close()
+        w.join(5.0)
+
+
+def test_a_leased_state_is_not_evicted_and_an_op_waits_for_its_room() -> None:
+    """Budget 100: the caller's lease (50 + 30) leaves no room for the op's shard
+    (40 + 20): the op waits for the release, not evicting the leased state; then the
+    released state is evicted (50 + 40 + 20 > 100)."""
+    w = _worker(budget=100)
+    log: list[str] = []
+    leased, op_store = _store("leased", state=50, act=30), _store("op", state=40, act=20)
+    try:
+        lease = w.lease(leased, deadline=time.monotonic() + 5)
+        assert lease is not None and w.leases() == [lease] and w.holds(leased)
+        a = _assignment(w, op_store, lambda dev: log.append("run op"), log)
+        w.submit(a)
+        time.sleep(0.4)
+        assert a.ready is not None and not a.ready.is_set()
+        assert w.holds(leased) and not w.holds(op_store)
+        lease.release()
+        _wait_until(lambda: "done op" in log)
+        assert log == ["run op", "done op"]
+        assert not w.holds(leased) and w.holds(op_store)  # evicted once released
+    finally:
+        w.close()
+        w.join(5.0)
+
+
+def test_an_op_on_a_leased_shard_waits_for_the_lease() -> None:
+    w = _worker(budget=None)
+    log: list[str] = []
+    store = _store("a", state=10, act=5)
+    try:
+        lease = w.lease(store)
+        assert lease is not None
+        assert w.lease(store, blocking=False) is None  # one lease per state at a time
+        w.submit(_assignment(w, store, lambda dev: log.append("run a"), log))
+        time.sleep(0.4)
+        assert log == []
+        lease.release()
+        _wait_until(lambda: "done a" in log)
+        assert log == ["run a", "done a"]
+    finally:
+        w.close()
+        w.join(5.0)
+
+
+def test_a_prefetch_leaves_a_state_leased_on_another_device_alone() -> None:
+    """A device computing in host memory leases the state in place (a prefetch may take
+    an unleased one from there, not a leased one)."""
+    w0, w1 = _worker(budget=None, copy=False), _worker(budget=None)
+    store = _store("a", state=10, act=5)
+    try:
+        lease = w0.lease(store)
+        assert lease is not None and store.owner is w0
+        w1.prefetch(store, "a", 0, 0)
+        time.sleep(0.4)
+        assert store.owner is w0 and not w1.holds(store)
+        lease.release()
+        w1.prefetch(store, "a", 0, 0)  # free again: taken
+        _wait_until(lambda: w1.holds(store))
+        assert store.owner is w1
+    finally:
+        for w in (w0, w1):
+            w.close()
+            w.join(5.0)

@@ -22,15 +22,19 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from tune_hydra.core.ledger import DeviceLedger
 from tune_hydra.core.ops import Op
 from tune_hydra.core.trace import Trace, TraceEvent
+from tune_hydra.engine.lease import CLAIMS, Lease, parts
 from tune_hydra.engine.storage import Store
-from tune_hydra.exceptions import ScheduleError, format_bytes
+from tune_hydra.exceptions import LeaseEndedError, LeaseTimeoutError, ScheduleError, format_bytes
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.host import HostMemory
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +60,10 @@ class Assignment:
     carry_bytes: Callable[[torch.device], int] | None = None
     left: int = 0
     start: Callable[[], None] | None = None  # called as the op starts computing
-    lend: bool = False  # the run thread promotes it in place first (its state is on disk)
+    # The run thread leases it in place first (its state is on disk, or a caller's lease
+    # on another device holds it).
+    lend: bool = False
+    lease: Lease | None = None  # the shard held on the device from copy-in to the op's end
 
 
 @dataclass
@@ -118,6 +125,10 @@ class DeviceWorker:
         self.ledger: DeviceLedger[Store, Carry] = DeviceLedger(budget)
         self._op_done = threading.Condition()  # the copy thread waits here for room
         self._incoming: Store | None = None  # the store the copy thread is bringing in
+        # Leases held here, by id of their store (pinned: never evicted to make room), and
+        # stores granted room whose copies are in flight (from any thread).
+        self._leases: dict[int, Lease] = {}
+        self._granted: dict[int, Store] = {}
         self.last_park_error: Exception | None = None
         self._closing = False
         self.assigned: collections.deque[Assignment] = collections.deque()
@@ -187,13 +198,14 @@ class DeviceWorker:
             a.ready = threading.Event()
             self._copy_q.put(a)
         else:  # nothing to copy (a CPU device uses host memory in place): no hand-off
-            if a.store.on_disk:
-                a.lend = True  # read back by the run thread, not under the dispatcher's lock
-            else:
-                a.store.promote(self.device, None, copy=False, owner=self)
+            # Leased at once, unless it must be read back from disk or waits for a lease
+            # elsewhere: then by the run thread, not under the dispatcher's lock.
+            if not a.store.on_disk:
+                a.lease = self.lease(a.store, blocking=False)
+            a.lend = a.lease is None
             with self._lock:
                 self.ledger.hold(a.store)
-                self.ledger.trim(self.depth)
+                self._trim()
         self._run_q.put(a)
 
     def finished(self, a: Assignment, task: str) -> None:
@@ -213,9 +225,145 @@ class DeviceWorker:
             self._copy_q.put(Prefetch(store, task, shard, iteration))
 
     def release(self, store: Store) -> None:
-        """Forget ``store`` without copying (another device took it, or its task left)."""
+        """Forget ``store`` without copying (another device took it, or its task left); a
+        lease on it here ends."""
+        self._revoke(store)
         with self._lock:
             self.ledger.release(store)
+
+    # -- leases ---------------------------------------------------------------------------
+
+    def leases(self) -> list[Lease]:
+        """The leases held on this device now (the engine's ops' and callers')."""
+        with self._lock:
+            return list(self._leases.values())
+
+    def lease(
+        self,
+        store: Store,
+        *,
+        ahead_of: Assignment | None = None,
+        deadline: float | None = None,
+        host: HostMemory | None = None,
+        blocking: bool = True,
+    ) -> Lease | None:
+        """Make ``store`` resident here and keep it so until the lease ends: the one way a
+        shard's state comes onto a device to compute (see :mod:`tune_hydra.engine.lease`).
+
+        On a copying device: wait for the store to be free of other leases and for room
+        (evicting the least recently used states not in use), take it from another
+        device if one holds it, copy it in (traced) and count it in the ledger. On a
+        device computing in host memory: use the host tensors in place (read back from
+        disk if need be), marked busy with ``host`` if given.
+
+        Args:
+            store: the shard's store.
+            ahead_of: the assigned op it is for (the copy thread's): only the ops queued
+                before it must stay resident beside it (``None``: all queued ones).
+            deadline: ``time.monotonic()`` by which the lease must be taken.
+            host: the host memory manager to mark the state busy with (``None``: not
+                marked here; the engine marks its ops' states as it assigns them).
+            blocking: wait for the store to be free of other leases (``False``: return
+                ``None`` if it is not).
+
+        Raises:
+            LeaseTimeoutError: not taken by ``deadline``.
+            LeaseEndedError: the device closed while a caller's lease waited.
+        """
+        if blocking:
+            CLAIMS.claim(store, self, deadline, self._is_closing, lambda: self._what(store))
+        elif not CLAIMS.try_claim(store, self):
+            return None
+        lease = Lease(self, store, host)
+        try:
+            if host is not None:  # before the promotion: nothing spills it in between
+                host.use(parts(store), 1)
+            if self.copy:
+                self._copy_in(lease, store, ahead_of, deadline)
+            else:
+                store.promote(self.device, None, copy=False, owner=self)
+                with self._lock:
+                    self.ledger.hold(store)
+                    self._leases[id(store)] = lease
+                    self._trim()
+        except BaseException:
+            lease.revoke("could not be taken")
+            raise
+        return lease
+
+    def unpin(self, lease: Lease, *, revoke: bool = False) -> None:
+        """``lease`` ended (called by it): its state may be evicted from now on."""
+        with self._lock:
+            key = id(lease._store)
+            if self._leases.get(key) is lease:
+                del self._leases[key]
+        if not revoke:
+            with self._op_done:  # a copy or a lease waiting for room may go on
+                self._op_done.notify_all()
+
+    def _revoke(self, store: Store) -> None:
+        with self._lock:
+            lease = self._leases.get(id(store))
+        if lease is not None:
+            lease.revoke(
+                "was revoked: the engine took its state off the device (its task left the "
+                "engine, was checkpointed or restored, or the engine closed)"
+            )
+
+    def _is_closing(self) -> bool:
+        return self._closing
+
+    def _what(self, store: Store) -> str:
+        return f"device {self.label}: leasing shard {store.name[1]} of task {store.name[0]!r}"
+
+    def _trim(self) -> None:
+        """Forget the least recently used states beyond ``depth`` that no lease holds
+        (nothing to copy: a device computing in host memory). Under ``_lock``."""
+        resident = self.ledger.resident
+        extra = len(resident) - self.depth
+        if extra <= 0:
+            return
+        for key, s in list(resident.items()):
+            if extra <= 0:
+                break
+            if key not in self._leases:
+                self.ledger.release(s)
+                extra -= 1
+
+    def _copy_in(
+        self, lease: Lease, store: Store, ahead_of: Assignment | None, deadline: float | None
+    ) -> None:
+        try:
+            if not self._make_room(store, ahead_of, deadline=deadline) and ahead_of is None:
+                raise LeaseEndedError(f"{self._what(store)}: the engine closed while it waited")
+            prev = store.owner
+            if isinstance(prev, DeviceWorker) and prev is not self:
+                prev.evict(store)  # traced there, on its copy stream
+            t0 = self.clock()
+            moved = store.promote(self.device, self.copy_stream, copy=self.copy, owner=self)
+            if self.copy_stream is not None:
+                lease.event = torch.cuda.Event()
+                lease.event.record(self.copy_stream)
+            if moved:
+                task, shard = store.name
+                op = ahead_of.op if ahead_of is not None else None
+                self.trace.add(
+                    TraceEvent(
+                        self.label,
+                        task,
+                        shard,
+                        "copy_in",
+                        t0,
+                        self.clock(),
+                        moved,
+                        op.iteration if op is not None else 0,
+                        op.batch if op is not None else -1,
+                    )
+                )
+            lease.moved = moved
+            self._hold(store, lease)
+        finally:
+            self._ungrant(store)
 
     def close(self) -> None:
         self._closing = True
@@ -262,31 +410,9 @@ class DeviceWorker:
                         self._incoming = None
                 continue
             try:
-                self._make_room(a.store, a)
-                prev = a.store.owner
-                if isinstance(prev, DeviceWorker) and prev is not self:
-                    prev.evict(a.store)  # traced there, on its copy stream
-                t0 = self.clock()
-                moved = a.store.promote(self.device, self.copy_stream, copy=self.copy, owner=self)
-                if self.copy_stream is not None:
-                    a.event = torch.cuda.Event()
-                    a.event.record(self.copy_stream)
-                if moved:
-                    self.trace.add(
-                        TraceEvent(
-                            self.label,
-                            a.op.task,
-                            a.op.shard,
-                            "copy_in",
-                            t0,
-                            self.clock(),
-                            moved,
-                            a.op.iteration,
-                            a.op.batch,
-                        )
-                    )
-                a.moved = moved
-                self._hold(a.store)
+                lease = self.lease(a.store, ahead_of=a)
+                assert lease is not None
+                a.lease, a.moved, a.event = lease, lease.moved, lease.event
             except BaseException as err:  # reported through the op
                 a.copy_error = err
             finally:
@@ -304,30 +430,64 @@ class DeviceWorker:
             return
         if not self._make_room(p.store, wait=False):  # no room beside the assigned ops
             return
-        t0 = self.clock()
-        with p.store.lock:  # held until counted here: its task may be leaving the engine
-            moved = p.store.try_promote(self.device, self.copy_stream, copy=self.copy, owner=self)
-            if moved is None:  # another device holds it, or it was retired
-                return
-            if moved:
-                self.trace.add(
-                    TraceEvent(
-                        self.label, p.task, p.shard, "copy_in", t0, self.clock(), moved, p.iteration
-                    )
+        try:
+            t0 = self.clock()
+            with p.store.lock:  # held until counted here: its task may be leaving the engine
+                # A lease on another device holds it (checked under the store's lock: that
+                # lease promotes it only after this).
+                if CLAIMS.elsewhere(p.store, self):
+                    return
+                moved = p.store.try_promote(
+                    self.device, self.copy_stream, copy=self.copy, owner=self
                 )
-            self._hold(p.store)
+                if moved is None:  # another device holds it, or it was retired
+                    return
+                if moved:
+                    self.trace.add(
+                        TraceEvent(
+                            self.label,
+                            p.task,
+                            p.shard,
+                            "copy_in",
+                            t0,
+                            self.clock(),
+                            moved,
+                            p.iteration,
+                        )
+                    )
+                self._hold(p.store)
+        finally:
+            self._ungrant(p.store)
 
-    def _hold(self, store: Store) -> None:
+    def _hold(self, store: Store, lease: Lease | None = None) -> None:
         with self._lock:
             # Sizes cached at promotion: reading a store's tensors while another
             # thread computes with them (autograd writing .grad) is unsafe.
             store.last_nbytes = store.nbytes()
             self.ledger.hold(store, store.last_nbytes)
+            if lease is not None:
+                self._leases[id(store)] = lease
+
+    def _ungrant(self, store: Store) -> None:
+        """The copy granted room for ``store`` landed (counted resident) or failed."""
+        with self._lock:
+            self._granted.pop(id(store), None)
+
+    def _beside(self, store: Store | None) -> list[Store]:
+        """The states held here besides ``store`` that no eviction may take: those of
+        leases, and those granted room whose copies are in flight. Under ``_lock``."""
+        out = [le._store for le in self._leases.values()]
+        out += [s for s in self._granted.values() if s is not store]
+        return out
 
     def fits(self, store: Store) -> bool:
-        """Whether ``store`` can be resident beside the ops already assigned here (the
-        dispatcher asks before queueing a second op behind a running one)."""
-        return self._need([x.store for x in list(self.assigned)] + [store], carries=True) is None
+        """Whether ``store`` can be resident beside the ops already assigned here and the
+        leases held (the dispatcher asks before queueing a second op behind a running
+        one)."""
+        queued = [x.store for x in list(self.assigned)]
+        with self._lock:
+            keep = queued + [le._store for le in self._leases.values()] + [store]
+            return self.ledger.need(keep, True) is None
 
     def _need(self, keep: list[Store], carries: bool = False) -> int | None:
         """Bytes over budget if ``keep`` were resident while each of them runs (plus the
@@ -399,31 +559,63 @@ class DeviceWorker:
         with self._lock:
             queued = list(self.assigned)
             # Resident, being copied in, or about to be: all there when the next op runs.
-            over = self.ledger.settle_over([x.store for x in queued], self._incoming)
+            # (Copies granted room for a caller's lease count as the next op, if none is
+            # queued: its holder computes on it then.)
+            incoming = self._incoming
+            coming = [x.store for x in queued]
+            coming += [s for s in self._granted.values() if s is not incoming]
+            over = self.ledger.settle_over(coming, incoming)
         nxt = queued[0].op.task if queued else None
         if over > 0:  # between two ops of this thread: its own stream made them
             self.park_carries(over, nxt, {x.op.task for x in queued}, self.compute_stream)
 
-    def _make_room(self, incoming: Store, op: Assignment | None = None, wait: bool = True) -> bool:
+    def _make_room(
+        self,
+        incoming: Store,
+        op: Assignment | None = None,
+        wait: bool = True,
+        deadline: float | None = None,
+    ) -> bool:
         """Evict least recently used shards so that ``incoming`` fits beside the ops that
-        run before it: those assigned ahead of ``op``, or all assigned ones for a
-        speculative prefetch (count and bytes). If even those do not fit, wait for the
-        running op to end (``wait``) or give up (returns False)."""
+        run before it (those assigned ahead of ``op``, or all assigned ones for a
+        speculative prefetch or a caller's lease), the leases held and the copies granted
+        room (count and bytes). If even those do not fit, wait for an op or a lease to
+        end (``wait``, until ``deadline``) or give up (returns False). On success the
+        room is granted to ``incoming`` (the caller calls :meth:`_ungrant` once its copy
+        is counted resident, or failed).
+
+        Raises:
+            LeaseTimeoutError: no room by ``deadline``.
+            ScheduleError: no room, and nothing here could free it.
+        """
         stuck_since = None
         while True:
             queued = list(self.assigned)
             if op is not None and any(x is op for x in queued):
                 queued = queued[: next(i for i, x in enumerate(queued) if x is op)]
-            keep = [x.store for x in queued] + [incoming]
-            over = self._need(keep, carries=not wait)
-            if over is None:
-                break
+            ahead = [x.store for x in queued] + [incoming]
+            with self._lock:  # checked and granted at once: callers on other threads
+                beside = self._beside(incoming)
+                keep = ahead[:-1] + beside + [incoming]
+                over = self.ledger.need(keep, not wait)
+                if over is None:
+                    self._granted[id(incoming)] = incoming
+                    break
             if not wait or self._closing:
                 return False
-            # Nothing runs ahead of this op, yet it does not fit: only ops queued behind it
-            # could free the room. Fail the op (its task) rather than hang every task.
             now = time.monotonic()
-            stuck_since = (stuck_since or now) if not queued else None
+            if deadline is not None and now >= deadline:
+                raise LeaseTimeoutError(
+                    f"{self._what(incoming)}: no room within the timeout "
+                    f"({format_bytes(over)} over the device budget beside the "
+                    f"{len(queued)} op(s) queued and the {len(beside)} other state(s) "
+                    f"leased or coming in); release a lease on {self.label}, or give a "
+                    f"longer timeout"
+                )
+            # Nothing runs ahead of this op and nothing is leased, yet it does not fit:
+            # only ops queued behind it could free the room. Fail the op (its task)
+            # rather than hang every task.
+            stuck_since = (stuck_since or now) if not queued and not beside else None
             if stuck_since is not None and now - stuck_since > _STUCK_S:
                 raise ScheduleError(
                     f"device {self.label}: shard {incoming.name} does not fit its budget "
@@ -433,12 +625,12 @@ class DeviceWorker:
                     f"tune_hydra bug, please report it"
                 )
             with self._op_done:
-                self._op_done.wait(_POLL_S)
+                self._op_done.wait(_POLL_S if deadline is None else min(_POLL_S, deadline - now))
         if wait:  # a needed copy: park waiting boundary tensors that leave it no room
             over = self._need(keep, carries=True)
             if over is not None:
-                tasks = {s.name[0] for s in keep}
-                self.park_carries(over, keep[0].name[0], tasks, self.copy_stream)
+                tasks = {s.name[0] for s in ahead}
+                self.park_carries(over, ahead[0].name[0], tasks, self.copy_stream)
         with self._lock:  # carries that could not be parked count, too
             victims = self.ledger.victims(keep, self.depth)
         for s in victims:  # counted as resident until their copies are done
@@ -450,6 +642,7 @@ class DeviceWorker:
         thread: another device's copy thread takes a shard over this way). Returns once
         the copy is done: until then the device memory is in use, and the shard stays
         counted here."""
+        self._revoke(store)  # only a task leaving (or checkpointed) takes a leased state
         # Under the store's lock from the copy to the release: another device's copy thread
         # takes a shard over through this method, and this device's own eviction of it must
         # not free the room (and copy something into it) while that copy-out still runs,
@@ -484,7 +677,7 @@ class DeviceWorker:
             err = a.copy_error
             if a.lend:
                 try:
-                    a.store.promote(self.device, None, copy=False, owner=self)
+                    a.lease = self.lease(a.store)
                 except BaseException as e:  # e.g. the read failed: that task fails
                     err = e
             if err is None and a.start is not None:
@@ -506,6 +699,8 @@ class DeviceWorker:
                 except BaseException as e:  # the engine fails that task only
                     err = e
                 a.store.end_op(failed=err is not None)
+            if a.lease is not None:  # its compute is over (on CUDA: synchronized)
+                a.lease.release()
             t1 = self.clock()
             self.busy_s += t1 - t0
             a.duration = t1 - t0
