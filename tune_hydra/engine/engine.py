@@ -24,6 +24,8 @@ from tune_hydra.core.trace import Trace
 from tune_hydra.engine.boundary import split_batch
 from tune_hydra.engine.host import HostMemory
 from tune_hydra.engine.kept import KeptGraphs
+from tune_hydra.engine.lease import Lease
+from tune_hydra.engine.lease import acquire as acquire_lease
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
 from tune_hydra.engine.protocol import Runner, check_runner
 from tune_hydra.engine.records import PendingIterations, TaskRecord, batches_per_iter
@@ -591,6 +593,36 @@ class Engine:
             self._cancel_futures(entry)
             self._note_carry(entry, None)
             entry.runner, entry.error, entry.cancelled = runner, None, False
+
+    def acquire(
+        self,
+        task: str,
+        shard: int,
+        device: int | str | torch.device,
+        *,
+        timeout: float | None = None,
+    ) -> Lease:
+        """Lease shard ``shard`` of ``task`` on ``device``: until the lease is released,
+        the shard's state is resident there and the caller may compute with its modules
+        and optimizer from any thread (see :mod:`tune_hydra.engine.lease`).
+
+        Args:
+            task: a registered task.
+            shard: the shard's index (``engine.plan(task).shards``).
+            device: the device's index, its label (``"cpu#1"``) or a device only one of
+                the engine's devices is.
+            timeout: seconds to wait for room (and for another lease on the shard to
+                end); ``None``: as long as it takes.
+
+        Raises:
+            InvalidTaskError: an unknown task or shard.
+            UnknownDeviceError: a device this engine does not have.
+            LeaseConflictError: the task is being trained (``train()`` not done), or has
+                a lease on another device.
+            LeaseTimeoutError: no room within ``timeout``.
+            LeaseEndedError: the engine is closed (or closes while it waits).
+        """
+        return acquire_lease(self, task, shard, device, timeout=timeout)
 
     def summary(self) -> dict[str, Any]:
         """Per-device busy time and utilization, bytes moved, per-task figures, and host
