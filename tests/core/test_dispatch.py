@@ -177,6 +177,9 @@ class Runner:
     current: Op | None
     shards: list[Shard]
 
+    def store_of(self, shard: int) -> Store:  # the Runner protocol's (engine/protocol.py)
+        return self.shards[shard].store
+
 
 @dataclasses.dataclass
 class Entry:

@@ -889,13 +889,33 @@ class Engine:
         # A task not measured yet is estimated like the average task so far (not as
         # "infinitely long", which would make LRTF alternate on cold estimates).
         default_op_s = self._op_sum / self._op_n if self._op_n else 1.0
+        # The common case made cheap (a decision per op, a check per ready task): on a
+        # device that computes in host memory with nothing queued, no disk tier and no
+        # kept graphs, a task's last offer still holds while its op, its estimate's basis
+        # and whether it ran here last are unchanged (what _offer checks, without its
+        # store); anything else goes through _offer.
+        plain = not (w.copy or w.assigned or self.host.active or self._kept.active)
+        last = w.last_task
         cands = []
         entries = []
         for e in self._tasks.values():
             op = e.runner.current
-            if e.assigned is None and e.error is None and not e.cancelled and op is not None:
-                cands.append(self._offer(e, op, w, default_op_s))
-                entries.append(e)
+            if e.assigned is not None or e.error is not None or e.cancelled or op is None:
+                continue
+            c = e.candidate
+            if not (
+                plain
+                and c is not None
+                and c.op is op
+                and c.resident is (last == e.name)
+                and c.fits
+                and c.in_host
+                and not c.bring_in_bytes
+                and (e.known_n or e.offered_s == default_op_s)
+            ):
+                c = self._offer(e, op, w, default_op_s)
+            cands.append(c)
+            entries.append(e)
         if not cands:
             return False
         i = decide(self.policy, w.index, cands)
@@ -940,8 +960,9 @@ class Engine:
             or c.fits is not fits
             or c.in_host is not in_host
             or c.bring_in_bytes != bring
-            or not e.known_n
+            or (not e.known_n and e.offered_s != default_op_s)
         ):
+            e.offered_s = default_op_s
             c = e.candidate = offer(
                 op,
                 e.remaining_s(default_op_s),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -59,6 +60,9 @@ class TaskRecord:
     known_sum: float = 0.0
     known_n: int = 0
     candidate: Candidate | None = None  # the last offer to the policy, while still true
+    # The engine-wide mean op time that offer was estimated with (it counts for the ops
+    # not measured yet).
+    offered_s: float = math.nan
     kept_on: DeviceWorker | None = None  # the device holding its batch's kept graphs
 
     def record(self, kind: str, shard: int, seconds: float) -> None:
