@@ -193,9 +193,13 @@ class Entry:
     cancelled: bool = False
     candidate: Candidate | None = None
     known_n: int = 1
+    offered_s: float = 0.0
 
     def remaining_s(self, default_op_s: float = 1.0) -> float:
         return self.remaining
+
+    def milestone_s(self, default_op_s: float = 1.0) -> float | None:
+        return None
 
 
 @dataclasses.dataclass
