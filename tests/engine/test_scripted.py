@@ -186,3 +186,19 @@ def test_play_needs_a_manual_clock_and_scripted_tasks() -> None:
         eng.add_runner("a", ScriptedRunner("a", "L0[0]"))
         with pytest.raises(InvalidTaskError, match="ManualClock"):
             play(eng, {"a": 1})
+
+
+def test_scripted_tasks_train_without_play_too() -> None:
+    # On the engine's own threads and clock (no gate): each task runs its script once per
+    # granted iteration, in order, wherever the dispatcher sends its ops.
+    with Engine(["cpu", "cpu"]) as eng:
+        runners = {n: ScriptedRunner(n, BATCH if n != "c" else "L0[0]") for n in "abc"}
+        for name, runner in runners.items():
+            eng.add_runner(name, runner)
+        futures = {name: eng.train(name, 2) for name in runners}
+        results = {name: f.result(timeout=60) for name, f in futures.items()}
+    for name, runner in runners.items():
+        assert [r["iteration"] for r in results[name]] == [1, 2]
+        script = "F0[0] L1[0] B0[0]" if name != "c" else "L0[0]"
+        want = [f"{name}:{w}" for w in script.split()]
+        assert [str(op) for op in runner.executed] == want + [f"{w}@1" for w in want]
