@@ -6,7 +6,9 @@ the base model's modules (``q_proj`` becomes a ``lora.Linear`` holding the froze
 ``PeftModel`` whose ``forward`` runs it. The base's blocks thus already hold their
 adapters, and :func:`peft_layers` cuts the base as it would be cut alone
 (:func:`~tune_hydra.models.hf_layers` for a transformers model,
-:func:`~tune_hydra.models.sequential_layers` for an ``nn.Sequential``), except that the
+:func:`~tune_hydra.models.sequential_layers` for an ``nn.Sequential``,
+:func:`~tune_hydra.models.trace_layers` for any other module, peft's adapter layers
+called as one layer each), except that the
 stages that run the model's ``forward`` (a transformers model's ``embed`` and ``head``)
 run the ``PeftModel`` 's: whatever peft adds around the base's forward (its forward hooks'
 context, dropping its own arguments) runs as in plain training. Stages are named by
@@ -38,6 +40,7 @@ from torch import nn
 from tune_hydra.exceptions import InvalidModelError, InvalidTaskError
 from tune_hydra.models.hf import hf_layers, is_hf_model
 from tune_hydra.models.sequential import sequential_layers
+from tune_hydra.models.traced import trace_layers
 
 PEFT_TYPES = ("LORA", "IA3", "LOHA", "LOKR")
 """peft types cut (``PeftType`` values): adapters inside the base model's layers whose
@@ -57,7 +60,8 @@ def peft_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, nn
 
     Args:
         model: a ``PeftModel`` (LoRA, IA3, LoHa, LoKr) around a transformers model the
-            engine cuts at its blocks, or around an ``nn.Sequential``.
+            engine cuts at its blocks, an ``nn.Sequential``, or a module whose
+            ``forward`` torch.fx traces.
         task: the task's name, for errors.
 
     Returns:
@@ -88,16 +92,15 @@ def peft_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, nn
         # would apply there only (its hooks are gone when the blocks run).
         stages[0][1].register_forward_pre_hook(_RefuseOneCallArgs(model, task))
         return stages
-    if type(base) is nn.Sequential:
-        prefix = _qualified_name(model, base)
-        return [(f"{prefix}.{n}", m) for n, m in sequential_layers(base, task)]
-    raise _cannot_cut(
-        of,
-        model,
-        base,
-        "tune_hydra cuts the base of a peft model when it is a transformers decoder model "
-        "(cut at its blocks) or an nn.Sequential",
-    )
+    # The PeftModel's forward runs the base's with the batch's inputs as they are: the
+    # base's own cut is the whole model's.
+    try:
+        # (the task is named below)
+        layers = sequential_layers(base) if type(base) is nn.Sequential else trace_layers(base)
+    except InvalidModelError as err:
+        raise _cannot_cut(of, model, base, str(err)) from err
+    prefix = _qualified_name(model, base)
+    return [(f"{prefix}.{n}", m) for n, m in layers]
 
 
 def frozen_base_tensors(
@@ -222,5 +225,5 @@ def _cannot_cut(of: str, model: nn.Module, base: nn.Module, why: str) -> Invalid
         f"{of}the peft model {type(model).__name__} cannot be cut: its base model "
         f"{type(base).__name__} cannot be ({why}). tune_hydra cuts a peft model at its base "
         f"model's layers: wrap a base the engine cuts (a transformers decoder model such as "
-        f"GPT-2 or Llama, or an nn.Sequential) with peft.get_peft_model"
+        f"GPT-2 or Llama, an nn.Sequential, a module torch.fx traces) with peft.get_peft_model"
     )

@@ -207,6 +207,13 @@ class _OwnThreadTracer(fx.Tracer):
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
+    def is_leaf_module(self, m: nn.Module, module_qualified_name: str) -> bool:
+        # peft's adapter layers (lora.Linear ...) branch on their input's dtype: each is
+        # called as one layer, as torch.nn's are (see tune_hydra.models.peft).
+        return type(m).__module__.startswith("peft.") or super().is_leaf_module(
+            m, module_qualified_name
+        )
+
 
 def _untraceable(name: str, err: BaseException) -> str:
     """Why ``forward`` could not be traced, where, and what to do about it."""
