@@ -43,7 +43,7 @@ from tune_hydra.frontends.ray.errors import (
     TrialNotRegisteredError,
 )
 from tune_hydra.frontends.ray.factories import BoundFactory as BoundFactory  # its old home
-from tune_hydra.frontends.ray.factories import FactoryCache
+from tune_hydra.frontends.ray.factories import FactoryCache, closure
 from tune_hydra.options import EngineOptions
 
 ENGINE_ACTOR_PREFIX = "tune_hydra_engine"
@@ -123,16 +123,12 @@ def tune_report_call(fn: Any, depth: int = 2) -> str | None:
         if func is None or id(func.__code__) in seen:
             return None
         seen.add(id(func.__code__))
-        cells = dict(zip(func.__code__.co_freevars, func.__closure__ or (), strict=False))
-        closure: dict[str, Any] = {}
-        for name, cell in cells.items():
-            with contextlib.suppress(ValueError):  # an empty cell
-                closure[name] = cell.cell_contents
+        closed = closure(func)
         scope = getattr(func, "__globals__", {})
 
         def lookup(name: str) -> Any:
-            if name in closure:
-                return closure[name]
+            if name in closed:
+                return closed[name]
             if name in scope:
                 return scope[name]
             # ``from ray import tune`` / ``import ray.train`` inside the function
@@ -162,7 +158,7 @@ def tune_report_call(fn: Any, depth: int = 2) -> str | None:
                 for found in map(lookup, names + code.co_freevars)
                 if isinstance(found, types.FunctionType) and found.__module__ == func.__module__
             )
-        callees.extend(v for v in closure.values() if callable(v) and not _ray_object(v))
+        callees.extend(v for v in closed.values() if callable(v) and not _ray_object(v))
         if level > 0:
             for callee in callees:
                 hit = visit(callee, level - 1)

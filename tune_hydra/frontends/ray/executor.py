@@ -9,7 +9,6 @@ by :func:`tune_hydra.run`; for ``tune.Tuner`` use :meth:`HydraExecutor.trainable
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 import os
@@ -36,7 +35,7 @@ from tune_hydra.frontends.ray.errors import (
     NotATaskFactoryError,
     TrialResourcesError,
 )
-from tune_hydra.frontends.ray.factories import BoundFactory, FactoryStore
+from tune_hydra.frontends.ray.factories import BoundFactory, FactoryStore, closure
 from tune_hydra.options import (
     EngineOptions,
     check_factory_timeout,
@@ -57,10 +56,7 @@ def unwrap_with_parameters(fn: Any) -> tuple[Callable[..., Any], dict[str, Any]]
     """
     if not isinstance(fn, types.FunctionType) or not fn.__module__.startswith("ray."):
         return None
-    cells: dict[str, Any] = {}
-    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
-        with contextlib.suppress(ValueError):  # an empty cell
-            cells[name] = cell.cell_contents
+    cells = closure(fn)
     from ray.tune.registry import _ParameterRegistry
 
     params_registry, prefix = cells.get("parameter_registry"), cells.get("prefix")

@@ -22,6 +22,7 @@ ignored with a log line.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import json
@@ -41,6 +42,27 @@ _NAMESPACE = "tune_hydra"
 _SEALED = b"THS1"  # format tag of a sealed (encrypted and authenticated) value
 _NONCE = 16
 _TAG = 32
+
+
+def closure(fn: Any) -> dict[str, Any]:
+    """The values ``fn`` closes over, by name (empty cells left out): how the wrappers
+    Tune makes (``tune.with_parameters``) keep what they wrap.
+
+    Example:
+        >>> def outer(x):
+        ...     return lambda: x
+        >>> closure(outer(3))
+        {'x': 3}
+    """
+    code = getattr(fn, "__code__", None)
+    cells = zip(
+        code.co_freevars if code else (), getattr(fn, "__closure__", None) or (), strict=False
+    )
+    values: dict[str, Any] = {}
+    for name, cell in cells:
+        with contextlib.suppress(ValueError):  # an empty cell
+            values[name] = cell.cell_contents
+    return values
 
 
 def _subkey(secret: str, purpose: str) -> bytes:
@@ -353,4 +375,4 @@ def _systematic_classes() -> dict[str, type[SystematicTaskError]]:
     return found
 
 
-__all__ = ["BoundFactory", "FactoryCache", "FactoryStore", "seal", "unseal"]
+__all__ = ["BoundFactory", "FactoryCache", "FactoryStore", "closure", "seal", "unseal"]

@@ -44,7 +44,7 @@ from tune_hydra.frontends.ray.errors import (
     engine_lost,
     no_slot,
 )
-from tune_hydra.frontends.ray.factories import FactoryStore
+from tune_hydra.frontends.ray.factories import FactoryStore, closure
 
 logger = logging.getLogger(__name__)
 
@@ -63,10 +63,7 @@ def with_parameters_refs(cls: type) -> dict[str, Any] | None:
     setup = cls.__dict__.get("setup")
     if not isinstance(setup, types.FunctionType) or not setup.__module__.startswith("ray."):
         return None
-    cells: dict[str, Any] = {}
-    for name, cell in zip(setup.__code__.co_freevars, setup.__closure__ or (), strict=False):
-        with contextlib.suppress(ValueError):  # an empty cell
-            cells[name] = cell.cell_contents
+    cells = closure(setup)
     registry, prefix, keys = cells.get("parameter_registry"), cells.get("prefix"), cells.get("keys")
     if not isinstance(registry, _ParameterRegistry) or not isinstance(prefix, str):
         return None
