@@ -317,6 +317,26 @@ def test_ia3_trials_multiplexed_are_exact(kind: str, saved: dict[str, Path]) -> 
         assert_exact(task.model, refs[name].model)
 
 
+def test_gradient_checkpointing_as_peft_users_enable_it_is_exact(saved: dict[str, Path]) -> None:
+    """The usual LoRA recipe: transformers' gradient checkpointing in the blocks, and a
+    hook on the input embeddings so that their frozen output requires grad."""
+    task = trial("llama", saved["llama"], 1)
+    task.model.gradient_checkpointing_enable()
+    task.model.enable_input_require_grads()
+    ref = alone(task)
+    h = th.train_models(
+        {"a": task},
+        devices=["cpu", "cpu"],
+        max_layers_per_shard=2,
+        epochs=2,
+        seed=0,
+        copy_on_cpu=True,
+    )
+    want = plain_on_emulated_device(ref, 2, seed=0, devices=2)
+    assert [r["loss"] for r in h["a"]] == [r["loss"] for r in want]
+    assert_exact(task.model, ref.model)
+
+
 def test_frozen_tensors_have_no_gradient_nor_optimizer_state(saved: dict[str, Path]) -> None:
     task = trial("llama", saved["llama"], 1)
     names = set(trainable(task.model))
