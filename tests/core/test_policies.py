@@ -334,11 +334,14 @@ def test_milestone_committed_trials_come_last_by_lrtf() -> None:
 
 def test_milestone_committed_trial_on_the_critical_path_runs_first() -> None:
     policy = MilestonePolicy(devices=2)
-    # 10 s >= (10 + 1 + 1) / 2 devices: each second t0 waits lengthens the run.
-    cands = [mcand(0, None, remaining=10.0), mcand(1, 1.0), mcand(2, 1.0)]
+    # 10 s >= (10 + 5 + 5) / 2 devices: each second t0 waits lengthens the run.
+    cands = [mcand(0, None, remaining=10.0), mcand(1, 1.0, 5.0), mcand(2, 1.0, 5.0)]
     assert sel(policy, cands) == 0
     assert policy.admitted == []
     assert sel(MilestonePolicy(devices=2, critical=float("inf")), cands) == 1
+    # Counted to their ends, the others' work makes t0 no long pole: milestones first.
+    cands = [mcand(0, None, remaining=10.0), mcand(1, 1.0, 6.0), mcand(2, 1.0, 5.0)]
+    assert sel(MilestonePolicy(devices=2), cands) == 1
 
 
 def test_milestone_ties_prefer_resident_then_in_host() -> None:

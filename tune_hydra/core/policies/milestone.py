@@ -40,9 +40,9 @@ class MilestonePolicy(BasePolicy):
 
     1. **The critical path.** A committed trial (``milestone_s is None``: no decision
        point ahead — past its last rung, or the search cannot stop it) whose remaining
-       work is at least ``critical`` x the ready work per device (the ready trials'
-       remaining work, to the end for committed ones and to the next milestone for the
-       others, over the devices) runs first: each second it waits lengthens the run.
+       work is at least ``critical`` x the ready work per device (every ready trial's
+       ``remaining_s``, to its end, over the devices: as if no trial were stopped) runs
+       first: each second it waits lengthens the run even then.
     2. **Admitted trials.** A resident one first (its shard is on the device, or it ran
        there last), then one whose state is in host memory, then the least work to its
        milestone.
@@ -180,7 +180,9 @@ class MilestonePolicy(BasePolicy):
         if self.critical == float("inf") or len(candidates) < 2:
             return None
         longest = max(committed, key=lambda c: (c.remaining_s, -c.order))
-        work = sum(c.remaining_s if c.milestone_s is None else c.milestone_s for c in candidates)
+        # Every ready trial's work to its end: as if none were stopped, so a committed
+        # trial jumps the milestones only when it is the long pole even then.
+        work = sum(c.remaining_s for c in candidates)
         devices = max(1, self.devices or self._seen_devices)
         if longest.remaining_s >= self.critical * work / devices:
             return self._lrtf.choose(0, committed)
