@@ -1,5 +1,8 @@
-"""The checkpoint file format: what a trial's checkpoint directory holds, how it is written
-and how it is verified before anything in it is loaded.
+"""A trial's checkpoint: what its directory holds, how it is written and verified before
+anything in it is loaded, and how a trial of an engine is saved into it and restored from
+it (:func:`save_trial`, :func:`restore_trial`; :func:`save_model` writes the model file
+alone). The one owner of the checkpoint schema: no other module reads or writes its file
+names or manifest fields, for every front end.
 
 A checkpoint directory holds three files:
 
