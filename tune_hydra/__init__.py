@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     )
     from tune_hydra.frontends.optuna import optimize
     from tune_hydra.frontends.ray import HydraExecutor, patch_tune, run, unpatch_tune
+    from tune_hydra.frontends.shard import configure, shard, unshard
     from tune_hydra.planning import PlanReport, plan
 
 __version__ = "0.1.0"
@@ -40,6 +41,9 @@ _LAZY = {
     "train_models": "tune_hydra.engine",
     "train_plain": "tune_hydra.engine",
     "optimize": "tune_hydra.frontends.optuna",
+    "shard": "tune_hydra.frontends.shard",
+    "configure": "tune_hydra.frontends.shard",
+    "unshard": "tune_hydra.frontends.shard",
     "plan": "tune_hydra.planning",
     "PlanReport": "tune_hydra.planning",
     "run": "tune_hydra.frontends.ray",
@@ -65,6 +69,7 @@ __all__ = [
     "ModelTask",
     "PlanReport",
     "TuneHydraError",
+    "configure",
     "exceptions",
     "optimize",
     "patch_tune",
@@ -72,7 +77,9 @@ __all__ = [
     "plot_timeline",
     "run",
     "save_trace",
+    "shard",
     "train_models",
     "train_plain",
     "unpatch_tune",
+    "unshard",
 ]

@@ -556,3 +556,34 @@ def format_bytes(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     raise AssertionError("unreachable")
+
+
+# -- th.shard: the user's own training loop (tune_hydra.frontends.shard) -------------------
+
+
+class ShardError(TuneHydraError, ValueError):
+    """``th.shard`` was given something it cannot shard, or used out of order."""
+
+
+class AlreadyShardedError(ShardError):
+    """``th.shard`` was called twice on one model."""
+
+
+class OptimizerMismatchError(ShardError):
+    """The optimizer given to ``th.shard`` steps parameters that are not the model's."""
+
+
+class ModelOnDeviceError(ShardError):
+    """The model given to ``th.shard`` is on an accelerator: the engine places it."""
+
+
+class UnsupportedCallError(ShardError, TypeError):
+    """A sharded model or optimizer was called in a way it does not support."""
+
+
+class EngineConfiguredError(ShardError, RuntimeError):
+    """``th.configure`` came after the embedded engine was started."""
+
+
+class ShardClosedError(ShardError, RuntimeError):
+    """A sharded model was used after its loop was closed (``unshard``)."""

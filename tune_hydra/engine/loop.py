@@ -1,0 +1,746 @@
+"""A training loop the user drives, as shard ops the engine schedules: :class:`LoopRunner`.
+
+``th.shard(model, optimizer)`` (:mod:`tune_hydra.frontends.shard`) keeps the user's loop
+as it is. Each call of the model becomes one op per shard, announced from the user's
+thread: :meth:`LoopRunner.run` makes it the runner's :attr:`~LoopRunner.current` op and
+grants it (``Engine.train(name, 1)``: one op is one of the runner's iterations), the
+engine's dispatcher picks a device when it is the op's turn among every task sharing
+the engine, the device's worker makes the shard resident (a lease, the one path) and
+runs :meth:`LoopRunner.execute`, and the user's thread, which waited, goes on with the
+result. Ops of one loop run one at a time, in the user's order.
+
+- **forward** (:meth:`LoopRunner.forward`): with grad enabled, each shard is a
+  ``torch.autograd.Function`` (:class:`_ShardFunction`) whose forward runs the shard under
+  ``no_grad`` and keeps only its input (and the RNG state it started from), and whose
+  backward is a *backward op*: the shard's forward recomputed with grad on the same random
+  numbers, back-propagated from the incoming gradient, accumulating into the shard's
+  parameters' ``.grad`` (several ``backward()`` per step add up, as plain PyTorch), and
+  the input's gradient handed back. The graph the user's thread sees lives on the device
+  of the inputs, so ``loss.backward()`` runs these backward ops from the user's thread.
+  Without grad (``torch.no_grad()``, evaluation) the ops keep nothing.
+- **optimizer**: the user's optimizer is split per shard (same class, same hyperparameter
+  groups); ``step()`` and ``zero_grad()`` are recorded per shard and applied at the start
+  of the shard's next op (the state is on a device then anyway), each step with the
+  hyperparameters its groups had when ``step()`` was called (so an lr scheduler stepping
+  right after works); :meth:`LoopRunner.sync` applies what is pending (as step ops) and
+  brings every state home, for the user's thread to read or write the model's tensors.
+- **random numbers**: a loop started on the main thread shares torch's global CPU
+  generator with its ops, exactly as plain PyTorch (the user's own draws, a shuffling
+  ``DataLoader``, and dropout in the ops come from one stream, in the same order); a loop
+  on another thread gets a private stream for its ops, started from the global
+  generator's state when it was cut (torch's global generator is shared by threads, so
+  drawing from it would make each loop's dropout depend on the others').
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import itertools
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tune_hydra.core.ops import Op, OpKind
+from tune_hydra.engine import rng
+from tune_hydra.engine.boundary import backward as backward_from
+from tune_hydra.engine.lease import parts
+from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
+from tune_hydra.engine.shared import SharedParams
+from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
+from tune_hydra.engine.task import OwnedTensors, owned_tensors
+from tune_hydra.engine.units import device_capacity
+from tune_hydra.exceptions import ShardClosedError, TaskFailedError
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.engine import Engine
+
+_LOCAL = threading.local()  # .depth > 0: this thread computes inside an op (or a probe)
+_NAMES = itertools.count()
+
+
+def in_op() -> bool:
+    """Whether the calling thread is computing one of a loop's ops (or probing its
+    layers): a sharded model called there runs its own ``forward`` (a Hugging Face stage
+    runs parts of the model's ``forward``)."""
+    return getattr(_LOCAL, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def inside_op() -> Iterator[None]:
+    """Mark the calling thread as computing inside an op (see :func:`in_op`)."""
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _LOCAL.depth -= 1
+
+
+def _park_nothing(device: torch.device, stream: Any = None) -> int:
+    return 0  # a loop's boundary tensors live on the user's side, never on a device
+
+
+@dataclass
+class LoopShard:
+    """One shard of a loop: its modules, optimizer, store, and what waits for its next op.
+
+    Attributes:
+        pending: ``("step", hyperparameters per local group)`` and ``("zero",
+            set_to_none)`` recorded by the user's ``step()`` / ``zero_grad()``, applied in
+            order at the start of the shard's next op.
+    """
+
+    index: int
+    module: nn.Sequential
+    optimizer: torch.optim.Optimizer | None
+    store: Store
+    # The user's param-group index of each of its optimizer's groups.
+    group_map: list[int]
+    zeroes: list[nn.Parameter]
+    first_uses: list[tuple[ShardStore, int]]
+    last_uses: list[tuple[ShardStore, int]]
+    writes_input: bool | None
+    pending: list[tuple[str, Any]] = field(default_factory=list)
+    # (training, drew from the CPU generator) once seen; a shard that does not draw skips
+    # installing the stream (and its lock).
+    draws: dict[bool, bool] = field(default_factory=dict)
+
+
+class LoopRunner:
+    """The :class:`~tune_hydra.engine.protocol.Runner` of one user-driven loop.
+
+    Build it with :func:`build_loop` (which cuts the model on its first batch); the
+    user's thread calls :meth:`forward`, :meth:`step`, :meth:`zero_grad` and
+    :meth:`sync`.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        model: nn.Module,
+        plan: ShardPlan,
+        shards: list[LoopShard],
+        user_optimizer: torch.optim.Optimizer | None,
+        wrappers: list[nn.Module],
+        *,
+        private_stream: bool,
+        home: torch.device,
+        hf: bool,
+    ) -> None:
+        self.name = name
+        self.engine = engine
+        # Weakly: the model's garbage collection removes the loop (th.shard's finalizer).
+        self._model = weakref.ref(model)
+        self._plan = plan
+        self.shards = shards
+        self.user_optimizer = user_optimizer
+        self._wrappers = wrappers  # modules of the cut that are not the user's
+        self._hf = hf
+        self.home = home
+        self.current: Op | None = None
+        self.on_iteration: Callable[[dict[str, Any]], None] | None = None
+        self.history: list[dict[str, Any]] = []  # ops are not kept (one per op would grow)
+        self._iteration = 0
+        self._granted = 0
+        self._device_time = 0.0
+        self._request: tuple[Op, Callable[[torch.device], Any]] | None = None
+        self._running = False
+        self._result: tuple[bool, Any] = (True, None)
+        self._batch = 0  # train forwards of shard 0 so far
+        # The op pattern, learnt as it runs: (kind, shard) -> what followed it last time.
+        self._next: dict[tuple[OpKind, int], tuple[OpKind, int]] = {}
+        self._last_key: tuple[OpKind, int] | None = None
+        self._ops_since_batch = 0
+        self._ops_per_batch = 3 * len(shards)
+        self._home_now = True  # every state is home (sync), nothing pending
+        self.closed = False
+        self._private = private_stream
+        seed = torch.initial_seed()
+        self._seed = seed
+        self.stream = rng.RngState(torch.get_rng_state())
+
+    @property
+    def model(self) -> nn.Module:
+        """The user's model.
+
+        Raises:
+            ShardClosedError: it was garbage-collected.
+        """
+        model = self._model()
+        if model is None:
+            raise ShardClosedError(f"loop {self.name!r}: its model was garbage-collected")
+        return model
+
+    # -- the Runner protocol ------------------------------------------------------------
+
+    @property
+    def granted(self) -> int:
+        return self._granted
+
+    @property
+    def iteration(self) -> int:
+        return self._iteration
+
+    @property
+    def device_time(self) -> float:
+        return self._device_time
+
+    @property
+    def plan(self) -> ShardPlan:
+        return self._plan
+
+    @property
+    def stores(self) -> list[ShardStore]:
+        out: dict[int, ShardStore] = {}
+        for s in self.shards:
+            for one in parts(s.store):
+                out[id(one)] = one
+        return list(out.values())
+
+    @property
+    def ops_per_batch(self) -> int:
+        return self._ops_per_batch
+
+    @property
+    def batches_done(self) -> int:
+        return 0  # one op is one iteration: nothing of it is done before it ends
+
+    def grant(self, iterations: int) -> None:
+        self._granted += iterations
+
+    def revoke(self) -> None:
+        self._granted = 0
+
+    def stop(self) -> None:
+        self.current = None
+        self._granted = 0
+        self._running = False
+
+    def advance(self) -> Op | None:
+        if self._running:  # the current op completed: its one iteration ends
+            self._running = False
+            self.current = None
+            self._iteration += 1
+            self._granted -= 1
+            if self.on_iteration is not None:  # resolves the user's wait: nothing after
+                self.on_iteration({"iteration": self._iteration, "batches": 0})
+            return None
+        if self._request is None or self._granted == 0:
+            self.current = None
+            return None
+        self.current = self._request[0]
+        self._running = True
+        return self.current
+
+    def execute(self, op: Op, device: torch.device) -> None:
+        assert self._request is not None and self._request[0] is op
+        fn = self._request[1]
+        t0 = time.perf_counter()
+        try:
+            with inside_op():
+                self._apply_pending(self.shards[op.shard])
+                for m in self._wrappers:  # the cut's own modules follow the user's mode
+                    m.training = self.model.training
+                self._result = (True, fn(device))
+        except BaseException as err:  # the user's code failed: raised in the user's thread
+            self._result = (False, err)
+        self._device_time += time.perf_counter() - t0
+
+    def store_of(self, shard: int) -> Store:
+        return self.shards[shard].store
+
+    def next_shard(self, op: Op) -> int | None:
+        nxt = self._next.get((op.kind, op.shard))
+        return None if nxt is None or nxt[1] == op.shard else nxt[1]
+
+    def ops_until(self, op: Op | None, shard: int) -> int:
+        if op is None:
+            return len(self.shards)
+        key: tuple[OpKind, int] | None = (op.kind, op.shard)
+        for n in range(4 * len(self.shards) + 2):
+            if key is None:
+                break
+            if key[1] == shard:
+                return n
+            key = self._next.get(key)
+        return 4 * len(self.shards) + 2
+
+    def carry_bytes(self, device: torch.device) -> int:
+        return 0
+
+    def carry_parker(self) -> Callable[[torch.device, Any], int]:
+        return _park_nothing
+
+    def drop_batch(self) -> None:
+        """Nothing to drop: a batch's saved inputs belong to the user's autograd graph."""
+
+    def owned_tensors(self) -> OwnedTensors:
+        host: list[tuple[Any, torch.Tensor]] = []
+        for s in self.shards:
+            host.extend(s.store.host_tensors())
+        return owned_tensors(self.model, host)
+
+    # -- ops, from the user's thread ----------------------------------------------------
+
+    def run(self, kind: OpKind, shard: int, fn: Callable[[torch.device], Any]) -> Any:
+        """Run ``fn(device)`` as op ``kind`` of ``shard`` when the engine schedules it, on
+        the device it picks, and return its result (or raise its error) here.
+
+        Raises:
+            ShardClosedError: the loop was closed.
+            TaskFailedError: the engine failed the loop (an engine error, not the user's).
+        """
+        if self.closed:
+            raise ShardClosedError(
+                f"{type(self.model).__name__} was unsharded (its loop {self.name!r} is "
+                f"closed); call th.shard on a fresh model to train it on the engine again"
+            )
+        batch = self._batch
+        if kind is OpKind.FORWARD and shard == 0 and torch.is_grad_enabled():
+            self._batch += 1
+        op = Op(self.name, kind, shard, 0, batch)
+        self._learn((kind, shard))
+        self._home_now = False
+        self._request = (op, fn)
+        hand_off = not self._private
+        if hand_off:  # the global generator's draws so far are the loop's
+            self.stream.cpu = torch.get_rng_state()
+        try:
+            self.engine.train(self.name, 1).result()
+        except TaskFailedError:
+            raise
+        finally:
+            self._request = None
+        if hand_off:
+            torch.set_rng_state(self.stream.cpu)
+        ok, value = self._result
+        self._result = (True, None)
+        if not ok:
+            raise value
+        return value
+
+    def _learn(self, key: tuple[OpKind, int]) -> None:
+        if self._last_key is not None:
+            self._next[self._last_key] = key
+        self._last_key = key
+        if key == (OpKind.FORWARD, 0):
+            if self._ops_since_batch:
+                self._ops_per_batch = self._ops_since_batch
+            self._ops_since_batch = 0
+        self._ops_since_batch += 1
+
+    def forward(self, inputs: Any) -> Any:
+        """The model's forward on ``inputs``, shard by shard (see the module docstring)."""
+        grad = torch.is_grad_enabled() and any(
+            p.requires_grad for s in self.shards for p in s.module.parameters()
+        )
+        carry = inputs
+        if grad:
+            token = torch.empty(0, requires_grad=True)  # so that every shard's node is reached
+            for shard in self.shards:
+                call = _ShardCall(self, shard)
+                leaves, spec = tree_flatten(carry)
+                tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+                call.leaves, call.spec, call.tensor_at = leaves, spec, tensors
+                outs = _ShardFunction.apply(call, token, *(leaves[i] for i in tensors))
+                carry = call.rebuild(outs)
+        else:
+            for shard in self.shards:
+                carry = self.run(
+                    OpKind.EVAL if not self.model.training else OpKind.FORWARD,
+                    shard.index,
+                    lambda dev, s=shard, x=carry: self._plain_forward(s, dev, x),
+                )
+        return carry
+
+    def _plain_forward(self, shard: LoopShard, device: torch.device, x: Any) -> Any:
+        x = _to(x, device)
+        with self._stream(shard, device), torch.no_grad():
+            out = shard.module(x)
+        return _to(out, self.home)
+
+    # -- the optimizer's part -----------------------------------------------------------
+
+    def step(self) -> None:
+        """Record an optimizer step for every shard, with the hyperparameters the user's
+        param groups have now."""
+        assert self.user_optimizer is not None
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.user_optimizer.param_groups
+        ]
+        for s in self.shards:
+            if s.optimizer is not None:
+                s.pending.append(("step", [groups[i] for i in s.group_map]))
+        self._home_now = False
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Record ``zero_grad`` for every shard (applied at its next op, or by sync)."""
+        for s in self.shards:
+            s.pending.append(("zero", set_to_none))
+
+    def _apply_pending(self, shard: LoopShard) -> None:
+        for what, arg in shard.pending:
+            if what == "zero":
+                for p in shard.zeroes:
+                    if p.grad is None:
+                        continue
+                    if arg:
+                        p.grad = None
+                    else:
+                        p.grad.detach_()
+                        p.grad.zero_()
+            else:
+                opt = shard.optimizer
+                assert opt is not None
+                for group, hyper in zip(opt.param_groups, arg, strict=True):
+                    group.update(hyper)
+                opt.step()
+        shard.pending.clear()
+
+    def sync(self) -> None:
+        """Apply what is pending (as step ops) and bring every shard's state home, where
+        it stays until the loop's next op: the user's thread may then read and write the
+        model's parameters, gradients and buffers, and the optimizers' state."""
+        if self._home_now or in_op() or self.closed:
+            return
+        for s in self.shards:
+            if s.pending:
+                self.run(OpKind.STEP, s.index, lambda dev: None)  # execute applies them
+        workers = self.engine.workers
+        for s in self.shards:
+            store = s.store
+            for part in parts(store):
+                with part.lock:  # a prefetch may be bringing it in right now: after it
+                    owner = part.owner
+                    if owner in workers:
+                        owner.evict(part)  # type: ignore[union-attr]
+                    part.retire()
+            for w in workers:
+                for part in parts(store):
+                    w.release(part)
+        self._home_now = True
+
+    def touched(self) -> None:
+        """The user's thread wrote into the model's or the optimizer's tensors at home:
+        their host copies and spill files are stale (see ``ShardStore.begin_op``)."""
+        for s in self.shards:
+            for part in parts(s.store):
+                part.begin_op(OpKind.STEP)  # a step "changes" the state
+                part.end_op()
+
+    def load_optimizer_state(self) -> None:
+        """Move the state the user's optimizer holds (after its ``load_state_dict``) into
+        the shards' optimizers."""
+        opt = self.user_optimizer
+        assert opt is not None
+        for s in self.shards:
+            if s.optimizer is None:
+                continue
+            for group in s.optimizer.param_groups:
+                for p in group["params"]:
+                    s.optimizer.state.pop(p, None)
+                    if p in opt.state:
+                        s.optimizer.state[p] = opt.state[p]
+        opt.state = collections.defaultdict(dict)
+        self.touched()
+
+    def optimizer_state(self) -> dict[Any, Any]:
+        """Every shard optimizer's per-parameter state, keyed by parameter."""
+        state: dict[Any, Any] = {}
+        for s in self.shards:
+            if s.optimizer is not None:
+                state.update(s.optimizer.state)
+        return state
+
+    # -- the RNG stream -------------------------------------------------------------------
+
+    def _stream(
+        self,
+        shard: LoopShard,
+        device: torch.device,
+        replay: rng.RngState | None = None,
+        training: bool | None = None,
+    ) -> contextlib.AbstractContextManager[Any]:
+        training = self.model.training if training is None else training
+        if shard.draws.get(training) is False and device.type != "cuda":
+            return contextlib.nullcontext()
+        return self._installed(shard, device, replay, training)
+
+    @contextlib.contextmanager
+    def _installed(
+        self, shard: LoopShard, device: torch.device, replay: rng.RngState | None, training: bool
+    ) -> Iterator[rng.RngState]:
+        with rng.task_stream(self.stream, device, self._seed, replay=replay) as scope:
+            yield scope.entry
+        if replay is None and training not in shard.draws:
+            shard.draws[training] = scope.drew_cpu
+
+    # -- leaving ---------------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Leave the engine: every state home for good, the runner removed (the model
+        keeps its weights, on the CPU). Pending steps are applied first."""
+        if self.closed:
+            return
+        with contextlib.suppress(Exception):
+            self.sync()
+        self.closed = True
+        with contextlib.suppress(Exception):
+            self.engine.remove_task(self.name)
+
+
+class _ShardCall:
+    """One shard's part in one forward with grad: runs its forward op, keeps its input,
+    and runs its backward op when autograd reaches it."""
+
+    def __init__(self, loop: LoopRunner, shard: LoopShard) -> None:
+        self.loop = loop
+        self.shard = shard
+        self.leaves: list[Any] = []
+        self.spec: Any = None
+        self.tensor_at: list[int] = []
+        self.entry: rng.RngState | None = None  # the RNG state the forward started from
+        self.out_spec: Any = None
+        self.out_leaves: list[Any] = []
+        self.out_tensor_at: list[int] = []
+        self.training = True
+
+    def inputs(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_at, tensors, strict=True):
+            leaves[i] = t
+        return tree_unflatten(leaves, self.spec)
+
+    def rebuild(self, outs: tuple[torch.Tensor, ...]) -> Any:
+        leaves = list(self.out_leaves)
+        for i, t in zip(self.out_tensor_at, outs, strict=True):
+            leaves[i] = t
+        return tree_unflatten(leaves, self.out_spec)
+
+    def forward(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+        loop, shard = self.loop, self.shard
+        self.training = loop.model.training
+        x = self.inputs(tensors)
+
+        def compute(device: torch.device) -> Any:
+            arg = _to(x, device)
+            if shard.writes_input is not False:  # the saved input must stay as it was
+                arg = _clone(arg)
+            with loop._stream(shard, device) as entry, torch.no_grad():
+                out = shard.module(arg)
+            self.entry = entry
+            return _to(out, loop.home)
+
+        out = loop.run(OpKind.FORWARD, shard.index, compute)
+        leaves, self.out_spec = tree_flatten(out)
+        self.out_tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        self.out_leaves = leaves
+        return [leaves[i] for i in self.out_tensor_at]
+
+    def backward(
+        self, saved: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...], need: Any
+    ) -> list[torch.Tensor | None]:
+        loop, shard = self.loop, self.shard
+
+        def compute(device: torch.device) -> list[torch.Tensor | None]:
+            inp = [
+                t.detach().to(device).requires_grad_(bool(n) and t.is_floating_point())
+                for t, n in zip(saved, need, strict=True)
+            ]
+            arg = self.inputs(tuple(_clone(t) if shard.writes_input else t for t in inp))
+            for store, i in shard.first_uses:
+                store.stash_grad(i)
+            # The forward already updated buffers (BatchNorm statistics) once: recompute on
+            # throwaway copies, then put the real buffers back.
+            slots = [(m, n) for part in parts(shard.store) for m, n in part.buffer_slots]
+            real = [m._buffers[n] for m, n in slots]
+            for (m, n), b in zip(slots, real, strict=True):
+                m._buffers[n] = b.clone()  # type: ignore[union-attr]
+            try:
+                stream = loop._stream(shard, device, replay=self.entry, training=self.training)
+                with stream, torch.enable_grad():
+                    out = shard.module(arg)
+            finally:
+                for (m, n), b in zip(slots, real, strict=True):
+                    m._buffers[n] = b
+            outs, _ = tree_flatten(out)
+            outs = [outs[i] for i in self.out_tensor_at]
+            gs = [None if g is None else g.to(device) for g in grads]
+            backward_from(outs, gs)
+            for store, i in shard.last_uses:
+                store.unstash_grad(i)
+            return [
+                None if t.grad is None else t.grad.to(loop.home) if n else None
+                for t, n in zip(inp, need, strict=True)
+            ]
+
+        try:
+            return loop.run(OpKind.BACKWARD, shard.index, compute)  # type: ignore[no-any-return]
+        finally:
+            self.leaves, self.out_leaves = [], []  # the graph is done with them
+
+
+class _ShardFunction(torch.autograd.Function):
+    """A shard in the user's autograd graph (see :class:`_ShardCall`)."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _ShardCall, token: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        outs = call.forward(tensors)
+        ctx.call = call
+        ctx.save_for_backward(*tensors)
+        ctx.set_materialize_grads(False)
+        frozen = [t for t in outs if not (t.is_floating_point() or t.is_complex())]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        call: _ShardCall = ctx.call
+        need = ctx.needs_input_grad[2:]
+        got = call.backward(ctx.saved_tensors, grads, need)
+        ctx.call = None
+        return (None, None, *got)
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    leaves, spec = tree_flatten(obj)
+    if not any(isinstance(t, torch.Tensor) and t.device != device for t in leaves):
+        return obj
+    moved = [t.to(device) if isinstance(t, torch.Tensor) else t for t in leaves]
+    return tree_unflatten(moved, spec)
+
+
+def _clone(obj: Any) -> Any:
+    leaves, spec = tree_flatten(obj)
+    return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+
+
+def build_loop(
+    engine: Engine,
+    model: nn.Module,
+    user_optimizer: torch.optim.Optimizer | None,
+    optimizer_class: type[torch.optim.Optimizer] | None,
+    layers: list[tuple[str, nn.Module]],
+    sample: Any,
+    *,
+    home: torch.device,
+    hf: bool,
+) -> LoopRunner:
+    """Cut ``model`` (its ``layers``, sized by a probe on ``sample``, the first batch) for
+    ``engine``'s budget, build one optimizer per shard like the user's, and register the
+    loop with the engine.
+
+    Raises:
+        ShardTooLargeError, DataMismatchError, InvalidModelError: from the cut.
+    """
+    name = f"loop-{type(model).__name__}-{next(_NAMES)}"
+
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return (
+            torch.optim.SGD(params, lr=0.0)
+            if optimizer_class is None
+            else _like(user_optimizer, optimizer_class, [{"params": params}])
+        )
+
+    with rng.CPU_RNG_LOCK, torch.random.fork_rng(devices=[]), inside_op():
+        costs = layer_costs(layers, factory, sample, None, device=engine.devices[0], task=name)
+    device = engine.devices[0]
+    budget = engine.budget
+    if budget is None and device.type == "cuda":  # as the engine budgets a whole GPU
+        budget = int(device_capacity(device) * 0.9)
+    plan = plan_shards(
+        costs, budget, prefetch=engine.prefetch, max_layers_per_shard=engine.max_layers_per_shard
+    )
+    modules = [nn.Sequential(*(m for _, m in layers[s.start : s.stop])) for s in plan.shards]
+    shared = SharedParams(modules)
+    optimizers: list[torch.optim.Optimizer | None] = []
+    maps: list[list[int]] = []
+    for spec, module in zip(plan.shards, modules, strict=True):
+        params = {id(p) for p in shared.steps(spec.index, module)}
+        groups, gmap = [], []
+        if user_optimizer is not None and optimizer_class is not None:
+            for gi, g in enumerate(user_optimizer.param_groups):
+                ps = [p for p in g["params"] if id(p) in params]
+                if ps:
+                    groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
+                    gmap.append(gi)
+        opt = _like(user_optimizer, optimizer_class, groups) if groups else None
+        if opt is not None and user_optimizer is not None:  # state loaded before the cut
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p in user_optimizer.state:
+                        opt.state[p] = user_optimizer.state.pop(p)
+        optimizers.append(opt)
+        maps.append(gmap)
+    pin = any(d.type == "cuda" for d in engine.devices)
+    stores = shared.stores(optimizers, pin=pin, task=name)
+    shards = []
+    for spec, module, opt, gmap in zip(plan.shards, modules, optimizers, maps, strict=True):
+        own = ShardStore(
+            [module],
+            opt,
+            pin=pin,
+            name=(name, spec.index),
+            footprint=(spec.state_bytes, spec.activation_bytes),
+            params=shared.own(module),
+        )
+        links = [stores[k] for k in shared.groups_of(spec.index)]
+        shards.append(
+            LoopShard(
+                spec.index,
+                module,
+                opt,
+                LinkedStore(own, links) if links else own,
+                gmap,
+                shared.zeroes(spec.index, module),
+                shared.first_uses(spec.index, stores),
+                shared.last_uses(spec.index, stores),
+                spec.writes_input,
+            )
+        )
+    user = {id(m) for m in model.modules()}
+    wrappers = [m for mod in modules for m in mod.modules() if id(m) not in user]
+    private = threading.current_thread() is not threading.main_thread()
+    runner = LoopRunner(
+        name,
+        engine,
+        model,
+        plan,
+        shards,
+        user_optimizer,
+        wrappers,
+        private_stream=private,
+        home=home,
+        hf=hf,
+    )
+    engine.add_runner(name, runner)
+    return runner
+
+
+def _like(
+    user: torch.optim.Optimizer | None,
+    cls: type[torch.optim.Optimizer],
+    groups: list[dict[str, Any]],
+) -> torch.optim.Optimizer:
+    """An optimizer of ``cls`` over ``groups`` with the user's defaults (and whatever else
+    its constructor set), without running ``cls.__init__`` (whose keywords vary by class)."""
+    opt = cls.__new__(cls)
+    defaults = dict(user.defaults) if user is not None else {}
+    torch.optim.Optimizer.__init__(opt, groups, defaults)
+    if user is not None:
+        for k, v in vars(user).items():
+            if k not in vars(opt) and not k.startswith("_th_"):
+                setattr(opt, k, v)
+    return opt
+
+
+__all__ = ["LoopRunner", "LoopShard", "build_loop", "in_op", "inside_op"]

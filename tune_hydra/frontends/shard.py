@@ -1,0 +1,462 @@
+"""``th.shard(model, optimizer)``: the user's own training loop, unchanged, on the engine.
+
+One added line keeps a PyTorch loop as it is::
+
+    model, optimizer = th.shard(model, optimizer)
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+
+The model and the optimizer stay the user's objects (their class is swapped for a
+subclass, as FSDP2 does, so ``isinstance``, ``state_dict()`` keys, ``train()`` /
+``eval()`` are the user's): every forward runs as shard ops that the engine schedules
+among all loops and tasks sharing it, ``loss.backward()`` runs the shards' backward, and
+``optimizer.step()`` steps each shard (see :mod:`tune_hydra.engine.loop`). The model is
+cut on its first forward (the first batch is the probe that sizes the activations).
+
+The user's thread may read and write the model's tensors through the model's and the
+optimizer's own methods: ``parameters()``, ``named_parameters()``, ``buffers()``,
+``state_dict()``, ``load_state_dict()`` (and the optimizer's ``state_dict()`` /
+``load_state_dict()``) first bring every shard's state home (host memory), where it stays
+until the next forward or step: so ``clip_grad_norm_(model.parameters(), c)`` between
+backward and step sees and clips the real gradients. A list of parameters taken *before*
+a forward is not synchronised that way: call ``model.parameters()`` where it is used.
+
+Outside any trial the loops of one process share one embedded engine, created on the
+first ``th.shard`` (``devices="auto"``), configured by :func:`configure` before that;
+``engine=`` picks another. A loop leaves the engine when its model is garbage-collected
+(a plain ``nn.Module``; a Hugging Face model references itself from its cut, so it stays
+until) or on :func:`unshard`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import inspect
+import logging
+import threading
+import weakref
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tune_hydra.exceptions import (
+    AlreadyShardedError,
+    EngineConfiguredError,
+    ModelOnDeviceError,
+    OptimizerMismatchError,
+    ShardClosedError,
+    UnsupportedCallError,
+)
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.engine import Engine
+    from tune_hydra.engine.loop import LoopRunner
+
+log = logging.getLogger(__name__)
+
+_LOCK = threading.Lock()
+_ENGINE: Engine | None = None
+_CONFIG: dict[str, Any] = {}
+
+
+def configure(**engine_options: Any) -> None:
+    """Set the embedded engine's options (the keywords of ``th.Engine``: ``devices``,
+    ``device_memory``, ``policy``, ``copy_on_cpu`` ...), before the first ``th.shard``.
+
+    Raises:
+        EngineConfiguredError: the embedded engine was started already.
+        InvalidOptionError: a bad option (checked here, not at the first ``th.shard``).
+    """
+    from tune_hydra.options import EngineOptions
+
+    with _LOCK:
+        if _ENGINE is not None:
+            raise EngineConfiguredError(
+                "th.configure() must come before the first th.shard(): the embedded engine "
+                "is running with its options already. Call th.configure at the top of the "
+                "script, or pass engine=th.Engine(...) to th.shard"
+            )
+        EngineOptions(**engine_options, where="th.configure")
+        _CONFIG.clear()
+        _CONFIG.update(engine_options)
+
+
+def default_engine() -> Engine:
+    """The process's embedded engine, created on first use with :func:`configure`'s
+    options (``devices="auto"`` by default) and closed at exit."""
+    global _ENGINE
+    with _LOCK:
+        if _ENGINE is None:
+            from tune_hydra.engine import Engine
+
+            _ENGINE = Engine(**{"devices": "auto", **_CONFIG})
+            atexit.register(_ENGINE.close)
+        return _ENGINE
+
+
+def shard(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | None = None,
+    *,
+    engine: Engine | None = None,
+) -> Any:
+    """Run ``model`` (and ``optimizer``) as shard ops on ``engine`` (default: the process's
+    embedded engine), keeping the user's loop as it is.
+
+    Args:
+        model: the user's ``nn.Module`` (an ``nn.Sequential``, a module whose ``forward``
+            torch.fx can trace, a Hugging Face ``PreTrainedModel``), on the CPU.
+        optimizer: the user's optimizer over (some of) the model's parameters, of a
+            per-parameter kind (SGD, Adam, AdamW, RMSprop, Adagrad ...).
+        engine: the engine to run on, instead of the embedded one.
+
+    Returns:
+        ``(model, optimizer)``, the same objects, sharded; ``model`` alone without an
+        optimizer.
+
+    Raises:
+        AlreadyShardedError: the model (or the optimizer) was sharded already.
+        OptimizerMismatchError: the optimizer steps parameters the model does not have.
+        ModelOnDeviceError: a parameter or buffer is on an accelerator.
+        InvalidModelError: not an ``nn.Module``.
+    """
+    from tune_hydra.exceptions import InvalidModelError
+
+    if not isinstance(model, nn.Module):
+        raise InvalidModelError(
+            f"th.shard takes the model (an nn.Module) first, not {type(model).__name__}"
+        )
+    if isinstance(model, _ShardedModule):
+        raise AlreadyShardedError(
+            f"this {type(model).__name__} was given to th.shard already; call th.shard once "
+            f"per model and keep using what it returned"
+        )
+    if optimizer is not None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise UnsupportedCallError(
+                f"th.shard's optimizer must be a torch.optim.Optimizer, not "
+                f"{type(optimizer).__name__}"
+            )
+        if isinstance(optimizer, _ShardedOptimizer):
+            raise AlreadyShardedError(
+                "this optimizer was given to th.shard already (with another model?); build "
+                "one optimizer per model"
+            )
+        _check_optimizer(model, optimizer)
+    on = sorted(
+        {str(t.device) for t in [*model.parameters(), *model.buffers()] if t.device.type != "cpu"}
+    )
+    if on:
+        raise ModelOnDeviceError(
+            f"the model is on {', '.join(on)}: th.shard places it itself. Build it on the "
+            f"CPU (drop the .to(device) / .cuda() before th.shard; after it they are no-ops)"
+        )
+    if optimizer is not None and "step" in optimizer.__dict__:
+        # An lr scheduler made before th.shard wrapped the class's step on the instance,
+        # which would bypass the sharded step: drop the wrapper (the class's step counts).
+        del optimizer.__dict__["step"]
+    state = _State(model, optimizer, engine)
+    cls = type(model)
+    model.__dict__["_th_shard"] = state
+    model.__class__ = _sharded_class(cls, _ShardedModule)
+    if optimizer is not None:
+        opt_cls = type(optimizer)
+        optimizer.__dict__["_th_shard"] = state
+        optimizer.__class__ = _sharded_class(opt_cls, _ShardedOptimizer)
+        state.optimizer_class = opt_cls
+    state.model_class = cls
+    state.finalizer = weakref.finalize(model, _forget, state)
+    return model if optimizer is None else (model, optimizer)
+
+
+def unshard(model: nn.Module) -> nn.Module:
+    """Take a sharded model (and its optimizer) off the engine: pending steps applied,
+    every state home for good, the classes back to the user's. Returns the model.
+
+    Raises:
+        UnsupportedCallError: the model was not sharded.
+    """
+    state = model.__dict__.get("_th_shard")
+    if state is None:
+        raise UnsupportedCallError(f"this {type(model).__name__} was not given to th.shard")
+    state.finalizer.detach()
+    _close_state(state)
+    model.__class__ = state.model_class
+    del model.__dict__["_th_shard"]
+    opt = state.optimizer
+    if opt is not None:
+        opt.__class__ = state.optimizer_class
+        opt.__dict__.pop("_th_shard", None)
+    return model
+
+
+def _close_state(state: _State) -> None:
+    loop = state.loop
+    state.closed = True
+    if loop is not None:
+        loop.close()
+
+
+def _forget(state: _State) -> None:
+    """The model was garbage-collected: remove its loop from the engine, from a thread of
+    its own (a collection may run on any thread, the engine's included)."""
+    state.closed = True
+    loop = state.loop
+    if loop is not None:
+        loop.closed = True
+        threading.Thread(
+            target=loop.engine.remove_task, args=(loop.name,), name="hydra-unshard", daemon=True
+        ).start()
+
+
+def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    mine = {id(p) for p in model.parameters()}
+    foreign = [
+        (gi, i, tuple(p.shape))
+        for gi, g in enumerate(optimizer.param_groups)
+        for i, p in enumerate(g["params"])
+        if id(p) not in mine
+    ]
+    if foreign:
+        gi, i, shape = foreign[0]
+        raise OptimizerMismatchError(
+            f"the optimizer steps {len(foreign)} parameter(s) that are not the model's (the "
+            f"first: param_groups[{gi}]['params'][{i}], shape {list(shape)}); build it from "
+            f"this model's parameters, e.g. {type(optimizer).__name__}(model.parameters(), "
+            f"...)"
+        )
+
+
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def _sharded_class(cls: type, mixin: type) -> type:
+    """``cls`` with ``mixin``'s methods first (one class per pair, made once)."""
+    key = (cls, mixin)
+    with _LOCK:
+        made = _CLASSES.get(key)
+        if made is None:
+            made = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__})
+            made.__qualname__ = cls.__qualname__
+            _CLASSES[key] = made
+    return made
+
+
+class _State:
+    """What one ``th.shard`` call shares between the model and the optimizer."""
+
+    def __init__(
+        self, model: nn.Module, optimizer: torch.optim.Optimizer | None, engine: Engine | None
+    ) -> None:
+        self.model_ref = weakref.ref(model)
+        self.optimizer = optimizer
+        self.engine = engine
+        self.loop: LoopRunner | None = None
+        self.closed = False
+        self.model_class: type = type(model)
+        self.optimizer_class: type[torch.optim.Optimizer] | None = None
+        self.finalizer: Any = None
+        self.hf = False
+
+    def check(self) -> None:
+        if self.closed:
+            raise ShardClosedError(
+                "this model's loop was closed (th.unshard, or its engine closed); call "
+                "th.shard on it again to train it on an engine"
+            )
+
+    def cut(self, model: nn.Module, inputs: Any) -> LoopRunner:
+        """Cut the model on its first batch and register its loop."""
+        from tune_hydra.engine.loop import build_loop, inside_op
+        from tune_hydra.engine.task import model_layers
+
+        engine = self.engine if self.engine is not None else default_engine()
+        sharded = type(model)
+        model.__class__ = self.model_class  # the cut traces the user's own forward
+        try:
+            with inside_op():
+                layers = model_layers(model)
+        finally:
+            model.__class__ = sharded
+        leaves = [t for t in _tensors(inputs)]
+        home = leaves[0].device if leaves else torch.device("cpu")
+        self.loop = build_loop(
+            engine,
+            model,
+            self.optimizer,
+            self.optimizer_class,
+            layers,
+            inputs,
+            home=home,
+            hf=self.hf,
+        )
+        return self.loop
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    from torch.utils._pytree import tree_flatten
+
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
+
+
+class _ShardedModule(nn.Module):
+    """The methods a sharded model overrides (the user's class comes after it)."""
+
+    _th_shard: _State
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        from tune_hydra.engine.loop import in_op
+
+        state: _State = self.__dict__["_th_shard"]
+        user_forward = state.model_class.forward
+        if in_op():  # a stage of the cut runs the model's own forward (Hugging Face)
+            return user_forward(self, *args, **kwargs)
+        state.check()
+        inputs = self._th_inputs(state, args, kwargs)
+        loop = state.loop
+        if loop is None:
+            loop = state.cut(self, inputs)
+        return loop.forward(inputs)
+
+    def _th_inputs(self, state: _State, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """The first stage's input: the one argument, or a Hugging Face model's keyword
+        arguments as one dict (positional ones bound to their names)."""
+        from tune_hydra.models import is_hf_model
+
+        if is_hf_model(self):
+            state.hf = True
+            if args:
+                sig = inspect.signature(state.model_class.forward)
+                bound = sig.bind_partial(self, *args, **kwargs)
+                kwargs = {k: v for k, v in bound.arguments.items() if k != "self"}
+            return dict(kwargs)
+        if len(args) == 1 and not kwargs:
+            return args[0]
+        if not args and len(kwargs) == 1:
+            return next(iter(kwargs.values()))
+        raise UnsupportedCallError(
+            f"a sharded {state.model_class.__name__} takes one input (model(x)); it was "
+            f"called with {len(args)} positional and {len(kwargs)} keyword argument(s). Pack "
+            f"them into one tuple or dict that forward unpacks"
+        )
+
+    # -- placement is the engine's ---------------------------------------------------------
+
+    def to(self, *args: Any, **kwargs: Any) -> Any:
+        if any(isinstance(a, torch.dtype) for a in [*args, *kwargs.values()]) or any(
+            isinstance(a, torch.Tensor) for a in args
+        ):
+            raise UnsupportedCallError(
+                "a sharded model keeps its dtype: convert it (model.to(dtype)) before "
+                "th.shard; the engine places it on devices itself"
+            )
+        log.debug("%s.to(%s): placement is the engine's; ignored", type(self).__name__, args)
+        return self
+
+    def cuda(self, device: Any = None) -> Any:
+        log.debug("%s.cuda(): placement is the engine's; ignored", type(self).__name__)
+        return self
+
+    def cpu(self) -> Any:
+        return self
+
+    # -- the user's views of the state: brought home first -----------------------------
+
+    def _th_sync(self, write: bool = False) -> None:
+        from tune_hydra.engine.loop import in_op
+
+        state: _State | None = self.__dict__.get("_th_shard")
+        if state is None or state.loop is None or in_op():
+            return
+        state.loop.sync()
+        if write:
+            state.loop.touched()
+
+    def parameters(self, recurse: bool = True) -> Any:
+        self._th_sync(write=True)  # clip_grad_norm_ writes the gradients it gets
+        return super().parameters(recurse)
+
+    def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
+        self._th_sync(write=True)
+        return super().named_parameters(*args, **kwargs)
+
+    def buffers(self, recurse: bool = True) -> Any:
+        self._th_sync(write=True)
+        return super().buffers(recurse)
+
+    def named_buffers(self, *args: Any, **kwargs: Any) -> Any:
+        self._th_sync(write=True)
+        return super().named_buffers(*args, **kwargs)
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        self._th_sync()
+        return super().state_dict(*args, **kwargs)
+
+    def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        self._th_sync(write=True)
+        return super().load_state_dict(state_dict, *args, **kwargs)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        state: _State = self.__dict__["_th_shard"]
+        if state.loop is None:
+            super().zero_grad(set_to_none)
+        else:
+            state.loop.zero_grad(set_to_none)
+
+
+class _ShardedOptimizer(torch.optim.Optimizer):
+    """The methods a sharded optimizer overrides (the user's class comes after it)."""
+
+    def _th_loop(self) -> LoopRunner | None:
+        state: _State = self.__dict__["_th_shard"]
+        state.check()
+        return state.loop
+
+    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+        if closure is not None:
+            raise UnsupportedCallError(
+                "a sharded optimizer steps without a closure (LBFGS-style step(closure) "
+                "re-runs the whole model inside the step); use a per-parameter optimizer"
+            )
+        loop = self._th_loop()
+        if loop is None:  # no forward yet: nothing to step but what plain would
+            return super().step()
+        loop.step()
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        loop = self._th_loop()
+        if loop is None:
+            super().zero_grad(set_to_none)
+        else:
+            loop.zero_grad(set_to_none)
+
+    def state_dict(self) -> dict[str, Any]:
+        loop = self._th_loop()
+        if loop is None:
+            return super().state_dict()
+        loop.sync()
+        own = self.state
+        self.state = loop.optimizer_state()  # type: ignore[assignment]
+        try:
+            return super().state_dict()
+        finally:
+            self.state = own
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        loop = self._th_loop()
+        if loop is None:
+            super().load_state_dict(state_dict)
+            return
+        loop.sync()
+        super().load_state_dict(state_dict)
+        loop.load_optimizer_state()
+
+
+__all__ = ["configure", "default_engine", "shard", "unshard"]
