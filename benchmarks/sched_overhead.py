@@ -21,6 +21,13 @@ Run::
     python benchmarks/sched_overhead.py           # about 20 s
     python benchmarks/sched_overhead.py --quick   # a few seconds (used by the tests)
     python benchmarks/sched_overhead.py --profile # cProfile of the 1-task scenario
+    python benchmarks/sched_overhead.py --dispatch # one decision's CPU time, alone
+
+``--dispatch`` times the dispatcher's decision alone (``Engine._fill``: a candidate per
+ready task, the policy's choice), in the calling thread's CPU time (``time.thread_time``,
+so other processes' load counts little), with 1 and 8 ready tasks, measured or not yet
+(an unmeasured task's estimate follows the engine-wide mean op time). The policy is LRTF
+whose answer is dropped, so that nothing is assigned and every call decides afresh.
 """
 
 from __future__ import annotations
@@ -41,6 +48,7 @@ from common import train_by_hand  # benchmarks/common.py
 from torch import nn
 
 import tune_hydra as th
+from tune_hydra.engine import Engine, LRTFPolicy
 
 
 @dataclass
@@ -130,6 +138,47 @@ def engine_run(cfg: Config, tasks: int, devices: int) -> dict[str, float]:
     }
 
 
+def dispatch_path(tasks: int, measured: bool, calls: int = 3000, repeats: int = 5) -> float:
+    """Seconds of thread CPU time per dispatch decision with ``tasks`` ready tasks (min of
+    ``repeats`` x ``calls``); ``measured``: each task has a measured op time."""
+
+    class Decline(LRTFPolicy):  # decides as LRTF, assigns nothing
+        def choose(self, device: int, candidates: Any) -> Any:
+            super().choose(device, candidates)
+            return None
+
+    cfg = Config(layers=4, batches=4)
+    with Engine(["cpu"], policy=Decline(), max_layers_per_shard=1) as engine:
+        for name, task in make_tasks(cfg, tasks).items():
+            engine.add_task(name, task, seed=0)
+            engine.train(name, 1)
+        w = engine.workers[0]
+        # Internals, on purpose: one decision, without the threads around it.
+        with engine._cv:
+            if measured:
+                for e in engine._tasks.values():
+                    e.record("F", 0, 1e-5)
+            engine._op_sum, engine._op_n = 1e-5, 1
+            times = []
+            for _ in range(repeats):
+                t0 = time.thread_time()
+                for _ in range(calls):
+                    engine._fill(w)
+                times.append((time.thread_time() - t0) / calls)
+    return min(times)
+
+
+def run_dispatch() -> None:
+    """Print one decision's thread CPU time for 1 and 8 ready tasks."""
+    torch.set_num_threads(1)
+    print("dispatch decision alone (Engine._fill, thread CPU time, min of 5 x 3000 calls):")
+    for tasks in (1, 8):
+        for measured in (True, False):
+            us = dispatch_path(tasks, measured) * 1e6
+            state = "measured" if measured else "not measured yet"
+            print(f"  {tasks} ready task(s), {state:<16} {us:6.2f} us")
+
+
 def run(cfg: Config) -> dict[str, Any]:
     """Run every scenario; prints the table and returns the figures."""
     torch.set_num_threads(1)
@@ -175,7 +224,13 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="cProfile the 1-task scenario (all threads) and print the top",
     )
+    parser.add_argument(
+        "--dispatch", action="store_true", help="time one dispatch decision alone (CPU time)"
+    )
     args = parser.parse_args(argv)
+    if args.dispatch:
+        run_dispatch()
+        return 0
     cfg = QUICK if args.quick else Config()
     if args.profile:
         profiles: list[cProfile.Profile] = []
