@@ -216,3 +216,99 @@ def test_tune_mnist_tiny(tmp_path: Path) -> None:
         hits = sum(int((model(x).argmax(1) == y).sum()) for x, y in example.mnist_like(256, 2))
     printed = float(out.split("best mean_accuracy: ", 1)[1].split()[0])
     assert abs(hits / 256 - printed) < 1e-4, (hits / 256, printed)
+
+
+def _lora_example() -> Any:
+    spec = importlib.util.spec_from_file_location(
+        "lora_search", ROOT / "examples" / "lora_search.py"
+    )
+    assert spec is not None and spec.loader is not None
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example
+
+
+def _line(stdout: str, prefix: str) -> str:
+    return next(x for x in stdout.splitlines() if x.startswith(prefix))[len(prefix) :]
+
+
+def _check_lora_best(out: str, tmp_path: Path) -> tuple[dict[str, Any], float]:
+    """What both modes print about the best trial, checked against the files they wrote:
+    the model.pt loads strictly into a fresh PeftModel over the saved base (the base's
+    frozen weights in it exactly as loaded) and gives the printed perplexity; the adapter
+    folder loads with PeftModel.from_pretrained and gives it too; training lowered the
+    base's perplexity."""
+    pytest.importorskip("peft")
+    import math
+
+    import peft
+    import torch
+
+    example = _lora_example()
+    params = ast.literal_eval(_line(out, "best config: "))
+    assert set(params) == {"r", "lora_alpha", "lr", "targets"}, params
+    printed = float(_line(out, "best perplexity: ").split()[0])
+    base_ppl = float(_line(out, "base perplexity without adapters: "))
+    assert math.isfinite(printed) and 1.0 < printed < base_ppl, (printed, base_ppl)
+    base_dir = tmp_path / "base"
+    assert (base_dir / "config.json").is_file()
+    state = torch.load(_model_pt(out), weights_only=True)
+    model = example.lora_model(example.load_base(base_dir), params)
+    frozen = {n for n, p in model.named_parameters() if not p.requires_grad}
+    trained = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert frozen and trained and all("lora_" in n for n in trained)
+    fresh = model.state_dict()
+    for name in frozen:
+        assert torch.equal(state[name], fresh[name]), name
+    assert any(not torch.equal(state[n], fresh[n]) for n in trained)  # adapters trained
+    model.load_state_dict(state, strict=True)
+    setup = {"context": 32, "vocab": model.config.vocab_size}
+    data = example.eval_data(setup)
+    assert abs(example.eval_perplexity(model, data) - printed) < 1e-3
+    again = peft.PeftModel.from_pretrained(example.load_base(base_dir), tmp_path / "best_adapter")
+    loaded = dict(again.named_parameters())
+    assert all(torch.equal(loaded[n], state[n]) for n in trained)
+    assert abs(example.eval_perplexity(again, data) - printed) < 1e-3
+    return params, printed
+
+
+def test_lora_search_ray_smoke(tmp_path: Path) -> None:
+    """th.run with OptunaSearch + ASHA over LoRA trials on a saved tiny Llama: every trial
+    terminates after 1..2 epochs (ASHA stops some at its rung; the first to reach it goes
+    on), each model is cut in 4 shards, and the printed best epoch is the lowest
+    perplexity in any trial's progress.csv, its model.pt and adapter reloading to it."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    out = _run("lora_search.py", "--smoke", "--output", str(tmp_path), timeout=300)
+    assert "4 trials: {'TERMINATED': 4}" in out
+    epochs = ast.literal_eval(_line(out, "4 trials: {'TERMINATED': 4}; epochs run: "))
+    assert len(epochs) == 4 and all(1 <= e <= 2 for e in epochs) and 2 in epochs, epochs
+    assert int(_line(out, "stopped early by ASHA: ")) == epochs.count(1)
+    assert _line(out, "shards per model: ") == "[4]"
+    _, printed = _check_lora_best(out, tmp_path)
+    progress = list((tmp_path / "ray_results" / "lora_search").glob("*/progress.csv"))
+    rows = [row for p in progress for row in csv.DictReader(p.open())]
+    assert sorted(len(list(csv.DictReader(p.open()))) for p in progress) == sorted(epochs)
+    lowest = min(float(row["perplexity"]) for row in rows)
+    assert abs(lowest - printed) < 1e-4, (lowest, printed)
+    epoch = int(_line(out, "best perplexity: ").split(" at epoch ")[1])
+    assert _model_pt(out).parent.name == f"checkpoint_{epoch - 1:06d}"
+
+
+def test_lora_search_optuna_smoke(tmp_path: Path) -> None:
+    """--optuna: th.optimize with TPE + MedianPruner, no Ray; trials end COMPLETE (the
+    pruner's 2 startup trials at least, after both epochs) or PRUNED, and the best
+    trial's model.pt and adapter reload to its printed perplexity."""
+    pytest.importorskip("peft")
+    pytest.importorskip("transformers")
+    out = _run("lora_search.py", "--smoke", "--optuna", "--output", str(tmp_path), timeout=300)
+    head = _line(out, "4 trials: ")
+    states = ast.literal_eval(head.split("; epochs run: ")[0])
+    epochs = ast.literal_eval(head.split("; epochs run: ")[1])
+    assert set(states) <= {"COMPLETE", "PRUNED"} and sum(states.values()) == 4, states
+    assert states["COMPLETE"] >= 2 and all(1 <= e <= 2 for e in epochs), head
+    assert _line(out, "shards per model: ") == "[4]"
+    path = _model_pt(out)
+    assert path.parent.parent == tmp_path / "optuna_models" and path.name == "model.pt"
+    assert out.count("best perplexity: ") == 1 and " at epoch 2" in out
+    _check_lora_best(out, tmp_path)
