@@ -156,6 +156,8 @@ def test_add_runner_refuses_what_is_no_runner() -> None:
     with Engine(["cpu"], clock=ManualClock()) as eng:
         with pytest.raises(InvalidTaskError, match=r"not a tune_hydra Runner: it has no current"):
             eng.add_runner("a", object())  # type: ignore[arg-type]
+        with pytest.raises(InvalidTaskError, match="runner 'b' registered as 'a'"):
+            eng.add_runner("a", ScriptedRunner("b", "L0[0]"))
         eng.add_runner("a", ScriptedRunner("a", "L0[0]"))
         with pytest.raises(InvalidTaskError, match="already registered"):
             eng.add_runner("a", ScriptedRunner("a", "L0[0]"))

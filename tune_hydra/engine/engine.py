@@ -373,10 +373,16 @@ class Engine:
                 ``TrainOptions()``.
 
         Raises:
-            InvalidTaskError: ``runner`` lacks a ``Runner`` member, its ``plan`` has no
-                shard, a name in use, or its batch's kept graphs would not fit.
+            InvalidTaskError: ``runner`` lacks a ``Runner`` member, is named otherwise,
+                its ``plan`` has no shard, a name in use, or its batch's kept graphs would
+                not fit.
         """
         check_runner(name, runner)
+        own = getattr(runner, "name", name)
+        if own != name:  # its ops would carry another task's name
+            raise InvalidTaskError(
+                f"runner {own!r} registered as {name!r}: register it under its own name"
+            )
         plan = runner.plan
         if not isinstance(plan, ShardPlan) or not plan.shards:
             raise InvalidTaskError(
