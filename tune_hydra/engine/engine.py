@@ -72,7 +72,9 @@ class Engine:
             and torch's intra-op threads are divided among them).
         device_memory: per-device budget (bytes, or ``"512MiB"``); ``None`` is the whole
             device (on the CPU: no limit, one shard).
-        policy: ``"lrtf"`` (default), ``"fifo"``, ``"round_robin"`` or a ``BasePolicy``.
+        policy: ``"auto"`` (default: the milestone policy, which decides as LRTF until a
+            front end announces milestones with :meth:`set_milestone`), ``"lrtf"``,
+            ``"milestone"``, ``"fifo"``, ``"round_robin"`` or a ``BasePolicy``.
         prefetch: double-buffer: promote the next assigned shard while one computes (on
             devices that copy; a CPU device that copies nothing queues one op at a time).
         recompute: re-run forward in backward instead of keeping activations; default
@@ -130,7 +132,7 @@ class Engine:
         self,
         devices: Any = "auto",
         device_memory: int | str | None = None,
-        policy: str | BasePolicy = "lrtf",
+        policy: str | BasePolicy = "auto",
         *,
         prefetch: bool = True,
         recompute: bool | None = None,
