@@ -536,7 +536,7 @@ class EngineOptions:
 
     devices: str | Sequence[Any] = "auto"
     device_memory: int | str | None = None
-    policy: str | BasePolicy = "lrtf"
+    policy: str | BasePolicy = "auto"
     prefetch: bool = True
     recompute: bool | None = None
     copy_on_cpu: bool = False

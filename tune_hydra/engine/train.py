@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tune_hydra.core.policies import BasePolicy
+from tune_hydra.core.policies import AUTO, BasePolicy, resolve_policy
 from tune_hydra.core.trace import Trace
 from tune_hydra.engine.engine import Engine
 from tune_hydra.engine.kept import kept_bytes
@@ -61,7 +61,7 @@ def train_models(
     max_grad_norm: float | None = None,
     accumulate_steps: int = 1,
     precision: str | None = None,
-    policy: str | BasePolicy = "lrtf",
+    policy: str | BasePolicy = AUTO,
     prefetch: bool = True,
     recompute: bool | None = None,
     copy_on_cpu: bool = False,
@@ -87,7 +87,9 @@ def train_models(
         max_grad_norm: clip by the global norm over all shards, like ``clip_grad_norm_``.
         accumulate_steps: gradient accumulation over this many batches.
         precision: ``None`` / ``"fp32"`` or ``"bf16"`` (autocast).
-        policy: ``"lrtf"``, ``"fifo"``, ``"round_robin"`` or a ``BasePolicy`` instance.
+        policy: ``"auto"`` (the default: LRTF, since every task's budget is fixed),
+            ``"lrtf"``, ``"milestone"``, ``"fifo"``, ``"round_robin"`` or a
+            ``BasePolicy`` instance.
         prefetch: promote the next shard while the current one computes (where shard
             state is copied: GPUs, or ``copy_on_cpu``).
         recompute: see :class:`~tune_hydra.engine.Engine`.
@@ -159,6 +161,8 @@ def train_models(
         precision=precision,
         where=where,
     )
+    if isinstance(policy, str) and policy == AUTO:
+        policy = resolve_policy(AUTO, search_aware=False)  # fixed budgets: makespan first
     engine_options = EngineOptions(
         devices,
         device_memory,

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import difflib
 import logging
 import math
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from tune_hydra.core.policies import AUTO, resolve_policy
 from tune_hydra.exceptions import (
     InvalidOptionError,
     InvalidStudyError,
@@ -43,6 +45,7 @@ from tune_hydra.frontends.build import TrialSet, check_task
 from tune_hydra.frontends.checkpoint import save_model
 from tune_hydra.frontends.common import LOSS_METRICS, TASK_METRICS, declare_metric
 from tune_hydra.frontends.failures import error_text
+from tune_hydra.frontends.milestones import Milestones, optuna_milestones
 from tune_hydra.options import (
     ENGINE_KEYS,
     NOT_OFFERED,
@@ -169,6 +172,12 @@ def optimize(
             ``HydraExecutor``; default ``None``: no limit). Each is judged by the one
             validator of :mod:`tune_hydra.options` that every front end uses (see
             ``tune_hydra.options.NOT_OFFERED`` for the options not taken here, and why).
+            ``policy="auto"`` (the default) is the milestone policy when the study's
+            pruner prunes or its sampler adapts (TPE, GP, CMA-ES: each trial's next
+            pruning step, and the startup trials' ends, first), LRTF otherwise
+            (``NopPruner`` with a random or grid sampler); one log line says which.
+            Either way every trial's next milestone goes to the engine
+            (``Engine.set_milestone``).
 
     Returns:
         ``study``, with this call's trials finished (``COMPLETE``, ``PRUNED`` or ``FAIL``).
@@ -240,6 +249,7 @@ def optimize(
     del task_options["iteration_batches"]  # an iteration is an epoch here
     engine_options = EngineOptions(devices, device_memory, **options["engine"], where=where)
     folder = _prepare_save_dir(save_dir)
+    milestones = optuna_milestones(study.pruner, study.sampler)
 
     from tune_hydra.engine import Engine
 
@@ -247,6 +257,10 @@ def optimize(
         _check_given_engine(Engine, engine, devices, device_memory, options["engine"])
         own = False
     else:
+        if isinstance(engine_options.policy, str) and engine_options.policy == AUTO:
+            # Chosen here, where the pruner and sampler are known (one log line says which).
+            policy = resolve_policy(AUTO, search_aware=milestones.search_aware)
+            engine_options = dataclasses.replace(engine_options, policy=policy)
         engine = Engine(options=engine_options)
         own = True
     if max_concurrent is None:
@@ -261,6 +275,7 @@ def optimize(
         folder=folder,
         task_options=task_options,
         factory_timeout_s=factory_timeout_s,
+        milestones=milestones,
     )
     try:
         driver.run(n_trials, max_concurrent, timeout)
@@ -312,6 +327,7 @@ class _Driver:
         folder: Path | None,
         task_options: dict[str, Any],
         factory_timeout_s: float | None,
+        milestones: Milestones,
     ) -> None:
         self.optuna = optuna
         self.study = study
@@ -336,6 +352,15 @@ class _Driver:
         self.trials = TrialSet(engine, task_options)  # built trials, by key
         self._lock = threading.Lock()  # guards _stopping (build threads read it)
         self._stopping = False
+        self.milestones = milestones
+        # Trials that inform the pruner and sampler (COMPLETE or PRUNED), counted once from
+        # the storage, then by this driver's own tells.
+        finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
+        self._finished = (
+            len(study.get_trials(deepcopy=False, states=finished))
+            if milestones.startup_trials
+            else 0
+        )
 
     # -- heartbeats: what study.optimize does with a storage that has them --------------
 
@@ -426,11 +451,29 @@ class _Driver:
         """Grant ``run`` its next epoch."""
         try:
             self.engine.set_remaining(run.name, self.epochs - run.epoch - 1)
+            self.engine.set_milestone(run.name, self.to_milestone(run.epoch))
             future = self.engine.train(run.name, 1)
         except Exception as err:
             self._fail(run, err)
             return
         self.running[future] = run
+
+    def to_milestone(self, epoch: int) -> int | None:
+        """Epochs from ``epoch`` trained ones to the trial's next milestone (``None``:
+        none left, it is committed to its end).
+
+        The pruner's next step, as :func:`optuna_milestones` reads it, before the last
+        epoch (pruning after it spares nothing). While fewer trials than the pruner's or
+        sampler's ``n_startup_trials`` are COMPLETE or PRUNED, a trial's end is a
+        milestone too: the pruner prunes nothing and the sampler samples at random until
+        then, so those ends are what the search waits for.
+        """
+        at = self.milestones.next_after(epoch)
+        if at is not None and at >= self.epochs:
+            at = None
+        if at is None and self._finished < self.milestones.startup_trials:
+            at = self.epochs
+        return None if at is None else at - epoch
 
     def _after_epoch(self, run: _Run, results: list[dict[str, Any]]) -> None:
         run.epoch += 1
@@ -486,6 +529,8 @@ class _Driver:
         run.task = None  # the model may be freed
         self.live.pop(trial.number, None)
         self._beaten.discard(trial.number)
+        if state in (self.optuna.trial.TrialState.COMPLETE, self.optuna.trial.TrialState.PRUNED):
+            self._finished += 1
         if state == self.optuna.trial.TrialState.COMPLETE:
             self.study.tell(trial, run.value)
             if self.log.isEnabledFor(logging.INFO):

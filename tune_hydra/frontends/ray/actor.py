@@ -221,6 +221,8 @@ class EngineActor:
         self._trials: TrialSet | None = None  # with the engine
         self._lock = threading.RLock()  # touched from two event-loop threads
         self._hints: dict[str, int] = {}
+        # Iterations to each trial's next milestone (None: none left), as last announced.
+        self._milestones: dict[str, int | None] = {}
         self._factories = FactoryCache(factories if factories is not None else {})
         self._builds = PendingBuilds(secret)
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hydra-ctl")
@@ -297,8 +299,12 @@ class EngineActor:
         trial, shards = self._trials.add(key, task, token=token, config=config)
         with self._lock:
             hint = self._hints.get(key)
+            has_milestone = key in self._milestones
+            milestone = self._milestones.get(key)
         if hint is not None:
             self._engine.set_remaining(trial.name, hint)
+        if has_milestone:
+            self._engine.set_milestone(trial.name, milestone)
         return shards
 
     # ------------------------------------------------------------ actor methods
@@ -431,6 +437,20 @@ class EngineActor:
                 self._engine.set_remaining(reg.name, int(iterations))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
+    async def set_milestone(self, key: str, secret: str, iterations: int | None) -> None:
+        """Milestone hint from the driver: iterations until the trial's next milestone
+        (a rung its scheduler decides at), ``None`` past its last (kept for later if the
+        trial has not registered yet); see ``Engine.set_milestone``."""
+        self._driver(secret)
+        value = None if iterations is None else int(iterations)
+        with self._lock:
+            self._milestones[key] = value
+        reg = self._trial(key)
+        if reg is not None and self._engine is not None:
+            with contextlib.suppress(TuneHydraError):  # as set_remaining: not worth an error
+                self._engine.set_milestone(reg.name, value)
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
     async def cancel(self, key: str, token: str) -> None:
         """Drop the trial's granted-but-unstarted work (Tune stopped or paused it), or stop
         waiting for its factory if it is still being built; needs the trial's token or the
@@ -457,6 +477,7 @@ class EngineActor:
             return False  # a newer copy took it over meanwhile
         with self._lock:
             self._hints.pop(key, None)
+            self._milestones.pop(key, None)
         return True
 
     @ray.method(concurrency_group=CONTROL_GROUP)

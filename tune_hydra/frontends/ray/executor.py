@@ -9,6 +9,7 @@ by :func:`tune_hydra.run`; for ``tune.Tuner`` use :meth:`HydraExecutor.trainable
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import logging
 import os
@@ -21,7 +22,7 @@ from typing import Any
 import ray
 from ray import tune
 
-from tune_hydra.core.policies import BasePolicy
+from tune_hydra.core.policies import AUTO, BasePolicy, resolve_policy
 from tune_hydra.exceptions import TuneHydraError
 from tune_hydra.frontends.failures import RUNS_THE_LOOP
 from tune_hydra.frontends.ray import registry
@@ -194,8 +195,13 @@ class HydraExecutor:
             missing, not writable or on a full disk stops the engines from starting
             (``SpillDirError``); a write that fails mid-run fails that trial
             (``SpillDiskFullError``). Unused without ``host_memory``.
-        policy: the engine's scheduling policy (``"lrtf"``, ``"fifo"``, ``"round_robin"`` or a
-            policy instance).
+        policy: the engines' scheduling policy: ``"auto"`` (the default), ``"lrtf"``,
+            ``"milestone"``, ``"fifo"``, ``"round_robin"`` or a policy instance. ``"auto"``
+            is chosen from the run by :meth:`scheduler` (which ``th.run`` calls): the
+            milestone policy when its scheduler stops trials early or its search
+            algorithm adapts (each trial's next rung first), LRTF for fixed budgets
+            (the shortest makespan). Engines started before that (``trainable`` first)
+            run the milestone policy, which decides as LRTF when no milestones come.
         prefetch: copy the next shard in while the current one computes.
         recompute: re-run each shard's forward in its backward instead of keeping its
             graph; default ``True`` on GPUs, ``False`` on CPU devices. Without it each
@@ -249,7 +255,7 @@ class HydraExecutor:
         self,
         devices: str | Sequence[str] = "auto",
         device_memory: int | str | None = None,
-        policy: str | BasePolicy = "lrtf",
+        policy: str | BasePolicy = AUTO,
         *,
         host_memory: int | str | None = None,
         spill_dir: str | os.PathLike[str] | None = None,
@@ -437,25 +443,51 @@ class HydraExecutor:
             logger.warning("tune_hydra: could not free a task factory", exc_info=True)
 
     def scheduler(
-        self, base: Any = None, *, stop: Any = None, max_iterations: int | None = None
+        self,
+        base: Any = None,
+        *,
+        stop: Any = None,
+        max_iterations: int | None = None,
+        search_alg: Any = None,
     ) -> Any:
         """Wrap the user's scheduler (or FIFO) so the engines learn each trial's remaining
-        budget and drop a stopped or paused trial's queued work.
+        budget and next milestone, and drop a stopped or paused trial's queued work.
+
+        With ``policy="auto"`` and the engines not started yet, this also chooses their
+        policy from the run (one log line says which and why): the milestone policy when
+        ``base`` stops trials early, ``stop`` ends them on results or ``search_alg``
+        adapts; LRTF otherwise. Call it before :meth:`trainable` (which starts them).
 
         Args:
             base: a ``TrialScheduler``, a scheduler name Tune knows (``"asha"``), or None.
             stop: the run's stopping condition (``{"training_iteration": N}`` gives the budget).
             max_iterations: explicit per-trial budget (overrides ``stop`` and ``max_t``).
+            search_alg: the run's search algorithm (``TuneConfig(search_alg=...)``), or None.
         """
         from tune_hydra.frontends.ray.scheduler import HydraScheduler
 
-        if isinstance(base, HydraScheduler):
-            return base
         if isinstance(base, str):
             from ray.tune.schedulers import create_scheduler
 
             base = create_scheduler(base)
-        return HydraScheduler(base, stop=stop, max_iterations=max_iterations, run_id=self.run_id)
+        wrapped = (
+            base
+            if isinstance(base, HydraScheduler)
+            else HydraScheduler(
+                base,
+                stop=stop,
+                max_iterations=max_iterations,
+                run_id=self.run_id,
+                search_alg=search_alg,
+            )
+        )
+        if isinstance(self.policy, str) and self.policy == AUTO:
+            chosen = resolve_policy(AUTO, search_aware=wrapped.milestones.search_aware)
+            if not self.started:  # the engines are built with the choice; the option stays
+                self._engines.engine_options = dataclasses.replace(
+                    self.engine_options, policy=chosen.name
+                )
+        return wrapped
 
     def callbacks(self) -> list[Any]:
         """Driver-side callbacks to add to the run: they free trials that end abnormally,

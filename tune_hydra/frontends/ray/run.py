@@ -130,6 +130,15 @@ def _check_reported(kwargs: dict[str, Any]) -> tuple[str, ...]:
     return tuple(custom)
 
 
+def _searcher(kwargs: dict[str, Any]) -> Any:
+    """The run's search algorithm for the policy's choice (Tune's random/grid generator,
+    by object or name, as None: not adaptive)."""
+    search_alg = kwargs.get("search_alg")
+    if isinstance(search_alg, str) and search_alg in ("variant_generator", "random"):
+        return None
+    return search_alg
+
+
 def run(
     run_or_experiment: Any,
     *,
@@ -148,9 +157,11 @@ def run(
       ``num_shards``, ``epoch``, ``device_time_s`` and ``bytes_spilled``;
     * checkpoints hold ``model.pt`` (the whole model's ``state_dict``) and the state that
       resumes training exactly;
-    * ``scheduler`` is wrapped so the engines learn each trial's remaining budget and drop
-      stopped or paused trials' queued work; ``max_concurrent_trials`` defaults to the number
-      of engine slots; trials must not ask for resources of their own
+    * ``scheduler`` is wrapped so the engines learn each trial's remaining budget and next
+      milestone (its next rung) and drop stopped or paused trials' queued work; the
+      executor's ``policy="auto"`` becomes the milestone policy when the scheduler stops
+      trials early or ``search_alg`` adapts, LRTF otherwise; ``max_concurrent_trials``
+      defaults to the number of engine slots; trials must not ask for resources of their own
       (``resources_per_trial``, ``tune.with_resources``).
     * every trial ends with a checkpoint (``HydraExecutor(checkpoint="every")``, unless the
       run sets ``checkpoint_freq`` / ``checkpoint_config`` itself);
@@ -206,10 +217,13 @@ def run(
     owns = not ex.started
     trainable = None
     try:
+        # Before trainable(), which starts the engines: policy="auto" is chosen here.
+        kwargs["scheduler"] = ex.scheduler(
+            kwargs.get("scheduler"), stop=kwargs.get("stop"), search_alg=_searcher(kwargs)
+        )
         trainable = ex.trainable(run_or_experiment)
         # Checked by each trial's first registration (see HydraTrainable._required_metrics).
         trainable._required_metrics = required
-        kwargs["scheduler"] = ex.scheduler(kwargs.get("scheduler"), stop=kwargs.get("stop"))
         kwargs["stop"] = ex.stopper(kwargs.get("stop"))
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *ex.callbacks()]
         if kwargs.get("max_concurrent_trials") is None:

@@ -9,6 +9,12 @@ as they happen. Every decision is the user's scheduler's (FIFO by default); the 
   Sharded-LRTF policy can favour long-running trials. The budget is the smallest of
   ``stop={"training_iteration": N}`` and the scheduler's ``max_t`` (when its time attribute
   is ``training_iteration``); trials without a known budget send no hint;
+* tells the engine how many iterations each trial has to its next *milestone*, the next
+  result the wrapped scheduler can act on (an ASHA rung, a median rule's report, a PBT
+  perturbation: :func:`~tune_hydra.frontends.milestones.tune_milestones`), ``None`` past
+  its last (``set_milestone``), when the trial is added and after each of its results,
+  so the milestone policy (``policy="auto"`` with an early-stopping scheduler) serves
+  every trial's next decision first; a scheduler without milestones sends none;
 * drops a trial's queued engine work the moment the scheduler stops or pauses it, or the
   trial errors, completes or is removed (``cancel``).
 
@@ -23,6 +29,7 @@ from typing import Any
 
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
+from tune_hydra.frontends.milestones import NONE, Milestones, tune_milestones
 from tune_hydra.frontends.ray import registry
 
 
@@ -58,6 +65,8 @@ class HydraScheduler(TrialScheduler):
             scheduler's ``max_t``.
         run_id: the executor whose trials this run holds: a trial whose resource request
             lost that executor's engine slot is refused when Tune adds it.
+        search_alg: the run's search algorithm (an adaptive one makes the run
+            search-aware: :attr:`milestones`).
     """
 
     def __init__(
@@ -66,11 +75,14 @@ class HydraScheduler(TrialScheduler):
         stop: Any = None,
         max_iterations: int | None = None,
         run_id: str = "",
+        search_alg: Any = None,
     ) -> None:
         self._base = base if base is not None else FIFOScheduler()
         self._run_id = run_id
         budgets = [b for b in (_budget_from_stop(stop), _budget_from_scheduler(self._base)) if b]
         self._budget = max_iterations if max_iterations is not None else min(budgets, default=None)
+        user_stop = getattr(stop, "user_stop", stop)  # executor.stopper(...) keeps the user's
+        self._milestones = tune_milestones(self._base, user_stop, search_alg)
 
     @property
     def base(self) -> TrialScheduler:
@@ -81,6 +93,13 @@ class HydraScheduler(TrialScheduler):
     def budget(self) -> int | None:
         """Iterations per trial, when known."""
         return self._budget
+
+    @property
+    def milestones(self) -> Milestones:
+        """Where the wrapped scheduler decides (read from it, ``stop`` and the search
+        algorithm when the wrapper was built)."""
+        # A wrapper pickled before milestones existed has none (not the base's attribute).
+        return self.__dict__.get("_milestones", NONE)
 
     # Tune reads these on the scheduler it was given.
     @property
@@ -106,6 +125,23 @@ class HydraScheduler(TrialScheduler):
         if self._budget is not None:
             # ``done`` iterations reported; the next step is granted one more.
             registry.broadcast("set_remaining", trial.trial_id, max(0, self._budget - done - 1))
+        if self.has_milestones:
+            registry.broadcast("set_milestone", trial.trial_id, self.to_milestone(done))
+
+    @property
+    def has_milestones(self) -> bool:
+        """Whether the wrapped scheduler has milestones in iterations (else no
+        ``set_milestone`` is sent)."""
+        m = self.milestones
+        return bool(m.points) or m.every is not None
+
+    def to_milestone(self, done: int) -> int | None:
+        """Iterations from ``done`` completed ones to the next milestone; ``None`` past
+        the last (or at the trial's budget: its end decides nothing that spares work)."""
+        at = self.milestones.next_after(done)
+        if at is None or (self._budget is not None and at >= self._budget):
+            return None
+        return at - done
 
     @staticmethod
     def _cancel(trial: Any) -> None:
