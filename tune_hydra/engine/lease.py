@@ -44,7 +44,7 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -84,6 +84,7 @@ class _Claims:
         self._cv = threading.Condition(threading.Lock())
         # id(part) -> (part, worker, count); the part is kept so that its id stays unique.
         self._held: dict[int, tuple[ShardStore, object, int]] = {}
+        self._waiting = 0  # threads waiting in claim() (none: a release notifies no one)
 
     def _free(self, store: Store, worker: object) -> bool:
         held = self._held
@@ -106,33 +107,35 @@ class _Claims:
             self._take(store, worker)
             return True
 
-    def claim(
-        self,
-        store: Store,
-        worker: object,
-        deadline: float | None,
-        closing: Callable[[], bool],
-        what: Callable[[], str],
-    ) -> None:
+    def claim(self, store: Store, worker: DeviceWorker, deadline: float | None) -> None:
         """Claim ``store`` for a lease on ``worker``, waiting until it is free.
 
         Raises:
             LeaseTimeoutError: not free by ``deadline`` (``time.monotonic()``).
-            LeaseEndedError: ``closing()`` became true (the engine closes).
+            LeaseEndedError: the worker closes meanwhile.
         """
         with self._cv:
-            while not self._free(store, worker):
-                if closing():
-                    raise LeaseEndedError(f"{what()}: the engine closed while it waited")
-                wait = _POLL_S
-                if deadline is not None:
-                    wait = min(wait, deadline - time.monotonic())
-                    if wait <= 0:
-                        raise LeaseTimeoutError(
-                            f"{what()}: another lease held it for the whole timeout; "
-                            f"release that lease first, or give a longer timeout"
+            if self._free(store, worker):  # the common case
+                self._take(store, worker)
+                return
+            self._waiting += 1
+            try:
+                while not self._free(store, worker):
+                    if worker.closing:
+                        raise LeaseEndedError(
+                            f"{worker.what(store)}: the engine closed while it waited"
                         )
-                self._cv.wait(wait)
+                    wait = _POLL_S
+                    if deadline is not None:
+                        wait = min(wait, deadline - time.monotonic())
+                        if wait <= 0:
+                            raise LeaseTimeoutError(
+                                f"{worker.what(store)}: another lease held it for the whole "
+                                f"timeout; release that lease first, or give a longer timeout"
+                            )
+                    self._cv.wait(wait)
+            finally:
+                self._waiting -= 1
             self._take(store, worker)
 
     def unclaim(self, store: Store) -> None:
@@ -146,7 +149,8 @@ class _Claims:
                     held[id(s)] = (entry[0], entry[1], entry[2] - 1)
                 else:
                     del held[id(s)]
-            self._cv.notify_all()
+            if self._waiting:
+                self._cv.notify_all()
 
     def elsewhere(self, store: Store, worker: object) -> bool:
         """Whether a lease on another worker holds ``store`` (or a part of it)."""
@@ -179,6 +183,8 @@ class Lease:
         ...     lease.active
         False
     """
+
+    __slots__ = ("_ended", "_host", "_store", "_worker", "event", "moved")
 
     def __init__(self, worker: DeviceWorker, store: Store, host: HostMemory | None) -> None:
         self._worker = worker

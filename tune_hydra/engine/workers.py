@@ -129,6 +129,7 @@ class DeviceWorker:
         # stores granted room whose copies are in flight (from any thread).
         self._leases: dict[int, Lease] = {}
         self._granted: dict[int, Store] = {}
+        self._room_waiters = 0  # threads waiting in _make_room (a release notifies them)
         self.last_park_error: Exception | None = None
         self._closing = False
         self.assigned: collections.deque[Assignment] = collections.deque()
@@ -271,7 +272,7 @@ class DeviceWorker:
             LeaseEndedError: the device closed while a caller's lease waited.
         """
         if blocking:
-            CLAIMS.claim(store, self, deadline, self._is_closing, lambda: self._what(store))
+            CLAIMS.claim(store, self, deadline)
         elif not CLAIMS.try_claim(store, self):
             return None
         lease = Lease(self, store, host)
@@ -297,7 +298,7 @@ class DeviceWorker:
             key = id(lease._store)
             if self._leases.get(key) is lease:
                 del self._leases[key]
-        if not revoke:
+        if not revoke and self._room_waiters:
             with self._op_done:  # a copy or a lease waiting for room may go on
                 self._op_done.notify_all()
 
@@ -310,10 +311,13 @@ class DeviceWorker:
                 "engine, was checkpointed or restored, or the engine closed)"
             )
 
-    def _is_closing(self) -> bool:
+    @property
+    def closing(self) -> bool:
+        """Whether the worker is closing (its engine closes)."""
         return self._closing
 
-    def _what(self, store: Store) -> str:
+    def what(self, store: Store) -> str:
+        """How errors about leasing ``store`` here start."""
         return f"device {self.label}: leasing shard {store.name[1]} of task {store.name[0]!r}"
 
     def _trim(self) -> None:
@@ -335,7 +339,7 @@ class DeviceWorker:
     ) -> None:
         try:
             if not self._make_room(store, ahead_of, deadline=deadline) and ahead_of is None:
-                raise LeaseEndedError(f"{self._what(store)}: the engine closed while it waited")
+                raise LeaseEndedError(f"{self.what(store)}: the engine closed while it waited")
             prev = store.owner
             if isinstance(prev, DeviceWorker) and prev is not self:
                 prev.evict(store)  # traced there, on its copy stream
@@ -361,9 +365,10 @@ class DeviceWorker:
                     )
                 )
             lease.moved = moved
-            self._hold(store, lease)
-        finally:
+            self._hold(store, lease)  # no longer in flight: resident
+        except BaseException:
             self._ungrant(store)
+            raise
 
     def close(self) -> None:
         self._closing = True
@@ -436,11 +441,13 @@ class DeviceWorker:
                 # A lease on another device holds it (checked under the store's lock: that
                 # lease promotes it only after this).
                 if CLAIMS.elsewhere(p.store, self):
+                    self._ungrant(p.store)
                     return
                 moved = p.store.try_promote(
                     self.device, self.copy_stream, copy=self.copy, owner=self
                 )
                 if moved is None:  # another device holds it, or it was retired
+                    self._ungrant(p.store)
                     return
                 if moved:
                     self.trace.add(
@@ -456,8 +463,9 @@ class DeviceWorker:
                         )
                     )
                 self._hold(p.store)
-        finally:
+        except BaseException:
             self._ungrant(p.store)
+            raise
 
     def _hold(self, store: Store, lease: Lease | None = None) -> None:
         with self._lock:
@@ -465,6 +473,7 @@ class DeviceWorker:
             # thread computes with them (autograd writing .grad) is unsafe.
             store.last_nbytes = store.nbytes()
             self.ledger.hold(store, store.last_nbytes)
+            self._granted.pop(id(store), None)  # landed: no longer in flight
             if lease is not None:
                 self._leases[id(store)] = lease
 
@@ -606,7 +615,7 @@ class DeviceWorker:
             now = time.monotonic()
             if deadline is not None and now >= deadline:
                 raise LeaseTimeoutError(
-                    f"{self._what(incoming)}: no room within the timeout "
+                    f"{self.what(incoming)}: no room within the timeout "
                     f"({format_bytes(over)} over the device budget beside the "
                     f"{len(queued)} op(s) queued and the {len(beside)} other state(s) "
                     f"leased or coming in); release a lease on {self.label}, or give a "
@@ -625,7 +634,13 @@ class DeviceWorker:
                     f"tune_hydra bug, please report it"
                 )
             with self._op_done:
-                self._op_done.wait(_POLL_S if deadline is None else min(_POLL_S, deadline - now))
+                self._room_waiters += 1
+                try:
+                    self._op_done.wait(
+                        _POLL_S if deadline is None else min(_POLL_S, deadline - now)
+                    )
+                finally:
+                    self._room_waiters -= 1
         if wait:  # a needed copy: park waiting boundary tensors that leave it no room
             over = self._need(keep, carries=True)
             if over is not None:
