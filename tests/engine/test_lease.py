@@ -167,6 +167,40 @@ def test_a_user_loop_paging_shards_trains_exactly_as_plain_pytorch(
         assert torch.equal(a, b), k
 
 
+@pytest.mark.gpu
+def test_a_user_loop_on_a_gpu_trains_as_plain_pytorch_on_it() -> None:
+    """On CUDA the caller's stream waits for the copy-in, and the copy-out for the
+    caller's stream (``max_layers_per_shard=1`` and 8 states: each lease evicts one)."""
+    cuda = torch.device("cuda", 0)
+    model = _model()
+    ref = copy.deepcopy(model).to(cuda)
+    data = _data()
+    with Engine(devices=["cuda:0"], max_layers_per_shard=1, device_memory="64MiB") as engine:
+        engine.add_task("a", _task(model, data), seed=0)
+
+        def loop() -> list[float]:
+            return [_user_step(engine, model, x, y, lambda k, back: 0) for x, y in data]
+
+        losses = _in_thread(loop)
+        assert {"copy_in", "copy_out"} <= {e.op for e in engine.trace.events}
+        engine.remove_task("a")
+
+    def plain() -> list[float]:
+        opt = _sgd(ref.parameters())
+        out = []
+        for x, y in data:
+            opt.zero_grad()
+            loss = nn.functional.cross_entropy(ref(x.to(cuda)), y.to(cuda))
+            loss.backward()
+            opt.step()
+            out.append(loss.item())
+        return out
+
+    assert losses == _in_thread(plain)
+    for a, b in zip(model.state_dict().values(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b.cpu())
+
+
 def test_the_ledger_counts_a_leased_state_and_keeps_it_resident_after_release() -> None:
     with Engine(devices=["cpu"], copy_on_cpu=True, max_layers_per_shard=2) as engine:
         engine.add_task("a", _task(_model()), seed=0)

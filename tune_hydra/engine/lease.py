@@ -184,13 +184,16 @@ class Lease:
         False
     """
 
-    __slots__ = ("_ended", "_host", "_store", "_worker", "event", "moved")
+    __slots__ = ("_ended", "_fence", "_host", "_store", "_worker", "event", "moved")
 
     def __init__(self, worker: DeviceWorker, store: Store, host: HostMemory | None) -> None:
         self._worker = worker
         self._store = store
         self._host = host  # marked its state busy there (a device computing in place)
         self._ended: str | None = None  # why it ended, once it did
+        # A caller's lease on a CUDA device: its compute is on the caller's stream, which
+        # the device's copies must wait for once it is released.
+        self._fence = False
         self.moved = 0  # bytes copied onto the device to take it
         self.event: Any = None  # CUDA event after the copy-in (compute waits on it)
 
@@ -290,6 +293,8 @@ class Lease:
         if self._ended is not None:
             return
         self._ended = why
+        if self._fence and not revoke:
+            self._worker.fence()  # before it may be evicted
         self._worker.unpin(self, revoke=revoke)
         CLAIMS.unclaim(self._store)
         if self._host is not None:
@@ -355,6 +360,9 @@ def acquire(
     host = engine.host if engine.host.active and not worker.copy else None
     lease = worker.lease(store, deadline=deadline, host=host)
     assert lease is not None  # a blocking lease is taken, or raises
+    if lease.event is not None:  # the caller computes on its stream: after the copy-in
+        torch.cuda.current_stream(worker.device).wait_event(lease.event)
+    lease._fence = worker.copy_stream is not None
     return lease
 
 

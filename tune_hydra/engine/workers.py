@@ -302,6 +302,14 @@ class DeviceWorker:
             with self._op_done:  # a copy or a lease waiting for room may go on
                 self._op_done.notify_all()
 
+    def fence(self) -> None:
+        """Order this device's later copies after the work queued so far on the calling
+        thread's current CUDA stream (a caller's lease ends: its kernels may still run)."""
+        if self.copy_stream is not None:
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device))
+            self.copy_stream.wait_event(event)
+
     def _revoke(self, store: Store) -> None:
         with self._lock:
             lease = self._leases.get(id(store))
