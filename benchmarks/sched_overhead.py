@@ -23,7 +23,7 @@ Run::
     python benchmarks/sched_overhead.py --profile # cProfile of the 1-task scenario
     python benchmarks/sched_overhead.py --dispatch # one decision's CPU time, alone
 
-``--dispatch`` times the dispatcher's decision alone (``Engine._fill``: a candidate per
+``--dispatch`` times the dispatcher's decision alone (``Dispatcher._fill``: a candidate per
 ready task, the policy's choice), in the calling thread's CPU time (``time.thread_time``,
 so other processes' load counts little), with 1 and 8 ready tasks, measured or not yet
 (an unmeasured task's estimate follows the engine-wide mean op time). The policy is LRTF
@@ -154,16 +154,17 @@ def dispatch_path(tasks: int, measured: bool, calls: int = 3000, repeats: int = 
             engine.train(name, 1)
         w = engine.workers[0]
         # Internals, on purpose: one decision, without the threads around it.
+        dispatcher = engine._dispatcher
         with engine._cv:
             if measured:
                 for e in engine._tasks.values():
                     e.record("F", 0, 1e-5)
-            engine._op_sum, engine._op_n = 1e-5, 1
+            dispatcher._op_sum, dispatcher._op_n = 1e-5, 1
             times = []
             for _ in range(repeats):
                 t0 = time.thread_time()
                 for _ in range(calls):
-                    engine._fill(w)
+                    dispatcher._fill(w)
                 times.append((time.thread_time() - t0) / calls)
     return min(times)
 
@@ -171,7 +172,7 @@ def dispatch_path(tasks: int, measured: bool, calls: int = 3000, repeats: int = 
 def run_dispatch() -> None:
     """Print one decision's thread CPU time for 1 and 8 ready tasks."""
     torch.set_num_threads(1)
-    print("dispatch decision alone (Engine._fill, thread CPU time, min of 5 x 3000 calls):")
+    print("dispatch decision alone (Dispatcher._fill, thread CPU time, min of 5 x 3000 calls):")
     for tasks in (1, 8):
         for measured in (True, False):
             us = dispatch_path(tasks, measured) * 1e6

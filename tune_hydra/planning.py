@@ -480,7 +480,7 @@ def _sample(task: ModelTask, name: str) -> Any:
 
 
 def _check_trainable(name: str, model: nn.Module) -> None:
-    from tune_hydra.engine.engine import _check_trainable as check
+    from tune_hydra.engine.registry import check_trainable as check
 
     check(name, model)
 

@@ -226,14 +226,14 @@ class Flag:
 
 
 class EngineStub:
-    """Just what ``Engine._fill`` / ``Engine._offer`` read, and an ``_assign`` that
+    """Just what ``Dispatcher._fill`` / ``Dispatcher._offer`` read, and an ``_assign`` that
     records its decision instead of handing the op to a worker thread."""
 
     def __init__(self, policy: BasePolicy, entries: list[Entry], kept: Flag | None = None):
-        from tune_hydra.engine.engine import Engine
+        from tune_hydra.engine.dispatcher import Dispatcher
 
-        self._fill = lambda w: Engine._fill(cast(Any, self), w)
-        self._offer = lambda e, op, w, d: Engine._offer(cast(Any, self), e, op, w, d)
+        self._fill = lambda w: Dispatcher._fill(cast(Any, self), w)
+        self._offer = lambda e, op, w, d: Dispatcher._offer(cast(Any, self), e, op, w, d)
         self.policy = policy
         self._tasks = {e.name: e for e in entries}
         self._op_sum, self._op_n = 0.0, 0

@@ -75,6 +75,32 @@ class TaskRecord:
             self.known_sum += new - (0.0 if old is None else old)
             self.known_n += old is None
 
+    def deliver(self, result: dict[str, Any]) -> None:
+        """The runner's ``on_iteration``: one iteration's ``result`` to its future (all
+        the grant's results at once, when its last iteration ends)."""
+        if self.options.iteration_batches is None and result["batches"]:
+            self.batches_per_iter = float(result["batches"])
+        if self.pending:
+            p = self.pending[0]
+            p.results.append(result)
+            if len(p.results) == p.count:
+                self.pending.pop(0)
+                p.future.set_result(p.results)
+
+    def set_hint(self, iterations: int) -> None:
+        """``Engine.set_remaining``: iterations still to come after the granted ones."""
+        self.hint = max(0, int(iterations))
+        self.candidate = None
+
+    def set_milestone(self, iterations: int | None) -> None:
+        """``Engine.set_milestone``: the next milestone ``iterations`` from now (checked)."""
+        self.milestone_at = None if iterations is None else self.runner.iteration + iterations
+        self.candidate = None
+
+    def restart(self, runner: Runner) -> None:
+        """Take a restored ``runner`` (``Engine.set_state``): no error, not cancelled."""
+        self.runner, self.error, self.cancelled = runner, None, False
+
     def remaining_s(self, default_op_s: float = 1.0) -> float:
         """Estimated seconds of work left; ops not measured yet count as the task's mean
         measured op, or ``default_op_s`` (the engine-wide mean) before the first."""
