@@ -53,3 +53,33 @@ def test_milestone_s_counts_the_iterations_to_the_milestone_as_remaining_s_does(
     assert rec.remaining_s(0.5) == per_batch * 4 * 5
     rec.milestone_at = 0  # reached (or passed): no milestone ahead
     assert rec.milestone_s(0.5) is None
+
+
+def test_deliver_completes_a_grant_with_all_its_results_and_learns_the_epoch() -> None:
+    import concurrent.futures
+
+    from tune_hydra.engine.records import PendingIterations
+
+    rec = _record()
+    first: concurrent.futures.Future[list[dict[str, object]]] = concurrent.futures.Future()
+    second: concurrent.futures.Future[list[dict[str, object]]] = concurrent.futures.Future()
+    rec.pending += [PendingIterations(first, 2), PendingIterations(second, 1)]
+    rec.deliver({"iteration": 1, "batches": 3})
+    assert not first.done() and rec.batches_per_iter == 3.0  # an epoch's batches, measured
+    rec.deliver({"iteration": 2, "batches": 0})  # none counted: the estimate stays
+    assert [r["iteration"] for r in first.result(0)] == [1, 2] and rec.batches_per_iter == 3.0
+    assert not second.done() and rec.pending == [PendingIterations(second, 1)]
+    rec.deliver({"iteration": 3, "batches": 3})
+    assert second.result(0) == [{"iteration": 3, "batches": 3}] and rec.pending == []
+
+
+def test_hint_and_milestone_drop_the_last_offer() -> None:
+    rec = _record()
+    rec.candidate = object()  # type: ignore[assignment]
+    rec.set_hint(-2)
+    assert rec.hint == 0 and rec.candidate is None
+    rec.candidate = object()  # type: ignore[assignment]
+    rec.set_milestone(3)
+    assert rec.milestone_at == rec.runner.iteration + 3 and rec.candidate is None
+    rec.set_milestone(None)
+    assert rec.milestone_at is None

@@ -178,7 +178,12 @@ class TaskRegistry:
                 host=self._host,
             )
             runner.note_probe(x)
-            self._register(TaskRecord(name, task, plan, options, self._order, runner))
+            per_iter = batches_per_iter(task, options)
+            self._register(
+                TaskRecord(
+                    name, task, plan, options, self._order, runner, batches_per_iter=per_iter
+                )
+            )
         return len(plan)
 
     def add_runner(self, name: str, runner: Runner, options: TrainOptions | None) -> int:
@@ -205,7 +210,12 @@ class TaskRegistry:
         with self._cv:
             self._check_name(name)
             self._kept.check(name, plan)
-            self._register(TaskRecord(name, None, plan, options, self._order, runner))
+            per_iter = float(options.iteration_batches or 1)
+            self._register(
+                TaskRecord(
+                    name, None, plan, options, self._order, runner, batches_per_iter=per_iter
+                )
+            )
         return len(plan)
 
     def restored(self, entry: TaskRecord, old: TaskRunner, state: dict[str, Any]) -> TaskRunner:
@@ -241,10 +251,6 @@ class TaskRegistry:
         """Add ``entry`` (under the lock, its checks passed)."""
         runner = entry.runner
         self._host.register(runner.stores)
-        if entry.task is None:
-            entry.batches_per_iter = float(entry.options.iteration_batches or 1)
-        else:
-            entry.batches_per_iter = batches_per_iter(entry.task, entry.options)
         runner.on_iteration = entry.deliver
         self.tasks[entry.name] = entry
         self._order += 1
