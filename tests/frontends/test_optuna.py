@@ -235,6 +235,74 @@ def test_median_pruner_prunes_a_bad_trial() -> None:
         assert [str(e) for e in _ops(engine, bad) if e.iteration >= 1] == []
 
 
+# ------------------------------------------------------------------------------ milestones
+class _Recording(Engine):
+    """An engine that records the milestones announced to it, and the engines built."""
+
+    built: list[_Recording] = []
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.milestones: dict[str, list[int | None]] = {}
+        _Recording.built.append(self)
+
+    def set_milestone(self, name: str, iterations: int | None) -> None:
+        self.milestones.setdefault(name, []).append(iterations)
+        super().set_milestone(name, iterations)
+
+
+def test_each_epoch_announces_the_pruners_next_step() -> None:
+    """MedianPruner(n_warmup_steps=1) decides at steps 1, 2, 3 (after epochs 2, 3, 4): a
+    trial starting epoch e has its next decision 2 - e epochs away, then 1, and none
+    before its last epoch (the end spares nothing), except while fewer trials than
+    n_startup_trials finished: then its end is a milestone (the search waits for it).
+    Trials 0 and 1 train the same configuration, so 1 is not pruned."""
+    study = optuna.create_study(
+        sampler=optuna.samplers.RandomSampler(seed=0),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1),
+    )
+    for _ in range(2):
+        study.enqueue_trial({"lr": 0.01, "momentum": 0.9})
+    with _Recording(devices=["cpu", "cpu"], device_memory=BUDGET, copy_on_cpu=True) as eng:
+        th.optimize(study, factory({}), n_trials=2, epochs=4, max_concurrent=1, engine=eng, seed=0)
+    assert _states(study) == {0: "COMPLETE", 1: "COMPLETE"}
+    assert eng.milestones == {"trial_0": [2, 1, 1, 1], "trial_1": [2, 1, 1, None]}
+
+
+@pytest.mark.parametrize(
+    ("sampler", "pruner", "policy", "chosen"),
+    [
+        ("TPESampler", "MedianPruner", "auto", "milestone"),
+        ("RandomSampler", "MedianPruner", "auto", "milestone"),
+        ("TPESampler", "NopPruner", "auto", "milestone"),  # TPE learns from finished trials
+        ("RandomSampler", "NopPruner", "auto", "lrtf"),
+        ("RandomSampler", "MedianPruner", "fifo", "fifo"),  # given by hand: kept
+    ],
+)
+def test_auto_is_chosen_from_the_pruner_and_sampler(
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    sampler: str,
+    pruner: str,
+    policy: str,
+    chosen: str,
+) -> None:
+    import tune_hydra.engine
+
+    monkeypatch.setattr(tune_hydra.engine, "Engine", _Recording)
+    _Recording.built.clear()
+    study = optuna.create_study(
+        sampler=getattr(optuna.samplers, sampler)(seed=0), pruner=getattr(optuna.pruners, pruner)()
+    )
+    with caplog.at_level(logging.INFO, logger="tune_hydra.core.policies"):
+        th.optimize(study, factory({}), n_trials=1, devices=["cpu"], policy=policy, seed=0)
+    (engine,) = _Recording.built
+    assert engine.policy.name == chosen
+    said = [r.getMessage() for r in caplog.records if r.getMessage().startswith("policy=")]
+    assert len(said) == (policy == "auto")  # one line says what auto chose, and why
+    assert all(m.startswith(f"policy='auto': {chosen} (") for m in said)
+
+
 # ------------------------------------------------------------------------------ failures
 def test_failing_trials_end_fail_and_the_others_complete(
     caplog: pytest.LogCaptureFixture,

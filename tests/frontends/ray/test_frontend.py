@@ -107,6 +107,31 @@ def test_hints_reach_the_engine(actor: Any) -> None:
         _call(actor.train("a", "t", 1))
 
 
+def test_milestones_reach_the_engine(actor: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tune_hydra.engine import Engine
+
+    given: list[tuple[str, int | None]] = []
+    forward = Engine.set_milestone
+
+    def recording(self: Engine, name: str, iterations: int | None) -> None:
+        given.append((name, iterations))
+        forward(self, name, iterations)
+
+    monkeypatch.setattr(Engine, "set_milestone", recording)
+    _call(actor.set_milestone("a", SECRET, 2))  # before registration: kept for later
+    _call(actor.register("a", "t", BLOB, {"lr": 0.01}, secret=SECRET))
+    name = actor._trials.get("a").name
+    assert given == [(name, 2)]
+    _call(actor.train("a", "t", 1))
+    _call(actor.set_milestone("a", SECRET, None))  # past its last milestone
+    _call(actor.set_milestone("b", SECRET, 1))  # not registered: kept, not sent
+    assert given == [(name, 2), (name, None)]
+    summary = _call(actor.summary(SECRET))
+    assert summary["policy"] == "lrtf" and summary["milestones_given"] == 2
+    with pytest.raises(NotOwnerError):
+        _call(actor.set_milestone("a", "stranger", 1))
+
+
 def test_merge_hyperparameters_keeps_state() -> None:
     # per parameter: the checkpoint's state, the fresh groups (cut another way: 2 shards
     # then, 1 now)

@@ -223,6 +223,7 @@ class EngineActor:
         self._hints: dict[str, int] = {}
         # Iterations to each trial's next milestone (None: none left), as last announced.
         self._milestones: dict[str, int | None] = {}
+        self._milestones_given = 0  # set_milestone calls that reached the engine
         self._factories = FactoryCache(factories if factories is not None else {})
         self._builds = PendingBuilds(secret)
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hydra-ctl")
@@ -305,6 +306,7 @@ class EngineActor:
             self._engine.set_remaining(trial.name, hint)
         if has_milestone:
             self._engine.set_milestone(trial.name, milestone)
+            self._milestones_given += 1
         return shards
 
     # ------------------------------------------------------------ actor methods
@@ -449,6 +451,7 @@ class EngineActor:
         if reg is not None and self._engine is not None:
             with contextlib.suppress(TuneHydraError):  # as set_remaining: not worth an error
                 self._engine.set_milestone(reg.name, value)
+                self._milestones_given += 1
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def cancel(self, key: str, token: str) -> None:
@@ -506,9 +509,16 @@ class EngineActor:
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def summary(self, secret: str = "") -> dict[str, Any]:
         """The engine's summary (per-device utilization ...; for the experiment's driver
-        only)."""
+        only), with the ``policy`` it runs and ``milestones_given``: the trials' milestone
+        hints (``set_milestone``) that reached it."""
         self._driver(secret)
-        return dict(self._engine.summary()) if self._engine is not None else {}
+        if self._engine is None:
+            return {}
+        return {
+            **self._engine.summary(),
+            "policy": getattr(self._engine.policy, "name", type(self._engine.policy).__name__),
+            "milestones_given": self._milestones_given,
+        }
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def close(self, secret: str = "") -> None:

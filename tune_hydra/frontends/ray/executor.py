@@ -341,6 +341,13 @@ class HydraExecutor:
     torch_threads = _Held("_engines")
     start_timeout_s = _Held("_engines")
 
+    @property
+    def engine_policy(self) -> str | BasePolicy:
+        """The policy the engines are (or will be) built with: ``policy``, with
+        ``"auto"`` resolved by :meth:`scheduler` to ``"milestone"`` or ``"lrtf"`` (still
+        ``"auto"`` before that: the engines' own default, the milestone policy)."""
+        return self._engines.engine_options.policy
+
     # ---------------------------------------------------------------- lifecycle
     @property
     def started(self) -> bool:
@@ -485,7 +492,7 @@ class HydraExecutor:
             chosen = resolve_policy(AUTO, search_aware=wrapped.milestones.search_aware)
             if not self.started:  # the engines are built with the choice; the option stays
                 self._engines.engine_options = dataclasses.replace(
-                    self.engine_options, policy=chosen.name
+                    self._engines.engine_options, policy=chosen.name
                 )
         return wrapped
 

@@ -1,0 +1,405 @@
+"""Issue #21's acceptance runs: how early a search's first results come, per policy.
+
+Three runs on 2 emulated CPU devices that really copy shard state (``copy_on_cpu=True``,
+``prefetch=True``: the GPU's way), tiny MLPs cut into 2 shards, the same seeds for every
+policy (``lrtf``, ``fifo``, ``auto``):
+
+* ``engine``: 16 equal trials of 4 epochs registered together on one ``Engine``, each
+  granted one epoch at a time by a small driver that announces the milestones of
+  ``ASHAScheduler(grace_period=1, reduction_factor=2, max_t=4)`` (rungs 1 and 2) as
+  ``HydraScheduler`` does (nothing is stopped: all 16 trials run their 4 epochs);
+* ``tune``: ``th.run`` with that ASHA scheduler, 16 trials (a grid over the trial index,
+  each trial's learning rate drawn from the seed), all admitted at once;
+* ``optuna``: ``th.optimize`` with ``TPESampler(seed)`` + ``MedianPruner()``, 8 trials, 8
+  concurrent, 4 epochs.
+
+Each is measured on the engine's own trace, so Ray's process start-up does not count:
+the span runs from the first compute op to the last; a trial's first epoch ends with its
+last compute op of iteration 0. Reported: the fraction of the span at which the K/2-th
+and the last trial finished their first epoch, throughput (training samples per second of
+span), trials stopped or pruned, and the best ``val_loss``.
+
+``--budget`` runs the searches of the issue's last acceptance item instead: a Tune search
+with ``OptunaSearch`` + ASHA (``--trials`` trials) and a ``th.optimize`` study with TPE +
+MedianPruner, each stopped after ``--budget`` seconds of wall clock (``time_budget_s`` /
+``timeout``), and reports the best ``val_loss`` found, per policy and seed.
+
+Usage::
+
+    python benchmarks/search_runs.py engine tune optuna --seeds 0 1 2
+    python benchmarks/search_runs.py --budget 60 --seeds 0 1 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import dataclasses
+import json
+import logging
+import math
+import os
+import shutil
+import statistics
+import tempfile
+from collections.abc import Sequence
+from typing import Any
+
+os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+
+import torch
+from torch import nn
+
+import tune_hydra as th
+from tune_hydra.core.policies import resolve_policy
+from tune_hydra.core.trace import Trace
+from tune_hydra.engine import Engine
+from tune_hydra.frontends.milestones import optuna_milestones, tune_milestones
+
+POLICIES = ("lrtf", "fifo", "auto")
+DEVICES = ["cpu", "cpu"]
+EPOCHS = 4
+N_IN, WIDTH, BATCH, N_BATCHES = 128, 512, 128, 16
+BUDGET = (
+    8_000_000  # bytes per device: cuts the MLP into 2 shards (its state and room for a prefetch)
+)
+LR_LO, LR_HI = 1e-4, 3e-2
+ASHA = {"grace_period": 1, "reduction_factor": 2, "max_t": EPOCHS}
+
+
+# --- the task --------------------------------------------------------------------------------
+
+
+def make_task(config: dict[str, Any]) -> th.ModelTask:
+    """A 3-layer MLP regression task (about 6.4k parameters); ``config``: ``lr``."""
+    g = torch.Generator().manual_seed(1234)
+    n = (N_BATCHES + 1) * BATCH
+    x = torch.randn(n, N_IN, generator=g)
+    y = (x[:, :4].sum(1, keepdim=True)).tanh() + 0.05 * torch.randn(n, 1, generator=g)
+    data = [(x[i : i + BATCH], y[i : i + BATCH]) for i in range(0, n, BATCH)]
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Linear(N_IN, WIDTH), nn.Tanh(), nn.Linear(WIDTH, WIDTH), nn.Tanh(),
+        nn.Linear(WIDTH, 1),
+    )  # fmt: skip
+    lr = float(config["lr"])
+    return th.ModelTask(
+        model=model,
+        loss_fn=nn.MSELoss(),
+        optimizer=lambda params: torch.optim.SGD(params, lr=lr, momentum=0.9),
+        train_data=data[:N_BATCHES],
+        eval_data=data[N_BATCHES:],
+    )
+
+
+def lr_of(seed: int, index: int) -> float:
+    """Trial ``index``'s learning rate under ``seed`` (log-uniform in [1e-4, 3e-2])."""
+    g = torch.Generator().manual_seed(seed * 1000 + index)
+    u = float(torch.rand(1, generator=g))
+    return math.exp(math.log(LR_LO) + u * (math.log(LR_HI) - math.log(LR_LO)))
+
+
+def make_indexed_task(config: dict[str, Any]) -> th.ModelTask:
+    """``make_task`` for a grid over ``config["i"]`` (the learning rate from the seed)."""
+    return make_task({"lr": lr_of(int(config["seed"]), int(config["i"]))})
+
+
+# --- figures from the engine's trace --------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Figures:
+    """What one run measured (fractions of the trace's compute span)."""
+
+    half: float  # the K/2-th trial's first epoch
+    last: float  # the last trial's first epoch
+    span_s: float
+    samples_per_s: float
+    trials: int
+    stopped: int = 0
+    best: float = math.nan
+
+
+def figures(trace: Trace, stopped: int = 0, best: float = math.nan) -> Figures:
+    """First-epoch fractions and throughput from ``trace``'s compute events."""
+    events = [e for e in trace.events if e.is_compute]
+    if trace.dropped:
+        raise RuntimeError("the trace window dropped events: raise trace_window")
+    t0 = min(e.start for e in events)
+    t1 = max(e.end for e in events)
+    span = t1 - t0
+    first_iteration = min(e.iteration for e in events)
+    first: dict[str, float] = {}
+    for e in events:
+        if e.iteration == first_iteration:
+            first[e.task] = max(first.get(e.task, 0.0), e.end)
+    ends = sorted(first.values())
+    k = len(ends)
+    batches = {(e.task, e.iteration, e.batch) for e in events if e.op == "L"}
+    return Figures(
+        half=(ends[k // 2 - 1] - t0) / span,
+        last=(ends[-1] - t0) / span,
+        span_s=span,
+        samples_per_s=len(batches) * BATCH / span,
+        trials=k,
+        stopped=stopped,
+        best=best,
+    )
+
+
+# --- (a) the engine on its own ---------------------------------------------------------------
+
+
+def engine_run(policy: str, seed: int, trials: int = 16) -> Figures:
+    """16 equal trials registered together, granted one epoch at a time, with the
+    milestones of ASHA (grace 1, rf 2, max_t 4) announced as ``HydraScheduler`` does."""
+    from ray.tune.schedulers import ASHAScheduler
+
+    m = tune_milestones(ASHAScheduler(metric="val_loss", mode="min", **ASHA))
+    chosen = resolve_policy(policy, search_aware=m.search_aware)
+
+    def to_milestone(done: int) -> int | None:
+        at = m.next_after(done)
+        return None if at is None or at >= EPOCHS else at - done
+
+    with Engine(DEVICES, BUDGET, chosen, copy_on_cpu=True, prefetch=True, trace_window=None) as eng:
+        for i in range(trials):
+            eng.add_task(f"t{i}", make_task({"lr": lr_of(seed, i)}), seed=seed)
+        done = dict.fromkeys(eng.tasks(), 0)
+        running: dict[concurrent.futures.Future[Any], str] = {}
+
+        def grant(name: str) -> None:
+            eng.set_remaining(name, EPOCHS - done[name] - 1)
+            eng.set_milestone(name, to_milestone(done[name]))
+            running[eng.train(name, 1)] = name
+
+        for name in done:
+            grant(name)
+        best = math.inf
+        while running:
+            finished, _ = concurrent.futures.wait(
+                list(running), return_when=concurrent.futures.FIRST_COMPLETED
+            )
+            for fut in finished:
+                name = running.pop(fut)
+                best = min(best, fut.result()[-1]["val_loss"])
+                done[name] += 1
+                if done[name] < EPOCHS:
+                    grant(name)
+        return figures(eng.trace, best=best)
+
+
+# --- (b) th.run with ASHA --------------------------------------------------------------------
+
+
+def _ray_init(slots: int) -> str:
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="thsr", dir="/tmp")
+    ray.init(
+        num_cpus=2,
+        resources={"hydra_slot": slots},
+        _temp_dir=tmp,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+    )
+    return tmp
+
+
+def _executor(policy: str) -> Any:
+    ex = th.HydraExecutor(
+        devices=DEVICES, device_memory=BUDGET, policy=policy, seed=0, checkpoint=None
+    )
+    # Benchmark only: HydraExecutor does not offer copy_on_cpu (a node computes on its
+    # devices); the engines get it here so they copy as a GPU's would.
+    ex._engines.engine_options = dataclasses.replace(
+        ex._engines.engine_options, copy_on_cpu=True, trace_window=None
+    )
+    return ex
+
+
+def tune_run(policy: str, seed: int, trials: int = 16) -> Figures:
+    """``th.run`` with ASHA (grace 1, rf 2, max_t 4): ``trials`` trials admitted at once."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+
+    storage = tempfile.mkdtemp(prefix="thsr-results")
+    ex = _executor(policy)
+    try:
+        analysis = th.run(
+            make_indexed_task,
+            trial_executor=ex,
+            config={"i": tune.grid_search(list(range(trials))), "seed": seed},
+            scheduler=ASHAScheduler(**ASHA),
+            metric="val_loss",
+            mode="min",
+            stop={"training_iteration": EPOCHS},
+            max_concurrent_trials=trials,
+            storage_path=storage,
+            verbose=0,
+        )
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    stopped = sum(1 for t in analysis.trials if t.last_result.get("training_iteration", 0) < EPOCHS)
+    best = min(t.last_result.get("val_loss", math.inf) for t in analysis.trials)
+    return figures(ex.trace(), stopped=stopped, best=best)
+
+
+# --- (c) th.optimize with TPE + MedianPruner -------------------------------------------------
+
+
+def _objective(trial: Any) -> th.ModelTask:
+    return make_task({"lr": trial.suggest_float("lr", LR_LO, LR_HI, log=True)})
+
+
+def optuna_run(policy: str, seed: int, trials: int = 8, concurrent: int = 8) -> Figures:
+    """``th.optimize`` with ``TPESampler(seed)`` + ``MedianPruner()``."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        sampler=optuna.samplers.TPESampler(seed=seed), pruner=optuna.pruners.MedianPruner()
+    )
+    # As th.optimize resolves it (the engine is ours, to read its trace).
+    chosen = resolve_policy(
+        policy, search_aware=optuna_milestones(study.pruner, study.sampler).search_aware
+    )
+    with Engine(DEVICES, BUDGET, chosen, copy_on_cpu=True, prefetch=True, trace_window=None) as eng:
+        th.optimize(
+            study, _objective, n_trials=trials, epochs=EPOCHS, max_concurrent=concurrent,
+            engine=eng, seed=seed,
+        )  # fmt: skip
+        pruned = sum(1 for t in study.trials if t.state == optuna.trial.TrialState.PRUNED)
+        return figures(eng.trace, stopped=pruned, best=study.best_value)
+
+
+# --- the fixed-budget searches ---------------------------------------------------------------
+
+
+def tune_budget(policy: str, seed: int, trials: int, budget_s: float) -> float:
+    """Best ``val_loss`` of a Tune search (OptunaSearch + ASHA) after ``budget_s``."""
+    from ray import tune
+    from ray.tune.schedulers import ASHAScheduler
+    from ray.tune.search.optuna import OptunaSearch
+
+    storage = tempfile.mkdtemp(prefix="thsr-results")
+    ex = _executor(policy)
+    try:
+        analysis = th.run(
+            make_task,
+            trial_executor=ex,
+            config={"lr": tune.loguniform(LR_LO, LR_HI)},
+            search_alg=OptunaSearch(seed=seed),
+            scheduler=ASHAScheduler(**ASHA),
+            metric="val_loss",
+            mode="min",
+            num_samples=trials,
+            stop={"training_iteration": EPOCHS},
+            time_budget_s=budget_s,
+            max_concurrent_trials=8,
+            storage_path=storage,
+            verbose=0,
+        )
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    return min((t.last_result.get("val_loss", math.inf) for t in analysis.trials), default=math.inf)
+
+
+def optuna_budget(policy: str, seed: int, budget_s: float) -> float:
+    """Best ``val_loss`` of a ``th.optimize`` study (TPE + MedianPruner) after ``budget_s``
+    (no trial starts after it; the running ones finish)."""
+    import optuna
+
+    optuna.logging.set_verbosity(optuna.logging.WARNING)
+    study = optuna.create_study(
+        sampler=optuna.samplers.TPESampler(seed=seed), pruner=optuna.pruners.MedianPruner()
+    )
+    th.optimize(
+        study, _objective, epochs=EPOCHS, devices=DEVICES, device_memory=BUDGET,
+        copy_on_cpu=True, max_concurrent=8, timeout=budget_s, seed=seed, policy=policy,
+    )  # fmt: skip
+    return study.best_value
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+RUNS = {"engine": engine_run, "tune": tune_run, "optuna": optuna_run}
+
+
+def _mean(values: Sequence[float]) -> str:
+    return f"{statistics.fmean(values):.3f}" + (
+        f" ± {statistics.stdev(values):.3f}" if len(values) > 1 else ""
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="*", help=f"of {sorted(RUNS)}")
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES))
+    parser.add_argument("--seeds", nargs="+", type=int, default=[0])
+    parser.add_argument("--budget", type=float, default=None, help="fixed-budget searches")
+    parser.add_argument("--trials", type=int, default=16, help="Tune trials with --budget")
+    parser.add_argument("--json", default=None, help="write every figure to this file")
+    args = parser.parse_args(argv)
+    unknown = set(args.runs) - set(RUNS)
+    if unknown:
+        parser.error(f"unknown runs {sorted(unknown)}: use {sorted(RUNS)}")
+    logging.basicConfig(level=logging.WARNING)
+    torch.set_num_threads(2)
+    ray_tmp = None
+    if "tune" in args.runs or args.budget is not None:
+        ray_tmp = _ray_init(max(16, args.trials))
+    out: dict[str, Any] = {}
+    try:
+        for run in args.runs:
+            print(f"## {run}: K/2-th / last first epoch (fraction of span), samples/s")
+            print("| policy | K/2-th | last | samples/s | vs lrtf | stopped | span s |")
+            print("|---|---|---|---|---|---|---|")
+            rows: dict[str, list[Figures]] = {}
+            for policy in args.policies:
+                rows[policy] = []
+                for seed in args.seeds:
+                    f = RUNS[run](policy, seed)
+                    rows[policy].append(f)
+                    print(f"  {run} {policy} seed {seed}: {f}", flush=True)
+            base = (
+                statistics.fmean(f.samples_per_s for f in rows.get("lrtf", []))
+                if ("lrtf" in rows)
+                else math.nan
+            )
+            for policy, fs in rows.items():
+                tput = statistics.fmean(f.samples_per_s for f in fs)
+                print(
+                    f"| {policy} | {_mean([f.half for f in fs])} | {_mean([f.last for f in fs])}"
+                    f" | {tput:.0f} | {tput / base:.2f}x | "
+                    f"{statistics.fmean(f.stopped for f in fs):.1f} | "
+                    f"{statistics.fmean(f.span_s for f in fs):.1f} |",
+                    flush=True,
+                )
+            out[run] = {p: [dataclasses.asdict(f) for f in fs] for p, fs in rows.items()}
+        if args.budget is not None:
+            print(f"## best val_loss after {args.budget:g} s (mean over seeds {args.seeds})")
+            print("| policy | Tune: OptunaSearch + ASHA | th.optimize: TPE + MedianPruner |")
+            print("|---|---|---|")
+            for policy in args.policies:
+                tb = [tune_budget(policy, s, args.trials, args.budget) for s in args.seeds]
+                ob = [optuna_budget(policy, s, args.budget) for s in args.seeds]
+                print(f"| {policy} | {_mean(tb)} | {_mean(ob)} |", flush=True)
+                out.setdefault("budget", {})[policy] = {"tune": tb, "optuna": ob}
+    finally:
+        if ray_tmp is not None:
+            import ray
+
+            ray.shutdown()
+            shutil.rmtree(ray_tmp, ignore_errors=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
