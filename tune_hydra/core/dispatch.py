@@ -13,7 +13,7 @@ When a device frees up, the dispatcher
 3. **validates** the choice: it must be one of the candidates offered, and fit now; else
    :class:`~tune_hydra.exceptions.ScheduleError` (a policy bug: it is not silently fixed).
 
-The engine's dispatcher (``Engine._fill``) and the simulator
+The engine's dispatcher (``Dispatcher._fill``) and the simulator
 (:mod:`tune_hydra.core.simulate`) both build their candidates with :func:`offer` and decide
 with :func:`decide`, so a policy is simulated with the code the engine runs.
 This module imports neither torch nor the engine.
