@@ -275,6 +275,8 @@ def test_a_lease_that_does_not_fit_waits_for_room_then_times_out() -> None:
         assert w.ledger.usage().state == other.state_bytes
         assert w.ledger.usage(None).total <= budget
         got[0].release()
+        # The trace's replay of the copies agrees: never more state than the budget.
+        engine.trace.validate(state_budget=budget)
 
 
 def test_one_lease_per_shard_at_a_time() -> None:
