@@ -28,7 +28,7 @@ result. Ops of one loop run one at a time, in the user's order.
   generator with its ops, exactly as plain PyTorch (the user's own draws, a shuffling
   ``DataLoader``, and dropout in the ops come from one stream, in the same order); a loop
   on another thread gets a private stream for its ops, started from the global
-  generator's state when it was cut (torch's global generator is shared by threads, so
+  generator's state at ``th.shard`` (torch's global generator is shared by threads, so
   drawing from it would make each loop's dropout depend on the others').
 """
 
@@ -132,6 +132,7 @@ class LoopRunner:
         wrappers: list[nn.Module],
         *,
         private_stream: bool,
+        rng_start: torch.Tensor,
         home: torch.device,
         hf: bool,
     ) -> None:
@@ -165,7 +166,7 @@ class LoopRunner:
         self._private = private_stream
         seed = torch.initial_seed()
         self._seed = seed
-        self.stream = rng.RngState(torch.get_rng_state())
+        self.stream = rng.RngState(rng_start)
 
     @property
     def model(self) -> nn.Module:
@@ -353,19 +354,10 @@ class LoopRunner:
                 outs = _ShardFunction.apply(call, token, *(leaves[i] for i in tensors))
                 carry = call.rebuild(outs)
         else:
+            kind = OpKind.FORWARD if self.model.training else OpKind.EVAL
             for shard in self.shards:
-                carry = self.run(
-                    OpKind.EVAL if not self.model.training else OpKind.FORWARD,
-                    shard.index,
-                    lambda dev, s=shard, x=carry: self._plain_forward(s, dev, x),
-                )
+                carry = self.run(kind, shard.index, _PlainForward(self, shard, carry))
         return carry
-
-    def _plain_forward(self, shard: LoopShard, device: torch.device, x: Any) -> Any:
-        x = _to(x, device)
-        with self._stream(shard, device), torch.no_grad():
-            out = shard.module(x)
-        return _to(out, self.home)
 
     # -- the optimizer's part -----------------------------------------------------------
 
@@ -421,7 +413,7 @@ class LoopRunner:
                 with part.lock:  # a prefetch may be bringing it in right now: after it
                     owner = part.owner
                     if owner in workers:
-                        owner.evict(part)  # type: ignore[union-attr]
+                        owner.evict(part)
                     part.retire()
             for w in workers:
                 for part in parts(store):
@@ -495,6 +487,20 @@ class LoopRunner:
         self.closed = True
         with contextlib.suppress(Exception):
             self.engine.remove_task(self.name)
+
+
+class _PlainForward:
+    """A shard's forward without grad (evaluation, ``torch.no_grad()``): keeps nothing."""
+
+    def __init__(self, loop: LoopRunner, shard: LoopShard, x: Any) -> None:
+        self.loop, self.shard, self.x = loop, shard, x
+
+    def __call__(self, device: torch.device) -> Any:
+        loop, shard = self.loop, self.shard
+        x = _to(self.x, device)
+        with loop._stream(shard, device), torch.no_grad():
+            out = shard.module(x)
+        return _to(out, loop.home)
 
 
 class _ShardCall:
@@ -583,7 +589,8 @@ class _ShardCall:
             ]
 
         try:
-            return loop.run(OpKind.BACKWARD, shard.index, compute)  # type: ignore[no-any-return]
+            grads_in: list[torch.Tensor | None] = loop.run(OpKind.BACKWARD, shard.index, compute)
+            return grads_in
         finally:
             self.leaves, self.out_leaves = [], []  # the graph is done with them
 
@@ -634,6 +641,8 @@ def build_loop(
     *,
     home: torch.device,
     hf: bool,
+    private_stream: bool,
+    rng_start: torch.Tensor,
 ) -> LoopRunner:
     """Cut ``model`` (its ``layers``, sized by a probe on ``sample``, the first batch) for
     ``engine``'s budget, build one optimizer per shard like the user's, and register the
@@ -673,7 +682,7 @@ def build_loop(
                 if ps:
                     groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
                     gmap.append(gi)
-        opt = _like(user_optimizer, optimizer_class, groups) if groups else None
+        opt = _like(user_optimizer, optimizer_class, groups) if optimizer_class and groups else None
         if opt is not None and user_optimizer is not None:  # state loaded before the cut
             for g in opt.param_groups:
                 for p in g["params"]:
@@ -709,7 +718,6 @@ def build_loop(
         )
     user = {id(m) for m in model.modules()}
     wrappers = [m for mod in modules for m in mod.modules() if id(m) not in user]
-    private = threading.current_thread() is not threading.main_thread()
     runner = LoopRunner(
         name,
         engine,
@@ -718,7 +726,8 @@ def build_loop(
         shards,
         user_optimizer,
         wrappers,
-        private_stream=private,
+        private_stream=private_stream,
+        rng_start=rng_start,
         home=home,
         hf=hf,
     )
@@ -738,7 +747,9 @@ def _like(
     torch.optim.Optimizer.__init__(opt, groups, defaults)
     if user is not None:
         for k, v in vars(user).items():
-            if k not in vars(opt) and not k.startswith("_th_"):
+            # Not a method wrapped on the instance (an lr scheduler wraps ``step``: it would
+            # call the user's sharded step from the shard's).
+            if k not in vars(opt) and not k.startswith("_th_") and not callable(v):
                 setattr(opt, k, v)
     return opt
 

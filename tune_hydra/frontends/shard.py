@@ -259,10 +259,15 @@ class _State:
         self.engine = engine
         self.loop: LoopRunner | None = None
         self.closed = False
-        self.model_class: type = type(model)
+        self.model_class: type[nn.Module] = type(model)
         self.optimizer_class: type[torch.optim.Optimizer] | None = None
         self.finalizer: Any = None
         self.hf = False
+        # The loop's random stream for its ops (see tune_hydra.engine.loop): on the main
+        # thread the global generator's, handed over at each op; on another thread a
+        # private one, from the global generator's state now.
+        self.private_stream = threading.current_thread() is not threading.main_thread()
+        self.rng_start = torch.get_rng_state()
 
     def check(self) -> None:
         if self.closed:
@@ -295,6 +300,8 @@ class _State:
             inputs,
             home=home,
             hf=self.hf,
+            private_stream=self.private_stream,
+            rng_start=self.rng_start,
         )
         return self.loop
 
@@ -418,7 +425,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         state.check()
         return state.loop
 
-    def step(self, closure: Any = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Any = None) -> Any:
         if closure is not None:
             raise UnsupportedCallError(
                 "a sharded optimizer steps without a closure (LBFGS-style step(closure) "

@@ -1,0 +1,534 @@
+"""th.shard: the user's own loop, with and without the th.shard line, is bit-equal (float64).
+
+Every reference is the same loop run on a deepcopy of the model without ``th.shard``; the
+sharded runs use 2 emulated copying devices (each shard's state copied in and out, as on a
+GPU) unless said otherwise. torch runs on one intra-op thread in this module: the engine
+gives each of its 2 emulated devices half of the threads, and a reduction (LayerNorm's
+weight gradient) rounds by how it is split.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import io
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import tune_hydra as th
+from tests.conftest import batches, mlp
+from tune_hydra.exceptions import (
+    AlreadyShardedError,
+    EngineConfiguredError,
+    ModelOnDeviceError,
+    OptimizerMismatchError,
+    ShardClosedError,
+    TuneHydraError,
+    UnsupportedCallError,
+)
+from tune_hydra.frontends import shard as shard_mod
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def engine() -> Iterator[th.Engine]:
+    eng = th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2)
+    yield eng
+    eng.close()
+
+
+# -- the user's code: models and loops, as they would write them ---------------------------
+
+
+class ConvNet(nn.Module):
+    """Ray Tune's MNIST example's model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 3, kernel_size=3)
+        self.fc = nn.Linear(192, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = F.relu(F.max_pool2d(self.conv1(x), 3))
+        x = x.view(-1, 192)
+        x = self.fc(x)
+        return F.log_softmax(x, dim=1)
+
+
+def convnet() -> nn.Module:
+    return ConvNet().double()
+
+
+def conv_data(n: int = 4, seed: int = 2) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(4, 1, 28, 28, generator=g, dtype=torch.float64),
+            torch.randint(0, 10, (4,), generator=g),
+        )
+        for _ in range(n)
+    ]
+
+
+def gpt2() -> nn.Module:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_layer=2,
+        n_embd=16,
+        n_head=2,
+        vocab_size=32,
+        n_positions=16,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(cfg).to(torch.float64)
+
+
+def lm_data(n: int = 4, seed: int = 3) -> list[dict[str, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, 32, (2, 8), generator=g)
+        out.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    return out
+
+
+def classify(model: nn.Module, batch: Any) -> torch.Tensor:
+    x, y = batch
+    out = model(x)
+    return F.nll_loss(out, y) if isinstance(model, ConvNet) else F.cross_entropy(out, y)
+
+
+def hf_loss(model: nn.Module, batch: Any) -> torch.Tensor:
+    out = model(**batch)
+    return out.loss
+
+
+def accuracy(model: nn.Module, data: list[Any]) -> float:
+    model.eval()
+    correct = total = 0
+    with torch.no_grad():
+        for x, y in data:
+            correct += int((model(x).argmax(1) == y).sum())
+            total += len(y)
+    return correct / total
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    data: list[Any],
+    loss_of: Callable[[nn.Module, Any], torch.Tensor],
+    *,
+    epochs: int = 2,
+    clip: float | None = None,
+    accumulate: int = 1,
+    scheduler: Any = None,
+    evaluate: Callable[[nn.Module], float] | None = None,
+) -> list[Any]:
+    """A user's loop: zero_grad, forward, backward (accumulate backward() per step),
+    clip_grad_norm_, step, the scheduler; an evaluation after each epoch."""
+    history: list[Any] = []
+    for _ in range(epochs):
+        model.train()
+        for i, batch in enumerate(data):
+            if i % accumulate == 0:
+                optimizer.zero_grad()
+            loss = loss_of(model, batch)
+            (loss / accumulate).backward()
+            history.append(loss.item())
+            if (i + 1) % accumulate == 0:
+                if clip is not None:
+                    history.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
+                optimizer.step()
+                if scheduler is not None:
+                    scheduler.step()
+        if evaluate is not None:
+            history.append(evaluate(model))
+    return history
+
+
+def assert_same(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sb:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def assert_same_optimizer(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert a["param_groups"] == b["param_groups"]
+    assert sorted(a["state"]) == sorted(b["state"])
+    for i, st in b["state"].items():
+        assert sorted(a["state"][i]) == sorted(st)
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(a["state"][i][k]), torch.as_tensor(v)), (i, k)
+
+
+OPTIMIZERS: dict[str, Callable[[Any], torch.optim.Optimizer]] = {
+    "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
+    "adam": lambda p: torch.optim.Adam(p, lr=1e-2),
+    "adamw": lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1),
+}
+
+
+def both(
+    make: Callable[[], nn.Module],
+    opt: str,
+    run: Callable[[nn.Module, torch.optim.Optimizer], list[Any]],
+    engine: th.Engine,
+    *,
+    scheduler: Callable[[torch.optim.Optimizer], Any] | None = None,
+) -> tuple[nn.Module, nn.Module, torch.optim.Optimizer, torch.optim.Optimizer]:
+    """The loop with and without th.shard (the same seed before each); asserts the same
+    history, weights and optimizer state."""
+    model = make()
+    ref = copy.deepcopy(model)
+    ref_opt = OPTIMIZERS[opt](ref.parameters())
+    optimizer = OPTIMIZERS[opt](model.parameters())
+    model, optimizer = th.shard(model, optimizer, engine=engine)
+    sched = scheduler(optimizer) if scheduler else None
+    ref_sched = scheduler(ref_opt) if scheduler else None
+    torch.manual_seed(11)
+    got = run(model, optimizer) if sched is None else run_with(run, model, optimizer, sched)
+    torch.manual_seed(11)
+    want = run(ref, ref_opt) if ref_sched is None else run_with(run, ref, ref_opt, ref_sched)
+    assert got == want
+    assert_same(model, ref)
+    assert_same_optimizer(optimizer.state_dict(), ref_opt.state_dict())
+    return model, ref, optimizer, ref_opt
+
+
+def run_with(run: Any, model: nn.Module, opt: torch.optim.Optimizer, sched: Any) -> list[Any]:
+    return run(model, opt, sched)  # type: ignore[no-any-return]
+
+
+# -- exactness ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam", "adamw"])
+def test_mlp_clip_accumulate_scheduler_eval_exact(opt: str, engine: th.Engine) -> None:
+    # BatchNorm, two Dropouts, clip_grad_norm_ between backward and step, 2 backward per
+    # step, a StepLR made on the returned optimizer, model.eval() + no_grad accuracy.
+    data, held = batches(6), batches(2, seed=7)
+
+    def run(model: nn.Module, o: torch.optim.Optimizer, sched: Any) -> list[Any]:
+        return train(
+            model,
+            o,
+            data,
+            classify,
+            clip=0.5,
+            accumulate=2,
+            scheduler=sched,
+            evaluate=lambda m: accuracy(m, held),
+        )
+
+    model, _, optimizer, _ = both(
+        mlp,
+        opt,
+        run,
+        engine,
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    )
+    assert len(model.__dict__["_th_shard"].loop.shards) >= 3
+    assert (
+        optimizer.param_groups[0]["lr"]
+        != OPTIMIZERS[opt]([nn.Parameter(torch.ones(1))]).param_groups[0]["lr"]
+    )
+
+
+@pytest.mark.parametrize("copying", [True, False])
+def test_convnet_sgd_momentum_exact(copying: bool) -> None:
+    # Ray Tune's MNIST ConvNet (a traced module), on copying devices and in place.
+    data = conv_data()
+    devices = ["cpu", "cpu"] if copying else ["cpu"]
+    with th.Engine(devices=devices, copy_on_cpu=copying, max_layers_per_shard=1) as eng:
+
+        def run(model: nn.Module, o: torch.optim.Optimizer) -> list[Any]:
+            return train(model, o, data, classify, evaluate=lambda m: accuracy(m, data[:2]))
+
+        torch.manual_seed(0)
+        model, *_ = both(convnet, "sgd", run, eng)
+        assert isinstance(model, ConvNet)
+        assert len(model.__dict__["_th_shard"].loop.shards) >= 2
+
+
+def test_gpt2_hf_loop_exact(engine: th.Engine) -> None:
+    # out = model(**batch); out.loss.backward(); GPT-2's tied lm_head; dropout on.
+    data = lm_data()
+
+    def evaluate(model: nn.Module) -> float:
+        model.eval()
+        with torch.no_grad():
+            return float(model(**data[0]).logits.double().sum())
+
+    def run(model: nn.Module, o: torch.optim.Optimizer, sched: Any) -> list[Any]:
+        return train(model, o, data, hf_loss, clip=1.0, scheduler=sched, evaluate=evaluate)
+
+    model, ref, *_ = both(
+        gpt2,
+        "adamw",
+        run,
+        engine,
+        scheduler=lambda o: torch.optim.lr_scheduler.LambdaLR(o, lambda s: 1.0 / (1 + s)),
+    )
+    assert model.lm_head.weight is model.transformer.wte.weight
+    # Called positionally and with labels inside, the output type is the model's.
+    out = model(data[1]["input_ids"], labels=data[1]["labels"])
+    assert type(out) is type(ref(data[1]["input_ids"], labels=data[1]["labels"]))
+
+
+def test_no_grad_eval_keeps_nothing(engine: th.Engine) -> None:
+    model = th.shard(mlp(), engine=engine)
+    x = batches(1)[0][0]
+    model.eval()
+    with torch.no_grad():
+        y = model(x)
+    assert not y.requires_grad and y.grad_fn is None
+    model.train()
+    y = model(x)
+    assert y.requires_grad and y.device == x.device
+
+
+def test_checkpoint_mid_run_round_trips_with_plain(engine: th.Engine) -> None:
+    # Saved mid-run from the sharded loop, loaded into a fresh plain model/optimizer (and
+    # a plain checkpoint into a fresh sharded one): both go on exactly as the plain run.
+    data = batches(4)
+    model = mlp()
+    fresh, fresh2, ref = copy.deepcopy(model), copy.deepcopy(model), copy.deepcopy(model)
+    opt, ref_opt = OPTIMIZERS["adam"](model.parameters()), OPTIMIZERS["adam"](ref.parameters())
+    model, opt = th.shard(model, opt, engine=engine)
+    torch.manual_seed(5)
+    train(model, opt, data, classify, epochs=1)
+    buf = io.BytesIO()
+    torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+    rng = torch.get_rng_state()
+    torch.manual_seed(5)
+    train(ref, ref_opt, data, classify, epochs=1)
+    assert torch.equal(rng, torch.get_rng_state())  # dropout drew the same numbers
+    assert_same(model, ref)
+    assert_same_optimizer(opt.state_dict(), ref_opt.state_dict())
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    fresh_opt = OPTIMIZERS["adam"](fresh.parameters())
+    fresh.load_state_dict(ckpt["model"])
+    fresh_opt.load_state_dict(ckpt["opt"])
+    plain_ckpt = copy.deepcopy({"model": ref.state_dict(), "opt": ref_opt.state_dict()})
+    fresh2_opt = OPTIMIZERS["adam"](fresh2.parameters())
+    fresh2, fresh2_opt = th.shard(fresh2, fresh2_opt, engine=engine)
+    fresh2.load_state_dict(plain_ckpt["model"])
+    fresh2_opt.load_state_dict(plain_ckpt["opt"])
+    runs = [(fresh, fresh_opt), (fresh2, fresh2_opt), (ref, ref_opt)]
+    got = []
+    for m, o in runs:
+        torch.manual_seed(6)
+        got.append(train(m, o, data, classify, epochs=1))
+    assert got[0] == got[2] and got[1] == got[2]
+    assert_same(fresh, ref)
+    assert_same(fresh2, ref)
+    # Loaded into the sharded model mid-run (after its cut) too (a fresh load: the plain
+    # optimizer above took ckpt's tensors as its state, and trained them).
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    model.load_state_dict(ckpt["model"])
+    opt.load_state_dict(ckpt["opt"])
+    torch.manual_seed(6)
+    assert train(model, opt, data, classify, epochs=1) == got[2]
+    assert_same(model, ref)
+
+
+def test_loops_in_threads_multiplexed_exact(engine: th.Engine) -> None:
+    # Three loops in threads on 2 emulated copying devices, each exact against its plain
+    # run; their ops interleave on the devices.
+    specs = [
+        (mlp, "sgd", batches(5)),
+        (mlp, "adamw", batches(5, seed=3)),
+        (convnet, "adam", conv_data(3)),
+    ]
+    models, refs, opts, ref_opts = [], [], [], []
+    for i, (make, opt, _) in enumerate(specs):
+        torch.manual_seed(i)
+        m = make()
+        refs.append(copy.deepcopy(m))
+        models.append(m)
+        opts.append(OPTIMIZERS[opt](m.parameters()))
+        ref_opts.append(OPTIMIZERS[opt](refs[-1].parameters()))
+    lock = threading.Lock()
+    results: dict[int, Any] = {}
+
+    def loop(i: int) -> None:
+        try:
+            with lock:  # th.shard's private stream starts from this seed
+                torch.manual_seed(100 + i)
+                m, o = th.shard(models[i], opts[i], engine=engine)
+            results[i] = train(m, o, specs[i][2], classify, clip=1.0)
+        except BaseException as err:
+            results[i] = err
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(specs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    for i in range(len(specs)):
+        assert not isinstance(results[i], BaseException), results[i]
+        torch.manual_seed(100 + i)
+        assert results[i] == train(refs[i], ref_opts[i], specs[i][2], classify, clip=1.0)
+        assert_same(models[i], refs[i])
+    busy = [d["busy_s"] for d in engine.summary()["devices"].values()]
+    assert all(b > 0 for b in busy)
+
+
+# -- the returned objects behave as the user's --------------------------------------------
+
+
+def test_model_and_optimizer_stay_the_users(engine: th.Engine) -> None:
+    model = mlp()
+    keys = list(model.state_dict())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    same_model, same_opt = th.shard(model, opt, engine=engine)
+    assert same_model is model and same_opt is opt
+    assert isinstance(model, nn.Sequential) and isinstance(opt, torch.optim.SGD)
+    assert model.to("cuda") is model and model.cuda() is model  # placement is the engine's
+    with pytest.raises(UnsupportedCallError, match="dtype"):
+        model.to(torch.float32)
+    model(batches(1)[0][0])
+    assert list(model.state_dict()) == keys
+    restored = th.unshard(model)
+    assert type(restored) is nn.Sequential and type(opt) is torch.optim.SGD
+    assert engine.tasks() == []
+
+
+def test_garbage_collected_model_leaves_the_engine(engine: th.Engine) -> None:
+    model = mlp()
+    model = th.shard(model, engine=engine)
+    model(batches(1)[0][0]).sum().backward()
+    assert len(engine.tasks()) == 1
+    del model
+    gc.collect()
+    for _ in range(100):
+        if not engine.tasks():
+            break
+        threading.Event().wait(0.05)
+    assert engine.tasks() == []
+
+
+def test_default_engine_and_configure(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(shard_mod, "_ENGINE", None)
+    monkeypatch.setattr(shard_mod, "_CONFIG", {})
+    th.configure(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=3)
+    model = th.shard(mlp())
+    try:
+        model(batches(1)[0][0])
+        eng = shard_mod._ENGINE
+        assert eng is not None and len(eng.workers) == 2 and eng.copy_on_cpu
+        with pytest.raises(EngineConfiguredError, match=r"before the first th\.shard"):
+            th.configure(devices="cpu")
+    finally:
+        th.unshard(model)
+        if shard_mod._ENGINE is not None:
+            shard_mod._ENGINE.close()
+
+
+# -- bad input ------------------------------------------------------------------------------
+
+
+def test_bad_input(engine: th.Engine) -> None:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(OptimizerMismatchError, match="not the model's"):
+        th.shard(model, torch.optim.SGD(mlp(seed=1).parameters(), lr=0.1), engine=engine)
+    th.shard(model, opt, engine=engine)
+    with pytest.raises(AlreadyShardedError, match="once per model"):
+        th.shard(model, engine=engine)
+    with pytest.raises(AlreadyShardedError):
+        th.shard(mlp(), opt, engine=engine)
+    with pytest.raises(ModelOnDeviceError, match="meta"):
+        th.shard(mlp().to("meta"), engine=engine)
+    with pytest.raises(UnsupportedCallError, match="one input"):
+        model(torch.ones(1), torch.ones(1))
+    with pytest.raises(UnsupportedCallError, match="closure"):
+        opt.step(lambda: torch.zeros(()))
+    th.unshard(model)
+    for err in (AlreadyShardedError, OptimizerMismatchError, ShardClosedError):
+        assert issubclass(err, TuneHydraError)
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x * 1.0
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("boom in backward")
+
+
+class Boom(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.armed = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Boom.apply(x) if self.armed else x
+
+
+def test_loop_raising_mid_backward_leaves_others_exact(engine: th.Engine) -> None:
+    torch.manual_seed(0)
+    bad_model = nn.Sequential(nn.Linear(8, 8), Boom(), nn.Linear(8, 4)).double()
+    good = [mlp(seed=i) for i in range(2)]
+    refs = [copy.deepcopy(m) for m in good]
+    data = batches(5)
+    results: dict[str, Any] = {}
+    lock = threading.Lock()
+
+    def failing() -> None:
+        with lock:
+            m, o = th.shard(
+                bad_model, torch.optim.SGD(bad_model.parameters(), lr=0.1), engine=engine
+            )
+        train(m, o, data[:1], classify, epochs=1)
+        results["name"] = m.__dict__["_th_shard"].loop.name
+        bad_model[1].armed = True
+        try:
+            train(m, o, data, classify, epochs=1)
+        except RuntimeError as err:
+            results["bad"] = err
+        th.unshard(m)
+
+    def good_loop(i: int) -> None:
+        with lock:
+            torch.manual_seed(7 + i)
+            m, o = th.shard(good[i], OPTIMIZERS["adam"](good[i].parameters()), engine=engine)
+        results[i] = train(m, o, data, classify)
+
+    threads = [threading.Thread(target=failing)] + [
+        threading.Thread(target=good_loop, args=(i,)) for i in range(2)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    assert "boom in backward" in str(results["bad"])
+    for i in range(2):
+        torch.manual_seed(7 + i)
+        assert results[i] == train(
+            refs[i], OPTIMIZERS["adam"](refs[i].parameters()), data, classify
+        )
+        assert_same(good[i], refs[i])
+    names = engine.tasks()
+    assert len(names) == 2 and results["name"] not in names
