@@ -292,6 +292,27 @@ def test_gpt2_hf_loop_exact(engine: th.Engine) -> None:
     assert type(out) is type(ref(data[1]["input_ids"], labels=data[1]["labels"]))
 
 
+def test_shuffling_dataloader_and_dropout_share_the_global_stream(engine: th.Engine) -> None:
+    # On the main thread the loop's ops draw from torch's global generator, handed over at
+    # each op: the DataLoader's shuffle (drawn on the user's thread) and the dropout masks
+    # (drawn in the ops) interleave as in plain PyTorch.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(4)
+    x, y = (
+        torch.randn(24, 8, generator=g, dtype=torch.float64),
+        torch.randint(0, 4, (24,), generator=g),
+    )
+    loader = DataLoader(TensorDataset(x, y), batch_size=6, shuffle=True)
+
+    def run(model: nn.Module, o: torch.optim.Optimizer) -> list[Any]:
+        out = train(model, o, loader, classify, epochs=3)  # type: ignore[arg-type]
+        out.append(torch.rand(()).item())  # the user's own draw after the loop
+        return out
+
+    both(mlp, "sgd", run, engine)
+
+
 def test_no_grad_eval_keeps_nothing(engine: th.Engine) -> None:
     model = th.shard(mlp(), engine=engine)
     x = batches(1)[0][0]

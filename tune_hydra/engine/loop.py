@@ -377,6 +377,7 @@ class LoopRunner:
         """Record ``zero_grad`` for every shard (applied at its next op, or by sync)."""
         for s in self.shards:
             s.pending.append(("zero", set_to_none))
+        self._home_now = False
 
     def _apply_pending(self, shard: LoopShard) -> None:
         for what, arg in shard.pending:
