@@ -133,7 +133,6 @@ class LoopRunner:
         *,
         private_stream: bool,
         rng_start: torch.Tensor,
-        home: torch.device,
         hf: bool,
     ) -> None:
         self.name = name
@@ -145,7 +144,11 @@ class LoopRunner:
         self.user_optimizer = user_optimizer
         self._wrappers = wrappers  # modules of the cut that are not the user's
         self._hf = hf
-        self.home = home
+        # Where the boundary tensors wait between ops, and where the user's autograd graph
+        # of the shards lives: host memory, so that loss.backward() runs the shards' nodes
+        # on the user's thread (a CUDA node would run on autograd's one thread per device,
+        # shared by every loop of the process, and block it while waiting for its turn).
+        self.home = torch.device("cpu")
         self.current: Op | None = None
         self.on_iteration: Callable[[dict[str, Any]], None] | None = None
         self.history: list[dict[str, Any]] = []  # ops are not kept (one per op would grow)
@@ -343,7 +346,9 @@ class LoopRunner:
         grad = torch.is_grad_enabled() and any(
             p.requires_grad for s in self.shards for p in s.module.parameters()
         )
-        carry = inputs
+        given = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+        user_device = given[0].device if given else self.home
+        carry = _to(inputs, self.home)  # differentiable: the user's graph goes on from here
         if grad:
             token = torch.empty(0, requires_grad=True)  # so that every shard's node is reached
             for shard in self.shards:
@@ -357,7 +362,7 @@ class LoopRunner:
             kind = OpKind.FORWARD if self.model.training else OpKind.EVAL
             for shard in self.shards:
                 carry = self.run(kind, shard.index, _PlainForward(self, shard, carry))
-        return carry
+        return _to(carry, user_device)  # outputs on the device of the inputs
 
     # -- the optimizer's part -----------------------------------------------------------
 
@@ -581,7 +586,10 @@ class _ShardCall:
             outs, _ = tree_flatten(out)
             outs = [outs[i] for i in self.out_tensor_at]
             gs = [None if g is None else g.to(device) for g in grads]
-            backward_from(outs, gs)
+            # On this thread, not autograd's per-device thread: with CUDA inputs the user's
+            # loss.backward() runs this node there, waiting for this op (a deadlock).
+            with torch.autograd.set_multithreading_enabled(False):
+                backward_from(outs, gs)
             for store, i in shard.last_uses:
                 store.unstash_grad(i)
             return [
@@ -640,7 +648,6 @@ def build_loop(
     layers: list[tuple[str, nn.Module]],
     sample: Any,
     *,
-    home: torch.device,
     hf: bool,
     private_stream: bool,
     rng_start: torch.Tensor,
@@ -729,7 +736,6 @@ def build_loop(
         wrappers,
         private_stream=private_stream,
         rng_start=rng_start,
-        home=home,
         hf=hf,
     )
     engine.add_runner(name, runner)

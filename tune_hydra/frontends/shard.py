@@ -289,8 +289,6 @@ class _State:
                 layers = model_layers(model)
         finally:
             model.__class__ = sharded
-        leaves = [t for t in _tensors(inputs)]
-        home = leaves[0].device if leaves else torch.device("cpu")
         self.loop = build_loop(
             engine,
             model,
@@ -298,18 +296,11 @@ class _State:
             self.optimizer_class,
             layers,
             inputs,
-            home=home,
             hf=self.hf,
             private_stream=self.private_stream,
             rng_start=self.rng_start,
         )
         return self.loop
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    from torch.utils._pytree import tree_flatten
-
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor)]
 
 
 class _ShardedModule(nn.Module):
