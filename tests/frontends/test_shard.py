@@ -553,3 +553,41 @@ def test_loop_raising_mid_backward_leaves_others_exact(engine: th.Engine) -> Non
         assert_same(good[i], refs[i])
     names = engine.tasks()
     assert len(names) == 2 and results["name"] not in names
+
+
+def test_param_groups_manual_lr_and_model_zero_grad_exact(engine: th.Engine) -> None:
+    # Two param groups (no weight decay on biases and norms), the lr set by hand between
+    # steps, model.zero_grad(set_to_none=False) instead of the optimizer's.
+    data = batches(4)
+
+    def groups(m: nn.Module) -> torch.optim.Optimizer:
+        decay = [p for n, p in m.named_parameters() if n.endswith("weight") and p.dim() > 1]
+        rest = [p for n, p in m.named_parameters() if not (n.endswith("weight") and p.dim() > 1)]
+        return torch.optim.AdamW(
+            [{"params": decay, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}],
+            lr=1e-2,
+        )
+
+    def run(model: nn.Module, o: torch.optim.Optimizer) -> list[Any]:
+        out = []
+        for i, (x, y) in enumerate(data * 2):
+            model.zero_grad(set_to_none=False)
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            o.param_groups[i % 2]["lr"] = 1e-2 / (1 + i)
+            o.step()
+            out.append(loss.item())
+        return out
+
+    model = mlp()
+    ref = copy.deepcopy(model)
+    opt, ref_opt = groups(model), groups(ref)
+    model, opt = th.shard(model, opt, engine=engine)
+    torch.manual_seed(3)
+    got = run(model, opt)
+    torch.manual_seed(3)
+    assert got == run(ref, ref_opt)
+    assert_same(model, ref)
+    assert_same_optimizer(opt.state_dict(), ref_opt.state_dict())
+    for p, q in zip(model.parameters(), ref.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
