@@ -390,21 +390,34 @@ def test_loops_in_threads_multiplexed_exact(engine: th.Engine) -> None:
         ref_opts.append(OPTIMIZERS[opt](refs[-1].parameters()))
     lock = threading.Lock()
     results: dict[int, Any] = {}
+    sharded = threading.Barrier(len(specs) + 1)
 
     def loop(i: int) -> None:
         try:
             with lock:  # th.shard's private stream starts from this seed
                 torch.manual_seed(100 + i)
                 m, o = th.shard(models[i], opts[i], engine=engine)
+            sharded.wait(60)  # the main thread's loop seeds after this
             results[i] = train(m, o, specs[i][2], classify, clip=1.0)
         except BaseException as err:
             results[i] = err
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(specs))]
+    # And one on the main thread meanwhile: its ops draw from torch's global generator,
+    # which the other loops' ops (on their private streams) leave as it was.
+    main, main_ref = mlp(seed=9), mlp(seed=9)
+    main_opt = OPTIMIZERS["adam"](main.parameters())
+    main, main_opt = th.shard(main, main_opt, engine=engine)
     for t in threads:
         t.start()
+    sharded.wait(60)
+    torch.manual_seed(99)
+    got = train(main, main_opt, batches(5), classify)
     for t in threads:
         t.join(300)
+    torch.manual_seed(99)
+    assert got == train(main_ref, OPTIMIZERS["adam"](main_ref.parameters()), batches(5), classify)
+    assert_same(main, main_ref)
     for i in range(len(specs)):
         assert not isinstance(results[i], BaseException), results[i]
         torch.manual_seed(100 + i)

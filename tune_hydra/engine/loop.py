@@ -57,7 +57,7 @@ from tune_hydra.engine.shared import SharedParams
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.task import OwnedTensors, owned_tensors
 from tune_hydra.engine.units import device_capacity
-from tune_hydra.exceptions import ShardClosedError, TaskFailedError
+from tune_hydra.exceptions import ShardClosedError
 
 if TYPE_CHECKING:
     from tune_hydra.engine.engine import Engine
@@ -316,15 +316,16 @@ class LoopRunner:
         self._request = (op, fn)
         hand_off = not self._private
         if hand_off:  # the global generator's draws so far are the loop's
-            self.stream.cpu = torch.get_rng_state()
+            # Under the lock other loops' ops hold while their stream is installed there.
+            with rng.CPU_RNG_LOCK:
+                self.stream.cpu = torch.get_rng_state()
         try:
             self.engine.train(self.name, 1).result()
-        except TaskFailedError:
-            raise
         finally:
             self._request = None
         if hand_off:
-            torch.set_rng_state(self.stream.cpu)
+            with rng.CPU_RNG_LOCK:
+                torch.set_rng_state(self.stream.cpu)
         ok, value = self._result
         self._result = (True, None)
         if not ok:
@@ -476,8 +477,14 @@ class LoopRunner:
     def _installed(
         self, shard: LoopShard, device: torch.device, replay: rng.RngState | None, training: bool
     ) -> Iterator[rng.RngState]:
-        with rng.task_stream(self.stream, device, self._seed, replay=replay) as scope:
-            yield scope.entry
+        with contextlib.ExitStack() as stack:
+            if self._private:
+                # Leave torch's global generator as it was: a loop on the main thread draws
+                # from it (its ops and its own code), and must not see this loop's stream.
+                stack.enter_context(rng.CPU_RNG_LOCK)
+                stack.enter_context(torch.random.fork_rng(devices=[]))
+            with rng.task_stream(self.stream, device, self._seed, replay=replay) as scope:
+                yield scope.entry
         if replay is None and training not in shard.draws:
             shard.draws[training] = scope.drew_cpu
 
