@@ -119,6 +119,10 @@ class Figures:
     trials: int
     stopped: int = 0
     best: float = math.nan
+    arrived: float = 0.0  # the last trial's first op (its start-up, with Ray)
+    # The least ``last`` can be: the trials' first epochs over all epochs trained (with
+    # early stopping, most of the run is first epochs).
+    floor: float = 0.0
 
 
 def figures(trace: Trace, stopped: int = 0, best: float = math.nan) -> Figures:
@@ -131,7 +135,9 @@ def figures(trace: Trace, stopped: int = 0, best: float = math.nan) -> Figures:
     span = t1 - t0
     first_iteration = min(e.iteration for e in events)
     first: dict[str, float] = {}
+    began: dict[str, float] = {}
     for e in events:
+        began[e.task] = min(began.get(e.task, math.inf), e.start)
         if e.iteration == first_iteration:
             first[e.task] = max(first.get(e.task, 0.0), e.end)
     ends = sorted(first.values())
@@ -145,6 +151,8 @@ def figures(trace: Trace, stopped: int = 0, best: float = math.nan) -> Figures:
         trials=k,
         stopped=stopped,
         best=best,
+        arrived=(max(began.values()) - t0) / span,
+        floor=k / len({(e.task, e.iteration) for e in events}),
     )
 
 
@@ -356,27 +364,31 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for run in args.runs:
             print(f"## {run}: K/2-th / last first epoch (fraction of span), samples/s")
-            print("| policy | K/2-th | last | samples/s | vs lrtf | stopped | span s |")
-            print("|---|---|---|---|---|---|---|")
-            rows: dict[str, list[Figures]] = {}
-            for policy in args.policies:
-                rows[policy] = []
-                for seed in args.seeds:
+            print(
+                "| policy | K/2-th | last | samples/s | vs lrtf | stopped | span s "
+                "| last trial's first op | floor of last |"
+            )
+            print("|---|---|---|---|---|---|---|---|---|")
+            rows: dict[str, list[Figures]] = {p: [] for p in args.policies}
+            # Policies interleaved per seed: the other load on the machine drifts, and
+            # each throughput is compared with LRTF's of the same seed, run next to it.
+            for seed in args.seeds:
+                for policy in args.policies:
                     f = RUNS[run](policy, seed)
                     rows[policy].append(f)
                     print(f"  {run} {policy} seed {seed}: {f}", flush=True)
-            base = (
-                statistics.fmean(f.samples_per_s for f in rows.get("lrtf", []))
-                if ("lrtf" in rows)
-                else math.nan
-            )
             for policy, fs in rows.items():
                 tput = statistics.fmean(f.samples_per_s for f in fs)
+                base = rows.get("lrtf", [])
+                ratios = [f.samples_per_s / b.samples_per_s for f, b in zip(fs, base, strict=False)]
+                ratio = statistics.fmean(ratios) if ratios else math.nan
                 print(
                     f"| {policy} | {_mean([f.half for f in fs])} | {_mean([f.last for f in fs])}"
-                    f" | {tput:.0f} | {tput / base:.2f}x | "
+                    f" | {tput:.0f} | {ratio:.2f}x | "
                     f"{statistics.fmean(f.stopped for f in fs):.1f} | "
-                    f"{statistics.fmean(f.span_s for f in fs):.1f} |",
+                    f"{statistics.fmean(f.span_s for f in fs):.1f} | "
+                    f"{statistics.fmean(f.arrived for f in fs):.2f} | "
+                    f"{statistics.fmean(f.floor for f in fs):.2f} |",
                     flush=True,
                 )
             out[run] = {p: [dataclasses.asdict(f) for f in fs] for p, fs in rows.items()}

@@ -47,12 +47,26 @@ def test_optuna_with_points_to_evaluate_and_asha(ray_session: Any, storage: str)
             stop={"training_iteration": 4},
         )
         assert _leftovers(ex) == []
+        # Started before the run: the engine's own "auto", the milestone policy, which got
+        # each trial's rungs from the wrapped ASHA.
+        (summary,) = ex.summary().values()
+        assert summary["policy"] == "milestone" and summary["milestones_given"] >= 5
     assert len(analysis.trials) == 5
     assert analysis.trials[0].config == {"lr": 0.01, "width": 16}
     assert all(t.status == "TERMINATED" for t in analysis.trials)
     iters = sorted(t.last_result["training_iteration"] for t in analysis.trials)
     assert iters[-1] == 4 and iters[0] < 4  # ASHA stopped some trials early
     assert analysis.best_config["width"] in (8, 16)
+
+
+def test_th_run_chooses_lrtf_for_a_fixed_budget(ray_session: Any, storage: str) -> None:
+    """th.run starts the engines after choosing: FIFO with a fixed budget and a grid is
+    LRTF, and no milestones are sent."""
+    ex = HydraExecutor(devices="cpu", device_memory=BUDGET)
+    _run(ex, storage, config={"lr": tune.grid_search([0.01, 0.02])}, stop={"training_iteration": 2})
+    (summary,) = ex.summary().values()  # collected when th.run shut the engines down
+    assert ex.engine_policy == "lrtf" and ex.policy == "auto"
+    assert summary["policy"] == "lrtf" and summary["milestones_given"] == 0
 
 
 def _define_by_run(trial: Any) -> None:
