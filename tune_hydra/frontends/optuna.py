@@ -129,7 +129,24 @@ def optimize(
        to ``save_dir/trial_<number>/model.pt`` first, and that path is stored in
        ``trial.user_attrs["model_path"]``.
 
-    Every trial also gets ``trial.user_attrs["num_shards"]`` (how its model was cut).
+    **Your own loop**: ``make_task`` may instead be an Optuna objective that owns its
+    training loop, ``objective(trial) -> float``, calling
+    ``model, optimizer = th.shard(model, optimizer)`` (as for ``study.optimize``). Which
+    one it is is known when it returns, trial by trial: a ``ModelTask`` is a factory's
+    (steps 2-5 follow), a number is an objective's value, and the trial ends
+    ``COMPLETE`` with it (``epochs``, ``metric`` and ``save_dir`` do not apply: the loop
+    reports with ``trial.report`` and prunes with ``trial.should_prune()`` /
+    ``raise optuna.TrialPruned()`` itself). Objectives run in threads, up to
+    ``max_concurrent`` at once, and ``th.shard`` without ``engine=`` inside them trains
+    on *this call's* engine (not the process's embedded one), so every loop is
+    multiplexed there. When the objective returns or raises, its loops leave the engine
+    (``th.unshard``: weights home, the user's classes back). ``factory_timeout_s``
+    bounds the whole call, training included. A function that returns a number without
+    calling ``th.shard`` trained plainly, outside the engine: its value is kept and one
+    warning says to add the line.
+
+    Every factory trial also gets ``trial.user_attrs["num_shards"]`` (how its model was
+    cut).
     Whether lower or higher is better comes from the study: ``loss`` and ``val_loss``
     need a minimizing study; a metric of the task's own (``ModelTask(metrics=...)``, e.g.
     ``accuracy``) goes either way. A trial's task is named ``trial_<number>`` in the engine (and
@@ -145,7 +162,8 @@ def optimize(
     Args:
         study: a single-objective ``optuna.Study`` (its sampler, pruner, direction and
             storage are used as they are).
-        make_task: ``make_task(trial) -> th.ModelTask``; build the model inside it.
+        make_task: ``make_task(trial) -> th.ModelTask``; build the model inside it. Or an
+            objective ``objective(trial) -> float`` whose loop calls ``th.shard``.
         n_trials: trials this call runs (like ``study.optimize``); ``None``: until
             ``timeout`` (or Ctrl-C).
         epochs: epochs each trial trains unless pruned.
@@ -308,7 +326,21 @@ class _Interrupted(Exception):
 
 class _PrunedByFactory(Exception):
     """``make_task`` raised ``optuna.TrialPruned`` (as an objective may, to skip a
-    configuration): the trial ends ``PRUNED``, as in ``study.optimize``."""
+    configuration or when ``trial.should_prune()`` says so): the trial ends ``PRUNED``,
+    as in ``study.optimize``."""
+
+    def __init__(self, message: str, loops: int) -> None:
+        super().__init__(message)
+        self.loops = loops  # th.shard calls made before it raised
+
+
+@dataclass
+class _ObjectiveDone:
+    """The user's function was an objective: it trained its own loop (``th.shard``) and
+    returned the trial's value."""
+
+    value: float
+    loops: int  # th.shard calls it made
 
 
 class _Driver:
@@ -352,6 +384,7 @@ class _Driver:
         self.trials = TrialSet(engine, task_options)  # built trials, by key
         self._lock = threading.Lock()  # guards _stopping (build threads read it)
         self._stopping = False
+        self._warned_plain = False  # one warning for functions that never call th.shard
         self.milestones = milestones
         # Trials that inform the pruner and sampler (COMPLETE or PRUNED), counted once from
         # the storage, then by this driver's own tells.
@@ -432,12 +465,14 @@ class _Driver:
         except _PrunedByFactory as pruned:
             self._drop(run)
             self._tell(run, self.optuna.trial.TrialState.PRUNED)
-            self.log.info("Trial %d pruned by make_task: %s", run.trial.number, pruned)
+            self.log.info("Trial %d pruned by its function: %s", run.trial.number, pruned)
             return
         except Exception as err:
             self._fail(run, err)
             return
-        if run.stage == "build":
+        if isinstance(outcome, _ObjectiveDone):
+            self._objective_done(run, outcome.value)
+        elif run.stage == "build":
             run.trial.set_user_attr("num_shards", int(outcome))
             run.stage = "train"
             self._train(run)
@@ -446,6 +481,21 @@ class _Driver:
         else:  # saved
             run.trial.set_user_attr("model_path", str(outcome))
             self._tell(run, self.optuna.trial.TrialState.COMPLETE)
+
+    def _objective_done(self, run: _Run, value: float) -> None:
+        """An objective returned ``value``: the trial is complete, as in
+        ``study.optimize`` (a NaN fails it, as there)."""
+        if not math.isfinite(value):
+            self._fail(
+                run,
+                InvalidTaskError(
+                    f"trial {run.trial.number}: the objective returned {value!r}, not a "
+                    f"finite number, so Optuna cannot rank it"
+                ),
+            )
+            return
+        run.value = value
+        self._tell(run, self.optuna.trial.TrialState.COMPLETE)
 
     def _train(self, run: _Run) -> None:
         """Grant ``run`` its next epoch."""
@@ -534,9 +584,14 @@ class _Driver:
         if state == self.optuna.trial.TrialState.COMPLETE:
             self.study.tell(trial, run.value)
             if self.log.isEnabledFor(logging.INFO):
+                how = (
+                    "returned by the objective"
+                    if run.stage == "build"
+                    else f"{self.metric} after {run.epoch} epochs"
+                )
                 message = (
-                    f"Trial {trial.number} finished with value: {run.value} ({self.metric} "
-                    f"after {run.epoch} epochs) and parameters: {trial.params}."
+                    f"Trial {trial.number} finished with value: {run.value} ({how}) and "
+                    f"parameters: {trial.params}."
                 )
                 with contextlib.suppress(ValueError):  # no feasible trial yet
                     best = self.study.best_trial
@@ -582,19 +637,32 @@ class _Driver:
 
     # -- work done in threads -----------------------------------------------------------
 
-    def _build(self, run: _Run) -> int:
-        """Build the trial's task and add it to the engine; returns its number of shards."""
+    def _build(self, run: _Run) -> Any:
+        """Call the user's function for the trial. A task factory's task is added to the
+        engine (returns its number of shards); an objective that trained its own loop
+        returns an :class:`_ObjectiveDone` (its loops already off the engine)."""
         from tune_hydra.engine.factory import call_factory
+        from tune_hydra.frontends.shard import engine_scope
 
         number = run.trial.number
         pruned = self.optuna.TrialPruned
         make_task = self.make_task
+        engine = self.engine
 
         def build(trial: optuna.Trial) -> Any:
-            try:
-                return make_task(trial)
-            except pruned as err:  # not an error: returned, so that it keeps its type
-                return _PrunedByFactory(str(err))
+            # th.shard inside trains on this call's engine; the loops it made leave the
+            # engine when the function returns or raises, whatever its frames still hold.
+            with engine_scope(engine) as scope:
+                try:
+                    out = make_task(trial)
+                except pruned as err:  # not an error: returned, so that it keeps its type
+                    return _PrunedByFactory(str(err), scope.sharded)
+                finally:
+                    loops = scope.sharded
+                    scope.close()
+            if isinstance(out, numbers.Real) and not isinstance(out, bool):
+                return _ObjectiveDone(float(out), loops)
+            return out
 
         task = call_factory(
             build,
@@ -603,8 +671,21 @@ class _Driver:
             seed=self.task_options["seed"],
             timeout_s=self.factory_timeout_s,
         )
-        if isinstance(task, _PrunedByFactory):
-            raise task
+        if isinstance(task, _PrunedByFactory | _ObjectiveDone):
+            if task.loops == 0 and not self._warned_plain:
+                self._warned_plain = True
+                self.log.warning(
+                    "th.optimize: trial %d's function returned %s without calling "
+                    "th.shard, so it trained plainly, outside the engine (one trial at a "
+                    "time gains nothing from th.optimize). Add model, optimizer = "
+                    "th.shard(model, optimizer) after building them, or return a "
+                    "th.ModelTask",
+                    number,
+                    "a value" if isinstance(task, _ObjectiveDone) else "TrialPruned",
+                )
+            if isinstance(task, _PrunedByFactory):
+                raise task
+            return task
         # A define-by-run factory may build no task for one trial alone: not systematic.
         task = check_task(task, str(number), takes="trial", systematic=False)
         self._check_metric(number, task)

@@ -35,11 +35,13 @@ until) or on :func:`unshard`.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import contextvars
 import inspect
 import logging
 import threading
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -63,6 +65,53 @@ log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 _ENGINE: Engine | None = None
 _CONFIG: dict[str, Any] = {}
+
+
+class EngineScope:
+    """Where ``th.shard`` calls without ``engine=`` go in one context (a front end's
+    trial, e.g. an objective under ``th.optimize``), and the states they made."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.states: list[_State] = []
+
+    @property
+    def sharded(self) -> int:
+        """How many ``th.shard`` calls this scope saw."""
+        return len(self.states)
+
+    def close(self) -> None:
+        """Take every loop of this scope off its engine (its model keeps its weights, on
+        the CPU, its classes back to the user's): nothing of a finished, pruned or failed
+        trial stays queued or resident."""
+        for state in self.states:
+            model = state.model_ref()
+            if model is not None and model.__dict__.get("_th_shard") is state:
+                with contextlib.suppress(Exception):
+                    unshard(model)
+            else:
+                state.finalizer.detach()
+                _close_state(state)
+        self.states.clear()
+
+
+# A context variable, not a global: each Optuna thread (or task) has its own trial.
+_SCOPE: contextvars.ContextVar[EngineScope | None] = contextvars.ContextVar(
+    "tune_hydra_engine_scope", default=None
+)
+
+
+@contextlib.contextmanager
+def engine_scope(engine: Engine) -> Iterator[EngineScope]:
+    """Inside, ``th.shard`` without ``engine=`` uses ``engine`` (not the embedded one);
+    the scope lists the loops made. Used by ``th.optimize`` around each objective call;
+    the caller decides when to :meth:`EngineScope.close` it."""
+    scope = EngineScope(engine)
+    token = _SCOPE.set(scope)
+    try:
+        yield scope
+    finally:
+        _SCOPE.reset(token)
 
 
 def configure(**engine_options: Any) -> None:
@@ -114,7 +163,9 @@ def shard(
             torch.fx can trace, a Hugging Face ``PreTrainedModel``), on the CPU.
         optimizer: the user's optimizer over (some of) the model's parameters, of a
             per-parameter kind (SGD, Adam, AdamW, RMSprop, Adagrad ...).
-        engine: the engine to run on, instead of the embedded one.
+        engine: the engine to run on. ``None``: the one of the enclosing front end
+            (an objective run by ``th.optimize`` trains on its engine), else the
+            process's embedded one.
 
     Returns:
         ``(model, optimizer)``, the same objects, sharded; ``model`` alone without an
@@ -161,7 +212,12 @@ def shard(
         # An lr scheduler made before th.shard wrapped the class's step on the instance,
         # which would bypass the sharded step: drop the wrapper (the class's step counts).
         del optimizer.__dict__["step"]
+    scope = _SCOPE.get() if engine is None else None
+    if scope is not None:
+        engine = scope.engine
     state = _State(model, optimizer, engine)
+    if scope is not None:
+        scope.states.append(state)
     cls = type(model)
     model.__dict__["_th_shard"] = state
     model.__class__ = _sharded_class(cls, _ShardedModule)

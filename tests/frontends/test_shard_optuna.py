@@ -1,0 +1,195 @@
+"""Optuna objectives that own their loop and call ``th.shard``: under ``study.optimize``
+(``n_jobs`` threads on the process's embedded engine, or one given) and under
+``th.optimize`` (on its engine). Every value is compared, float64 exact, with the same
+objective run without ``th.shard``: each trial seeds from its number, under a lock, so a
+trial's value does not depend on which thread ran it or when.
+"""
+
+from __future__ import annotations
+
+import gc
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tune_hydra as th
+
+optuna = pytest.importorskip("optuna")
+optuna.logging.set_verbosity(optuna.logging.WARNING)
+
+
+@pytest.fixture(autouse=True)
+def one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def engine() -> Iterator[th.Engine]:
+    eng = th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2)
+    yield eng
+    eng.close()
+
+
+_BUILD = threading.Lock()  # seeding + building + th.shard, one trial at a time
+
+
+def make_objective(
+    shard: bool,
+    engine: th.Engine | None = None,
+    *,
+    epochs: int = 3,
+    dropout: bool = True,
+    seen: th.Engine | None = None,
+    tasks: list[list[str]] | None = None,
+) -> Any:
+    """pytorch_simple.py's shape: the model from trial.suggest_*, report + prune per
+    epoch; trial 5 raises between its second backward and step. With ``seen``, each
+    trial records ``seen.tasks()`` before it returns into ``tasks``."""
+
+    def objective(trial: optuna.Trial) -> float:
+        n_layers = trial.suggest_int("n_layers", 1, 3)
+        units = [trial.suggest_int(f"n_units_l{i}", 4, 16) for i in range(n_layers)]
+        p = trial.suggest_float("dropout", 0.1, 0.5)
+        lr = trial.suggest_float("lr", 1e-3, 1e-1, log=True)
+        with _BUILD:
+            torch.manual_seed(trial.number)
+            layers: list[nn.Module] = []
+            width = 8
+            for u in units:
+                layers += [nn.Linear(width, u), nn.ReLU()]
+                layers += [nn.Dropout(p)] if dropout else []
+                width = u
+            model = nn.Sequential(*layers, nn.Linear(width, 3)).double()
+            optimizer = torch.optim.Adam(model.parameters(), lr=lr)
+            if shard:
+                kw = {} if engine is None else {"engine": engine}
+                model, optimizer = th.shard(model, optimizer, **kw)
+        g = torch.Generator().manual_seed(100 + trial.number)
+        data = [
+            (
+                torch.randn(6, 8, generator=g, dtype=torch.float64),
+                torch.randint(0, 3, (6,), generator=g),
+            )
+            for _ in range(3)
+        ]
+        acc = 0.0
+        for epoch in range(epochs):
+            model.train()
+            for x, y in data:
+                optimizer.zero_grad()
+                loss = nn.functional.cross_entropy(model(x), y)
+                loss.backward()
+                if trial.number == 5 and epoch == 0 and x is data[1][0]:
+                    raise RuntimeError("trial 5 fails mid-run")  # a step pending
+                optimizer.step()
+            model.eval()
+            with torch.no_grad():
+                acc = float(sum(model(x).sum() for x, _ in data))
+            trial.report(acc, epoch)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        if seen is not None and tasks is not None:
+            tasks.append(seen.tasks())
+        return acc
+
+    return objective
+
+
+def study(pruner: Any = None) -> optuna.Study:
+    return optuna.create_study(
+        sampler=optuna.samplers.RandomSampler(seed=0),
+        pruner=pruner or optuna.pruners.NopPruner(),
+    )
+
+
+def outcomes(s: optuna.Study) -> dict[int, tuple[str, float | None]]:
+    return {t.number: (t.state.name, t.value) for t in s.trials}
+
+
+def replay(s: optuna.Study, dropout: bool = True) -> dict[int, tuple[str, float | None]]:
+    """Each trial of ``s`` run again alone, without th.shard, with its params (the pruner
+    a fixed threshold, so a trial's pruning does not depend on the others)."""
+    plain = study(s.pruner)
+    for t in s.trials:
+        plain.enqueue_trial(t.params)
+    plain.optimize(
+        make_objective(False, dropout=dropout), n_trials=len(s.trials), catch=(RuntimeError,)
+    )
+    return outcomes(plain)
+
+
+def wait_empty(engine: th.Engine) -> None:
+    for _ in range(200):
+        gc.collect()
+        if not engine.tasks():
+            return
+        time.sleep(0.05)
+    assert engine.tasks() == []
+
+
+def test_study_optimize_n_jobs_1_exact(engine: th.Engine) -> None:
+    plain, sharded = study(), study()
+    plain.optimize(make_objective(False), n_trials=4)
+    sharded.optimize(make_objective(True, engine), n_trials=4)
+    assert outcomes(sharded) == outcomes(plain)
+    assert all(state == "COMPLETE" for state, _ in outcomes(sharded).values())
+    wait_empty(engine)
+
+
+def test_study_optimize_n_jobs_threads_share_engine(engine: th.Engine) -> None:
+    # 4 Optuna threads, their loops multiplexed on one engine; a pruner prunes some, trial
+    # 5 fails: each trial's outcome is its plain run's, and no loop stays on the engine.
+    # Without dropout: under plain study.optimize a thread's own draws from torch's global
+    # generator (its model's init) may run while another loop's op has its stream
+    # installed there (th.optimize runs each objective on a private generator instead).
+    s = study(optuna.pruners.ThresholdPruner(upper=2.0))
+    objective = make_objective(True, engine, dropout=False)
+    s.optimize(objective, n_trials=8, n_jobs=4, catch=(RuntimeError,))
+    got = outcomes(s)
+    assert got == replay(s, dropout=False)
+    states = [state for state, _ in got.values()]
+    assert "FAIL" in states and "COMPLETE" in states
+    wait_empty(engine)
+
+
+def test_th_optimize_runs_objectives_on_its_engine(engine: th.Engine) -> None:
+    # th.shard without engine= inside th.optimize trains on th.optimize's engine: the
+    # process's embedded one is never started.
+    from tune_hydra.frontends import shard as shard_mod
+
+    tasks: list[list[str]] = []
+    objective = make_objective(True, seen=engine, tasks=tasks)
+    s = study(optuna.pruners.ThresholdPruner(upper=2.0))
+    th.optimize(s, objective, n_trials=8, max_concurrent=3, engine=engine)
+    assert shard_mod._ENGINE is None
+    assert tasks and all(tasks)  # each completed trial's loop was on this engine
+    got = outcomes(s)
+    assert got == replay(s)
+    assert got[5][0] == "FAIL" and "trial 5 fails mid-run" in s.trials[5].user_attrs["error"]
+    assert engine.tasks() == []  # every loop left as its objective ended
+
+
+def test_th_optimize_plain_objective_warns(
+    engine: th.Engine, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A function that never calls th.shard trained plainly: its value is kept, and one
+    # warning (Optuna's logger, which does not propagate) says to add the line.
+    s = study()
+    optuna_logger = optuna.logging.get_logger("optuna")
+    optuna_logger.addHandler(caplog.handler)
+    try:
+        with caplog.at_level("WARNING", logger="optuna.tune_hydra"):
+            th.optimize(s, make_objective(False), n_trials=2, engine=engine)
+    finally:
+        optuna_logger.removeHandler(caplog.handler)
+    assert caplog.text.count("without calling th.shard") == 1
+    assert [t.state.name for t in s.trials] == ["COMPLETE", "COMPLETE"]
+    assert outcomes(s) == replay(s)
