@@ -312,3 +312,39 @@ def test_lora_search_optuna_smoke(tmp_path: Path) -> None:
     assert path.parent.parent == tmp_path / "optuna_models" and path.name == "model.pt"
     assert out.count("best perplexity: ") == 1 and " at epoch 2" in out
     _check_lora_best(out, tmp_path)
+
+
+def test_optuna_pytorch_simple_smoke() -> None:
+    # optuna-examples' pytorch_simple.py with 4 tune_hydra lines: Optuna's n_jobs threads
+    # train on the embedded engine (its devices busy), every loop leaves it at the end.
+    script = ROOT / "examples" / "optuna_pytorch_simple.py"
+    marked = [line for line in script.read_text().splitlines() if line.endswith("# tune_hydra")]
+    assert len(marked) == 4, marked
+    for what in ("import tune_hydra as th", "th.configure(", "= th.shard(model, optimizer)"):
+        assert sum(what in line for line in marked) == 1, what
+    assert sum("n_jobs=" in line for line in marked) == 1
+    check = (
+        "import gc, runpy, sys\n"
+        "sys.argv = ['optuna_pytorch_simple.py', '--smoke']\n"
+        f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+        "from tune_hydra.frontends import shard\n"
+        "gc.collect()\n"
+        "s = shard._ENGINE.summary()\n"
+        "print('busy_s', sum(d['busy_s'] for d in s['devices'].values()))\n"
+        "print('left', shard._ENGINE.tasks())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run(
+        [sys.executable, "-c", check],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "Number of finished trials:  6" in out and "Best trial:" in out
+    busy = float(out.split("busy_s ", 1)[1].split()[0])
+    assert busy > 0  # the trials' ops ran on the engine's devices
+    assert "left []" in out
