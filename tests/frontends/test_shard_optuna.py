@@ -7,7 +7,9 @@ trial's value does not depend on which thread ran it or when.
 
 from __future__ import annotations
 
+import _thread
 import gc
+import signal
 import threading
 import time
 from collections.abc import Iterator
@@ -193,3 +195,55 @@ def test_th_optimize_plain_objective_warns(
     assert caplog.text.count("without calling th.shard") == 1
     assert [t.state.name for t in s.trials] == ["COMPLETE", "COMPLETE"]
     assert outcomes(s) == replay(s)
+
+
+def slow_objective(started: threading.Event | None = None) -> Any:
+    """A loop that trains until it is stopped (its model on the engine throughout)."""
+
+    def objective(trial: optuna.Trial) -> float:
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+        model, optimizer = th.shard(model, optimizer)
+        x = torch.randn(8, 4)
+        for _ in range(100_000):
+            optimizer.zero_grad()
+            model(x).pow(2).mean().backward()
+            optimizer.step()
+            if started is not None:
+                started.set()
+        return 0.0
+
+    return objective
+
+
+def test_th_optimize_timeout_stops_the_objectives_loop(engine: th.Engine) -> None:
+    # An objective past factory_timeout_s fails its trial; its loop is stopped at its next
+    # forward and leaves the engine, instead of training on unseen.
+    s = study()
+    th.optimize(s, slow_objective(), n_trials=1, engine=engine, factory_timeout_s=0.5)
+    assert s.trials[0].state.name == "FAIL"
+    assert "TaskFactoryTimeoutError" in s.trials[0].user_attrs["error"]
+    wait_empty(engine)
+
+
+def test_th_optimize_ctrl_c_stops_objectives(engine: th.Engine) -> None:
+    # Ctrl-C with objectives in flight: they end FAIL, their loops stop and leave the
+    # engine, the interrupt propagates.
+    started = threading.Event()
+    objective = slow_objective(started)
+
+    def interrupt() -> None:
+        started.wait(60)
+        _thread.interrupt_main()
+
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Thread(target=interrupt, daemon=True).start()
+        s = study()
+        with pytest.raises(KeyboardInterrupt):
+            th.optimize(s, objective, n_trials=2, max_concurrent=2, engine=engine)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert [t.state.name for t in s.trials] == ["FAIL", "FAIL"]
+    assert all(t.user_attrs["error"].startswith("interrupted") for t in s.trials)
+    wait_empty(engine)

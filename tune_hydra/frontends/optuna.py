@@ -141,9 +141,13 @@ def optimize(
     on *this call's* engine (not the process's embedded one), so every loop is
     multiplexed there. When the objective returns or raises, its loops leave the engine
     (``th.unshard``: weights home, the user's classes back). ``factory_timeout_s``
-    bounds the whole call, training included. A function that returns a number without
-    calling ``th.shard`` trained plainly, outside the engine: its value is kept and one
-    warning says to add the line.
+    bounds the whole call, training included; a call past it, or running at Ctrl-C,
+    ends ``FAIL`` and its loop stops at its next forward (``ShardClosedError``). A
+    function that returns a number without calling ``th.shard`` trained plainly,
+    outside the engine: its value is kept and one warning says to add the line.
+    Objectives run on a private random generator (seeded with ``seed`` if given), as
+    factories do: their draws (weight init, a shuffling ``DataLoader``) never race with
+    the other trials' ops, so each trial is exactly its plain run.
 
     Every factory trial also gets ``trial.user_attrs["num_shards"]`` (how its model was
     cut).
@@ -318,6 +322,7 @@ class _Run:
     task: ModelTask | None = None
     epoch: int = 0  # epochs trained
     value: float | None = None  # the metric of the last epoch
+    scope: Any = None  # an objective's th.shard scope (tune_hydra.frontends.shard)
 
 
 class _Interrupted(Exception):
@@ -559,7 +564,10 @@ class _Driver:
     # -- ending trials ----------------------------------------------------------------
 
     def _drop(self, run: _Run) -> None:
-        """Drop the trial's queued shard work and remove its task from the engine."""
+        """Drop the trial's queued shard work and remove its task from the engine (an
+        objective still running is stopped at its next forward: its trial has ended)."""
+        if run.scope is not None:
+            run.scope.stop()
         self.trials.cancel(run.key)
         self.trials.remove(run.key)
 
@@ -653,6 +661,7 @@ class _Driver:
             # th.shard inside trains on this call's engine; the loops it made leave the
             # engine when the function returns or raises, whatever its frames still hold.
             with engine_scope(engine) as scope:
+                run.scope = scope
                 try:
                     out = make_task(trial)
                 except pruned as err:  # not an error: returned, so that it keeps its type

@@ -74,6 +74,15 @@ class EngineScope:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.states: list[_State] = []
+        self.stopped = False
+
+    def stop(self) -> None:
+        """From another thread (the front end gave up on the call: Ctrl-C, a timeout):
+        the scope's loops refuse their next forward, and a later ``th.shard`` in it
+        raises, so the user's code ends at its next batch instead of training on."""
+        self.stopped = True
+        for state in list(self.states):
+            state.closed = True
 
     @property
     def sharded(self) -> int:
@@ -214,6 +223,11 @@ def shard(
         del optimizer.__dict__["step"]
     scope = _SCOPE.get() if engine is None else None
     if scope is not None:
+        if scope.stopped:
+            raise ShardClosedError(
+                "the front end running this function stopped it (th.optimize was "
+                "interrupted, or the call ran past factory_timeout_s): it trains no more"
+            )
         engine = scope.engine
     state = _State(model, optimizer, engine)
     if scope is not None:
