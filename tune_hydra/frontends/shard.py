@@ -27,7 +27,15 @@ a forward is not synchronised that way: call ``model.parameters()`` where it is 
 
 Outside any trial the loops of one process share one embedded engine, created on the
 first ``th.shard`` (``devices="auto"``), configured by :func:`configure` before that;
-``engine=`` picks another. A loop leaves the engine when its model is garbage-collected
+``engine=`` picks another. Inside a front end's call (an objective run by
+``th.optimize``: :func:`engine_scope`) ``th.shard`` uses that front end's engine. Loops
+in threads draw their ops' random numbers from private streams installed in torch's
+global generator under the engine's lock; a thread's own unlocked draws from it (weight
+init, a shuffling ``DataLoader`` in another ``study.optimize(n_jobs>1)`` trial) may land
+inside such an op, so with dropout those loops are exact only when the user's threads
+draw privately (``th.optimize`` runs each objective on a private generator).
+
+A loop leaves the engine when its model is garbage-collected
 (a plain ``nn.Module``; a Hugging Face model references itself from its cut, so it stays
 until) or on :func:`unshard`.
 """
