@@ -576,7 +576,9 @@ def test_bad_input_is_refused_before_any_trial() -> None:
     with pytest.raises(UnknownMetricError, match="metric=''"):
         th.optimize(study, make_task, n_trials=1, metric="")
     with pytest.raises(UnknownMetricError, match="direction='minimize'"):
-        th.optimize(optuna.create_study(direction="maximize"), make_task, n_trials=1)
+        th.optimize(
+            optuna.create_study(direction="maximize"), make_task, n_trials=1, metric="val_loss"
+        )
     with pytest.raises(UnknownOptionError, match=r"'polcy' \(did you mean 'policy'\?\)"):
         th.optimize(study, make_task, n_trials=1, polcy="fifo")
     with pytest.raises(TypeError, match="'num_samples'"):  # also a TypeError, like Python's
@@ -596,6 +598,15 @@ def test_bad_input_is_refused_before_any_trial() -> None:
     with Engine(devices=["cpu"]) as engine, pytest.raises(InvalidOptionError, match="Engine"):
         th.optimize(study, make_task, n_trials=1, engine=engine, device_memory="1MiB")
     assert study.trials == []
+
+
+def test_maximizing_study_default_metric_stops_at_the_first_factory_trial() -> None:
+    # metric left out: an objective may maximize its own value, so the loss-in-a-maximizing-
+    # study error comes when the first factory returns its task, and ends the call.
+    study = optuna.create_study(direction="maximize")
+    with pytest.raises(UnknownMetricError, match="direction='minimize'"):
+        th.optimize(study, factory({}), n_trials=3, devices=["cpu"], max_concurrent=1)
+    assert [t.state for t in study.trials] == [TrialState.FAIL]
 
 
 def test_without_optuna_says_what_to_install(monkeypatch: pytest.MonkeyPatch) -> None:

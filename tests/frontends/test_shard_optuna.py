@@ -247,3 +247,13 @@ def test_th_optimize_ctrl_c_stops_objectives(engine: th.Engine) -> None:
     assert [t.state.name for t in s.trials] == ["FAIL", "FAIL"]
     assert all(t.user_attrs["error"].startswith("interrupted") for t in s.trials)
     wait_empty(engine)
+
+
+def test_th_optimize_maximizing_objective(engine: th.Engine) -> None:
+    # pytorch_simple.py maximizes accuracy: an objective's own value, so a maximizing
+    # study needs no metric=; the best trial is the highest value.
+    s = optuna.create_study(direction="maximize", sampler=optuna.samplers.RandomSampler(seed=1))
+    th.optimize(s, make_objective(True, epochs=1), n_trials=3, engine=engine)
+    values = [t.value for t in s.trials]
+    assert [t.state.name for t in s.trials] == ["COMPLETE"] * 3
+    assert s.best_value == max(values)

@@ -93,7 +93,7 @@ def optimize(
     devices: Any = "auto",
     device_memory: int | str | None = None,
     max_concurrent: int | None = None,
-    metric: str = "val_loss",
+    metric: str | None = None,
     save_dir: str | os.PathLike[str] | None = None,
     *,
     timeout: float | None = None,
@@ -179,6 +179,9 @@ def optimize(
             ``host_memory`` and ``spill_dir``, partly on disk).
         metric: what each epoch reports to Optuna: ``"val_loss"`` (needs ``eval_data``),
             ``"loss"`` (see :data:`METRICS`), or a name in the task's ``metrics``.
+            ``None``: ``"val_loss"``; a maximizing study (fine for objectives, which
+            return their own value) then stops the call at the first task factory's
+            trial, with ``UnknownMetricError``.
         save_dir: where finished trials' ``model.pt`` files go (``None``: not saved).
         timeout: seconds after which no new trial starts (the running ones finish), like
             ``study.optimize(timeout=...)``.
@@ -209,8 +212,10 @@ def optimize(
         InvalidStudyError: ``study`` is not a single-objective ``optuna.Study``, or
             ``make_task`` is not callable.
         UnknownMetricError: ``metric`` is an engine figure that is not a loss
-            (``epoch`` ...), or the study maximizes a loss. (A name that a trial's task
-            does not declare fails that trial, with this error.)
+            (``epoch`` ...), or the study maximizes a loss (with the default
+            ``metric``: at the first trial whose function returns a ``ModelTask``). (A
+            name that a trial's task does not declare fails that trial, with this
+            error.)
         UnknownOptionError: a keyword in ``train_opts`` that this function does not take.
         InvalidOptionError: a bad value (``epochs``, ``n_trials``, a task option ...).
         UnknownDeviceError, BudgetFormatError, UnknownPolicyError: a bad engine option.
@@ -246,7 +251,11 @@ def optimize(
     optuna = _import_optuna()
     options = _split_options(train_opts)
     _check_study(optuna, study, make_task)
-    _check_metric(optuna, study, metric)
+    given = metric is not None
+    metric = "val_loss" if metric is None else metric
+    # Unless given, the metric's direction is judged when a factory returns a task: an
+    # objective returns its own value, which a maximizing study may rank.
+    deferred = _check_metric(optuna, study, metric, defer_direction=not given)
     where = "optimize"
     n_trials = check_positive_int(
         n_trials, "n_trials", allow_none=True, meaning="trials this call runs", where=where
@@ -298,6 +307,7 @@ def optimize(
         task_options=task_options,
         factory_timeout_s=factory_timeout_s,
         milestones=milestones,
+        direction_error=deferred,
     )
     try:
         driver.run(n_trials, max_concurrent, timeout)
@@ -339,6 +349,20 @@ class _PrunedByFactory(Exception):
         self.loops = loops  # th.shard calls made before it raised
 
 
+class _Systematic(Exception):
+    """An error of the call, not of one trial: :func:`optimize` raises it."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _model_task_type() -> type:
+    from tune_hydra.engine import ModelTask
+
+    return ModelTask
+
+
 @dataclass
 class _ObjectiveDone:
     """The user's function was an objective: it trained its own loop (``th.shard``) and
@@ -365,6 +389,7 @@ class _Driver:
         task_options: dict[str, Any],
         factory_timeout_s: float | None,
         milestones: Milestones,
+        direction_error: UnknownMetricError | None = None,
     ) -> None:
         self.optuna = optuna
         self.study = study
@@ -375,6 +400,7 @@ class _Driver:
         self.folder = folder
         self.task_options = task_options
         self.factory_timeout_s = factory_timeout_s
+        self.direction_error = direction_error  # raised at the first factory's task
         # Under Optuna's logger, so trials are logged as study.optimize logs them (and
         # optuna.logging.set_verbosity applies).
         self.log = optuna.logging.get_logger("optuna.tune_hydra")
@@ -467,6 +493,8 @@ class _Driver:
             outcome = future.result()
         except _Interrupted:
             return
+        except _Systematic as systematic:  # ends the call, as before any trial
+            raise systematic.error from None
         except _PrunedByFactory as pruned:
             self._drop(run)
             self._tell(run, self.optuna.trial.TrialState.PRUNED)
@@ -695,6 +723,8 @@ class _Driver:
             if isinstance(task, _PrunedByFactory):
                 raise task
             return task
+        if self.direction_error is not None and isinstance(task, _model_task_type()):
+            raise _Systematic(self.direction_error)
         # A define-by-run factory may build no task for one trial alone: not systematic.
         task = check_task(task, str(number), takes="trial", systematic=False)
         self._check_metric(number, task)
@@ -802,11 +832,13 @@ def _check_study(optuna: Any, study: Any, make_task: Any) -> None:
         )
 
 
-def _check_metric(optuna: Any, study: optuna.Study, metric: Any) -> None:
+def _check_metric(
+    optuna: Any, study: optuna.Study, metric: Any, *, defer_direction: bool = False
+) -> UnknownMetricError | None:
     """Refuse, before any trial, a metric that is no name or an engine figure other than
-    a loss, and a loss in a maximizing study. Any other name may be one of the tasks'
-    ``metrics`` (checked when each trial's task is built), whose direction the study
-    decides."""
+    a loss, and a loss in a maximizing study (returned instead, with
+    ``defer_direction``). Any other name may be one of the tasks' ``metrics`` (checked
+    when each trial's task is built), whose direction the study decides."""
     if (
         not isinstance(metric, str)
         or not metric
@@ -820,10 +852,15 @@ def _check_metric(optuna: Any, study: optuna.Study, metric: Any) -> None:
             f"and {TASK_METRICS}.{hint}"
         )
     if metric in METRICS and study.direction == optuna.study.StudyDirection.MAXIMIZE:
-        raise UnknownMetricError(
+        error = UnknownMetricError(
             f"study {study.study_name!r} maximizes, but metric={metric!r} is a loss (lower "
-            f"is better): create the study with optuna.create_study(direction='minimize')"
+            f"is better): create the study with optuna.create_study(direction='minimize'), "
+            f"or give metric= one of the task's metrics"
         )
+        if not defer_direction:
+            raise error
+        return error
+    return None
 
 
 def _prepare_save_dir(save_dir: Any) -> Path | None:
