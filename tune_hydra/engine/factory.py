@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from tune_hydra.engine.rng import CPU_RNG_LOCK
 from tune_hydra.exceptions import TaskFactoryError, TaskFactoryTimeoutError
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,11 @@ def _routed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         gen = _private()
         if gen is None:
-            return original(*args, **kwargs)
+            # Under the engine's RNG lock: an op installs its task's stream into the
+            # global generator under that lock, and a seed set by another thread in the
+            # middle of it would be lost (restored over) and change that task's draws.
+            with CPU_RNG_LOCK:
+                return original(*args, **kwargs)
         if name == "manual_seed":
             return gen.manual_seed(int(args[0] if args else kwargs["seed"]))
         if name == "seed":
@@ -75,9 +80,9 @@ def _routed(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _patch_torch() -> None:
-    """Route torch's RNG functions through :func:`_routed` (the wrappers behave exactly
-    like what they wrap outside factory threads). Checked on every use: each module
+def patch_rng_functions() -> None:
+    """Route torch's RNG functions through :func:`_routed` (outside factory threads the
+    wrappers do what they wrap, under the engine's RNG lock). Checked on every use: each module
     attribute is wrapped on its own, since other code may have replaced one of them
     (importing ``torch._dynamo`` re-wraps ``torch.manual_seed``) before or after us."""
     with _PATCH_LOCK:
@@ -159,7 +164,7 @@ def private_rng(seed: int | None = None) -> Iterator[torch.Generator]:
         >>> torch.equal(a, torch.randn(3))
         True
     """
-    _patch_torch()
+    patch_rng_functions()
     gen = torch.Generator()
     if seed is None:
         gen.seed()

@@ -51,6 +51,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.engine import rng
 from tune_hydra.engine.boundary import backward as backward_from
+from tune_hydra.engine.factory import patch_rng_functions
 from tune_hydra.engine.lease import parts
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
 from tune_hydra.engine.shared import SharedParams
@@ -167,6 +168,10 @@ class LoopRunner:
         self._home_now = True  # every state is home (sync), nothing pending
         self.closed = False
         self._private = private_stream
+        if private_stream:
+            # Its ops swap this loop's stream into the global generator; another thread's
+            # torch.manual_seed meanwhile must wait for the op (not be restored over).
+            patch_rng_functions()
         seed = torch.initial_seed()
         self._seed = seed
         self.stream = rng.RngState(rng_start)

@@ -237,6 +237,11 @@ def shard(
                 "interrupted, or the call ran past factory_timeout_s): it trains no more"
             )
         engine = scope.engine
+    # From now on another loop's op may swap its stream into the global generator: a
+    # torch.manual_seed on any thread must wait for that op instead of being undone by it.
+    from tune_hydra.engine.factory import patch_rng_functions
+
+    patch_rng_functions()
     state = _State(model, optimizer, engine)
     if scope is not None:
         scope.states.append(state)
