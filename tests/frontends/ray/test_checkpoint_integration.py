@@ -316,7 +316,7 @@ def test_actor_restores_a_checkpoint_cut_differently(tmp_path: Path) -> None:
 
         # the older layout: one optimizer state_dict per shard, restorable under its cut only
         state = torch.load(tmp_path / STATE_FILE, weights_only=True)
-        runner = two._engine._tasks["a"].runner
+        runner = two._engine.runner("a")
         state["optimizers"] = [s.optimizer.state_dict() for s in runner.shards]
         state["grads"] = [[None] * len(s.params) for s in runner.shards]
         del state["optimizer"], state["param_grads"]

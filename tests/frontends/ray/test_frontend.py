@@ -97,11 +97,22 @@ def test_factory_errors_are_clear(actor: Any) -> None:
     assert _call(actor.registered(SECRET)) == {"trials": [], "engine_tasks": []}
 
 
-def test_hints_reach_the_engine(actor: Any) -> None:
+def test_hints_reach_the_engine(actor: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tune_hydra.engine import Engine
+
+    given: list[tuple[str, int]] = []
+    forward = Engine.set_remaining
+
+    def recording(self: Engine, name: str, iterations: int) -> None:
+        given.append((name, iterations))
+        forward(self, name, iterations)
+
+    monkeypatch.setattr(Engine, "set_remaining", recording)
     _call(actor.set_remaining("a", SECRET, 7))  # before registration: kept for later
+    assert given == []
     _call(actor.register("a", "t", BLOB, {"lr": 0.01}, secret=SECRET))
     name = actor._trials.get("a").name
-    assert actor._engine._tasks[name].hint == 7
+    assert given == [(name, 7)]
     _call(actor.cancel("a", SECRET))
     with pytest.raises(Exception, match="cancelled"):
         _call(actor.train("a", "t", 1))
