@@ -204,7 +204,7 @@ def test_the_factory_is_stored_once_and_freed(ray_session: Any, storage: str) ->
         trainable = ex.trainable(tune_tasks.closure_factory(40))
         assert len(cloudpickle.dumps(trainable)) < 2**20  # what every trial process loads
         ex.release(trainable)
-        assert ex._factory_ids == []
+        assert ex._factories.ids == []
         pid = ray.get(next(iter(ex.engines().values())).start.remote())["pid"]
         rss = []
         for run in range(6):
@@ -218,11 +218,11 @@ def test_the_factory_is_stored_once_and_freed(ray_session: Any, storage: str) ->
                 verbose=0,
             )
             assert all(t.status == "TERMINATED" for t in analysis.trials)
-            assert ex._factory_ids == []  # freed in the cluster and the engines
+            assert ex._factories.ids == []  # freed in the cluster and the engines
             rss.append(_rss_mib(pid))
         store = FactoryStore(ex.run_id, ex._secret)
         trainable = ex.trainable(tune_tasks.make_task)
-        factory_id = ex._factory_ids[-1]
+        factory_id = ex._factories.ids[-1]
         assert store.get(factory_id) is not None
     assert store.get(factory_id) is None  # shutdown frees what is left
     # Before: +77 MiB per run, never freed (4 runs: +300 MiB). Allow allocator noise (up
@@ -310,7 +310,7 @@ def test_another_driver_cannot_read_or_replace_the_factory(
     kv = _kv()
     with HydraExecutor(devices="cpu") as mine:
         trainable = mine.trainable(tune_tasks.closure_factory(1))
-        factory_id = mine._factory_ids[-1]
+        factory_id = mine._factories.ids[-1]
         keys = kv._internal_kv_list(b"", namespace="tune_hydra")
         values = [kv._internal_kv_get(k, namespace="tune_hydra") for k in keys]
         assert keys and not any(mine.run_id.encode() in k or factory_id.encode() in k for k in keys)

@@ -19,6 +19,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from tune_hydra.core.policies import AUTO, BasePolicy, resolve_policy
 from tune_hydra.exceptions import TuneHydraError
 from tune_hydra.frontends.ray.actor import CONTROL_GROUP, EngineActor, engine_actor_name
 from tune_hydra.frontends.ray.errors import EngineStartError
@@ -215,6 +216,15 @@ class EngineFleet:
     def summary(self) -> dict[str, Any]:
         """Node id -> the engine's summary (live while started, else the last collected)."""
         return self.ask("summary") if self.handles else dict(self.last_summary)
+
+    def choose_policy(self, policy: str | BasePolicy, *, search_aware: bool) -> None:
+        """Resolve the executor's ``policy`` when it is ``"auto"`` (one log line says
+        which and why): the milestone policy for a ``search_aware`` run, else LRTF. The
+        engines are built with the choice unless they are up already."""
+        if isinstance(policy, str) and policy == AUTO:
+            chosen = resolve_policy(AUTO, search_aware=search_aware)
+            if not self.handles:
+                self.engine_options = dataclasses.replace(self.engine_options, policy=chosen.name)
 
     def release_factory(self, factory_id: str) -> None:
         """Every engine forgets the factory (a dead engine holds nothing)."""

@@ -9,20 +9,17 @@ by :func:`tune_hydra.run`; for ``tune.Tuner`` use :meth:`HydraExecutor.trainable
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 import logging
 import os
 import secrets
-import types
 import uuid
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import ray
 from ray import tune
 
-from tune_hydra.core.policies import AUTO, BasePolicy, resolve_policy
+from tune_hydra.core.policies import AUTO, BasePolicy
 from tune_hydra.exceptions import TuneHydraError
 from tune_hydra.frontends.failures import RUNS_THE_LOOP
 from tune_hydra.frontends.ray import registry
@@ -36,7 +33,11 @@ from tune_hydra.frontends.ray.errors import (
     NotATaskFactoryError,
     TrialResourcesError,
 )
-from tune_hydra.frontends.ray.factories import BoundFactory, FactoryStore, closure
+from tune_hydra.frontends.ray.factories import (
+    FactoryStore,
+    RunFactories,
+    unwrap_with_parameters,
+)
 from tune_hydra.options import (
     EngineOptions,
     check_factory_timeout,
@@ -44,38 +45,6 @@ from tune_hydra.options import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def unwrap_with_parameters(fn: Any) -> tuple[Callable[..., Any], dict[str, Any]] | None:
-    """``(make_task, parameters)`` when ``fn`` is what ``tune.with_parameters(make_task,
-    **parameters)`` returns for a function, else None.
-
-    Tune's wrapper fetches every parameter from the object store at each call; the engine
-    calls ``make_task(config, **parameters)`` itself instead (through a
-    :class:`~tune_hydra.frontends.ray.actor.BoundFactory`, which fetches them once per engine).
-    A parameter is an ``ObjectRef`` once Ray is up, else the value Tune holds until then.
-    """
-    if not isinstance(fn, types.FunctionType) or not fn.__module__.startswith("ray."):
-        return None
-    cells = closure(fn)
-    from ray.tune.registry import _ParameterRegistry
-
-    params_registry, prefix = cells.get("parameter_registry"), cells.get("prefix")
-    keys, inner = cells.get("keys"), cells.get("trainable")
-    if (
-        not isinstance(params_registry, _ParameterRegistry)
-        or not isinstance(prefix, str)
-        or not isinstance(keys, (set, frozenset, list, tuple))
-        or not callable(inner)
-    ):
-        return None
-    params: dict[str, Any] = {}
-    for key in keys:
-        ref = params_registry.references.get(prefix + str(key))
-        if ref is None and prefix + str(key) not in params_registry.to_flush:
-            return None
-        params[str(key)] = ref if ref is not None else params_registry.to_flush[prefix + str(key)]
-    return inner, params
 
 
 def check_task_factory(make_task: Any) -> None:
@@ -131,6 +100,25 @@ def check_task_factory(make_task: Any) -> None:
         ) from None
     except ValueError:
         pass  # no signature (a builtin): let the engine actor find out
+
+
+def wrap_scheduler(
+    base: Any, *, stop: Any, max_iterations: int | None, run_id: str, search_alg: Any
+) -> Any:
+    """``base`` (a ``TrialScheduler``, a scheduler name Tune knows, or None for FIFO)
+    wrapped in a :class:`~tune_hydra.frontends.ray.scheduler.HydraScheduler` of the
+    executor ``run_id``; one that already is a ``HydraScheduler`` is returned as is."""
+    from tune_hydra.frontends.ray.scheduler import HydraScheduler
+
+    if isinstance(base, str):
+        from ray.tune.schedulers import create_scheduler
+
+        base = create_scheduler(base)
+    if isinstance(base, HydraScheduler):
+        return base
+    return HydraScheduler(
+        base, stop=stop, max_iterations=max_iterations, run_id=run_id, search_alg=search_alg
+    )
 
 
 class _Held:
@@ -312,7 +300,6 @@ class HydraExecutor:
         # keeps in the cluster store is bound to it (see the README's "Ownership").
         self._secret = secrets.token_hex(16)
         self._store = FactoryStore(self.run_id, self._secret)
-        self._factory_ids: list[str] = []
         self._engines = EngineFleet(  # checks slots_per_node, torch_threads, start_timeout_s
             self.run_id,
             self._secret,
@@ -326,6 +313,8 @@ class HydraExecutor:
             factory_timeout_s=self.factory_timeout_s,
             engine_class=_engine_class,
         )
+        # The experiment's task factories, freed in the cluster and in every engine.
+        self._factories = RunFactories(self._store, self._engines.release_factory)
 
     # ---------------------------------------------------------------- options
     # Held once, by what they configure: the engines' options, the engine actors.
@@ -369,8 +358,7 @@ class HydraExecutor:
         if not self._engines.handles:
             return
         registry.unregister(self.run_id)
-        for factory_id in list(self._factory_ids):
-            self._drop_factory(factory_id)
+        self._factories.drop_all()
         try:
             self._store.clear_errors()  # the trials' recorded mistakes, read by now
         except Exception:
@@ -412,11 +400,7 @@ class HydraExecutor:
         from tune_hydra.frontends.ray.trainable import HydraTrainable
 
         self.start()
-        unwrapped = unwrap_with_parameters(make_task)
-        factory: Any = make_task if unwrapped is None else BoundFactory(*unwrapped)
-        # Stored once in the cluster; the trial processes carry only its id.
-        factory_id = self._store.put(ray.cloudpickle.dumps(factory))
-        self._factory_ids.append(factory_id)
+        factory_id = self._factories.put(make_task)  # the trial processes carry only its id
         cls = HydraTrainable.for_factory(
             getattr(make_task, "__name__", "make_task"),
             factory_id=factory_id,
@@ -438,16 +422,7 @@ class HydraExecutor:
             raise TuneHydraError(
                 f"{trainable!r} was not made by HydraExecutor.trainable(); nothing to release"
             )
-        self._drop_factory(factory_id)
-
-    def _drop_factory(self, factory_id: str) -> None:
-        if factory_id in self._factory_ids:
-            self._factory_ids.remove(factory_id)
-        self._engines.release_factory(factory_id)
-        try:
-            self._store.delete(factory_id)
-        except Exception:
-            logger.warning("tune_hydra: could not free a task factory", exc_info=True)
+        self._factories.drop(factory_id)
 
     def scheduler(
         self,
@@ -471,29 +446,15 @@ class HydraExecutor:
             max_iterations: explicit per-trial budget (overrides ``stop`` and ``max_t``).
             search_alg: the run's search algorithm (``TuneConfig(search_alg=...)``), or None.
         """
-        from tune_hydra.frontends.ray.scheduler import HydraScheduler
-
-        if isinstance(base, str):
-            from ray.tune.schedulers import create_scheduler
-
-            base = create_scheduler(base)
-        wrapped = (
-            base
-            if isinstance(base, HydraScheduler)
-            else HydraScheduler(
-                base,
-                stop=stop,
-                max_iterations=max_iterations,
-                run_id=self.run_id,
-                search_alg=search_alg,
-            )
+        wrapped = wrap_scheduler(
+            base,
+            stop=stop,
+            max_iterations=max_iterations,
+            run_id=self.run_id,
+            search_alg=search_alg,
         )
-        if isinstance(self.policy, str) and self.policy == AUTO:
-            chosen = resolve_policy(AUTO, search_aware=wrapped.milestones.search_aware)
-            if not self.started:  # the engines are built with the choice; the option stays
-                self._engines.engine_options = dataclasses.replace(
-                    self._engines.engine_options, policy=chosen.name
-                )
+        # The executor's option stays "auto"; the engines get the choice.
+        self._engines.choose_policy(self.policy, search_aware=wrapped.milestones.search_aware)
         return wrapped
 
     def callbacks(self) -> list[Any]:

@@ -30,6 +30,7 @@ import logging
 import os
 import threading
 import traceback
+import types
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -282,6 +283,80 @@ class BoundFactory:
 
     def __repr__(self) -> str:
         return f"BoundFactory({self.__name__}, {sorted(self.parameters)})"
+
+
+def unwrap_with_parameters(fn: Any) -> tuple[Callable[..., Any], dict[str, Any]] | None:
+    """``(make_task, parameters)`` when ``fn`` is what ``tune.with_parameters(make_task,
+    **parameters)`` returns for a function, else None.
+
+    Tune's wrapper fetches every parameter from the object store at each call; the engine
+    calls ``make_task(config, **parameters)`` itself instead (through a
+    :class:`BoundFactory`, which fetches them once per engine).
+    A parameter is an ``ObjectRef`` once Ray is up, else the value Tune holds until then.
+    """
+    if not isinstance(fn, types.FunctionType) or not fn.__module__.startswith("ray."):
+        return None
+    cells = closure(fn)
+    from ray.tune.registry import _ParameterRegistry
+
+    params_registry, prefix = cells.get("parameter_registry"), cells.get("prefix")
+    keys, inner = cells.get("keys"), cells.get("trainable")
+    if (
+        not isinstance(params_registry, _ParameterRegistry)
+        or not isinstance(prefix, str)
+        or not isinstance(keys, (set, frozenset, list, tuple))
+        or not callable(inner)
+    ):
+        return None
+    params: dict[str, Any] = {}
+    for key in keys:
+        ref = params_registry.references.get(prefix + str(key))
+        if ref is None and prefix + str(key) not in params_registry.to_flush:
+            return None
+        params[str(key)] = ref if ref is not None else params_registry.to_flush[prefix + str(key)]
+    return inner, params
+
+
+class RunFactories:
+    """The task factories one executor stored for its experiments, from ``put`` to their
+    release in the cluster store and in every engine.
+
+    Args:
+        store: the executor's :class:`FactoryStore`.
+        release_in_engines: makes every engine forget a factory id (a callable, so this
+            module needs nothing of the engine fleet).
+    """
+
+    def __init__(self, store: FactoryStore, release_in_engines: Callable[[str], None]) -> None:
+        self._store = store
+        self._release_in_engines = release_in_engines
+        self.ids: list[str] = []
+
+    def put(self, make_task: Callable[..., Any]) -> str:
+        """Store ``make_task`` (``tune.with_parameters`` unwrapped into a
+        :class:`BoundFactory`) once in the cluster; returns the id the trials carry."""
+        import ray
+
+        unwrapped = unwrap_with_parameters(make_task)
+        factory: Any = make_task if unwrapped is None else BoundFactory(*unwrapped)
+        factory_id = self._store.put(ray.cloudpickle.dumps(factory))
+        self.ids.append(factory_id)
+        return factory_id
+
+    def drop(self, factory_id: str) -> None:
+        """Free a factory in every engine and in the cluster (idempotent)."""
+        if factory_id in self.ids:
+            self.ids.remove(factory_id)
+        self._release_in_engines(factory_id)
+        try:
+            self._store.delete(factory_id)
+        except Exception:
+            logger.warning("tune_hydra: could not free a task factory", exc_info=True)
+
+    def drop_all(self) -> None:
+        """Free every factory still held (the executor shuts down)."""
+        for factory_id in list(self.ids):
+            self.drop(factory_id)
 
 
 class FactoryCache:
