@@ -107,7 +107,7 @@ def test_auto_is_chosen_from_the_run(
 ) -> None:
     ex = HydraExecutor(devices="cpu")
     assert ex.policy == "auto" and ex.engine_policy == "auto"
-    with caplog.at_level(logging.INFO, logger="tune_hydra"):
+    with caplog.at_level(logging.INFO, logger="tune_hydra.core.policies"):
         wrapped = ex.scheduler(base, stop=stop, search_alg=search_alg)
     assert isinstance(wrapped, HydraScheduler)
     assert ex.engine_policy == chosen
