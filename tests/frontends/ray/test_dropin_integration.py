@@ -90,15 +90,14 @@ def test_a_factory_returning_none_fails_a_tuner_run_once(ray_session: Any, stora
             3,
             lr=tune.grid_search([0.001, 0.01, 0.1]),
         )
-        start = time.monotonic()
         results = tuner.fit()
-        elapsed = time.monotonic() - start
         assert _registered(ex) == []
         assert isinstance(ex.systematic_error(), NotATaskError)
     assert results.num_errors == 1  # not three identical tracebacks
     assert "not a tune_hydra.ModelTask" in str(results.errors[0])
+    # Ended at the first trial, not after all three (no timed assertion: a loaded machine
+    # made the 30 s bound fail while the run did end early).
     assert all(r.metrics.get("training_iteration", 0) == 0 for r in results)
-    assert elapsed < 30, elapsed
 
 
 def test_with_parameters_both_ways(ray_session: Any, storage: str, tmp_path: Path) -> None:
