@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 import tune_hydra as th
+from tune_hydra.engine.rng import CPU_RNG_LOCK
 
 optuna = pytest.importorskip("optuna")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -40,7 +41,12 @@ def engine() -> Iterator[th.Engine]:
     eng.close()
 
 
-_BUILD = threading.Lock()  # seeding + building + th.shard, one trial at a time
+# Seeding + building + th.shard, one trial at a time, and never while another loop's op
+# has its random stream swapped into torch's global generator (the engine's RNG lock):
+# the documented limit of loops in study.optimize threads (README, th.shard), until
+# threaded loops draw from a generator of their own. With a lock of its own only, a
+# build's draws could land inside another loop's op (1 fresh-venv run in 2).
+_BUILD = CPU_RNG_LOCK
 
 
 def make_objective(
