@@ -15,3 +15,26 @@ def quiet_optuna() -> Iterator[None]:
     optuna.logging.set_verbosity(optuna.logging.WARNING)
     yield
     optuna.logging.set_verbosity(level)
+
+
+@pytest.fixture
+def one_torch_thread() -> Iterator[None]:
+    """torch on one intra-op thread for the test: the engine gives each emulated device
+    a share of the threads, and a reduction split differently rounds differently."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def engine() -> Iterator[object]:
+    """An engine on 2 emulated copying CPU devices, at most 2 layers a shard (th.shard's
+    tests)."""
+    import tune_hydra as th
+
+    eng = th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2)
+    yield eng
+    eng.close()

@@ -13,7 +13,7 @@ import copy
 import gc
 import io
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -36,18 +36,8 @@ from tune_hydra.frontends import shard as shard_mod
 
 
 @pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def engine() -> Iterator[th.Engine]:
-    eng = th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2)
-    yield eng
-    eng.close()
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here on one torch thread (see the shared fixture)."""
 
 
 # -- the user's code: models and loops, as they would write them ---------------------------

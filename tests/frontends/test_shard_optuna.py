@@ -12,7 +12,6 @@ import gc
 import signal
 import threading
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -27,18 +26,8 @@ optuna.logging.set_verbosity(optuna.logging.WARNING)
 
 
 @pytest.fixture(autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture
-def engine() -> Iterator[th.Engine]:
-    eng = th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2)
-    yield eng
-    eng.close()
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here on one torch thread (see the shared fixture)."""
 
 
 # Seeding + building + th.shard, one trial at a time, and never while another loop's op
