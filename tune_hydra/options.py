@@ -596,8 +596,6 @@ NOT_OFFERED: dict[str, dict[str, str]] = {
     "HydraExecutor": {
         "copy_on_cpu": "a test aid of the engine's copy path on CPU 'devices' "
         "(Engine / train_models); a node's engine computes on its devices",
-        "max_layers_per_shard": "the engine cuts by device_memory; HydraExecutor.plan("
-        "max_layers_per_shard=...) shows finer cuts",
         "trace_window": "each engine keeps the default window; executor.trace() gathers them",
     },
 }

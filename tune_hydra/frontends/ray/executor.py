@@ -191,6 +191,9 @@ class HydraExecutor:
             (the shortest makespan). Engines started before that (``trainable`` first)
             run the milestone policy, which decides as LRTF when no milestones come.
         prefetch: copy the next shard in while the current one computes.
+        max_layers_per_shard: cut every model finer than ``device_memory`` requires: at
+            most this many layers in one shard (an int >= 1; None: as many as the budget
+            allows). :meth:`plan` shows the cut it gives.
         recompute: re-run each shard's forward in its backward instead of keeping its
             graph; default ``True`` on GPUs, ``False`` on CPU devices. Without it each
             trial's batch reserves its kept activations in ``device_memory``, so fewer
@@ -249,6 +252,7 @@ class HydraExecutor:
         spill_dir: str | os.PathLike[str] | None = None,
         prefetch: bool = True,
         recompute: bool | None = None,
+        max_layers_per_shard: int | None = None,
         iteration_batches: int | None = None,
         seed: int | None = None,
         max_grad_norm: float | None = None,
@@ -286,6 +290,7 @@ class HydraExecutor:
             policy,
             prefetch=prefetch,
             recompute=recompute,
+            max_layers_per_shard=max_layers_per_shard,
             host_memory=host_memory,
             spill_dir=spill_dir,
             where=where,
@@ -325,6 +330,7 @@ class HydraExecutor:
     policy = _Held("engine_options")
     prefetch = _Held("engine_options")
     recompute = _Held("engine_options")
+    max_layers_per_shard = _Held("engine_options")
     slots_per_node = _Held("_engines")
     slot_resource = _Held("_engines")
     torch_threads = _Held("_engines")
@@ -494,15 +500,15 @@ class HydraExecutor:
         """How each config's model will be cut by this executor's engines, and the
         smallest ``device_memory`` it fits, without training and without starting Ray:
         :func:`tune_hydra.plan` with this executor's ``device_memory``, ``precision``,
-        ``prefetch``, ``seed`` and ``factory_timeout_s``.
+        ``prefetch``, ``max_layers_per_shard``, ``seed`` and ``factory_timeout_s``.
 
         Args:
             make_task: the task factory the experiment will train.
             configs: a config, a list of configs, or a Tune search space (the
                 ``param_space`` / ``config`` of the run).
             num_samples: configs drawn from a search space (the run's ``num_samples``).
-            options: more :func:`tune_hydra.plan` options (``meta``, ``max_layers_per_shard``
-                ...), or overrides of the executor's.
+            options: more :func:`tune_hydra.plan` options (``meta`` ...), or overrides of
+                the executor's.
 
         Returns:
             A :class:`tune_hydra.planning.PlanReports`: one report per config, printed as
@@ -531,6 +537,7 @@ class HydraExecutor:
             "device_memory": self.device_memory,
             "precision": self.task_options["precision"],
             "prefetch": self.prefetch,
+            "max_layers_per_shard": self.max_layers_per_shard,
             "timeout_s": self.factory_timeout_s,
         }
         if self.task_options["seed"] is not None:
