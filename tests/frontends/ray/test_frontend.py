@@ -447,22 +447,15 @@ def test_a_module_level_model_is_refused_live_or_reused() -> None:
 # -- issue 13: fail once, Tune's wrappers, checkpoints by default (no Ray started) ---------
 
 
-def test_a_function_trainable_is_refused_before_any_trial() -> None:
-    import tune_hydra as th
+def test_a_function_trainable_is_recognised_before_any_trial() -> None:
+    """A function trainable (it calls tune.report) is no longer refused (#20): it is told
+    apart from a task factory by its code, before any engine starts."""
     from tune_hydra.frontends.ray.actor import tune_report_call
-    from tune_hydra.frontends.ray.executor import HydraExecutor
 
     assert tune_report_call(tune_tasks.train_fn) == "ray.tune.report"
     assert tune_report_call(tune_tasks.make_task) is None
-    ex = HydraExecutor(devices="cpu")
-    with pytest.raises(NotATaskFactoryError) as info:
-        th.run(tune_tasks.train_fn, metric="loss", mode="min", trial_executor=ex)
-    text = str(info.value)
-    assert "'train_fn' calls ray.tune.report(...): it is a function trainable" in text
-    assert "drop trial_executor" in text and "th.ModelTask" in text
-    with pytest.raises(NotATaskFactoryError, match="function trainable"):
-        ex.trainable(tune_tasks.train_fn)
-    assert not ex.started  # refused before any engine (or trial) started
+    assert check_task_factory(tune_tasks.train_fn) is True
+    assert check_task_factory(tune_tasks.make_task) is False
 
 
 def test_a_metric_nobody_reports_is_refused_before_any_trial() -> None:
@@ -525,8 +518,11 @@ def test_with_parameters_around_the_factory_is_unwrapped() -> None:
     assert unwrap_with_parameters(tune_tasks.make_task) is None
     with pytest.raises(NotATaskFactoryError, match=r"keyword arguments \['dataset'\]"):
         check_task_factory(tune.with_parameters(tune_tasks.make_task, dataset=data))
-    with pytest.raises(NotATaskFactoryError, match="function trainable"):
-        check_task_factory(tune.with_parameters(tune_tasks.train_fn, data=data))
+
+    def train_with(config: dict[str, Any], data: Any) -> None:
+        ray.tune.report({"n": len(data)})
+
+    assert check_task_factory(tune.with_parameters(train_with, data=data)) is True
 
     bound = BoundFactory(tune_tasks.make_task_with, {"data": data})
     assert bound.__name__ == "make_task_with"

@@ -226,6 +226,8 @@ class EngineActor:
         self._milestones_given = 0  # set_milestone calls that reached the engine
         self._factories = FactoryCache(factories if factories is not None else {})
         self._builds = PendingBuilds(secret)
+        # Function trainables running here, by trial id (tune_hydra.frontends.ray.function).
+        self._functions: dict[str, Any] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hydra-ctl")
 
     # ---------------------------------------------------------------- helpers
@@ -360,6 +362,89 @@ class EngineActor:
             raise portable(err) from None
         return int(await self._offload(self._add, key, token, task, config, factory_id))
 
+    # ------------------------------------------------------ function trainables
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def fn_start(
+        self,
+        key: str,
+        token: str,
+        factory_id: str,
+        config: dict[str, Any],
+        params: dict[str, Any] | None,
+        secret: str,
+        context: dict[str, Any],
+    ) -> None:
+        """Start trial ``key``'s function trainable (the experiment's stored function
+        ``factory_id``) in a thread of this process, on this engine; it replaces (stops)
+        any older copy of the trial's function and belongs to ``token``. ``context``:
+        the proxy session's trial info, storage, working directory and checkpoint (see
+        :class:`~tune_hydra.frontends.ray.function.FunctionRun`).
+
+        Raises:
+            NotOwnerError: ``secret`` is not the experiment's.
+        """
+        from tune_hydra.frontends.ray.function import FunctionRun
+
+        self._driver(secret)
+        fn = await self._offload(self._factories.bind, factory_id, params or {})
+        engine = await self._offload(self._ensure_engine)
+        run = FunctionRun(
+            fn,
+            dict(config),
+            key=key,
+            token=token,
+            engine=engine,
+            context=context,
+            seed=self._task_options.get("seed"),
+        )
+        with self._lock:
+            old = self._functions.get(key)
+            self._functions[key] = run
+        if old is not None:
+            old.stop()
+        run.start()
+
+    def _function(self, key: str, token: str) -> Any:
+        with self._lock:
+            run = self._functions.get(key)
+        if run is None or not (run.token == token or self._is_driver(token)):
+            why = "the engine does not know it" if run is None else "a newer copy took it over"
+            raise TrialNotRegisteredError(
+                f"trial {key!r}'s function is not running in this engine: {why} (the engine "
+                f"actor restarted, or Tune restarted the trial). {RETRY}"
+            )
+        return run
+
+    async def fn_next(self, key: str, token: str, persisted: Any = None) -> tuple[str, Any, Any]:
+        """Let trial ``key``'s function go on from its last report, and wait for its next
+        item: ``("report", metrics, checkpoint)``, ``("error", text, systematic error or
+        None)`` or ``("done", None, None)``. ``persisted``: the checkpoint the proxy's
+        session persisted from the last report (``tune.get_checkpoint()`` from now on)."""
+        run = self._function(key, token)
+        return await asyncio.wrap_future(run.take(persisted))
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def fn_stop(self, key: str, token: str) -> bool:
+        """Stop trial ``key``'s function (Tune stopped or paused it): it ends at its next
+        forward or report and its loops leave the engine. False if it was not running."""
+        return self._stop_function(key, token)
+
+    def _stop_function(self, key: str, token: str) -> bool:
+        with self._lock:
+            run = self._functions.get(key)
+            if run is None or not (run.token == token or self._is_driver(token)):
+                return False
+            del self._functions[key]
+        run.stop()
+        return True
+
+    def _stop_functions(self) -> None:
+        with self._lock:
+            runs = list(self._functions.values())
+            self._functions.clear()
+        for run in runs:
+            run.stop()
+
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def task_metrics(self, key: str, token: str) -> list[str]:
         """The names of the trial's task's own ``metrics`` (its results carry them)."""
@@ -471,9 +556,10 @@ class EngineActor:
     async def deregister(self, key: str, token: str) -> bool:
         """Forget trial ``key`` if ``token`` owns it (or is the executor's secret). True if
         removed; False for a trial that is not registered or belongs to someone else."""
+        stopped = self._stop_function(key, token)
         reg = self._trial(key)
         if reg is None or not (reg.token == token or self._is_driver(token)):
-            return False
+            return stopped
         assert self._trials is not None
         removed = await self._offload(self._trials.remove, key, only=reg)
         if removed is None:
@@ -525,6 +611,7 @@ class EngineActor:
         """Close the engine (its threads stop); the actor may then be killed (for the
         experiment's driver only)."""
         self._driver(secret)
+        self._stop_functions()
         if self._engine is not None:
             await self._offload(self._engine.close)
             self._engine = None

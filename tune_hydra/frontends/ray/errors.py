@@ -44,6 +44,22 @@ class TrialResourcesError(SystematicTaskError, InvalidExecutorError):
     a time."""
 
 
+class NoShardError(SystematicTaskError):
+    """A function trainable run by a :class:`~tune_hydra.HydraExecutor` reported without
+    ever calling ``th.shard``: it trained plainly, one trial at a time, beside the engine."""
+
+
+class TrialFunctionError(TuneHydraError, RuntimeError):
+    """A function trainable raised in its engine process (the message holds its
+    traceback); the other trials go on."""
+
+
+class ReportThreadError(TuneHydraError, RuntimeError):
+    """``tune.report`` (or another Tune session call) from a thread that the trial's
+    function started: under a :class:`~tune_hydra.HydraExecutor` each trial's session
+    belongs to the thread that runs its function."""
+
+
 class EngineStartError(TuneHydraError, RuntimeError):
     """The engine actors could not be started (bad engine options, no node with the slot
     resource, ...)."""
@@ -113,12 +129,15 @@ __all__ = [
     "EngineUnavailableError",
     "InvalidExecutorError",
     "MissingMetricError",
+    "NoShardError",
     "NotATaskError",
     "NotATaskFactoryError",
     "NotOwnerError",
+    "ReportThreadError",
     "SystematicTaskError",
     "TaskFactoryError",
     "TaskFactoryTimeoutError",
+    "TrialFunctionError",
     "TrialNotRegisteredError",
     "TrialResourcesError",
     "UncuttableModelError",

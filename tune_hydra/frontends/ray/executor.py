@@ -21,7 +21,6 @@ from ray import tune
 
 from tune_hydra.core.policies import AUTO, BasePolicy
 from tune_hydra.exceptions import TuneHydraError
-from tune_hydra.frontends.failures import RUNS_THE_LOOP
 from tune_hydra.frontends.ray import registry
 from tune_hydra.frontends.ray.actor import (
     DEFAULT_ENGINE_CLASS,
@@ -47,21 +46,24 @@ from tune_hydra.options import (
 logger = logging.getLogger(__name__)
 
 
-def check_task_factory(make_task: Any) -> None:
-    """Raise unless ``make_task`` looks like ``make_task(config) -> ModelTask``.
+def check_task_factory(make_task: Any) -> bool:
+    """Raise unless ``make_task`` looks like ``make_task(config) -> ModelTask`` or a
+    function trainable ``train(config)`` that calls ``tune.report``; True for a function
+    trainable (read from its code, see :func:`~tune_hydra.frontends.ray.actor.
+    tune_report_call`).
 
-    ``tune.with_parameters(make_task, data=...)`` is a task factory called as
-    ``make_task(config, data=...)``.
+    ``tune.with_parameters(make_task, data=...)`` is called as ``make_task(config,
+    data=...)``.
 
     Raises:
-        NotATaskFactoryError: not callable with a config, a class, a string, or a function
-            trainable (its code calls ``tune.report``).
+        NotATaskFactoryError: not callable with a config, a class, or a string.
         TrialResourcesError: ``tune.with_resources`` was applied to it.
     """
     fix = (
-        "HydraExecutor needs a task factory: a function make_task(config) -> th.ModelTask "
-        "that builds the model, loss, optimizer and data for one config. To run an ordinary "
-        "Tune trainable, drop trial_executor (th.run then forwards to tune.run)."
+        "HydraExecutor needs a task factory (a function make_task(config) -> th.ModelTask "
+        "that builds the model, loss, optimizer and data for one config) or a function "
+        "trainable train(config) that calls th.shard(model, optimizer) and tune.report. To "
+        "run another Tune trainable, drop trial_executor (th.run then forwards to tune.run)."
     )
     if isinstance(make_task, str) or inspect.isclass(make_task) or not callable(make_task):
         kind = (
@@ -76,21 +78,14 @@ def check_task_factory(make_task: Any) -> None:
     if getattr(make_task, "_resources", None) is not None:
         raise TrialResourcesError(
             "",
-            f"tune.with_resources was applied to the task factory {name!r}, but the "
-            f"factory only builds a model: every trial is a proxy that reserves one engine "
-            f"slot and trains on the engine's devices",
-            "Pass the factory without tune.with_resources; size the engines with "
+            f"tune.with_resources was applied to {name!r}, but every trial is a proxy "
+            f"that reserves one engine slot and trains on the engine's devices",
+            "Pass it without tune.with_resources; size the engines with "
             "HydraExecutor(devices=..., device_memory=...), and the number of concurrent "
             "trials per node with the hydra_slot resource (slots_per_node)",
         )
     unwrapped = unwrap_with_parameters(make_task)
     fn, params = unwrapped if unwrapped is not None else (make_task, {})
-    call = tune_report_call(fn)
-    if call is not None:
-        raise NotATaskFactoryError(
-            f"{name!r} calls {call}(...): it is a function trainable, which trains and "
-            f"reports by itself, not a task factory ({RUNS_THE_LOOP}). {fix}"
-        )
     try:
         inspect.signature(fn).bind({}, **dict.fromkeys(params))
     except TypeError:
@@ -100,6 +95,7 @@ def check_task_factory(make_task: Any) -> None:
         ) from None
     except ValueError:
         pass  # no signature (a builtin): let the engine actor find out
+    return tune_report_call(fn) is not None
 
 
 def wrap_scheduler(
@@ -395,6 +391,15 @@ class HydraExecutor:
         """A Tune trainable (for ``tune.Tuner`` or ``tune.run``) whose trials train
         ``make_task(config)`` on this executor's engines. Starts the engines.
 
+        ``make_task`` may also be a function trainable, ``train(config)`` that calls
+        ``th.shard(model, optimizer)`` and ``tune.report`` (read from its code): each
+        trial's function then runs in its node's engine process, in a thread of its own
+        (its own working directory, the trial's, and its own random generator), where
+        ``tune.report``, ``train.report``, ``tune.get_checkpoint`` and
+        ``tune.get_context()`` work as in plain Tune; Tune persists its checkpoints and
+        restores them (PBT, pauses, ``Tuner.restore``) as for any function trainable
+        (see :mod:`tune_hydra.frontends.ray.function`).
+
         Tune's wrappers: ``trainable(tune.with_parameters(make_task, data=...))`` and
         ``tune.with_parameters(trainable(make_task), data=...)`` both call
         ``make_task(config, data=...)`` in the engine; the data stays in Ray's object
@@ -402,19 +407,33 @@ class HydraExecutor:
         the result in ``tune.with_resources``: each trial already reserves one engine slot
         and no CPU (a request without the slot is refused when the trial is added).
         """
-        check_task_factory(make_task)
-        from tune_hydra.frontends.ray.trainable import HydraTrainable
-
+        is_function = check_task_factory(make_task)
         self.start()
         factory_id = self._factories.put(make_task)  # the trial processes carry only its id
-        cls = HydraTrainable.for_factory(
-            getattr(make_task, "__name__", "make_task"),
-            factory_id=factory_id,
-            run_id=self.run_id,
-            secret=self._secret,
-            slot_resource="" if self._engines.fallback else self.slot_resource,
-            checkpoint=self.checkpoint,
-        )
+        name = getattr(make_task, "__name__", "make_task")
+        slot_resource = "" if self._engines.fallback else self.slot_resource
+        cls: Any
+        if is_function:  # it trains and reports itself, in the engine process
+            from tune_hydra.frontends.ray.function import HydraFunctionTrainable
+
+            cls = HydraFunctionTrainable.for_function(
+                name,
+                factory_id=factory_id,
+                run_id=self.run_id,
+                secret=self._secret,
+                slot_resource=slot_resource,
+            )
+        else:
+            from tune_hydra.frontends.ray.trainable import HydraTrainable
+
+            cls = HydraTrainable.for_factory(
+                name,
+                factory_id=factory_id,
+                run_id=self.run_id,
+                secret=self._secret,
+                slot_resource=slot_resource,
+                checkpoint=self.checkpoint,
+            )
         return tune.with_resources(cls, self.trial_resources)
 
     def release(self, trainable: Any) -> None:

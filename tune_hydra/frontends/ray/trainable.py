@@ -100,7 +100,116 @@ def _checkpoint_listing(checkpoint: Any) -> tuple[str, list[str]] | None:
     return ckpt.path, [info.base_name for info in infos]
 
 
-class HydraTrainable(tune.Trainable):
+class EngineClient:
+    """What a proxy trial needs to call its node's engine actor (shared by the task
+    factories' :class:`HydraTrainable` and the function trainables' proxy of
+    :mod:`tune_hydra.frontends.ray.function`).
+
+    Class attributes (set on the subclass): ``_factory_id``, ``_run_id``, ``_secret``,
+    ``_slot_resource`` (see :class:`HydraTrainable`). Instances have ``_actor`` (None
+    until the first call) and ``_slot_checked``, and are Tune trainables
+    (``trial_id``, ``trial_resources``).
+    """
+
+    _factory_id: ClassVar[str] = ""
+    _run_id: ClassVar[str] = ""
+    _secret: ClassVar[str] = ""
+    _slot_resource: ClassVar[str] = ""
+    _actor: Any = None
+    _slot_checked: bool = False
+    trial_id: str
+    trial_resources: Any
+
+    def _engine(self) -> Any:
+        if self._actor is None:
+            node_id = ray.get_runtime_context().get_node_id()
+            name = engine_actor_name(self._run_id, node_id)
+            try:
+                self._actor = ray.get_actor(name)
+            except ValueError:
+                raise EngineUnavailableError(self._no_engine_message(node_id)) from None
+        return self._actor
+
+    def _no_engine_message(self, node_id: str) -> str:
+        try:
+            live = FactoryStore(self._run_id, self._secret).get(self._factory_id) is not None
+        except TuneHydraError:  # replaced by someone else: still stored, so live
+            live = True
+        if live:
+            # The experiment is live (its factory is stored): the engine died for good.
+            return engine_lost(
+                node_id,
+                "is dead and was not restarted (killed, out of memory, or its node failed)",
+                then="; restart the experiment with Tuner.restore(..., resume_errored=True) "
+                "otherwise",
+            )
+        return (
+            f"no tune_hydra engine actor on this trial's node ({node_id}): its "
+            f"HydraExecutor was shut down (th.run returned, or its with-block ended) or "
+            f"released this trainable. Run trials through th.run(...), or "
+            f"executor.trainable(...) while the executor is started."
+        )
+
+    def _call(self, method: str, *args: Any, retry: bool = True) -> Any:
+        """Call an engine-actor method and wait; control calls wait out an actor restart.
+        A systematic error (see :class:`~tune_hydra.exceptions.SystematicTaskError`) is
+        raised as itself, so the driver recognises it and ends the experiment."""
+        deadline = time.monotonic() + _CONTROL_RETRY_S
+        while True:
+            try:
+                return ray.get(getattr(self._engine(), method).remote(*args))
+            except ray.exceptions.RayTaskError as err:
+                cause = getattr(err, "cause", None)
+                if isinstance(cause, SystematicTaskError):
+                    raise cause from None
+                raise
+            except ray.exceptions.ActorUnavailableError as err:
+                if retry and time.monotonic() <= deadline:
+                    time.sleep(0.5)
+                    continue
+                node_id = ray.get_runtime_context().get_node_id()
+                raise EngineUnavailableError(
+                    engine_lost(
+                        node_id,
+                        f"became unreachable during its {method!r} call (it died and is "
+                        f"restarting, or its node is failing): the trial's state there is lost",
+                        ray_said=err,
+                    )
+                ) from None
+            except ray.exceptions.ActorDiedError as err:
+                node_id = ray.get_runtime_context().get_node_id()
+                raise EngineUnavailableError(
+                    engine_lost(
+                        node_id,
+                        f"died during its {method!r} call (killed, out of memory, or its node "
+                        f"failed)",
+                        ray_said=err,
+                    )
+                ) from None
+
+    def _check_slot(self) -> None:
+        """Refuse to run without an engine slot: the trainable's resource request was
+        replaced (``tune.with_resources``, ``resources_per_trial``), so the trials hold
+        CPUs instead of slots and run one at a time."""
+        if self._slot_checked or not self._slot_resource:
+            return
+        required = getattr(self.trial_resources, "required_resources", None)
+        if required is None:  # not a placement group request: nothing to tell
+            self._slot_checked = True
+            return
+        held = dict(required)
+        if held.get(self._slot_resource, 0) < 1:
+            raise no_slot(
+                self.trial_id,
+                f"this trial reserves {held or 'no resources'}",
+                self._slot_resource,
+                "tune.with_resources, resources_per_trial or a PlacementGroupFactory",
+                {"cpu": 0, self._slot_resource: 1},
+            )
+        self._slot_checked = True
+
+
+class HydraTrainable(EngineClient, tune.Trainable):
     """Proxy trainable; :meth:`HydraExecutor.trainable` makes a subclass per task factory.
 
     Class attributes (set on the subclass):
@@ -193,95 +302,6 @@ class HydraTrainable(tune.Trainable):
             )
         self._slot_checked = False
         self._metric_names: tuple[str, ...] = ()  # the task's own metrics, once registered
-
-    # ---------------------------------------------------------------- plumbing
-    def _engine(self) -> Any:
-        if self._actor is None:
-            node_id = ray.get_runtime_context().get_node_id()
-            name = engine_actor_name(self._run_id, node_id)
-            try:
-                self._actor = ray.get_actor(name)
-            except ValueError:
-                raise EngineUnavailableError(self._no_engine_message(node_id)) from None
-        return self._actor
-
-    def _no_engine_message(self, node_id: str) -> str:
-        try:
-            live = FactoryStore(self._run_id, self._secret).get(self._factory_id) is not None
-        except TuneHydraError:  # replaced by someone else: still stored, so live
-            live = True
-        if live:
-            # The experiment is live (its factory is stored): the engine died for good.
-            return engine_lost(
-                node_id,
-                "is dead and was not restarted (killed, out of memory, or its node failed)",
-                then="; restart the experiment with Tuner.restore(..., resume_errored=True) "
-                "otherwise",
-            )
-        return (
-            f"no tune_hydra engine actor on this trial's node ({node_id}): its "
-            f"HydraExecutor was shut down (th.run returned, or its with-block ended) or "
-            f"released this trainable. Run trials through th.run(...), or "
-            f"executor.trainable(...) while the executor is started."
-        )
-
-    def _call(self, method: str, *args: Any, retry: bool = True) -> Any:
-        """Call an engine-actor method and wait; control calls wait out an actor restart.
-        A systematic error (see :class:`~tune_hydra.exceptions.SystematicTaskError`) is
-        raised as itself, so the driver recognises it and ends the experiment."""
-        deadline = time.monotonic() + _CONTROL_RETRY_S
-        while True:
-            try:
-                return ray.get(getattr(self._engine(), method).remote(*args))
-            except ray.exceptions.RayTaskError as err:
-                cause = getattr(err, "cause", None)
-                if isinstance(cause, SystematicTaskError):
-                    raise cause from None
-                raise
-            except ray.exceptions.ActorUnavailableError as err:
-                if retry and time.monotonic() <= deadline:
-                    time.sleep(0.5)
-                    continue
-                node_id = ray.get_runtime_context().get_node_id()
-                raise EngineUnavailableError(
-                    engine_lost(
-                        node_id,
-                        f"became unreachable during its {method!r} call (it died and is "
-                        f"restarting, or its node is failing): the trial's state there is lost",
-                        ray_said=err,
-                    )
-                ) from None
-            except ray.exceptions.ActorDiedError as err:
-                node_id = ray.get_runtime_context().get_node_id()
-                raise EngineUnavailableError(
-                    engine_lost(
-                        node_id,
-                        f"died during its {method!r} call (killed, out of memory, or its node "
-                        f"failed)",
-                        ray_said=err,
-                    )
-                ) from None
-
-    def _check_slot(self) -> None:
-        """Refuse to run without an engine slot: the trainable's resource request was
-        replaced (``tune.with_resources``, ``resources_per_trial``), so the trials hold
-        CPUs instead of slots and run one at a time."""
-        if self._slot_checked or not self._slot_resource:
-            return
-        required = getattr(self.trial_resources, "required_resources", None)
-        if required is None:  # not a placement group request: nothing to tell
-            self._slot_checked = True
-            return
-        held = dict(required)
-        if held.get(self._slot_resource, 0) < 1:
-            raise no_slot(
-                self.trial_id,
-                f"this trial reserves {held or 'no resources'}",
-                self._slot_resource,
-                "tune.with_resources, resources_per_trial or a PlacementGroupFactory",
-                {"cpu": 0, self._slot_resource: 1},
-            )
-        self._slot_checked = True
 
     def _ensure_registered(self) -> None:
         try:
