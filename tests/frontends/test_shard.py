@@ -417,6 +417,128 @@ def test_loops_in_threads_multiplexed_exact(engine: th.Engine) -> None:
     assert all(b > 0 for b in busy)
 
 
+class GlobalDraws:
+    """A thread drawing from torch's global generator without any lock, as user code in
+    another thread does (weight init, a shuffling DataLoader), until stopped; it checks
+    that nothing else drew from that generator meanwhile."""
+
+    def __init__(self, seed: int) -> None:
+        self.seed = seed
+        self.got: list[float] = []
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run)
+
+    def _run(self) -> None:
+        torch.manual_seed(self.seed)
+        while not self.stop.is_set():
+            self.got.append(torch.rand(()).item())
+
+    def __enter__(self) -> GlobalDraws:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.thread.join(60)
+        assert len(self.got) > 10  # it drew while the loops ran
+        torch.manual_seed(self.seed)
+        assert self.got == torch.rand(len(self.got)).tolist()
+
+
+def dropout_mlp() -> nn.Module:
+    """An MLP with dropout, initialised from whatever generator the thread draws from."""
+    return nn.Sequential(
+        nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 16), nn.Dropout(0.2)
+    ).double()
+
+
+def test_other_threads_global_draws_stay_out_of_loops_ops(engine: th.Engine) -> None:
+    # Two loops in threads (their own streams, dropout on) while a third thread draws from
+    # torch's global generator without a lock the whole time: the loops' ops never touch
+    # that generator, so both the loops and that thread get exactly their plain numbers.
+    data = [batches(4, seed=5), batches(4, seed=6)]
+    lock = threading.Lock()
+    built = threading.Barrier(3)
+    results: dict[int, Any] = {}
+    models: dict[int, nn.Module] = {}
+
+    def loop(i: int) -> None:
+        try:
+            with lock:
+                torch.manual_seed(20 + i)
+                model = dropout_mlp()
+                models[i] = copy.deepcopy(model)
+                opt = OPTIMIZERS["adam"](model.parameters())
+                model, opt = th.shard(model, opt, engine=engine)
+            built.wait(60)
+            results[i] = train(model, opt, data[i], lambda m, b: m(b[0]).pow(2).mean())
+        except BaseException as err:
+            results[i] = err
+            built.abort()
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    built.wait(60)
+    with GlobalDraws(seed=77):
+        for t in threads:
+            t.join(300)
+    for i in range(2):
+        assert not isinstance(results[i], BaseException), results[i]
+        ref = models[i]
+        torch.manual_seed(20 + i)
+        dropout_mlp()  # the plain run's generator where the sharded one's stream started
+        want = train(
+            ref, OPTIMIZERS["adam"](ref.parameters()), data[i], lambda m, b: m(b[0]).pow(2).mean()
+        )
+        assert results[i] == want
+
+
+def test_private_generator_thread_shares_it_with_its_loop(engine: th.Engine) -> None:
+    # A function run in a thread on a private generator (th.optimize's objectives, the Ray
+    # front end's function trainables: tune_hydra.engine.factory.private_rng) builds its
+    # model, shuffles its DataLoader and draws dropout from that one stream, as the same
+    # function does alone: exact with th.shard, with another thread drawing from the
+    # global generator all along.
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from tune_hydra.engine.factory import private_rng
+
+    g = torch.Generator().manual_seed(8)
+    x, y = torch.randn(24, 8, generator=g, dtype=torch.float64), torch.randn(24, 16, generator=g)
+
+    def function(shard: bool) -> list[Any]:
+        model = dropout_mlp()
+        opt = OPTIMIZERS["sgd"](model.parameters())
+        if shard:
+            model, opt = th.shard(model, opt, engine=engine)
+        loader = DataLoader(TensorDataset(x, y), batch_size=6, shuffle=True)
+        out = train(model, opt, loader, lambda m, b: F.mse_loss(m(b[0]), b[1]), epochs=2)  # type: ignore[arg-type]
+        out.append(torch.rand(()).item())  # the function's own draw after its loop
+        out.append([p.detach().clone() for p in model.parameters()])
+        return out
+
+    results: list[Any] = []
+
+    def in_thread() -> None:
+        try:
+            with private_rng(seed=5):
+                results.append(function(True))
+        except BaseException as err:
+            results.append(err)
+
+    with GlobalDraws(seed=3):
+        t = threading.Thread(target=in_thread)
+        t.start()
+        t.join(300)
+    with private_rng(seed=5):
+        want = function(False)
+    got = results[0]
+    assert not isinstance(got, BaseException), got
+    assert got[:-1] == want[:-1]
+    assert all(torch.equal(a, b) for a, b in zip(got[-1], want[-1], strict=True))
+
+
 # -- the returned objects behave as the user's --------------------------------------------
 
 

@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 import tune_hydra as th
-from tune_hydra.engine.rng import CPU_RNG_LOCK
 
 optuna = pytest.importorskip("optuna")
 optuna.logging.set_verbosity(optuna.logging.WARNING)
@@ -30,12 +29,10 @@ def _one_thread(one_torch_thread: None) -> None:
     """Every test here on one torch thread (see the shared fixture)."""
 
 
-# Seeding + building + th.shard, one trial at a time, and never while another loop's op
-# has its random stream swapped into torch's global generator (the engine's RNG lock):
-# the documented limit of loops in study.optimize threads (README, th.shard), until
-# threaded loops draw from a generator of their own. With a lock of its own only, a
-# build's draws could land inside another loop's op (1 fresh-venv run in 2).
-_BUILD = CPU_RNG_LOCK
+# Seeding + building + th.shard, one trial at a time, as plain threads would need too
+# (torch's global generator is shared by threads). A lock of the test's own: the loops'
+# ops never draw from the global generator, so no engine lock is needed around it.
+_BUILD = threading.Lock()
 
 
 def make_objective(
@@ -141,23 +138,17 @@ def test_study_optimize_n_jobs_1_exact(engine: th.Engine) -> None:
     wait_empty(engine)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="#20 open: threaded loops still swap their streams into torch's global generator; "
-    "in the full suite (not alone, 23 of 23 runs) a trial's outcome differed from its plain "
-    "run in 2 of 2 fresh-venv runs; fix: a per-loop generator for their ops",
-)
 def test_study_optimize_n_jobs_threads_share_engine(engine: th.Engine) -> None:
-    # 4 Optuna threads, their loops multiplexed on one engine; a pruner prunes some, trial
-    # 5 fails: each trial's outcome is its plain run's, and no loop stays on the engine.
-    # Without dropout: under plain study.optimize a thread's own draws from torch's global
-    # generator (its model's init) may run while another loop's op has its stream
-    # installed there (th.optimize runs each objective on a private generator instead).
+    # 4 Optuna threads, their loops multiplexed on one engine, dropout on; a pruner prunes
+    # some, trial 5 fails: each trial's outcome is its plain run's, and no loop stays on
+    # the engine. Each loop's ops draw from its own stream (continuing the global
+    # generator's from its th.shard), never from the global generator, which the other
+    # threads' builds draw from meanwhile.
     s = study(optuna.pruners.ThresholdPruner(upper=2.0))
-    objective = make_objective(True, engine, dropout=False)
+    objective = make_objective(True, engine)
     s.optimize(objective, n_trials=8, n_jobs=4, catch=(RuntimeError,))
     got = outcomes(s)
-    assert got == replay(s, dropout=False)
+    assert got == replay(s)
     states = [state for state, _ in got.values()]
     assert "FAIL" in states and "COMPLETE" in states
     wait_empty(engine)

@@ -98,17 +98,21 @@ class _PrivateGenerator(TorchDispatchMode):
 
     Ops called without a generator are redirected to their overload that takes one
     (``aten.randn.default`` -> ``aten.randn.generator``); ops on other devices (a GPU,
-    ``meta``) pass through unchanged.
+    ``meta``) pass through unchanged. :attr:`drew` tells whether an op was redirected.
     """
+
+    # op -> its overload taking a generator (None: none); the same for every instance.
+    _targets: dict[Any, Any] = {}
 
     def __init__(self, gen: torch.Generator) -> None:
         super().__init__()
         self.gen = gen
-        self._targets: dict[Any, Any] = {}
+        self.drew = False
 
-    def _target(self, func: Any) -> Any:
+    @classmethod
+    def _target(cls, func: Any) -> Any:
         try:
-            return self._targets[func]
+            return cls._targets[func]
         except KeyError:
             pass
         names = [a.name for a in func._schema.arguments]
@@ -123,7 +127,7 @@ class _PrivateGenerator(TorchDispatchMode):
                 if "generator" in cand and [n for n in cand if n != "generator"] == names:
                     target = candidate
                     break
-        self._targets[func] = target
+        cls._targets[func] = target
         return target
 
     @staticmethod
@@ -140,8 +144,36 @@ class _PrivateGenerator(TorchDispatchMode):
         target = self._target(func)
         if target is not None and kwargs.get("generator") is None and self._on_cpu(args, kwargs):
             kwargs["generator"] = self.gen
+            self.drew = True
             return target(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def thread_generator() -> torch.Generator | None:
+    """The private generator the calling thread draws from (inside :func:`private_rng` or
+    :func:`use_generator`), or ``None`` where it draws from torch's global one."""
+    return _private()
+
+
+@contextmanager
+def use_generator(gen: torch.Generator) -> Iterator[_PrivateGenerator]:
+    """Run a block of the current thread on ``gen``: its CPU random ops (those called
+    without a generator) draw from ``gen``, and its ``torch.manual_seed`` /
+    ``get_rng_state`` / ``set_rng_state`` / ``seed`` / ``initial_seed`` calls act on it.
+    torch's global generator is not touched. Yields the dispatch mode, whose ``drew``
+    says afterwards whether the block drew from ``gen``.
+
+    The mechanism of :func:`private_rng`, with a generator the caller keeps (a loop's
+    ops run on their loop's stream so, on the engine's device threads).
+    """
+    patch_rng_functions()
+    outer = _private()
+    _LOCAL.gen = gen
+    try:
+        with _PrivateGenerator(gen) as mode:
+            yield mode
+    finally:
+        _LOCAL.gen = outer
 
 
 @contextmanager
@@ -154,6 +186,12 @@ def private_rng(seed: int | None = None) -> Iterator[torch.Generator]:
     affecting this block. The generator starts where a fresh process's would: seeded with
     ``seed``, or randomly (torch seeds a new process randomly) when ``seed`` is None.
 
+    A front end wraps a user's whole function in it when it runs the function in a thread
+    (``th.optimize``'s objectives, through :func:`call_factory`; the Ray front end's
+    function trainables): the ``th.shard`` loops made inside draw their ops' random
+    numbers from this generator too, on the engine's device threads, interleaved with the
+    function's own draws as in plain PyTorch (see :mod:`tune_hydra.engine.loop`).
+
     Example:
         >>> import torch
         >>> from tune_hydra.engine.factory import private_rng
@@ -164,19 +202,13 @@ def private_rng(seed: int | None = None) -> Iterator[torch.Generator]:
         >>> torch.equal(a, torch.randn(3))
         True
     """
-    patch_rng_functions()
     gen = torch.Generator()
     if seed is None:
         gen.seed()
     else:
         gen.manual_seed(int(seed))
-    outer = _private()
-    _LOCAL.gen = gen
-    try:
-        with _PrivateGenerator(gen):
-            yield gen
-    finally:
-        _LOCAL.gen = outer
+    with use_generator(gen):
+        yield gen
 
 
 def start_factory(
@@ -276,4 +308,10 @@ def call_factory(
         raise TaskFactoryTimeoutError(what, float(timeout_s or 0.0)) from None
 
 
-__all__ = ["call_factory", "private_rng", "start_factory"]
+__all__ = [
+    "call_factory",
+    "private_rng",
+    "start_factory",
+    "thread_generator",
+    "use_generator",
+]

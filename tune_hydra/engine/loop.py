@@ -24,12 +24,19 @@ result. Ops of one loop run one at a time, in the user's order.
   hyperparameters its groups had when ``step()`` was called (so an lr scheduler stepping
   right after works); :meth:`LoopRunner.sync` applies what is pending (as step ops) and
   brings every state home, for the user's thread to read or write the model's tensors.
-- **random numbers**: a loop started on the main thread shares torch's global CPU
-  generator with its ops, exactly as plain PyTorch (the user's own draws, a shuffling
-  ``DataLoader``, and dropout in the ops come from one stream, in the same order); a loop
-  on another thread gets a private stream for its ops, started from the global
-  generator's state at ``th.shard`` (torch's global generator is shared by threads, so
-  drawing from it would make each loop's dropout depend on the others').
+- **random numbers**: an op draws from a generator of its own loop on the device's
+  thread (the thread-local dispatch mode of :func:`~tune_hydra.engine.factory.use_generator`
+  adds it to every CPU random op), never from torch's global generator, so no other
+  thread's draws can land inside an op or consume its stream. Which stream that is
+  follows the user's thread, as in plain PyTorch: a thread on a private generator
+  (:func:`~tune_hydra.engine.factory.private_rng`: ``th.optimize``'s objectives, the
+  Ray front end's function trainables) lends it to its loop's ops, so its own draws (a
+  shuffling ``DataLoader``) and the ops' dropout come from one stream, in order; on the
+  main thread the global generator's state is handed to the op and back (the same one
+  stream); on another thread (``study.optimize(n_jobs>1)``) the loop keeps a stream of
+  its own, started from the global generator's state at ``th.shard`` (the global one is
+  shared by threads: drawing from it would make each loop's dropout depend on the
+  others'). The user's own draws in their thread stay exactly plain PyTorch's.
 """
 
 from __future__ import annotations
@@ -51,7 +58,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.engine import rng
 from tune_hydra.engine.boundary import backward as backward_from
-from tune_hydra.engine.factory import patch_rng_functions
+from tune_hydra.engine.factory import thread_generator, use_generator
 from tune_hydra.engine.lease import parts
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
 from tune_hydra.engine.shared import SharedParams
@@ -132,7 +139,6 @@ class LoopRunner:
         user_optimizer: torch.optim.Optimizer | None,
         wrappers: list[nn.Module],
         *,
-        private_stream: bool,
         rng_start: torch.Tensor,
         hf: bool,
     ) -> None:
@@ -167,14 +173,13 @@ class LoopRunner:
         self._ops_per_batch = 3 * len(shards)
         self._home_now = True  # every state is home (sync), nothing pending
         self.closed = False
-        self._private = private_stream
-        if private_stream:
-            # Its ops swap this loop's stream into the global generator; another thread's
-            # torch.manual_seed meanwhile must wait for the op (not be restored over).
-            patch_rng_functions()
-        seed = torch.initial_seed()
-        self._seed = seed
-        self.stream = rng.RngState(rng_start)
+        # The loop's own CPU stream (see the module docstring), and the generator the op in
+        # flight draws from (chosen by the user's thread in run, read by the device's).
+        self._gen = torch.Generator()
+        self._gen.set_state(rng_start)
+        self._op_gen = self._gen
+        self._seed = torch.initial_seed()
+        self.stream = rng.RngState(rng_start)  # its .cuda: the loop's stream on a GPU
 
     @property
     def model(self) -> nn.Module:
@@ -319,18 +324,27 @@ class LoopRunner:
         self._learn((kind, shard))
         self._home_now = False
         self._request = (op, fn)
-        hand_off = not self._private
-        if hand_off:  # the global generator's draws so far are the loop's
-            # Under the lock other loops' ops hold while their stream is installed there.
-            with rng.CPU_RNG_LOCK:
-                self.stream.cpu = torch.get_rng_state()
+        gen = thread_generator()
+        hand_off = False
+        if gen is None:
+            gen = self._gen
+            # On the main thread the global generator's stream is the loop's (plain
+            # PyTorch's one stream): into the op and back. Only for ops that may draw (a
+            # backward replays a saved state; a step draws nothing).
+            hand_off = (
+                kind in (OpKind.FORWARD, OpKind.EVAL)
+                and self.shards[shard].draws.get(self.model.training) is not False
+                and threading.current_thread() is threading.main_thread()
+            )
+        self._op_gen = gen
+        if hand_off:
+            gen.set_state(torch.get_rng_state())
         try:
             self.engine.train(self.name, 1).result()
         finally:
             self._request = None
         if hand_off:
-            with rng.CPU_RNG_LOCK:
-                torch.set_rng_state(self.stream.cpu)
+            torch.set_rng_state(gen.get_state())
         ok, value = self._result
         self._result = (True, None)
         if not ok:
@@ -467,31 +481,48 @@ class LoopRunner:
     # -- the RNG stream -------------------------------------------------------------------
 
     def _stream(
-        self,
-        shard: LoopShard,
-        device: torch.device,
-        replay: rng.RngState | None = None,
-        training: bool | None = None,
-    ) -> contextlib.AbstractContextManager[Any]:
+        self, shard: LoopShard, device: torch.device, training: bool | None = None
+    ) -> contextlib.AbstractContextManager[_Entry | None]:
+        """The op's random stream around a shard's compute (the generator :meth:`run`
+        chose, and the loop's stream of a GPU); nothing at all for a shard seen not to
+        draw in this mode (``None`` then: nothing to replay)."""
         training = self.model.training if training is None else training
-        if shard.draws.get(training) is False and device.type != "cuda":
+        cpu = shard.draws.get(training) is not False
+        if not cpu and device.type != "cuda":
             return contextlib.nullcontext()
-        return self._installed(shard, device, replay, training)
+        return self._drawing(shard, device, training, cpu)
 
     @contextlib.contextmanager
-    def _installed(
-        self, shard: LoopShard, device: torch.device, replay: rng.RngState | None, training: bool
-    ) -> Iterator[rng.RngState]:
+    def _drawing(
+        self, shard: LoopShard, device: torch.device, training: bool, cpu: bool
+    ) -> Iterator[_Entry]:
+        gen = self._op_gen
         with contextlib.ExitStack() as stack:
-            if self._private:
-                # Leave torch's global generator as it was: a loop on the main thread draws
-                # from it (its ops and its own code), and must not see this loop's stream.
-                stack.enter_context(rng.CPU_RNG_LOCK)
-                stack.enter_context(torch.random.fork_rng(devices=[]))
-            with rng.task_stream(self.stream, device, self._seed, replay=replay) as scope:
-                yield scope.entry
-        if replay is None and training not in shard.draws:
-            shard.draws[training] = scope.drew_cpu
+            entry = _Entry(gen.get_state() if cpu else None)
+            mode = stack.enter_context(use_generator(gen)) if cpu else None
+            if device.type == "cuda":
+                scope = stack.enter_context(
+                    rng.task_stream(self.stream, device, self._seed, cpu=False)
+                )
+                entry.cuda = scope.entry
+            yield entry
+        if mode is not None and training not in shard.draws:
+            shard.draws[training] = mode.drew
+
+    @contextlib.contextmanager
+    def _replay(self, entry: _Entry | None, device: torch.device) -> Iterator[None]:
+        """A forward's random numbers again (its recompute), from the state it started
+        from; the loop's streams do not advance."""
+        with contextlib.ExitStack() as stack:
+            if entry is not None and entry.cpu is not None:
+                gen = torch.Generator()
+                gen.set_state(entry.cpu)
+                stack.enter_context(use_generator(gen))
+            if entry is not None and entry.cuda is not None:
+                stack.enter_context(
+                    rng.task_stream(self.stream, device, self._seed, replay=entry.cuda, cpu=False)
+                )
+            yield
 
     # -- leaving ---------------------------------------------------------------------------
 
@@ -505,6 +536,15 @@ class LoopRunner:
         self.closed = True
         with contextlib.suppress(Exception):
             self.engine.remove_task(self.name)
+
+
+@dataclass
+class _Entry:
+    """Where a forward's random numbers started: the CPU generator's state (``None``: it
+    ran without one) and the GPU's (:func:`rng.task_stream`'s entry)."""
+
+    cpu: torch.Tensor | None
+    cuda: rng.RngState | None = None
 
 
 class _PlainForward:
@@ -531,7 +571,7 @@ class _ShardCall:
         self.leaves: list[Any] = []
         self.spec: Any = None
         self.tensor_at: list[int] = []
-        self.entry: rng.RngState | None = None  # the RNG state the forward started from
+        self.entry: _Entry | None = None  # the RNG state the forward started from
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
         self.out_tensor_at: list[int] = []
@@ -589,8 +629,7 @@ class _ShardCall:
             for (m, n), b in zip(slots, real, strict=True):
                 m._buffers[n] = b.clone()  # type: ignore[union-attr]
             try:
-                stream = loop._stream(shard, device, replay=self.entry, training=self.training)
-                with stream, torch.enable_grad():
+                with loop._replay(self.entry, device), torch.enable_grad():
                     out = shard.module(arg)
             finally:
                 for (m, n), b in zip(slots, real, strict=True):
@@ -661,7 +700,6 @@ def build_loop(
     sample: Any,
     *,
     hf: bool,
-    private_stream: bool,
     rng_start: torch.Tensor,
 ) -> LoopRunner:
     """Cut ``model`` (its ``layers``, sized by a probe on ``sample``, the first batch) for
@@ -680,7 +718,9 @@ def build_loop(
             else _like(user_optimizer, optimizer_class, [{"params": params}])
         )
 
-    with rng.CPU_RNG_LOCK, torch.random.fork_rng(devices=[]), inside_op():
+    # The probe's draws come from a throwaway generator: no stream (nor torch's global
+    # generator, which other threads draw from) sees them.
+    with use_generator(torch.Generator()), inside_op():
         costs = layer_costs(layers, factory, sample, None, device=engine.devices[0], task=name)
     device = engine.devices[0]
     budget = engine.budget
@@ -746,7 +786,6 @@ def build_loop(
         shards,
         user_optimizer,
         wrappers,
-        private_stream=private_stream,
         rng_start=rng_start,
         hf=hf,
     )

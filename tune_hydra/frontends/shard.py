@@ -28,12 +28,14 @@ a forward is not synchronised that way: call ``model.parameters()`` where it is 
 Outside any trial the loops of one process share one embedded engine, created on the
 first ``th.shard`` (``devices="auto"``), configured by :func:`configure` before that;
 ``engine=`` picks another. Inside a front end's call (an objective run by
-``th.optimize``: :func:`engine_scope`) ``th.shard`` uses that front end's engine. Loops
-in threads draw their ops' random numbers from private streams installed in torch's
-global generator under the engine's lock; a thread's own unlocked draws from it (weight
-init, a shuffling ``DataLoader`` in another ``study.optimize(n_jobs>1)`` trial) may land
-inside such an op, so with dropout those loops are exact only when the user's threads
-draw privately (``th.optimize`` runs each objective on a private generator).
+``th.optimize``: :func:`engine_scope`) ``th.shard`` uses that front end's engine.
+
+Random numbers: a loop's ops draw from a generator of their own on the engine's device
+threads, never from torch's global one, so loops in threads (``study.optimize(n_jobs>1)``)
+cannot take each other's numbers. On the main thread, and in a thread on a private
+generator (``th.optimize``'s objectives), the ops share the user's stream, as plain
+PyTorch does; on another thread they continue the global generator's stream from where
+``th.shard`` found it (see :mod:`tune_hydra.engine.loop`).
 
 A loop leaves the engine when its model is garbage-collected
 (a plain ``nn.Module``; a Hugging Face model references itself from its cut, so it stays
@@ -237,8 +239,8 @@ def shard(
                 "interrupted, or the call ran past factory_timeout_s): it trains no more"
             )
         engine = scope.engine
-    # From now on another loop's op may swap its stream into the global generator: a
-    # torch.manual_seed on any thread must wait for that op instead of being undone by it.
+    # A task factory's op (in an engine shared with task factories) swaps its stream into
+    # the global generator: a torch.manual_seed on any thread waits for it, not undone by it.
     from tune_hydra.engine.factory import patch_rng_functions
 
     patch_rng_functions()
@@ -346,10 +348,8 @@ class _State:
         self.optimizer_class: type[torch.optim.Optimizer] | None = None
         self.finalizer: Any = None
         self.hf = False
-        # The loop's random stream for its ops (see tune_hydra.engine.loop): on the main
-        # thread the global generator's, handed over at each op; on another thread a
-        # private one, from the global generator's state now.
-        self.private_stream = threading.current_thread() is not threading.main_thread()
+        # Where the loop's own stream starts (used by loops in threads that draw from the
+        # global generator; see tune_hydra.engine.loop): the generator's state now.
         self.rng_start = torch.get_rng_state()
 
     def check(self) -> None:
@@ -380,7 +380,6 @@ class _State:
             layers,
             inputs,
             hf=self.hf,
-            private_stream=self.private_stream,
             rng_start=self.rng_start,
         )
         return self.loop
