@@ -312,6 +312,37 @@ def test_milestone_trial_leaves_admission_at_its_milestone() -> None:
     assert policy.admitted == ["t1"]
 
 
+def test_milestone_overdue_trial_leaves_admission() -> None:
+    """A trial whose milestone never comes (its front end moves the milestone on without
+    an iteration ending, as a th.shard loop's trial.report does, or it reports less often
+    than announced) keeps its slot only for the work it was admitted for, plus the
+    slack: then the waiting trial is admitted."""
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    assert sel(policy, [mcand(0, 4.0), mcand(1, 4.0)]) == 0
+    for m in (3.0, 2.0, 1.0, 4.0, 3.0):  # 4 s of work done, then moved on to 4.0 again
+        assert sel(policy, [mcand(0, m), mcand(1, 4.0)]) == 0
+    assert policy.admitted == ["t0"]  # 4 s done of the 4 s (+25%) it was admitted for
+    # 6 s done > 5 s: overdue. t1 (waiting) is admitted in its place.
+    assert sel(policy, [mcand(0, 1.0), mcand(1, 4.0)]) == 1
+    assert policy.admitted == ["t1"]
+    # Lent the device while t1 waits for its search, t0 (overdue) runs after t2 (waiting).
+    assert sel(policy, [mcand(0, 1.0), mcand(2, 4.0)]) == 2
+    assert [c.order for c in policy.rank([mcand(0, 1.0), mcand(2, 4.0)])] == [2, 0]
+    # t1 at its milestone: t0 is admitted again (at a lower level than t1's next rung).
+    assert sel(policy, [mcand(0, 1.0), mcand(1, 4.0, iteration=1)]) == 0
+    assert policy.admitted == ["t0"]
+
+
+def test_milestone_tenure_counts_only_work_done() -> None:
+    # Estimates that go up (measured slower) and back down spend no tenure beyond the
+    # work the milestone_s went down by: a trial walking to its milestone stays admitted.
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    assert sel(policy, [mcand(0, 4.0), mcand(1, 4.0)]) == 0
+    for m in (3.5, 3.8, 3.0, 2.0, 2.2, 1.0, 0.5):
+        assert sel(policy, [mcand(0, m), mcand(1, 4.0)]) == 0
+    assert policy.admitted == ["t0"]
+
+
 def test_milestone_forget_frees_the_slot() -> None:
     policy = MilestonePolicy(slots_per_device=1, devices=1)
     assert sel(policy, [mcand(0, 2.0), mcand(1, 2.0)]) == 0

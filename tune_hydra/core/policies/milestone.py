@@ -24,6 +24,14 @@ that next op must be another trial's, since a trial's ops run one after another)
 device of depth 1 (a CPU that copies nothing) the second slot is simply never asked for
 by admission's own rule (a trial is admitted only when no admitted one is ready)."""
 
+TENURE_SLACK = 0.25
+"""How far past the work it was admitted for (its ``milestone_s`` then) an admitted trial
+may run without reaching its milestone before it leaves admission: its milestone is
+overdue (it reports less often than announced, or its front end moved the milestone on
+without an iteration ending, as a ``th.shard`` loop's ``trial.report`` does), and the
+trials waiting for a slot must not wait on it. The slack covers estimates that drift as
+op times are measured."""
+
 
 @dataclass(slots=True)
 class _Admitted:
@@ -31,6 +39,8 @@ class _Admitted:
 
     iteration: int
     milestone_s: float
+    budget_s: float  # its milestone_s when admitted: the work its slot is for
+    done_s: float = 0.0  # work done since, as its milestone_s went down
 
 
 class MilestonePolicy(BasePolicy):
@@ -51,7 +61,8 @@ class MilestonePolicy(BasePolicy):
        one with the fewest iterations done (breadth-first across rungs: a fresh trial's
        first rung before a promoted trial's next one, and equal trials take turns
        between milestones instead of one running ahead without evidence to be judged
-       by), then the least work to its milestone (shortest first: the earliest
+       by), then one that did not leave admission overdue (see below: the others waited
+       for a slot), then the least work to its milestone (shortest first: the earliest
        results), then resident, in host memory, first registered. Admission is on
        demand, so the admitted set is what keeps the devices busy (with prefetch, the
        engine asks for a second op per device while the first runs: another trial's);
@@ -64,7 +75,11 @@ class MilestonePolicy(BasePolicy):
 
     A trial leaves admission when it reaches its milestone (its iteration advanced and
     its ``milestone_s`` did not decrease although it did work: the front end announced
-    the next milestone; or it became ``None``) or leaves the engine (:meth:`forget`).
+    the next milestone; or it became ``None``), when its milestone is overdue (the work
+    it did since admission, summed from its ``milestone_s`` going down, exceeds what it
+    had to its milestone when admitted by :data:`TENURE_SLACK`: no admitted trial holds
+    a slot for good, so none waiting for one stalls), or when it leaves the engine
+    (:meth:`forget`).
     When no ready op has a milestone and none is admitted, every decision is exactly
     :class:`LRTFPolicy`'s (so ``auto`` costs a fixed-budget run nothing).
 
@@ -109,6 +124,8 @@ class MilestonePolicy(BasePolicy):
         self._lrtf = LRTFPolicy(affinity)
         self._seen_devices = 0
         self._admitted: dict[str, _Admitted] = {}
+        # Trials that left admission overdue: admitted again after the waiting ones.
+        self._overdue: set[str] = set()
 
     # --- state -------------------------------------------------------------------------
 
@@ -124,12 +141,20 @@ class MilestonePolicy(BasePolicy):
 
     def forget(self, task: str) -> None:
         self._admitted.pop(task, None)
+        self._overdue.discard(task)
 
     @staticmethod
     def _reached(seen: _Admitted, c: Candidate) -> bool:
         """Whether ``c`` shows its trial past the milestone it was admitted for."""
         m = c.milestone_s
         return m is None or (c.op.iteration > seen.iteration and m >= seen.milestone_s)
+
+    @staticmethod
+    def _overran(seen: _Admitted, c: Candidate) -> bool:
+        """Whether ``c`` (not past its milestone) shows its trial past the work it was
+        admitted for: its milestone is overdue."""
+        done = seen.done_s + max(0.0, seen.milestone_s - (c.milestone_s or 0.0))
+        return done > (1.0 + TENURE_SLACK) * seen.budget_s
 
     def _refresh(self, candidates: Sequence[Candidate]) -> None:
         admitted = self._admitted
@@ -139,9 +164,14 @@ class MilestonePolicy(BasePolicy):
                 continue
             if self._reached(seen, c):
                 del admitted[c.op.task]
+            elif self._overran(seen, c):
+                del admitted[c.op.task]
+                self._overdue.add(c.op.task)
             else:
+                m: float = c.milestone_s  # type: ignore[assignment]  # not None: not reached
+                seen.done_s += max(0.0, seen.milestone_s - m)
                 seen.iteration = c.op.iteration
-                seen.milestone_s = c.milestone_s  # type: ignore[assignment]  # not None
+                seen.milestone_s = m
 
     # --- decisions ---------------------------------------------------------------------
 
@@ -168,9 +198,11 @@ class MilestonePolicy(BasePolicy):
         bound = [c for c in candidates if c.milestone_s is not None]
         if not bound:
             return self._lrtf.choose(device, committed)
-        pick = min(bound, key=_admission_key)
+        pick = min(bound, key=self._admission_key)
         if len(admitted) < self.capacity:
-            admitted[pick.op.task] = _Admitted(pick.op.iteration, pick.milestone_s or 0.0)
+            m = pick.milestone_s or 0.0
+            admitted[pick.op.task] = _Admitted(pick.op.iteration, m, m)
+            self._overdue.discard(pick.op.task)
         return pick
 
     def _urgent(
@@ -194,15 +226,20 @@ class MilestonePolicy(BasePolicy):
         admitted, bound, committed = [], [], []
         for c in candidates:
             seen = self._admitted.get(c.op.task)
-            if seen is not None and not self._reached(seen, c):
+            if seen is not None and not self._reached(seen, c) and not self._overran(seen, c):
                 admitted.append(c)
             elif c.milestone_s is not None:
                 bound.append(c)
             else:
                 committed.append(c)
         admitted.sort(key=_admitted_key)
-        bound.sort(key=_admission_key)
+        bound.sort(key=self._admission_key)
         return admitted + bound + self._lrtf.rank(committed)
+
+    def _admission_key(self, c: Candidate) -> tuple[int, bool, float, bool, bool, int]:
+        # Breadth-first; within a level the trials that left admission overdue after the
+        # others (which waited for a slot), then the shortest first.
+        return (c.op.iteration, c.op.task in self._overdue, *_admission_key(c)[1:])
 
     def __repr__(self) -> str:
         return (
