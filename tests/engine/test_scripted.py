@@ -8,12 +8,13 @@ policy, to the estimates it sees or to the memory checks changes these strings.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 import pytest
 
-from tune_hydra.core.policies import BasePolicy, Candidate
+from tune_hydra.core.policies import BasePolicy, Candidate, MilestonePolicy
 from tune_hydra.engine import Engine
 from tune_hydra.engine.scripted import ManualClock, ScriptedRunner, play
 from tune_hydra.exceptions import InvalidTaskError
@@ -204,3 +205,76 @@ def test_scripted_tasks_train_without_play_too() -> None:
         script = "F0[0] L1[0] B0[0]" if name != "c" else "L0[0]"
         want = [f"{name}:{w}" for w in script.split()]
         assert [str(op) for op in runner.executed] == want + [f"{w}@1" for w in want]
+
+
+# --- the milestone policy: no trial stalls waiting for admission (#21) ------------------
+
+
+def test_milestone_admission_never_idles_the_device_while_a_trial_waits() -> None:
+    # One slot: a is admitted, reaches its milestone and waits for its search (no grant
+    # left), still holding the slot. b and c, waiting for admission, run meanwhile (each
+    # as soon as the device frees): no second of idle time (makespan = the 4 s of work).
+    policy = MilestonePolicy(slots_per_device=1)
+    with Engine(["cpu"], policy=policy, clock=ManualClock()) as eng:
+        for name in "abc":
+            eng.add_runner(name, ScriptedRunner(name, "L0[0]", durations=1.0))
+            eng.set_milestone(name, 1)
+        got = play(eng, {"a": 1, "b": 2, "c": 1})
+    # b past its milestone (committed) after its first iteration: c's first comes first.
+    assert got.order == "a:L0[0] b:L0[0] c:L0[0] b:L0[0]@1"
+    assert got.makespan == 4.0
+    assert policy.admitted == ["a"]
+
+
+class _Reporting(ScriptedRunner):
+    """A th.shard loop as the engine sees it: each op is an iteration of its own, every
+    op of iteration 0 (``batch`` counts them), and its front end moves the milestone on
+    at each report (every ``every`` ops, to ``every`` ops ahead) without an iteration of
+    the op ever ending: its milestone never comes."""
+
+    def __init__(self, name: str, engine: Engine, every: int) -> None:
+        super().__init__(name, "L0[0]", durations=1.0)
+        self.engine, self.every = engine, every
+        engine.add_runner(name, self)
+        engine.set_milestone(name, every)
+
+    def advance(self) -> Any:
+        op = super().advance()
+        if op is not None:
+            op = self.current = dataclasses.replace(op, iteration=0, batch=self.iteration)
+        return op
+
+    def _finish_iteration(self) -> None:
+        super()._finish_iteration()
+        if self.iteration % self.every == 0:  # trial.report: the next step announced
+            self.engine.set_milestone(self.name, self.every)
+
+
+@pytest.mark.parametrize(
+    ("slack", "order"),
+    [
+        # a holds its slot for the 2 ops it was admitted for (+25%): it counts only its
+        # milestone_s going down (1 op of 2 each report), so 5 ops; then b, waiting, is
+        # admitted, then c (a, overdue, after the waiting ones): c's first report at 12 s.
+        # c then keeps its slot (as a trial waiting for its search would); a and b are
+        # lent the device: the least work to its milestone, then the resident one.
+        (0.25, "a0 a1 a2 a3 a4 b0 b1 b2 b3 b4 c0 c1 a5 b5 b6 b7 b8 b9 b10 b11 a6 a7 a8 a9 a10 a11"),
+        # Without the tenure the first admitted loop keeps its slot to its end (26 s).
+        (
+            float("inf"),
+            "a0 a1 a2 a3 a4 a5 a6 a7 a8 a9 a10 a11 b0 b1 b2 b3 b4 b5 b6 b7 b8 b9 b10 b11 c0 c1",
+        ),
+    ],
+)  # fmt: skip
+def test_milestone_a_trial_whose_milestone_never_comes_leaves_admission(
+    monkeypatch: pytest.MonkeyPatch, slack: float, order: str
+) -> None:
+    import tune_hydra.core.policies.milestone as milestone
+
+    monkeypatch.setattr(milestone, "TENURE_SLACK", slack)
+    with Engine(["cpu"], policy=MilestonePolicy(slots_per_device=1), clock=ManualClock()) as eng:
+        for name in "abc":
+            _Reporting(name, eng, every=2)
+        got = play(eng, {"a": 12, "b": 12, "c": 2})
+    assert " ".join(f"{op.task}{op.batch}" for _, _, op, _ in got.ops) == order
+    assert got.makespan == 26.0
