@@ -20,7 +20,6 @@ from tune_hydra.frontends.checkpoint import META_FILE
 from tune_hydra.frontends.ray import (
     HydraExecutor,
     NotATaskError,
-    TrialResourcesError,
 )
 from tune_hydra.frontends.ray.trainable import HydraTrainable
 
@@ -137,30 +136,95 @@ def test_with_parameters_both_ways(ray_session: Any, storage: str, tmp_path: Pat
         assert len(calls) == 2 and len(set(calls)) == 1, calls  # one engine, one copy
 
 
-def test_with_resources_is_refused(ray_session: Any, storage: str) -> None:
-    """Trials that would hold CPUs instead of slots: refused when Tune adds the first
-    (with the executor's scheduler), or by the first trial (without it)."""
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        trainable = tune.with_resources(ex.trainable(tune_tasks.make_task), {"cpu": 2})
-        start = time.monotonic()
-        with pytest.raises(TrialResourcesError, match=r"without tune\.with_resources") as info:
-            _tuner(ex, trainable, storage, 2, lr=tune.grid_search([0.01, 0.03])).fit()
-        assert "'hydra_slot'" in str(info.value) and time.monotonic() - start < 20
+_STARTED: list[dict[str, float]] = []  # what each started trial holds (driver side)
 
-        # a plain scheduler: the proxy refuses to run, and the stopper ends the run
-        stop = {"training_iteration": 2}
-        results = tune.Tuner(
-            trainable,
-            param_space={"lr": tune.grid_search([0.01, 0.03, 0.1])},
-            tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
-            run_config=tune.RunConfig(
-                stop=ex.stopper(stop), callbacks=ex.callbacks(), storage_path=storage, verbose=0
-            ),
-        ).fit()
-        assert isinstance(ex.systematic_error(), TrialResourcesError)
+
+class _Resources(tune.Callback):
+    def on_trial_start(self, iteration: int, trials: Any, trial: Any, **info: Any) -> None:
+        _STARTED.append(dict(trial.placement_group_factory.required_resources))
+
+
+def test_with_resources_around_or_inside_is_dropped_with_one_warning(
+    ray_session: Any, storage: str
+) -> None:
+    """Ray's examples wrap their trainable in ``tune.with_resources``: around
+    ``ex.trainable(...)`` or inside it, the request is dropped with one warning and every
+    trial holds its engine slot (and no CPU), so the trials run side by side."""
+    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
+        with pytest.warns(UserWarning, match=r"around executor\.trainable.*is dropped") as w:
+            around = tune.with_resources(ex.trainable(tune_tasks.make_task), {"cpu": 2})
+        assert sum("tune.with_resources" in str(x.message) for x in w) == 1
+
+        def make(config: dict[str, Any]) -> Any:
+            return tune_tasks.make_task(config)
+
+        with pytest.warns(UserWarning, match=r"inside executor\.trainable.*is dropped") as w:
+            inside = ex.trainable(tune.with_resources(make, {"cpu": 2, "gpu": 0.5}))
+        assert sum("tune.with_resources" in str(x.message) for x in w) == 1
+        for trainable in (around, inside):
+            _STARTED.clear()
+            results = tune.Tuner(
+                trainable,
+                param_space={"lr": tune.grid_search([0.01, 0.03])},
+                tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+                run_config=tune.RunConfig(
+                    stop={"training_iteration": 2},
+                    callbacks=[_Resources()],
+                    storage_path=storage,
+                    verbose=0,
+                ),
+            ).fit()
+            assert results.num_errors == 0
+            assert [r.metrics["training_iteration"] for r in results] == [2, 2]
+            assert _STARTED == [{"hydra_slot": 1.0}] * 2, _STARTED  # no CPU, one slot
         assert _registered(ex) == []
-    assert results.num_errors == 1
-    assert "hold CPUs instead of engine slots" in str(results.errors[0])
+
+
+def test_the_tuner_form_needs_only_the_trainable(ray_session: Any, storage: str) -> None:
+    """``tune.Tuner(ex.trainable(...), ...)`` alone: the Tuner gets the executor's
+    stopper and callbacks (a systematic mistake ends the run at its first trial), its
+    scheduler wrapper and max_concurrent_trials; the user's configs are not changed."""
+    tune_config = tune.TuneConfig(metric="val_loss", mode="min", scheduler=ASHAScheduler())
+    run_config = tune.RunConfig(stop={"training_iteration": 3}, storage_path=storage, verbose=0)
+    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
+        tuner = tune.Tuner(
+            ex.trainable(tune_tasks.make_no_task),
+            param_space={"lr": tune.grid_search([0.001, 0.01, 0.1])},
+            tune_config=tune_config,
+            run_config=run_config,
+        )
+        results = tuner.fit()
+        assert isinstance(ex.systematic_error(), NotATaskError)
+        assert _registered(ex) == []
+    assert results.num_errors == 1  # not three identical tracebacks
+    assert all(r.metrics.get("training_iteration", 0) == 0 for r in results)
+    assert type(tune_config.scheduler) is ASHAScheduler
+    assert tune_config.max_concurrent_trials is None
+    assert run_config.stop == {"training_iteration": 3} and not run_config.callbacks
+
+
+def test_tuner_configs_complete_once_and_keep_the_executors_own(ray_session: Any) -> None:
+    from tune_hydra.frontends.ray.callback import HydraCallback, HydraStopper
+    from tune_hydra.frontends.ray.run import tuner_configs
+    from tune_hydra.frontends.ray.scheduler import HydraScheduler
+
+    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
+        asha = ASHAScheduler(max_t=4)
+        tc, rc = tuner_configs(
+            ex,
+            tune.TuneConfig(scheduler=asha, max_concurrent_trials=2),
+            tune.RunConfig(stop={"training_iteration": 3}),
+        )
+        assert isinstance(tc.scheduler, HydraScheduler) and tc.scheduler.base is asha
+        assert tc.scheduler.budget == 3 and tc.max_concurrent_trials == 2
+        assert isinstance(rc.stop, HydraStopper) and rc.stop.run_id == ex.run_id
+        assert [type(c) for c in rc.callbacks] == [HydraCallback]
+        # By hand as before (the README's old form): nothing is added twice.
+        again, rc2 = tuner_configs(ex, tc, rc)
+        assert again.scheduler is tc.scheduler and rc2.stop is rc.stop
+        assert rc2.callbacks == rc.callbacks
+        dflt, _ = tuner_configs(ex, None, None)
+        assert dflt.max_concurrent_trials == ex.max_concurrent_trials
 
 
 def _checkpoint_iterations(trial: Any) -> list[int]:

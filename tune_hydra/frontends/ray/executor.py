@@ -3,8 +3,9 @@
 It is **not** a Tune ``TrialExecutor``: Ray deprecated custom trial executors in 2.3 and
 removed ``RayTrialExecutor`` in 2.7, and ``tune.run(trial_executor=...)`` raises
 ``TypeError`` in current Ray. The call form ``trial_executor=HydraExecutor(...)`` is honoured
-by :func:`tune_hydra.run`; for ``tune.Tuner`` use :meth:`HydraExecutor.trainable`,
-:meth:`HydraExecutor.scheduler` and :meth:`HydraExecutor.callbacks`.
+by :func:`tune_hydra.run`; for ``tune.Tuner`` pass :meth:`HydraExecutor.trainable` as
+the trainable (the Tuner adds :meth:`HydraExecutor.scheduler`, :meth:`HydraExecutor.stopper`
+and :meth:`HydraExecutor.callbacks` itself).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import logging
 import os
 import secrets
 import uuid
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -30,7 +32,6 @@ from tune_hydra.frontends.ray.actor import (
 from tune_hydra.frontends.ray.engines import DEFAULT_SLOT_RESOURCE, EngineFleet
 from tune_hydra.frontends.ray.errors import (
     NotATaskFactoryError,
-    TrialResourcesError,
 )
 from tune_hydra.frontends.ray.factories import (
     FactoryStore,
@@ -57,7 +58,9 @@ def check_task_factory(make_task: Any) -> bool:
 
     Raises:
         NotATaskFactoryError: not callable with a config, a class, or a string.
-        TrialResourcesError: ``tune.with_resources`` was applied to it.
+
+    A ``tune.with_resources`` request on it is no mistake: :meth:`HydraExecutor.trainable`
+    drops it with one warning (see :func:`warn_resources_dropped`).
     """
     fix = (
         "HydraExecutor needs a task factory (a function make_task(config) -> th.ModelTask "
@@ -75,15 +78,6 @@ def check_task_factory(make_task: Any) -> bool:
         )
         raise NotATaskFactoryError(f"got {kind}. {fix}")
     name = getattr(make_task, "__name__", make_task)
-    if getattr(make_task, "_resources", None) is not None:
-        raise TrialResourcesError(
-            "",
-            f"tune.with_resources was applied to {name!r}, but every trial is a proxy "
-            f"that reserves one engine slot and trains on the engine's devices",
-            "Pass it without tune.with_resources; size the engines with "
-            "HydraExecutor(devices=..., device_memory=...), and the number of concurrent "
-            "trials per node with the hydra_slot resource (slots_per_node)",
-        )
     unwrapped = unwrap_with_parameters(make_task)
     fn, params = unwrapped if unwrapped is not None else (make_task, {})
     try:
@@ -96,6 +90,22 @@ def check_task_factory(make_task: Any) -> bool:
     except ValueError:
         pass  # no signature (a builtin): let the engine actor find out
     return tune_report_call(fn) is not None
+
+
+def warn_resources_dropped(resources: Any, where: str) -> None:
+    """One warning that a ``tune.with_resources`` request (``resources``: a
+    ``PlacementGroupFactory`` or a function of the config) ``where`` is dropped."""
+    required = getattr(resources, "required_resources", None)
+    asked = dict(required) if required is not None else "a request per config"
+    warnings.warn(
+        f"tune_hydra: the tune.with_resources request {asked} {where} is dropped: every "
+        f"trial of a HydraExecutor holds one engine slot and no CPU, and the engine places "
+        f"the model on its devices (a CPU count or a GPU fraction means nothing there). "
+        f"Size the engines with HydraExecutor(devices=..., device_memory=...) and the "
+        f"concurrent trials with slots_per_node",
+        UserWarning,
+        stacklevel=3,
+    )
 
 
 def wrap_scheduler(
@@ -145,18 +155,17 @@ class HydraExecutor:
     ``tune_hydra.run(make_task, ..., trial_executor=HydraExecutor(...))`` (the same
     arguments), or call ``th.patch_tune()`` once first, after which ``tune.run`` accepts
     ``trial_executor=`` and forwards such calls to ``tune_hydra.run`` (see
-    :func:`tune_hydra.patch_tune`). For ``tune.Tuner``, build its arguments from the
-    executor::
+    :func:`tune_hydra.patch_tune`). For ``tune.Tuner``, wrap the trainable; the Tuner
+    then gets the executor's scheduler wrapper, stopper, callbacks and
+    ``max_concurrent_trials`` by itself::
 
         with th.HydraExecutor(device_memory="8GiB") as ex:
             tuner = tune.Tuner(
                 ex.trainable(make_task),
                 param_space={...},
                 tune_config=tune.TuneConfig(
-                    metric="val_loss", mode="min", scheduler=ex.scheduler(ASHAScheduler()),
-                    max_concurrent_trials=ex.max_concurrent_trials,
+                    metric="val_loss", mode="min", scheduler=ASHAScheduler()
                 ),
-                run_config=tune.RunConfig(stop=ex.stopper(), callbacks=ex.callbacks()),
             )
             results = tuner.fit()
 
@@ -403,11 +412,22 @@ class HydraExecutor:
         Tune's wrappers: ``trainable(tune.with_parameters(make_task, data=...))`` and
         ``tune.with_parameters(trainable(make_task), data=...)`` both call
         ``make_task(config, data=...)`` in the engine; the data stays in Ray's object
-        store and is fetched once per engine, never into the trial processes. Do not wrap
-        the result in ``tune.with_resources``: each trial already reserves one engine slot
-        and no CPU (a request without the slot is refused when the trial is added).
+        store and is fetched once per engine, never into the trial processes.
+        ``tune.with_resources`` around the result or inside it (Ray's examples do this) is
+        dropped with one warning: each trial reserves one engine slot and no CPU, and the
+        engine places the model, whether or not Ray was started by the user.
+
+        ``tune.Tuner(executor.trainable(...), ...)`` alone is enough: a ``tune.Tuner``
+        built on this trainable adds what
+        :func:`~tune_hydra.frontends.ray.run.tuner_configs` says (the executor's
+        scheduler wrapper, stopper, callbacks and ``max_concurrent_trials``) to its
+        ``TuneConfig`` and ``RunConfig`` (see
+        :func:`~tune_hydra.frontends.ray.patch.hook_tuner`).
         """
         is_function = check_task_factory(make_task)
+        requested = getattr(make_task, "_resources", None)
+        if requested is not None:  # tune.with_resources(fn, ...) inside: the slot rules
+            warn_resources_dropped(requested, "inside executor.trainable(...)")
         self.start()
         factory_id = self._factories.put(make_task)  # the trial processes carry only its id
         name = getattr(make_task, "__name__", "make_task")
@@ -434,7 +454,38 @@ class HydraExecutor:
                 slot_resource=slot_resource,
                 checkpoint=self.checkpoint,
             )
-        return tune.with_resources(cls, self.trial_resources)
+        from tune_hydra.frontends.ray.patch import hook_tuner
+
+        hook_tuner()  # tune.Tuner(this trainable, ...) then adds the executor's pieces
+        return self._slotted(cls)
+
+    def _slotted(self, cls: type) -> type:
+        """``cls`` reserving one engine slot and no CPU per trial, also under a
+        ``tune.with_resources`` put around it later: that request is dropped, with one
+        warning (:func:`warn_resources_dropped`)."""
+        slotted = tune.with_resources(cls, self.trial_resources)
+        own = slotted.__dict__["default_resource_request"]
+
+        def __init_subclass__(sub: type, **kwargs: Any) -> None:
+            super(keep, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
+            # Tune's with_resources subclasses a class trainable to override this; a
+            # class rebuilt from its pickle (a trial process) has no dict here yet.
+            theirs = sub.__dict__.get("default_resource_request")
+            if theirs is not None and theirs is not own:
+                sub.default_resource_request = own  # type: ignore[attr-defined]
+                pgf = getattr(theirs, "__func__", theirs)
+                try:
+                    asked = pgf(sub, {})
+                except Exception:  # a function of the config: no config here
+                    asked = None
+                warn_resources_dropped(asked, "around executor.trainable(...)")
+
+        keep: type = type(
+            slotted.__name__,
+            (slotted,),
+            {"__init_subclass__": __init_subclass__, "__module__": cls.__module__},
+        )
+        return keep
 
     def release(self, trainable: Any) -> None:
         """Free the task factory of a trainable made by :meth:`trainable` (in the cluster

@@ -14,12 +14,20 @@ explicit, shallow opt-in (like ``nest_asyncio.apply()``): it replaces the public
 * without ``trial_executor`` (or with ``trial_executor=None``) calls Ray's own ``tune.run``
   with the arguments unchanged.
 
-Nothing inside Tune is touched (``tune.Tuner`` and the trial controller are Ray's), and
-:func:`unpatch_tune` puts Ray's function object back.
+Nothing inside Tune is touched (the trial controller is Ray's), and :func:`unpatch_tune`
+puts Ray's function object back.
+
+:func:`hook_tuner` is the ``tune.Tuner`` counterpart, installed by
+``HydraExecutor.trainable()`` itself (the trainable is the user's opt-in): it wraps the
+public constructor ``tune.Tuner.__init__`` so that a Tuner over an executor's trainable
+gets that executor's scheduler wrapper, stopper, callbacks and ``max_concurrent_trials``
+(:func:`tune_hydra.frontends.ray.run.tuner_configs`); any other Tuner is built exactly as
+Ray builds it. :func:`unhook_tuner` restores Ray's constructor.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import threading
 import warnings
@@ -30,6 +38,7 @@ from typing import Any
 import ray.tune
 import ray.tune.tune
 
+from tune_hydra.frontends.ray.run import executor_of, tuner_configs
 from tune_hydra.frontends.ray.run import run as hydra_run
 
 # The modules whose ``run`` attribute is Ray's public ``tune.run``: the package users import
@@ -218,3 +227,49 @@ def unpatch_tune() -> bool:
                     stacklevel=2,
                 )
         return restored
+
+
+def hook_tuner() -> bool:
+    """Make ``tune.Tuner(executor.trainable(...), ...)`` complete its configs itself.
+
+    Wraps ``ray.tune.Tuner.__init__`` (once per process; idempotent): when the trainable
+    was made by an active :class:`~tune_hydra.HydraExecutor`, its ``tune_config`` and
+    ``run_config`` are replaced by copies completed by
+    :func:`~tune_hydra.frontends.ray.run.tuner_configs`; otherwise, and for
+    ``Tuner.restore`` (whose configs come from the experiment folder), the arguments
+    reach Ray's constructor unchanged.
+
+    Returns:
+        True if this call installed the hook, False if it was in place.
+    """
+    with _LOCK:
+        original = ray.tune.Tuner.__init__
+        if getattr(original, "_tune_hydra_hook", False):
+            return False
+
+        @functools.wraps(original)
+        def __init__(self: Any, trainable: Any = None, **kwargs: Any) -> None:
+            ex = executor_of(trainable)
+            if ex is not None and kwargs.get("_tuner_internal") is None:
+                kwargs["tune_config"], kwargs["run_config"] = tuner_configs(
+                    ex, kwargs.get("tune_config"), kwargs.get("run_config")
+                )
+            original(self, trainable, **kwargs)
+
+        __init__._tune_hydra_hook = True  # type: ignore[attr-defined]
+        ray.tune.Tuner.__init__ = __init__  # type: ignore[method-assign]
+        return True
+
+
+def unhook_tuner() -> bool:
+    """Undo :func:`hook_tuner`: ``tune.Tuner.__init__`` is Ray's again.
+
+    Returns:
+        True if something was restored, False if no hook was in place.
+    """
+    with _LOCK:
+        current = ray.tune.Tuner.__init__
+        if not getattr(current, "_tune_hydra_hook", False):
+            return False
+        ray.tune.Tuner.__init__ = current.__wrapped__  # type: ignore[attr-defined,method-assign]
+        return True

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from typing import Any
 
@@ -204,9 +205,12 @@ def run(
             f"trial_executor must be a tune_hydra.HydraExecutor or None, not "
             f"{type(trial_executor).__name__}: Ray removed custom Tune TrialExecutors in 2.7"
         )
-    check_task_factory(run_or_experiment)
-    _check_metric(kwargs)
-    required = _check_reported(kwargs)
+    # A function trainable reports its own metrics (a "loss" of its own included):
+    # Tune judges them as in a plain run.
+    required: tuple[str, ...] = ()
+    if not check_task_factory(run_or_experiment):
+        _check_metric(kwargs)
+        required = _check_reported(kwargs)
     if kwargs.get("resources_per_trial") is not None:
         raise InvalidExecutorError(
             "resources_per_trial cannot be combined with a HydraExecutor: its trials are "
@@ -244,6 +248,43 @@ def run(
             ex.shutdown()
         elif trainable is not None and ex.started:
             ex.release(trainable)  # the experiment is over: free its factory everywhere
+
+
+def executor_of(trainable: Any) -> HydraExecutor | None:
+    """The active executor whose :meth:`~HydraExecutor.trainable` made ``trainable``
+    (Tune's wrappers around it included), else None."""
+    from tune_hydra.frontends.ray import registry
+
+    run_id = getattr(trainable, "_run_id", None) if isinstance(trainable, type) else None
+    return registry.active(run_id) if isinstance(run_id, str) and run_id else None
+
+
+def tuner_configs(ex: HydraExecutor, tune_config: Any, run_config: Any) -> tuple[Any, Any]:
+    """The ``TuneConfig`` and ``RunConfig`` of a ``tune.Tuner`` over a trainable of
+    ``ex``, completed as :func:`run` completes a ``tune.run`` call: the scheduler wrapped
+    by :meth:`HydraExecutor.scheduler` (with the run's ``stop`` and search algorithm),
+    ``stop`` by :meth:`HydraExecutor.stopper`, the executor's :meth:`~HydraExecutor.callbacks`
+    added, and ``max_concurrent_trials`` the engines' slots unless set. What is already
+    the executor's is kept as it is, so passing them by hand changes nothing. The user's
+    configs are copied, not changed.
+    """
+    from tune_hydra.frontends.ray.callback import HydraCallback
+
+    tune_config = copy.copy(tune_config) if tune_config is not None else tune.TuneConfig()
+    run_config = copy.copy(run_config) if run_config is not None else tune.RunConfig()
+    tune_config.scheduler = ex.scheduler(
+        tune_config.scheduler,
+        stop=run_config.stop,
+        search_alg=_searcher({"search_alg": tune_config.search_alg}),
+    )
+    if tune_config.max_concurrent_trials is None:
+        tune_config.max_concurrent_trials = ex.max_concurrent_trials
+    run_config.stop = ex.stopper(run_config.stop)
+    callbacks = list(run_config.callbacks or [])
+    if not any(isinstance(c, HydraCallback) and c.run_id == ex.run_id for c in callbacks):
+        callbacks.extend(ex.callbacks())
+    run_config.callbacks = callbacks
+    return tune_config, run_config
 
 
 def _signature() -> inspect.Signature:
