@@ -132,8 +132,7 @@ class HydraScheduler(TrialScheduler):
     def has_milestones(self) -> bool:
         """Whether the wrapped scheduler has milestones in iterations (else no
         ``set_milestone`` is sent)."""
-        m = self.milestones
-        return bool(m.points) or m.every is not None
+        return self.milestones.announces(self._budget)
 
     def to_milestone(self, done: int) -> int | None:
         """Iterations from ``done`` completed ones to the next milestone; ``None`` past
