@@ -8,16 +8,21 @@ import dataclasses
 import os
 import sys
 import tempfile
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from ray import cloudpickle, tune
 from ray.train._internal import session as ray_session
+from ray.tune.schedulers import ASHAScheduler
 from torch import nn
 
 import tune_hydra as th
 from tune_hydra.frontends.ray import HydraExecutor
+from tune_hydra.frontends.ray.errors import NoShardError
 
 pytestmark = pytest.mark.integration
 
@@ -174,3 +179,119 @@ def test_function_trainables_are_exact_and_tune_works(ray_session: Any, storage:
             state["optimizer"], plain.states[-1]["optimizer"], rtol=0, atol=0
         )
     assert all(not r["engine_tasks"] for r in registered.values()), registered
+
+
+def train_context(config: dict[str, Any]) -> None:
+    """Reports Tune's context, its working directory and a relative file's contents; a
+    config may raise mid-run or report from a thread of its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1)).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = th.shard(model, optimizer)
+    x = torch.randn(8, 4, dtype=torch.float64)
+    ctx = tune.get_context()
+    for i in range(4):
+        optimizer.zero_grad()
+        model(x).pow(2).mean().backward()
+        optimizer.step()
+        with open("out.txt", "a") as f:  # relative: the trial's own directory
+            f.write(ctx.get_trial_id() + "\n")
+        if config.get("fail"):
+            raise RuntimeError("injected failure in the user's loop")
+        thread_error = ""
+        if config.get("thread"):
+            caught: list[BaseException] = []
+
+            def report_from_thread(caught: list[BaseException] = caught) -> None:
+                try:
+                    tune.report({"score": 0.0})
+                except BaseException as err:
+                    caught.append(err)
+
+            worker = threading.Thread(target=report_from_thread)
+            worker.start()
+            worker.join()
+            thread_error = f"{type(caught[0]).__name__}: {caught[0]}" if caught else "none"
+        time.sleep(0.25 * (5 - config["q"]))  # weaker trials reach ASHA's rungs later
+        tune.report(
+            {
+                "score": config["q"] * (i + 1),
+                "trial_id": ctx.get_trial_id(),
+                "trial_name": ctx.get_trial_name(),
+                "trial_dir": ctx.get_trial_dir(),
+                "cwd": os.getcwd(),
+                "lines": Path("out.txt").read_text().count("\n"),
+                "thread_error": thread_error,
+            }
+        )
+
+
+def test_asha_context_cwd_failures_and_threads(ray_session: Any, storage: str) -> None:
+    """Through a Tuner with ASHA: the weaker trials stop early, a trial that raises fails
+    alone (its traceback in its error file), each trial sees its own context and works in
+    its own directory, and tune.report from a user's thread is a clear error."""
+    qs = [0.5, 1.0, 2.0, 3.0, 4.0]
+    with _executor() as ex:
+        tuner = tune.Tuner(
+            ex.trainable(train_context),
+            param_space={
+                "q": tune.grid_search(qs),
+                "fail": tune.sample_from(lambda config: config["q"] == 0.5),
+                "thread": tune.sample_from(lambda config: config["q"] == 3.0),
+            },
+            tune_config=tune.TuneConfig(
+                metric="score",
+                mode="max",
+                scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2),
+            ),
+            run_config=tune.RunConfig(storage_path=storage, verbose=0),
+        )
+        results = tuner.fit()
+        registered = ex.registered_trials()
+    by_q = {r.config["q"]: r for r in results}
+    failed = by_q[0.5]
+    assert failed.error is not None
+    assert "injected failure in the user's loop" in str(failed.error)
+    assert "TrialFunctionError" in str(failed.error) or "raised in the engine" in str(failed.error)
+    done = [r for q, r in by_q.items() if q != 0.5]
+    assert all(r.error is None for r in done)
+    lengths = {q: len(r.metrics_dataframe) for q, r in by_q.items() if q != 0.5}
+    assert max(lengths.values()) == 4 and min(lengths.values()) < 4, lengths  # ASHA stopped
+    cwds = set()
+    for r in done:
+        frame = r.metrics_dataframe
+        last = frame.iloc[-1]
+        assert last["trial_id"] == r.metrics["trial_id"] and last["trial_name"]
+        # Tune's trial working directory (RAY_CHDIR_TO_TRIAL_DIR), one per trial
+        assert last["cwd"].endswith(os.path.join("working_dirs", Path(r.path).name))
+        assert list(frame["lines"]) == list(range(1, len(frame) + 1))  # nobody else's
+        lines = (Path(last["cwd"]) / "out.txt").read_text().split()
+        assert set(lines) == {last["trial_id"]}
+        cwds.add(last["cwd"])
+    assert len(cwds) == len(done)
+    thread_error = by_q[3.0].metrics_dataframe["thread_error"].iloc[0]
+    assert thread_error.startswith("ReportThreadError") and "not a trial's" in thread_error
+    assert all(not r["engine_tasks"] for r in registered.values()), registered
+
+
+def train_plainly(config: dict[str, Any]) -> None:
+    model = nn.Linear(2, 1)
+    for _ in range(3):
+        tune.report({"score": float(model.weight.sum())})
+
+
+def test_a_function_without_shard_ends_the_run_once(ray_session: Any, storage: str) -> None:
+    with _executor() as ex, pytest.raises(NoShardError) as info:
+        th.run(
+            train_plainly,
+            config={"i": tune.grid_search([0, 1, 2])},
+            metric="score",
+            mode="max",
+            storage_path=storage,
+            trial_executor=ex,
+            verbose=0,
+        )
+    text = str(info.value)
+    assert "model, optimizer = th.shard(model, optimizer)" in text
+    assert "'train_plainly' reported without calling th.shard" in text
+    assert "experiment stops at the first one" in text
