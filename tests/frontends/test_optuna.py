@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import _thread
 import logging
+import math
 import os
 import signal
 import subprocess
@@ -267,6 +268,65 @@ def test_each_epoch_announces_the_pruners_next_step() -> None:
         th.optimize(study, factory({}), n_trials=2, epochs=4, max_concurrent=1, engine=eng, seed=0)
     assert _states(study) == {0: "COMPLETE", 1: "COMPLETE"}
     assert eng.milestones == {"trial_0": [2, 1, 1, 1], "trial_1": [2, 1, 1, None]}
+
+
+class _RecordingOps(_Recording):
+    """Also records each loop's ops done (its engine iterations) at each announcement."""
+
+    def set_milestone(self, name: str, iterations: int | None) -> None:
+        self.ops = getattr(self, "ops", {})
+        self.ops.setdefault(name, []).append(self.runner(name).iteration)
+        super().set_milestone(name, iterations)
+
+
+def test_an_objectives_loop_is_told_its_next_milestone_in_ops() -> None:
+    """An objective calling th.shard gets its milestones as a factory's task does, in its
+    loop's ops (one op is one engine iteration of a loop): at its cut, then at each
+    trial.report, from the ops the steps took. MedianPruner(n_warmup_steps=1) decides
+    from step 1 on (after 2 reports), each step; half a step of slack. The first loop's
+    ops per step are not known before it reports (far: _UNKNOWN_OPS); the second's are,
+    from the first."""
+    from tune_hydra.frontends.optuna import _UNKNOWN_OPS
+
+    def objective(trial: optuna.Trial) -> float:
+        trial.suggest_float("lr", 0.01, 0.01)
+        torch.manual_seed(0)
+        model, optimizer = th.shard(*_model_and_optimizer())
+        data = batches(n=2)
+        value = 0.0
+        for epoch in range(4):
+            for x, y in data:
+                optimizer.zero_grad()
+                nn.functional.cross_entropy(model(x), y).backward()
+                optimizer.step()
+            with torch.no_grad():
+                value = float(nn.functional.cross_entropy(model(data[0][0]), data[0][1]))
+            trial.report(value, epoch)
+            if trial.should_prune():
+                raise optuna.TrialPruned()
+        return value
+
+    study = optuna.create_study(
+        sampler=optuna.samplers.RandomSampler(seed=0),
+        pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1),
+    )
+    with _RecordingOps(devices=["cpu", "cpu"], device_memory=BUDGET, copy_on_cpu=True) as eng:
+        th.optimize(study, objective, n_trials=2, max_concurrent=1, engine=eng)
+        assert eng.tasks() == []
+    assert _states(study) == {0: "COMPLETE", 1: "COMPLETE"}
+    first, second = sorted(eng.milestones, key=lambda n: int(n.rsplit("-", 1)[1]))
+    ops = eng.ops[first]
+    assert ops[0] == 0 and len(ops) == 5  # the cut, then 4 reports
+    per_step = ops[1]
+    assert per_step > 0 and ops == [0, per_step, 2 * per_step, 3 * per_step, 4 * per_step]
+    next_step = math.ceil(1.5 * per_step)  # one step ahead, half a step of slack
+    assert eng.milestones[first] == [_UNKNOWN_OPS] + [next_step] * 4
+    assert eng.milestones[second] == [math.ceil(2.5 * per_step)] + [next_step] * 4
+
+
+def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = mlp()
+    return model, torch.optim.SGD(model.parameters(), lr=0.01)
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,7 @@ from tune_hydra.exceptions import (
     InvalidStudyError,
     InvalidTaskError,
     MissingDependencyError,
+    TuneHydraError,
     UnknownMetricError,
     UnknownOptionError,
 )
@@ -83,6 +84,10 @@ OTHER_OPTIONS = ("factory_timeout_s",)
 _POLL_S = 0.5  # the driver wakes at least this often (timeouts, Ctrl-C)
 _ABORT_WAIT_S = 5.0  # after Ctrl-C, the longest wait for factories and saves in flight
 _MAX_ERROR_CHARS = 20_000  # an error stored in trial.user_attrs["error"]
+# A loop's milestone before its ops per step are known (no report yet, in this study):
+# far, so that it is served as a trial with a milestone ahead (not as committed work)
+# after those whose next report is known to be nearer.
+_UNKNOWN_OPS = 1_000_000
 
 
 def optimize(
@@ -202,7 +207,10 @@ def optimize(
             pruning step, and the startup trials' ends, first), LRTF otherwise
             (``NopPruner`` with a random or grid sampler); one log line says which.
             Either way every trial's next milestone goes to the engine
-            (``Engine.set_milestone``).
+            (``Engine.set_milestone``); an objective's ``th.shard`` loops get theirs in
+            ops, from its ``trial.report`` steps (the ops between two reports measured,
+            half a step of slack; a loop that has not reported yet takes the last
+            measure of this call, or none: a far milestone).
 
     Returns:
         ``study``, with this call's trials finished (``COMPLETE``, ``PRUNED`` or ``FAIL``).
@@ -417,6 +425,9 @@ class _Driver:
         self._stopping = False
         self._warned_plain = False  # one warning for functions that never call th.shard
         self.milestones = milestones
+        # The ops one trial.report step of an objective's loop took, last measured in
+        # this call (for loops that have not reported yet).
+        self.ops_per_step: float | None = None
         # Trials that inform the pruner and sampler (COMPLETE or PRUNED), counted once from
         # the storage, then by this driver's own tells.
         finished = (optuna.trial.TrialState.COMPLETE, optuna.trial.TrialState.PRUNED)
@@ -558,6 +569,23 @@ class _Driver:
             at = self.epochs
         return None if at is None else at - epoch
 
+    def loop_milestone(self, done: int, per_step: float | None) -> int | None:
+        """Ops of a ``th.shard`` loop (one op is one of its engine iterations) from
+        ``done`` reported steps (the last ``trial.report`` step + 1) to the trial's next
+        milestone, when each step takes ``per_step`` ops (``None``: not known yet).
+
+        As :meth:`to_milestone` counts epochs, but an objective's end is not known: while
+        it is a milestone (startup trials), and before ``per_step`` is known, the
+        milestone is :data:`_UNKNOWN_OPS` away. Half a step of slack: a loop whose step
+        takes an op or two more than the last one did is not taken for committed work
+        before it reports."""
+        at = self.milestones.next_after(done)
+        if at is None:
+            return _UNKNOWN_OPS if self._finished < self.milestones.startup_trials else None
+        if per_step is None:
+            return _UNKNOWN_OPS
+        return max(1, math.ceil((at - done + 0.5) * per_step))
+
     def _after_epoch(self, run: _Run, results: list[dict[str, Any]]) -> None:
         run.epoch += 1
         result = results[-1]
@@ -690,11 +718,17 @@ class _Driver:
             # engine when the function returns or raises, whatever its frames still hold.
             with engine_scope(engine) as scope:
                 run.scope = scope
+                # An objective's loops are told their milestones as a factory's tasks
+                # are: at their cut, and at each trial.report.
+                steps = _LoopMilestones(self, trial.report)
+                scope.on_loop = steps.add
+                trial.report = steps.report  # type: ignore[method-assign]
                 try:
                     out = make_task(trial)
                 except pruned as err:  # not an error: returned, so that it keeps its type
                     return _PrunedByFactory(str(err), scope.sharded)
                 finally:
+                    del trial.report  # Optuna's own again (the driver reports factories')
                     loops = scope.sharded
                     scope.close()
             if isinstance(out, numbers.Real) and not isinstance(out, bool):
@@ -759,6 +793,45 @@ class _Driver:
         assert self.folder is not None and run.task is not None
         model = run.task.model.state_dict()  # type: ignore[union-attr]
         return save_model(self.folder / f"trial_{run.trial.number}", model)
+
+
+class _LoopMilestones:
+    """The milestones of one objective's ``th.shard`` loops, told to the engine
+    (``Engine.set_milestone``, in ops: a loop's engine iteration is one op) when a loop is
+    cut and at each ``trial.report``; the ops a step takes are measured between reports,
+    per loop (the study's last measure for a loop that has not reported yet)."""
+
+    def __init__(self, driver: _Driver, report: Callable[..., None]) -> None:
+        self.driver = driver
+        self._report = report  # Optuna's trial.report
+        self.loops: dict[str, tuple[Any, int]] = {}  # name -> (runner, ops at last report)
+        self.per_step: dict[str, float] = {}  # name -> ops a step took
+        self.done = 0  # steps reported: the last trial.report step + 1
+
+    def add(self, loop: Any) -> None:
+        """``EngineScope.on_loop``: a loop of the objective was cut and registered."""
+        self.loops[loop.name] = (loop, loop.iteration)
+        self._announce(loop.name, self.driver.ops_per_step)
+
+    def report(self, value: float, step: int) -> None:
+        """``trial.report``: Optuna's, then the loops' next milestones."""
+        self._report(value, step)
+        if not isinstance(step, int) or isinstance(step, bool):
+            return  # Optuna refused it already, or will: nothing to measure
+        done = step + 1
+        for name, (loop, at) in list(self.loops.items()):
+            ops = loop.iteration
+            if done > self.done and ops > at:
+                self.per_step[name] = (ops - at) / (done - self.done)
+                self.driver.ops_per_step = self.per_step[name]
+            self.loops[name] = (loop, ops)
+        self.done = max(self.done, done)
+        for name in self.loops:
+            self._announce(name, self.per_step.get(name, self.driver.ops_per_step))
+
+    def _announce(self, name: str, per_step: float | None) -> None:
+        with contextlib.suppress(TuneHydraError):  # the loop left (th.unshard): no hint
+            self.driver.engine.set_milestone(name, self.driver.loop_milestone(self.done, per_step))
 
 
 def _in_thread(

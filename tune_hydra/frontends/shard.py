@@ -51,7 +51,7 @@ import inspect
 import logging
 import threading
 import weakref
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -85,6 +85,9 @@ class EngineScope:
         self.engine = engine
         self.states: list[_State] = []
         self.stopped = False
+        # The front end's hook (on_loop): called with each loop of the scope once it is
+        # cut and registered (th.optimize announces its milestones).
+        self.on_loop: Callable[[LoopRunner], None] | None = None
 
     def stop(self) -> None:
         """From another thread (the front end gave up on the call: Ctrl-C, a timeout):
@@ -247,6 +250,7 @@ def shard(
     state = _State(model, optimizer, engine)
     if scope is not None:
         scope.states.append(state)
+        state.on_loop = scope.on_loop
     cls = type(model)
     model.__dict__["_th_shard"] = state
     model.__class__ = _sharded_class(cls, _ShardedModule)
@@ -348,6 +352,7 @@ class _State:
         self.optimizer_class: type[torch.optim.Optimizer] | None = None
         self.finalizer: Any = None
         self.hf = False
+        self.on_loop: Callable[[LoopRunner], None] | None = None  # its scope's hook
         # Where the loop's own stream starts (used by loops in threads that draw from the
         # global generator; see tune_hydra.engine.loop): the generator's state now.
         self.rng_start = torch.get_rng_state()
@@ -382,6 +387,8 @@ class _State:
             hf=self.hf,
             rng_start=self.rng_start,
         )
+        if self.on_loop is not None:
+            self.on_loop(self.loop)
         return self.loop
 
 
