@@ -232,6 +232,14 @@ def _check_search(trials: Sequence[sim.SearchTrial], result: sim.SearchResult) -
             assert b.start >= a.end - 1e-12
     assert result.total_work_s == pytest.approx(sum(e.end - e.start for e in result.schedule))
     assert result.makespan == pytest.approx(max(e.end for e in result.schedule))
+    rule = sim.RULES[result.rule](len(trials[0].iteration_ends))
+    losers = rule.hindsight(trials)
+    assert result.loser_work_s == pytest.approx(
+        sum(e.end - e.start for e in result.schedule if e.op.task in losers)
+    )
+    assert result.hindsight_stopped_s == pytest.approx(
+        sum(t.costs_to(losers[t.name]) for t in trials if t.name in losers)
+    )
 
 
 def test_search_workload_is_seeded_with_crossing_curves() -> None:
@@ -312,6 +320,14 @@ def test_search_aware_policy_meets_the_issue_targets(devices: int) -> None:
         assert auto["rung1_s"] <= 0.6, (rule, auto["rung1_s"])
         assert auto["misled_work_s"] <= 0.6, (rule, auto["misled_work_s"])
         assert auto["makespan"] <= 1.10, (rule, auto["makespan"])
+        # Less spent on the trials full evidence stops (the same trials in each run).
+        assert auto["loser_work_s"] < 1.0, (rule, auto["loser_work_s"])
+    # Why "stopped work <= 0.6x LRTF's" is out of reach with ASHA: what full-evidence
+    # decisions spend on stopped trials (each stopped at its hindsight rung) is already
+    # above LRTF's stopped work, which stays low by running trials past rungs unjudged.
+    asha = table[(64, devices, "asha", "auto")]
+    assert asha["stopped_floor"] > 1.0, asha["stopped_floor"]
+    assert asha["stopped_work_s"] <= 1.05 * asha["stopped_floor"]
     assert table[(64, devices, "fixed", "auto")]["makespan"] == pytest.approx(1.0)
 
 

@@ -550,6 +550,15 @@ class SearchResult:
             would have stopped them knowing every trial's results
             (:meth:`StopRule.hindsight`): work done on the strength of decisions taken
             on partial evidence.
+        loser_work_s: device-seconds spent on the trials that the rule stops knowing
+            every trial's results: the *same* trials under every policy (unlike
+            ``stopped_work_s``, whose trials are those this run's order got stopped).
+        hindsight_stopped_s: the stopped work of full-evidence decisions: each of those
+            trials' work up to the iteration the rule stops it at knowing every result
+            (the same for every policy). A policy that lets the rule judge every trial
+            on full evidence spends about this on stopped trials; LRTF's
+            ``stopped_work_s`` can be far below it only by letting trials run past their
+            rungs before anything is recorded there, unjudged.
         schedule: every op run, as in :class:`SimResult`.
     """
 
@@ -564,6 +573,8 @@ class SearchResult:
     best_loss: float
     total_work_s: float
     misled_work_s: float
+    loser_work_s: float
+    hindsight_stopped_s: float
     schedule: list[SimEvent]
 
 
@@ -688,6 +699,10 @@ def simulate_search(
             for i, t in enumerate(trials)
             if t.name in hindsight and spent[i] > trials[i].costs_to(hindsight[t.name])
         ),
+        loser_work_s=sum(spent[i] for i, t in enumerate(trials) if t.name in hindsight),
+        hindsight_stopped_s=sum(
+            t.costs_to(hindsight[t.name]) for t in trials if t.name in hindsight
+        ),
         schedule=schedule,
     )
 
@@ -697,7 +712,7 @@ SEARCH_POLICIES = ("fifo", "lrtf", "milestone", "auto")
 ``search_aware`` = the rule stops trials)."""
 
 SEARCH_METRICS = ("first_result_s", "rung1_s", "stopped_work_s", "misled_work_s",
-                  "total_work_s", "best_done_s", "makespan")  # fmt: skip
+                  "loser_work_s", "total_work_s", "best_done_s", "makespan")  # fmt: skip
 
 
 def search_table(
@@ -712,7 +727,11 @@ def search_table(
     For each trial count K, device count P, rule and policy, and each of
     :data:`SEARCH_METRICS`: its mean over the seeds (key ``<metric>_abs``), that mean over
     LRTF's (key ``<metric>``; ``nan`` where LRTF's is 0) and the largest per-seed ratio
-    (key ``<metric>_worst``, over the seeds where LRTF's is not 0).
+    (key ``<metric>_worst``, over the seeds where LRTF's is not 0). Also
+    ``stopped_floor``: the mean ``hindsight_stopped_s`` over LRTF's mean
+    ``stopped_work_s`` (the same in every policy's cell; ``nan`` without stops): below
+    what full-evidence decisions spend on stopped trials, a policy gets only by leaving
+    trials unjudged.
 
     Returns:
         ``{(K, P, rule, policy): {key: value}}``.
@@ -738,5 +757,8 @@ def search_table(
                         cell[m] = sum(mine) / sum(base) if sum(base) > 0 else math.nan
                         ratios = [a / b for a, b in zip(mine, base, strict=True) if b > 0]
                         cell[f"{m}_worst"] = max(ratios, default=math.nan)
+                    floor = sum(r.hindsight_stopped_s for r in results)
+                    lrtf_stopped = sum(r.stopped_work_s for r in runs["lrtf"])
+                    cell["stopped_floor"] = floor / lrtf_stopped if lrtf_stopped > 0 else math.nan
                     table[(k, p, rule_name, name)] = cell
     return table
