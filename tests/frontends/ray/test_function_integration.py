@@ -17,7 +17,7 @@ import pytest
 import torch
 from ray import cloudpickle, tune
 from ray.train._internal import session as ray_session
-from ray.tune.schedulers import ASHAScheduler
+from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
 from torch import nn
 
 import tune_hydra as th
@@ -65,9 +65,10 @@ def train_convnet(config: dict[str, Any]) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=config["lr"], momentum=config["momentum"])
     if config.get("shard", True):
         model, optimizer = th.shard(model, optimizer)
-    start = 0
+    start, restored_from = 0, ""
     checkpoint = tune.get_checkpoint()
     if checkpoint:
+        restored_from = checkpoint.path
         with checkpoint.as_directory() as d:
             state = torch.load(os.path.join(d, "ckpt.pt"), weights_only=False)
         model.load_state_dict(state["model"])
@@ -98,7 +99,13 @@ def train_convnet(config: dict[str, Any]) -> None:
                 os.path.join(d, "ckpt.pt"),
             )
             tune.report(
-                {"mean_accuracy": acc, "train_loss": total, "lr_seen": config["lr"]},
+                {
+                    "mean_accuracy": acc,
+                    "train_loss": total,
+                    "lr_seen": config["lr"],
+                    "start": start,
+                    "restored_from": restored_from,
+                },
                 checkpoint=tune.Checkpoint.from_directory(d),
             )
 
@@ -295,3 +302,44 @@ def test_a_function_without_shard_ends_the_run_once(ray_session: Any, storage: s
     assert "model, optimizer = th.shard(model, optimizer)" in text
     assert "'train_plainly' reported without calling th.shard" in text
     assert "experiment stops at the first one" in text
+
+
+def test_pbt_exploits_restore_weights_and_optimizer(ray_session: Any, storage: str) -> None:
+    """PBT pauses the weaker trial and restarts its function from the stronger one's
+    checkpoint (``tune.get_checkpoint()`` + ``load_state_dict`` of model and optimizer):
+    what it trains from there equals the plain function restored from that checkpoint."""
+    pbt = PopulationBasedTraining(
+        time_attr="training_iteration",
+        perturbation_interval=1,
+        quantile_fraction=0.5,
+        resample_probability=1.0,
+        hyperparam_mutations={"lr": [0.05, 0.2]},
+    )
+    with _executor() as ex:
+        analysis = tune.run(
+            ex.trainable(train_convnet),
+            config={"seed": tune.grid_search([0, 1]), "iters": 4, **BASE},
+            scheduler=pbt,
+            metric="train_loss",
+            mode="min",
+            storage_path=storage,
+            verbose=0,
+        )
+        registered = ex.registered_trials()
+    assert all(t.status == "TERMINATED" for t in analysis.trials)
+    restored = 0
+    for trial in analysis.trials:
+        frame = analysis.trial_dataframes[trial.trial_id]
+        for path, rows in frame[frame["restored_from"] != ""].groupby("restored_from"):
+            restored += 1
+            config = {"seed": trial.config["seed"], "iters": 4, **BASE}
+            config["lr"] = float(rows["lr_seen"].iloc[0])
+            plain = _plain(config, checkpoint=tune.Checkpoint(path))
+            assert list(rows["start"]) == [r["start"] for r in plain.results][: len(rows)]
+            assert list(rows["train_loss"]) == [r["train_loss"] for r in plain.results][: len(rows)]
+            assert (
+                list(rows["mean_accuracy"])
+                == [r["mean_accuracy"] for r in plain.results][: len(rows)]
+            )
+    assert restored >= 1  # PBT exploited at least once
+    assert all(not r["engine_tasks"] for r in registered.values()), registered
