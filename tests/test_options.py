@@ -89,6 +89,7 @@ def test_engine_options() -> None:
         "host_memory",
         "spill_dir",
         "trace_window",
+        "share_frozen",
     }
     with pytest.raises(InvalidOptionError) as info:
         EngineOptions(max_layers_per_shard=0, where="train_models")

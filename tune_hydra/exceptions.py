@@ -239,6 +239,35 @@ class ReusedModelError(SharedModelError):
         )
 
 
+class FrozenTensorModifiedError(TuneHydraError, RuntimeError):
+    """A task wrote a frozen tensor it shares with other tasks (the engine holds one copy
+    of frozen tensors equal across tasks, see ``tune_hydra.engine.frozen``).
+
+    Attributes:
+        task: the task that wrote it (it fails; the others go on).
+        tensor: the tensor's name in the task's model.
+        what: what changed (written in place, replaced, unfrozen, given a gradient).
+    """
+
+    def __init__(self, task: str, tensor: str, what: str, others: int) -> None:
+        self.task = task
+        self.tensor = tensor
+        self.what = what
+        self.others = others
+        super().__init__(
+            f"task {task!r}: the frozen tensor {tensor!r}, held once for it and "
+            f"{others} other task(s) with an equal one, was {what}. A shared frozen "
+            f"tensor must stay as loaded: keep it frozen (requires_grad=False, no "
+            f"gradient, not stepped), merge adapters only after training and into a copy "
+            f"(merge_and_unload(safe_merge=True) on a deepcopy), or train this task with "
+            f"its own copy: Engine(options=EngineOptions(share_frozen=False)), or load a "
+            f"base that differs."
+        )
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.task, self.tensor, self.what, self.others))
+
+
 class _Shown(str):
     """A value's ``repr`` standing in for the value once an error is pickled (the value
     itself may not pickle: a lambda given as a seed)."""

@@ -518,6 +518,9 @@ class EngineOptions:
             (:func:`check_spill`; the folder itself is checked when the engine starts).
         trace_window: the most trace events the engine keeps (``None``: all); older
             ones are folded into the trace's running totals (:func:`check_trace_window`).
+        share_frozen: hold frozen tensors equal across tasks once (a LoRA search's base;
+            ``tune_hydra.engine.frozen``); ``False``: every task keeps its own copy
+            (:func:`check_flag`).
         where: who got them, for the messages (``"Engine"``, ``"train_models"``); not
             stored.
 
@@ -544,6 +547,7 @@ class EngineOptions:
     host_memory: int | str | None = None
     spill_dir: str | os.PathLike[str] | None = None
     trace_window: int | None = DEFAULT_TRACE_WINDOW
+    share_frozen: bool = True
     where: InitVar[str] = "Engine"
     #: ``device_memory`` in bytes (``None``: the whole device).
     device_bytes: int | None = field(init=False, repr=False, compare=False, default=None)
@@ -563,6 +567,7 @@ class EngineOptions:
             ),
             "host_bytes": parse_bytes(self.host_memory, option="host_memory"),
             "trace_window": check_trace_window(self.trace_window, where=where),
+            "share_frozen": check_flag(self.share_frozen, "share_frozen", where=where),
         }
         check_spill(self.host_memory, self.spill_dir, where=where)
         for name, value in checked.items():
@@ -588,15 +593,21 @@ NOT_OFFERED: dict[str, dict[str, str]] = {
         "iteration_batches": "it trains whole epochs (epochs=)",
         "trace_window": "its History holds the engine's trace with the default window; "
         "drive an Engine(trace_window=...) yourself for another",
+        "share_frozen": "frozen tensors equal across tasks are always held once; "
+        "Engine(options=EngineOptions(share_frozen=False)) turns it off (a benchmark switch)",
     },
     "optimize": {
         "iteration_batches": "a trial reports to Optuna once per epoch (the epoch is the step)",
         "trace_window": "pass engine=Engine(trace_window=...) for another window",
+        "share_frozen": "frozen tensors equal across tasks are always held once; "
+        "Engine(options=EngineOptions(share_frozen=False)) turns it off (a benchmark switch)",
     },
     "HydraExecutor": {
         "copy_on_cpu": "a test aid of the engine's copy path on CPU 'devices' "
         "(Engine / train_models); a node's engine computes on its devices",
         "trace_window": "each engine keeps the default window; executor.trace() gathers them",
+        "share_frozen": "frozen tensors equal across tasks are always held once; "
+        "Engine(options=EngineOptions(share_frozen=False)) turns it off (a benchmark switch)",
     },
 }
 

@@ -292,7 +292,7 @@ def test_four_lora_trials_multiplexed_are_exact(
         for n, t in frozen_base_tensors(task.model).items():
             assert torch.equal(t, frozen[name][n]), (name, n)
         assert all(p.grad is None for p in task.model.parameters() if not p.requires_grad)
-        assert len({e.shard for e in h.trace.events if e.task == name}) == 3
+        assert len({e.shard for e in h.trace.events if e.task == name and e.shard >= 0}) == 3
     assert len({e.device for e in h.trace.events if e.op in "FLBSE"}) == 2
 
 

@@ -74,6 +74,9 @@ class Engine:
         trace_window: the most events :attr:`trace` keeps (default 200,000, 35-55 MiB;
             ``None``: all, growing with the run); older ones are folded into running
             totals, so the trace's figures (``trace.summary()``) still cover the whole run.
+        share_frozen: hold frozen tensors equal across tasks (a fine-tuning search's base)
+            once in host memory (see ``tune_hydra.engine.frozen``); ``False``: each task
+            keeps its own.
         options: the same options as one checked :class:`~tune_hydra.options.EngineOptions`
             (what the front ends build where the user gives them, and hand down as it is),
             instead of the keywords above (``Engine(options=opts)``; giving both is
@@ -120,6 +123,7 @@ class Engine:
         host_memory: int | str | None = None,
         spill_dir: str | os.PathLike[str] | None = None,
         trace_window: int | None = DEFAULT_TRACE_WINDOW,
+        share_frozen: bool = True,
         options: EngineOptions | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -134,6 +138,7 @@ class Engine:
             "host_memory": host_memory,
             "spill_dir": spill_dir,
             "trace_window": trace_window,
+            "share_frozen": share_frozen,
         }
         options = _engine_options(options, given)
         self.options = options

@@ -176,10 +176,53 @@ class HostMemory:
 
     def discard(self, stores: Iterable[ShardStore]) -> None:
         """Remove the spill files of unregistered stores (a state still on disk keeps
-        its views: the file's disk space is freed once nothing uses them)."""
+        its views: the file's disk space is freed once nothing uses them), and drop their
+        references into the frozen pool (``tune_hydra.engine.frozen``)."""
         for store in stores:
+            store.leave_frozen()
             if store.spill_file is not None:
                 store.spill_file.close()
+
+    # -- frozen tensors held once for several tasks (tune_hydra.engine.frozen) -----------
+
+    def hold(self, key: object, nbytes: int, name: tuple[str, int]) -> None:
+        """Count ``nbytes`` of the frozen pool under ``key``, after making room by spilling
+        colder states (as for parked boundary tensors: over within the slack if none can
+        be). Never a spill victim itself: only its last user's leaving frees it."""
+        if not self.active or not nbytes:
+            return
+        waited = 0.0
+        while True:
+            with self._lock:
+                if self.ledger.over(nbytes) <= 0:
+                    self._hold(key, nbytes, name)
+                    return
+                victims = self._victims(None, None)
+            if any(self._spill_or_fail(v) for v in victims):
+                continue
+            if not victims or waited >= _WAIT_S:
+                break
+            time.sleep(_RETRY_S)
+            waited += _RETRY_S
+        with self._lock:
+            self.over_bytes = max(self.over_bytes, self.ledger.over(nbytes))
+            self._hold(key, nbytes, name)
+
+    def _hold(self, key: object, nbytes: int, name: tuple[str, int]) -> None:
+        self.ledger.take(key, nbytes)
+        t = self.clock()
+        self.trace.add(TraceEvent("host", name[0], name[1], "host_take", t, t, nbytes))
+
+    def drop(self, key: object, name: tuple[str, int]) -> None:
+        """The frozen pool freed ``key``'s tensor (its last user left)."""
+        if not self.active:
+            return
+        with self._lock:
+            nbytes = self.ledger.give(key)
+            self._freed += nbytes
+            if nbytes:
+                t = self.clock()
+                self.trace.add(TraceEvent("host", name[0], name[1], "host_give", t, t, nbytes))
 
     # -- what the engine tells it --------------------------------------------------------
 
@@ -371,7 +414,8 @@ class HostMemory:
         heat = self._heat
         out = []
         for key in self.ledger.states:
-            assert isinstance(key, int)  # stores are counted by id
+            if not isinstance(key, int):
+                continue  # the frozen pool's tensors (see hold): never spilled
             s = self._stores.get(key)
             if s is None or s is store or key in self._busy or key in self._failed:
                 continue

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from tune_hydra.engine.boundary import split_batch
+from tune_hydra.engine.frozen import FrozenPool, Prepared
 from tune_hydra.engine.host import HostMemory
 from tune_hydra.engine.kept import KeptGraphs
 from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
@@ -75,6 +76,8 @@ class TaskRegistry:
         # they claim, so that two concurrent add_task calls cannot share a model either.
         self._adding: dict[str, OwnedTensors] = {}
         self._order = 0
+        # Frozen tensors equal across tasks, held once (tune_hydra.engine.frozen).
+        self.frozen = FrozenPool(host, enabled=options.share_frozen)
 
     @property
     def keeps_graphs(self) -> bool:
@@ -154,6 +157,8 @@ class TaskRegistry:
             prefetch=self._options.prefetch,
             max_layers_per_shard=self._options.max_layers_per_shard,
         )
+        # Digested and matched here, outside the engine's lock (it reads every frozen byte).
+        prepared = self.frozen.prepare(name, task.model)  # type: ignore[arg-type]
         host = self._host.budget
         if host is not None:
             big = max(plan.shards, key=lambda spec: spec.state_bytes)
@@ -182,7 +187,8 @@ class TaskRegistry:
             self._register(
                 TaskRecord(
                     name, task, plan, options, self._order, runner, batches_per_iter=per_iter
-                )
+                ),
+                prepared,
             )
         return len(plan)
 
@@ -209,7 +215,8 @@ class TaskRegistry:
             )
         with self._cv:
             self._check_name(name)
-            self._kept.check(name, plan)
+            if not options.recompute:  # a runner that recomputes keeps no graph
+                self._kept.check(name, plan)
             per_iter = float(options.iteration_batches or 1)
             self._register(
                 TaskRecord(
@@ -236,7 +243,10 @@ class TaskRegistry:
         )
         runner.set_state(state)
         # Only now: restoring writes into the model's tensors and replaces optimizer
-        # state, which must be in host memory, not in a spill file.
+        # state, which must be in host memory, not in a spill file (and the frozen ones
+        # must be the task's own: the old runner's left the pool).
+        prepared = self.frozen.prepare(entry.name, entry.task.model)  # type: ignore[arg-type]
+        self.frozen.adopt(prepared, runner.stores)
         self._host.register(runner.stores)
         runner.on_iteration = entry.deliver
         return runner
@@ -247,9 +257,12 @@ class TaskRegistry:
                 f"a task named {name!r} is already registered; remove it first or pick another name"
             )
 
-    def _register(self, entry: TaskRecord) -> None:
-        """Add ``entry`` (under the lock, its checks passed)."""
+    def _register(self, entry: TaskRecord, prepared: Prepared | None = None) -> None:
+        """Add ``entry`` (under the lock, its checks passed); ``prepared``: its frozen
+        tensors, matched with the pool's (a ``TaskRunner``'s)."""
         runner = entry.runner
+        if prepared is not None and isinstance(runner, TaskRunner):
+            self.frozen.adopt(prepared, runner.stores)
         self._host.register(runner.stores)
         runner.on_iteration = entry.deliver
         self.tasks[entry.name] = entry

@@ -708,9 +708,10 @@ class DeviceWorker:
             t0 = self.clock()
             if err is None:
                 # The store learns whether the op changes its state (else its device copy
-                # is dropped at eviction, and a valid host or disk copy is kept).
-                a.store.begin_op(a.op.kind)
+                # is dropped at eviction, and a valid host or disk copy is kept). Both ends
+                # may fail the task alone: a shared frozen tensor it changed.
                 try:
+                    a.store.begin_op(a.op.kind)
                     if self.compute_stream is not None:
                         with torch.cuda.stream(self.compute_stream):
                             if a.event is not None:
@@ -721,7 +722,10 @@ class DeviceWorker:
                         a.run(self.device)
                 except BaseException as e:  # the engine fails that task only
                     err = e
-                a.store.end_op(failed=err is not None)
+                try:
+                    a.store.end_op(failed=err is not None)
+                except BaseException as e:
+                    err = e
             if a.lease is not None:  # its compute is over (on CUDA: synchronized)
                 a.lease.release()
             t1 = self.clock()

@@ -19,16 +19,20 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
 
 from tune_hydra.core.ops import OpKind
+from tune_hydra.engine.frozen import checksum
 from tune_hydra.engine.storage.disk import SpillFile
 from tune_hydra.engine.storage.residency import Residency, ShardResidency
 from tune_hydra.engine.storage.tiers import HostTier, Key, PinnedHostTier, StorageTier
-from tune_hydra.exceptions import SpillReadError
+from tune_hydra.exceptions import FrozenTensorModifiedError, SpillReadError
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.frozen import FrozenRef
 
 
 class HostAccount(Protocol):
@@ -147,6 +151,11 @@ class ShardStore:
         # vouched for (a lease whose user said nothing) counts as a change.
         self._vouched = False
         self._loading = False  # a disk read is under way (a promotion waiting counts it)
+        # Parameters whose host tensor is a frozen pool's, shared with other tasks (see
+        # share_frozen): outside the store's own state (never counted, copied back or
+        # spilled with it); each with the tensor it points at now and its version then.
+        self._frozen: dict[int, FrozenRef] = {}
+        self._frozen_live: dict[int, tuple[torch.Tensor, int]] = {}
         for key, t in list(self._live()):
             home = tier.keep(key, t)
             if home is not t:
@@ -158,8 +167,99 @@ class ShardStore:
 
     def host_charge(self) -> int:
         """Host bytes this state takes in RAM: the plan's state bytes (gradients and
-        optimizer state appear while it trains), or more if it holds more now."""
-        return max(self.state_bytes, self.nbytes())
+        optimizer state appear while it trains), or more if it holds more now; shared
+        frozen tensors are the frozen pool's (counted once, there)."""
+        return max(self.state_bytes - self.frozen_bytes(), self.nbytes())
+
+    # -- frozen tensors shared across tasks (tune_hydra.engine.frozen) --------------------
+
+    def frozen_bytes(self) -> int:
+        """Bytes of the parameters whose host tensor is a frozen pool's."""
+        return sum(r.entry.nbytes for r in self._frozen.values())
+
+    @property
+    def frozen(self) -> dict[int, FrozenRef]:
+        """Parameter index -> its reference into the frozen pool."""
+        return self._frozen
+
+    def share_frozen(self, index: int, ref: FrozenRef) -> None:
+        """Point parameter ``index`` (frozen, at home) at the pool's tensor ``ref.entry.host``
+        and leave it out of the store's own state from now on."""
+        with self.lock:
+            assert self._residency.state is Residency.HOST, "shared at registration only"
+            p = self.params[index]
+            p.data = ref.entry.host
+            self._frozen[index] = ref
+            self._frozen_live[index] = (ref.entry.host, p._version)
+            self._tier.drop(("p", index))
+            self._home = self._identity()
+
+    def leave_frozen(self) -> None:
+        """The task leaves: drop every reference into the pool (see ``FrozenPool.release``;
+        the state is at home)."""
+        with self.lock:
+            for i, ref in list(self._frozen.items()):
+                self._frozen_home(i)
+                del self._frozen[i]
+                self._frozen_live.pop(i, None)
+                ref.pool.release(ref, self.params[i])
+
+    def check_frozen(self, when: str, *, values: bool = False) -> None:
+        """Whether the shared frozen parameters are as the store left them (see the
+        module docstring of ``tune_hydra.engine.frozen``); ``values``: their values too
+        (a checksum: one pass over each, where it is).
+
+        Raises:
+            FrozenTensorModifiedError: one another task also uses was changed.
+        """
+        for i, ref in list(self._frozen.items()):
+            what = self._frozen_change(i, values)
+            if what is None:
+                continue
+            others = ref.entry.others(ref.task)
+            if others:
+                raise FrozenTensorModifiedError(ref.task, ref.name, f"{what} {when}", others)
+            self._unshare(i)
+
+    def _frozen_change(self, i: int, values: bool) -> str | None:
+        p = self.params[i]
+        live, version = self._frozen_live[i]
+        if p.requires_grad:
+            return "unfrozen (requires_grad=True)"
+        if p.grad is not None:
+            return "given a gradient"
+        t = p.data
+        if t.data_ptr() != live.data_ptr() or t.shape != live.shape or t.dtype != live.dtype:
+            return "replaced (its .data set to another tensor)"
+        if p._version != version:
+            return "written in place"
+        if values and checksum(t) != self._frozen[i].entry.checksum:
+            return "written in place through .data"
+        return None
+
+    def _unshare(self, i: int) -> None:
+        """Parameter ``i`` changed, and no other task uses its entry: it becomes the
+        store's own again (as if never shared), the entry leaves the pool."""
+        with self.lock:
+            ref = self._frozen.pop(i)
+            self._frozen_live.pop(i, None)
+            p = self.params[i]
+            if self._residency.state is not Residency.DEVICE:
+                # At home (or in place): its tensor is the entry's, now the store's own.
+                self._tier.keep(("p", i), p.data)
+            else:
+                # On a device: the entry's tensor is its host buffer, filled at demotion.
+                self._tier.keep(("p", i), ref.entry.host)
+                self._changed()
+            ref.pool.release(ref, p, keep=True)
+            self._home = None
+            self._changed()
+
+    def _frozen_home(self, i: int) -> None:
+        ref = self._frozen[i]
+        p = self.params[i]
+        p.data = ref.entry.host
+        self._frozen_live[i] = (ref.entry.host, p._version)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -188,7 +288,14 @@ class ShardStore:
         train mode updating BatchNorm statistics, a backward writing gradients, a step)
         changes it: its host copy and file are stale from here on. An optimizer step
         during any op (a deferred one, at the start of a visit) is seen through a step
-        hook; :meth:`end_op` checks the rest."""
+        hook; :meth:`end_op` checks the rest.
+
+        Raises:
+            FrozenTensorModifiedError: a frozen tensor shared with other tasks was changed
+                since the last op.
+        """
+        if self._frozen:
+            self.check_frozen(f"before its {kind.value} of shard {self.name[1]}")
         if kind is OpKind.EVAL or (kind is OpKind.FORWARD and not self.buffer_slots):
             self._vouched = self._sig is not None
             return
@@ -197,10 +304,17 @@ class ShardStore:
     def end_op(self, failed: bool = False) -> None:
         """The op begun with :meth:`begin_op` ended (``failed``: it raised; whatever it
         did counts as a change). A read-only op that replaced or wrote into a live tensor
-        anyway (a user module writing a buffer in eval) makes the state changed."""
+        anyway (a user module writing a buffer in eval) makes the state changed.
+
+        Raises:
+            FrozenTensorModifiedError: the op changed a frozen tensor shared with other
+                tasks (the op's task fails; the others' copies are untouched).
+        """
         if failed:
             self._changed()
             return
+        if self._frozen:
+            self.check_frozen(f"by an op on shard {self.name[1]}", values=True)
         if self._sig is not None:
             with self.lock:
                 if self._sig is not None and self._signature() != self._sig:
@@ -271,7 +385,10 @@ class ShardStore:
     # -- the tensors, addressed by stable keys ------------------------------------------
 
     def _live(self) -> Iterator[tuple[Key, torch.Tensor]]:
+        frozen = self._frozen
         for i, p in enumerate(self.params):
+            if i in frozen:
+                continue  # the frozen pool's (it has no gradient, no optimizer state)
             yield ("p", i), p.data
             if p.grad is not None:
                 yield ("g", i), p.grad
@@ -279,6 +396,8 @@ class ShardStore:
             yield ("b", j), mod._buffers[name]  # type: ignore[misc]
         if self.optimizer is not None:
             for i, p in enumerate(self.params):
+                if i in frozen:
+                    continue
                 for k, v in self.optimizer.state.get(p, {}).items():
                     if _param_shaped(v):
                         yield ("o", i, k), v
@@ -442,6 +561,16 @@ class ShardStore:
                 dev.copy_(host, non_blocking=self._tier.pinned)
                 moved += host.numel() * host.element_size()
                 self._set(key, dev)
+            for i, ref in self._frozen.items():
+                # The task's own device copy (never copied back: the pool's host tensor
+                # keeps the values).
+                host = ref.entry.host
+                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+                dev.copy_(host, non_blocking=host.is_pinned())
+                moved += host.numel() * host.element_size()
+                p = self.params[i]
+                p.data = dev
+                self._frozen_live[i] = (dev, p._version)
         residency.arrive(device, owner)
         self._host_copy = host_copy
         self._sig = self._signature() if host_copy or self._file_valid else None
@@ -470,6 +599,8 @@ class ShardStore:
                 self._changed()
             self._residency.home()
             return 0
+        for i in self._frozen:  # the device copies are dropped, as unchanged ones are
+            self._frozen_home(i)
         if not self._unchanged():
             self._changed()  # an op changed it, or none vouched for the visit
         self._sig = None

@@ -67,6 +67,11 @@ class StorageTier(abc.ABC):
         buf.copy_(tensor)
         return buf
 
+    def drop(self, key: Key) -> None:
+        """Forget ``key``'s tensor (its value is kept elsewhere from now on: a frozen
+        tensor shared across tasks). Tiers that cannot forget one key raise."""
+        raise NotImplementedError(f"{type(self).__name__} cannot drop one key")
+
     def __contains__(self, key: object) -> bool:
         return any(k == key for k in self.keys())
 
@@ -98,6 +103,9 @@ class HostTier(StorageTier):
 
     def keys(self) -> Iterator[Key]:
         return iter(self._tensors)
+
+    def drop(self, key: Key) -> None:
+        self._tensors.pop(key, None)
 
     def clear(self) -> None:
         self._tensors.clear()

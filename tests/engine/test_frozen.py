@@ -1,0 +1,303 @@
+"""Frozen tensors equal across tasks are held once (tune_hydra.engine.frozen), and each
+task still trains exactly as alone with its own copy."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tune_hydra as th
+from tests.conftest import OPTIMIZERS, assert_same_model, batches
+from tune_hydra.engine import Engine
+from tune_hydra.engine.frozen import FrozenPool, canonical_name, digest
+from tune_hydra.exceptions import FrozenTensorModifiedError, SharedModelError, TrainingError
+
+SEED = 3
+BASE = (8 * 32 + 32 + 2 * (32 * 32 + 32)) * 8  # float64 bytes of the frozen layers
+
+
+def base_state() -> dict[str, torch.Tensor]:
+    """A 'pretrained' base: what every trial loads."""
+    torch.manual_seed(0)
+    return model(0).state_dict()
+
+
+def model(head_seed: int) -> nn.Sequential:
+    torch.manual_seed(head_seed)
+    return nn.Sequential(
+        nn.Linear(8, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.ReLU(),
+        nn.Linear(32, 32),
+        nn.Dropout(0.1),
+        nn.Linear(32, 4),
+    ).double()
+
+
+def trial(i: int, *, opt: str = "adam", change: str | None = None) -> th.ModelTask:
+    """A fine-tuning trial as users write one: load the base, freeze it, train a head
+    (``change``: the name of one base tensor that differs in this trial's checkpoint)."""
+    m = model(100 + i)
+    state = {k: v.clone() for k, v in base_state().items() if not k.startswith("6.")}
+    if change is not None:
+        state[change] = state[change] + 1.0
+    m.load_state_dict(state, strict=False)
+    for layer in (m[0], m[2], m[4]):
+        layer.requires_grad_(False)
+    return th.ModelTask(
+        m, nn.CrossEntropyLoss(), OPTIMIZERS[opt], batches(4, seed=10 + i), eval_data=batches(2)
+    )
+
+
+def alone(task: th.ModelTask) -> th.ModelTask:
+    return th.ModelTask(
+        copy.deepcopy(task.model),
+        task.loss_fn,
+        task.optimizer,
+        task.train_data,
+        eval_data=task.eval_data,
+    )
+
+
+def engine(tmp_path: Path | None = None, **kw: Any) -> Engine:
+    spill = {"host_memory": 10**8, "spill_dir": tmp_path} if tmp_path is not None else {}
+    return Engine(
+        ["cpu", "cpu"], max_layers_per_shard=2, copy_on_cpu=True, policy="lrtf", **spill, **kw
+    )
+
+
+def frozen_ptrs(m: nn.Module) -> dict[str, int]:
+    return {n: p.data_ptr() for n, p in m.named_parameters() if not p.requires_grad}
+
+
+def train(eng: Engine, tasks: dict[str, th.ModelTask], epochs: int = 2) -> dict[str, Any]:
+    for name, task in tasks.items():
+        eng.add_task(name, task, seed=SEED)
+    futures = {name: eng.train(name, epochs) for name in tasks}
+    return {name: f.result(timeout=120) for name, f in futures.items()}
+
+
+def assert_alone(results: list[dict[str, Any]], task: th.ModelTask, ref: th.ModelTask) -> None:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(max(1, threads // 2))  # as an emulated device of two runs it
+    try:
+        want = th.train_plain(ref, len(results), seed=SEED)
+    finally:
+        torch.set_num_threads(threads)
+    assert [(r["loss"], r["val_loss"]) for r in results] == [
+        (w["loss"], w["val_loss"]) for w in want
+    ]
+    assert_same_model(task.model, ref.model, atol=0, rtol=0)
+
+
+# -- the pool on its own ------------------------------------------------------------------
+
+
+def test_names_and_digests() -> None:
+    assert canonical_name("m.q_proj.base_layer.weight") == "m.q_proj.weight"
+    t = torch.arange(6.0)
+    assert digest(t) == digest(t.clone()) != digest(t + 1)
+    assert digest(torch.zeros(3)) != digest(-torch.zeros(3))  # bytes, not values
+    assert digest(t.view(2, 3).t()) == digest(t.view(2, 3).t().contiguous())
+
+
+def test_pool_off_prepares_nothing() -> None:
+    assert FrozenPool(None, enabled=False).prepare("t", model(0)) is None
+
+
+# -- through the engine --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("disk", [False, True], ids=["ram", "disk"])
+def test_three_trials_hold_one_base_and_train_as_alone(disk: bool, tmp_path: Path) -> None:
+    tasks = {f"t{i}": trial(i, opt=["adam", "sgd", "adamw"][i]) for i in range(3)}
+    refs = {k: alone(t) for k, t in tasks.items()}
+    own = {k: frozen_ptrs(t.model) for k, t in tasks.items()}
+    with engine(tmp_path if disk else None) as eng:
+        for name, task in tasks.items():
+            eng.add_task(name, task, seed=SEED)
+        pool = eng._registry.frozen
+        entries = pool.entries()
+        assert len(entries) == 6 and all(e.users == 3 for e in entries)
+        assert pool.held_bytes() == BASE and pool.shared_bytes == 2 * BASE
+        ptrs = [frozen_ptrs(t.model) for t in tasks.values()]
+        assert ptrs[0] == ptrs[1] == ptrs[2] == own["t0"]  # the first trial's tensors
+        if disk:  # counted once in the host ledger, under keys of its own
+            held = eng.summary()["host"]["held_bytes"]
+            frozen = {k: v for k, v in eng.host.ledger.states.items() if isinstance(k, tuple)}
+            assert sum(frozen.values()) == BASE and held >= BASE
+        futures = {name: eng.train(name, 2) for name in tasks}
+        results = {name: f.result(timeout=120) for name, f in futures.items()}
+    for name, task in tasks.items():
+        assert_alone(results[name], task, refs[name])
+    # Left the engine: each model holds its own tensors again (the user may change them).
+    after = [frozen_ptrs(t.model) for t in tasks.values()]
+    assert len({tuple(p.values()) for p in after}) == 3
+    assert not pool.entries() and pool.held_bytes() == 0
+
+
+def test_host_ledger_counts_the_base_once(tmp_path: Path) -> None:
+    held = {}
+    for share in (True, False):
+        with engine(tmp_path, share_frozen=share) as eng:
+            for i in range(4):
+                eng.add_task(f"t{i}", trial(i), seed=SEED)
+            held[share] = eng.summary()["host"]["held_bytes"]
+            ledger_keys = [k for k in eng.host.ledger.states if isinstance(k, tuple)]
+            assert len(ledger_keys) == (6 if share else 0)
+    assert held[False] - held[True] == 3 * BASE
+
+
+def test_a_base_with_one_tensor_different_keeps_its_own_copy_of_it() -> None:
+    tasks = {"a": trial(0), "b": trial(1), "odd": trial(2, change="2.weight")}
+    refs = {k: alone(t) for k, t in tasks.items()}
+    with engine() as eng:
+        for name, task in tasks.items():
+            eng.add_task(name, task, seed=SEED)
+        users = sorted((e.name, e.users) for e in eng._registry.frozen.entries())
+        assert users == [
+            ("0.bias", 3),
+            ("0.weight", 3),
+            ("2.bias", 3),
+            ("2.weight", 1),
+            ("2.weight", 2),
+            ("4.bias", 3),
+            ("4.weight", 3),
+        ]
+        a, odd = frozen_ptrs(tasks["a"].model), frozen_ptrs(tasks["odd"].model)
+        assert a["2.weight"] != odd["2.weight"] and a["2.bias"] == odd["2.bias"]
+        futures = {name: eng.train(name, 2) for name in tasks}
+        results = {name: f.result(timeout=120) for name, f in futures.items()}
+    for name, task in tasks.items():
+        assert_alone(results[name], task, refs[name])
+
+
+def test_a_task_leaving_drops_its_references() -> None:
+    tasks = {f"t{i}": trial(i) for i in range(3)}
+    with engine() as eng:
+        train(eng, tasks, epochs=1)
+        pool = eng._registry.frozen
+        eng.remove_task("t0")
+        assert all(e.users == 2 for e in pool.entries())
+        # Its model got a private copy: changing it now touches no other task.
+        with torch.no_grad():
+            tasks["t0"].model[0].weight.add_(1.0)
+        assert not torch.equal(tasks["t0"].model[0].weight, tasks["t1"].model[0].weight)
+        eng.remove_task("t1")
+        eng.remove_task("t2")
+        assert not pool.entries()
+
+
+def test_trainable_tensors_shared_between_tasks_stay_refused() -> None:
+    a, b = trial(0), trial(1)
+    b.model[6] = a.model[6]  # one trainable head in two trials
+    with engine() as eng:
+        eng.add_task("a", a, seed=SEED)
+        with pytest.raises(SharedModelError):
+            eng.add_task("b", b, seed=SEED)
+
+
+# -- a task that writes a shared frozen tensor fails alone ---------------------------------
+
+
+class OnBatch:
+    """A forward pre-hook of the first layer doing ``action`` to it when it sees the third
+    training batch (by its values: the same in the engine, in its probe and in plain
+    training)."""
+
+    def __init__(self, action: str, marker: float) -> None:
+        self.action = action
+        self.marker = marker
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if args[0].shape[0] != 6 or args[0][0, 0].item() != self.marker:
+            return
+        if self.action == "unfreeze":
+            module.weight.requires_grad_(True)
+        elif self.action == "write":
+            with torch.no_grad():
+                module.weight.mul_(0.5)
+        elif self.action == "replace":
+            module.weight.data = module.weight.data * 0.5
+        elif self.action == "merge":  # peft's unsafe merge: weight.data += delta
+            module.weight.data += 0.01
+
+
+@pytest.mark.parametrize("action", ["unfreeze", "write", "replace", "merge"])
+def test_a_task_that_changes_a_shared_frozen_tensor_fails_alone(action: str) -> None:
+    tasks = {f"t{i}": trial(i) for i in range(3)}
+    bad = tasks["t1"]
+    marker = bad.train_data[2][0][0, 0].item()
+    bad.model[0].register_forward_pre_hook(OnBatch(action, marker))
+    good = {k: alone(t) for k, t in tasks.items() if k != "t1"}
+    with engine() as eng:
+        for name, task in tasks.items():
+            eng.add_task(name, task, seed=SEED)
+        futures = {name: eng.train(name, 2) for name in tasks}
+        results = {}
+        for name, f in futures.items():
+            if name == "t1":
+                with pytest.raises(FrozenTensorModifiedError) as info:
+                    f.result(timeout=120)
+            else:
+                results[name] = f.result(timeout=120)
+    err = info.value
+    assert err.task == "t1" and err.tensor == "0.weight" and err.others == 2
+    assert "share_frozen=False" in str(err) and "'0.weight'" in str(err)
+    for name, ref in good.items():
+        assert_alone(results[name], tasks[name], ref)
+
+
+def test_train_models_names_the_task_that_changed_a_shared_tensor() -> None:
+    tasks = {f"t{i}": trial(i) for i in range(2)}
+    marker = tasks["t0"].train_data[2][0][0, 0].item()
+    tasks["t0"].model[0].register_forward_pre_hook(OnBatch("write", marker))
+    with pytest.raises(TrainingError) as info:
+        th.train_models(tasks, devices=["cpu", "cpu"], epochs=1, copy_on_cpu=True, seed=SEED)
+    assert set(info.value.errors) == {"t0"}
+    assert isinstance(info.value.errors["t0"], FrozenTensorModifiedError)
+
+
+@pytest.mark.parametrize("action", ["unfreeze", "write", "merge"])
+def test_a_frozen_tensor_no_other_task_uses_may_change_as_in_plain_training(
+    action: str,
+) -> None:
+    """Gradual unfreezing (or a write) of a frozen tensor only this task holds: the slot
+    goes back to the task's own state and trains exactly as plain PyTorch does; the tensor
+    it shares with another task stays shared."""
+    solo = trial(0, change="0.weight")  # its own 0.weight, the rest shared with "other"
+    other = trial(1)
+    marker = solo.train_data[2][0][0, 0].item()
+    solo.model[0].register_forward_pre_hook(OnBatch(action, marker))
+    refs = {"solo": alone(solo), "other": alone(other)}
+    # Recomputing a forward would run the hook's write twice (plain training runs it once).
+    with engine(recompute=action == "unfreeze") as eng:
+        results = train(eng, {"solo": solo, "other": other})
+        left = sorted((e.name, e.users) for e in eng._registry.frozen.entries())
+    # Its 0.weight left the pool; the other task's is still there.
+    assert left.count(("0.weight", 1)) == 1 and ("0.bias", 2) in left
+    for name, task in {"solo": solo, "other": other}.items():
+        assert_alone(results[name], task, refs[name])
+    if action == "unfreeze":
+        assert solo.model[0].weight.requires_grad and solo.model[0].weight.grad is not None
+
+
+def test_share_frozen_is_a_checked_engine_option() -> None:
+    from tune_hydra.exceptions import InvalidOptionError
+    from tune_hydra.options import EngineOptions
+
+    assert EngineOptions().share_frozen is True
+    with pytest.raises(InvalidOptionError, match="share_frozen"):
+        EngineOptions(share_frozen="no")  # type: ignore[arg-type]
+    with Engine("cpu", share_frozen=False) as eng:
+        eng.add_task("a", trial(0), seed=SEED)
+        eng.add_task("b", trial(1), seed=SEED)
+        assert not eng._registry.frozen.entries()
+        a, b = (frozen_ptrs(eng._registry.tasks[k].task.model) for k in "ab")  # type: ignore[union-attr]
+        assert all(a[n] != b[n] for n in a)

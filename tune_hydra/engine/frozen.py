@@ -1,0 +1,297 @@
+"""Frozen tensors shared across tasks: one host copy of identical frozen weights.
+
+Fine-tuning searches load one pretrained base per trial and freeze it (LoRA and other
+adapters): every trial's frozen tensors are equal. A :class:`FrozenPool` (one per engine,
+owned by its task registry) keeps one host copy of each, for all tasks:
+
+- **At registration** (:meth:`FrozenPool.prepare`, then :meth:`FrozenPool.adopt`) every
+  frozen parameter of a task (``requires_grad=False``, no gradient, no optimizer state)
+  is looked up by its name (``.base_layer`` segments, which peft inserts into the modules
+  it adapts, left out), shape, dtype and a digest of its bytes; a candidate is taken only
+  if ``torch.equal`` says so (bitwise: the digest is of the bytes). A match points the
+  parameter at the pool's tensor (the task's own copy is freed once nothing else holds
+  it); no match makes the task's tensor a new entry. A base with one tensor different
+  shares all the others and keeps its own copy of that one.
+- **Counted once**: each entry is held in the engine's host ledger under a key of its own
+  (``("frozen", n)``), never a spill victim; its stores leave it out of their own state
+  (``ShardStore.share_frozen``), so it is neither counted nor spilled with them.
+- **Refcounted**: every store slot using an entry holds a reference; a task leaving the
+  engine drops its references (``ShardStore.leave_frozen``, from
+  ``HostMemory.discard``). Its parameters then get a private copy while other tasks
+  still use the entry (the user may modify their model afterwards: the others must not
+  see it); the last user keeps the pool's tensor, and the entry is freed.
+- **Never modified in place**: each store checks its shared slots at every visit
+  (``ShardStore.begin_op`` / ``end_op``: the parameter's version counter, its data
+  pointer, ``requires_grad`` and its gradient). A change in a slot another task also uses
+  fails that task alone (:class:`~tune_hydra.exceptions.FrozenTensorModifiedError`); in
+  an entry only this task uses, the slot goes back to the store's own state (it trains
+  as it would have unshared: gradual unfreezing works) and the entry leaves the pool.
+
+Devices: each task copies its shared tensors onto a device with its own state, as before
+(one copy per resident task, counted with its shard); one resident copy per device for
+all tasks is not done here. On a copying device a task writing its device copy cannot
+touch the others' tensors; on a CPU "device" without copies (``copy_on_cpu=False``) the
+host tensor is computed with in place, so a write there is detected and fails its task,
+but the tasks sharing it have seen the write.
+
+Locks: ``FrozenPool._lock`` is a leaf guarding the entries and their reference counts; it
+is never held while waiting for another lock, and the host ledger is told under its own
+lock after it is released. Digests and ``torch.equal`` run outside every lock (at
+registration, before the engine's lock is taken); :meth:`FrozenPool.adopt` re-checks under
+the pool's lock that a matched entry is still live and unmodified.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+_PEFT_WRAP = ".base_layer"  # peft's wrapper of an adapted module: the same base tensor
+
+
+class FrozenHost(Protocol):
+    """What the pool tells the engine's host memory manager (``HostMemory``)."""
+
+    def hold(self, key: object, nbytes: int, name: tuple[str, int]) -> None:
+        """Count ``nbytes`` held in host memory under ``key`` (never spilled)."""
+        ...
+
+    def drop(self, key: object, name: tuple[str, int]) -> None:
+        """Stop counting ``key``."""
+        ...
+
+
+def canonical_name(name: str) -> str:
+    """A parameter's name as the pool matches it: peft's ``.base_layer`` left out, so
+    that trials adapting different modules share the base tensors of all of them.
+
+    Example:
+        >>> canonical_name("model.layers.0.q_proj.base_layer.weight")
+        'model.layers.0.q_proj.weight'
+    """
+    return name.replace(_PEFT_WRAP, "")
+
+
+def digest(t: torch.Tensor) -> bytes:
+    """A digest of ``t``'s bytes (a candidate key; equality is checked separately)."""
+    flat = t.detach().contiguous().reshape(-1)
+    if flat.numel() == 0:
+        return b""
+    data = flat.view(torch.uint8).numpy()
+    return hashlib.blake2b(data.data, digest_size=16).digest()  # no copy
+
+
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(t: torch.Tensor) -> int:
+    """The sum of ``t``'s elements read as integers (wrapping): one pass on the tensor's
+    own device, so a visit can tell whether a device copy was written. A change through
+    ``.data`` (``weight.data += delta``, peft's unsafe merge) moves no version counter;
+    it moves this sum unless it cancels out exactly."""
+    flat = t.detach().reshape(-1)
+    if flat.numel() == 0:
+        return 0
+    ints = flat.contiguous().view(_INT[flat.element_size()])
+    return int(ints.sum(dtype=torch.int64).item())
+
+
+Key = tuple[str, tuple[int, ...], torch.dtype, bytes]
+
+
+@dataclass(eq=False)
+class FrozenEntry:
+    """One frozen tensor held once for every task whose equal tensor it replaced.
+
+    Attributes:
+        key: ``(name, shape, dtype, digest)``.
+        host: the host tensor every user's parameter points at while at home.
+        ledger_key: its key in the host ledger.
+        checksum: :func:`checksum` of ``host`` (each visit's copy is checked with it).
+        users: store slots using it.
+        tasks: the tasks using it, with their slot counts.
+        live: still in the pool (a modified or released entry is not matched again).
+    """
+
+    key: Key
+    host: torch.Tensor
+    ledger_key: tuple[str, int]
+    checksum: int
+    users: int = 0
+    tasks: dict[str, int] = field(default_factory=dict)
+    live: bool = True
+
+    @property
+    def name(self) -> str:
+        return self.key[0]
+
+    @property
+    def nbytes(self) -> int:
+        return self.host.numel() * self.host.element_size()
+
+    def others(self, task: str) -> int:
+        """How many other tasks use it."""
+        return sum(1 for t in self.tasks if t != task)
+
+
+@dataclass(eq=False)
+class FrozenRef:
+    """A store slot's reference to its entry (see ``ShardStore.share_frozen``)."""
+
+    pool: FrozenPool
+    entry: FrozenEntry
+    task: str
+    name: str  # the parameter's name in the task's model
+
+
+@dataclass
+class Prepared:
+    """A task's frozen parameters, digested and matched (:meth:`FrozenPool.prepare`)."""
+
+    task: str
+    # id(parameter) -> (name, key, checksum, entry it equals or None)
+    params: dict[int, tuple[str, Key, int, FrozenEntry | None]] = field(default_factory=dict)
+    refs: list[nn.Parameter] = field(default_factory=list)  # keeps the ids valid
+
+
+def _frozen(p: nn.Parameter, optimizer: torch.optim.Optimizer | None) -> bool:
+    if p.requires_grad or p.grad is not None or p.numel() == 0 or p.device.type != "cpu":
+        return False
+    if optimizer is not None and optimizer.state.get(p):
+        return False
+    return p.layout is torch.strided and not p.is_sparse
+
+
+class FrozenPool:
+    """The engine's one host copy of each frozen tensor equal across tasks.
+
+    Args:
+        host: the engine's host memory manager (``None``: nothing counted).
+        enabled: share at all (``EngineOptions.share_frozen``); off, tasks keep their own
+            frozen tensors in their own states, as without a pool.
+    """
+
+    def __init__(self, host: FrozenHost | None, *, enabled: bool = True) -> None:
+        self.host = host
+        self.enabled = enabled
+        self._lock = threading.Lock()
+        self._index: dict[Key, FrozenEntry] = {}  # live entries, to match new tasks with
+        self._count = itertools.count()
+        self.shared_bytes = 0  # bytes of task tensors replaced by pool tensors, in all
+
+    # -- figures --------------------------------------------------------------------------
+
+    def held_bytes(self) -> int:
+        """Host bytes the pool's live entries hold."""
+        with self._lock:
+            return sum(e.nbytes for e in self._index.values())
+
+    def entries(self) -> list[FrozenEntry]:
+        with self._lock:
+            return list(self._index.values())
+
+    # -- registration ---------------------------------------------------------------------
+
+    def prepare(self, task: str, model: nn.Module) -> Prepared | None:
+        """Digest ``model``'s frozen parameters and match them with the pool's entries
+        (outside the engine's lock: this reads every frozen byte). ``None`` when the pool
+        is off."""
+        if not self.enabled:
+            return None
+        out = Prepared(task)
+        seen: set[int] = set()
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in seen or not _frozen(p, None):
+                continue
+            seen.add(id(p))
+            t = p.data
+            key: Key = (canonical_name(name), tuple(t.shape), t.dtype, digest(t))
+            with self._lock:
+                cand = self._index.get(key)
+            match = cand if cand is not None and torch.equal(cand.host, t) else None
+            out.params[id(p)] = (name, key, checksum(t), match)
+            out.refs.append(p)
+        return out
+
+    def adopt(self, prepared: Prepared | None, stores: list[Any]) -> int:
+        """Point the frozen slots of ``stores`` (a task's ``ShardStore`` objects) at the
+        pool's tensors; returns the bytes of the task's own tensors replaced (freed once
+        nothing else holds them)."""
+        if prepared is None:
+            return 0
+        task = prepared.task
+        replaced = 0
+        new: list[FrozenEntry] = []
+        for store in stores:
+            for i, p in enumerate(store.params):
+                info = prepared.params.get(id(p))
+                if info is None or not _frozen(p, store.optimizer):
+                    continue
+                name, key, check, match = info
+                with self._lock:
+                    entry = self._index.get(key)
+                    if entry is not None and entry is not match:
+                        # Added meanwhile by another task (or replaced): compare now.
+                        entry = entry if torch.equal(entry.host, p.data) else None
+                    if entry is None:
+                        entry = FrozenEntry(key, p.data, ("frozen", next(self._count)), check)
+                        self._index[key] = entry
+                        new.append(entry)
+                    else:
+                        replaced += entry.nbytes
+                        self.shared_bytes += entry.nbytes
+                    entry.users += 1
+                    entry.tasks[task] = entry.tasks.get(task, 0) + 1
+                store.share_frozen(i, FrozenRef(self, entry, task, name))
+        if self.host is not None:
+            for entry in new:
+                self.host.hold(entry.ledger_key, entry.nbytes, (task, -1))
+        return replaced
+
+    # -- leaving --------------------------------------------------------------------------
+
+    def release(self, ref: FrozenRef, param: nn.Parameter, *, keep: bool = False) -> None:
+        """A store slot drops its reference (its task leaves, or the slot was modified).
+
+        Args:
+            ref: the slot's reference.
+            param: the slot's parameter, pointed at the pool's tensor (at home).
+            keep: the slot takes the entry's tensor as its own (only when no other task
+                uses it: the caller checked ``ref.entry.others``).
+        """
+        entry = ref.entry
+        with self._lock:
+            entry.users -= 1
+            left = entry.tasks.get(ref.task, 0) - 1
+            if left > 0:
+                entry.tasks[ref.task] = left
+            else:
+                entry.tasks.pop(ref.task, None)
+            last = entry.users == 0
+            if last or keep:
+                if self._index.get(entry.key) is entry:
+                    del self._index[entry.key]
+                entry.live = False
+            private = not last and not keep
+        if private and param.data.data_ptr() == entry.host.data_ptr():
+            # The model is the user's again, and other tasks still use this tensor.
+            param.data = entry.host.clone()
+        if (last or keep) and self.host is not None:
+            self.host.drop(entry.ledger_key, (ref.task, -1))
+
+
+__all__ = [
+    "FrozenEntry",
+    "FrozenPool",
+    "FrozenRef",
+    "Prepared",
+    "canonical_name",
+    "checksum",
+    "digest",
+]
