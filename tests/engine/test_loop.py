@@ -69,3 +69,35 @@ def test_sync_brings_every_state_home_and_unshard_leaves(engine: th.Engine) -> N
     th.unshard(model)
     assert engine.tasks() == []
     assert not any(s.copied for s in runner.stores)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_graph_dropped_without_backward_is_freed(recompute: bool) -> None:
+    # A forward with grad whose output the user drops without backward (a loss computed
+    # for logging only): its shard calls and what they hold (saved inputs, a kept graph on
+    # the device) go with it, and a kept batch's reservation ends at the loop's next op.
+    import gc
+
+    from tune_hydra.engine.loop import _ShardCall
+
+    def calls() -> int:
+        gc.collect()
+        return sum(type(o) is _ShardCall for o in gc.get_objects())
+
+    with th.Engine(
+        devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=3, recompute=recompute
+    ) as engine:
+        model = th.shard(mlp(), engine=engine)
+        (x, y), (x2, _) = batches(2)
+        before = calls()
+        loss = F.cross_entropy(model(x), y)
+        assert calls() > before
+        loop = engine.runner(engine.tasks()[0])
+        assert isinstance(loop, LoopRunner) and loop.keep is not recompute
+        assert (engine.kept_on(loop.name) is None) is recompute
+        del loss
+        assert calls() == before
+        model.eval()
+        with torch.no_grad():
+            model(x2)
+        assert engine.kept_on(loop.name) is None

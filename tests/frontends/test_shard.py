@@ -13,7 +13,7 @@ import copy
 import gc
 import io
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -362,9 +362,11 @@ def test_checkpoint_mid_run_round_trips_with_plain(engine: th.Engine) -> None:
     assert_same(model, ref)
 
 
-def test_loops_in_threads_multiplexed_exact(engine: th.Engine) -> None:
+@pytest.mark.parametrize("kept", [False, True], ids=["recompute", "kept"])
+def test_loops_in_threads_multiplexed_exact(kept: bool, request: pytest.FixtureRequest) -> None:
     # Three loops in threads on 2 emulated copying devices, each exact against its plain
-    # run; their ops interleave on the devices.
+    # run; their ops interleave on the devices (recomputing, or keeping their graphs).
+    engine = request.getfixturevalue("kept_engine" if kept else "engine")
     specs = [
         (mlp, "sgd", batches(5)),
         (mlp, "adamw", batches(5, seed=3)),
@@ -415,6 +417,112 @@ def test_loops_in_threads_multiplexed_exact(engine: th.Engine) -> None:
         assert_same(models[i], refs[i])
     busy = [d["busy_s"] for d in engine.summary()["devices"].values()]
     assert all(b > 0 for b in busy)
+
+
+# -- kept graphs ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def kept_engine() -> Iterator[th.Engine]:
+    """2 emulated copying devices with ``recompute=False`` (loops keep their graphs), at
+    most 1 layer a shard."""
+    eng = th.Engine(
+        devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=1, recompute=False
+    )
+    yield eng
+    eng.close()
+
+
+@pytest.mark.parametrize("kind", ["mlp", "convnet", "gpt2"])
+def test_kept_graphs_exact(kind: str, kept_engine: th.Engine) -> None:
+    # recompute=False: each forward op keeps its shard's graph on its device for the
+    # backward op; BatchNorm, dropout, clip, 2 backward per step, a scheduler, eval; the
+    # ConvNet; GPT-2's tied weights and HF loop.
+    data: Any = batches(6) if kind == "mlp" else conv_data() if kind == "convnet" else lm_data()
+    loss_of = hf_loss if kind == "gpt2" else classify
+
+    def evaluate(model: nn.Module) -> float:
+        if kind != "gpt2":
+            return accuracy(model, data[:2])
+        model.eval()
+        with torch.no_grad():
+            return float(model(**data[0]).logits.double().sum())
+
+    def run(model: nn.Module, o: torch.optim.Optimizer, sched: Any) -> list[Any]:
+        accumulate = 2 if kind == "mlp" else 1
+        return train(
+            model,
+            o,
+            data,
+            loss_of,
+            clip=0.5,
+            accumulate=accumulate,
+            scheduler=sched,
+            evaluate=evaluate,
+        )
+
+    make = {"mlp": mlp, "convnet": convnet, "gpt2": gpt2}[kind]
+    model, *_ = both(
+        make,
+        "adamw",
+        run,
+        kept_engine,
+        scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5),
+    )
+    loop = model.__dict__["_th_shard"].loop
+    assert loop.keep and len(loop.shards) >= 2
+    assert not loop.keeps_batch  # every batch's graphs were back-propagated and let go
+
+
+def test_kept_graph_reserved_on_its_device_until_backward(kept_engine: th.Engine) -> None:
+    # The engine holds the batch's reservation (and its ops on one device) between the
+    # user's forward and backward, while no op of the loop is ready, and lets it go after
+    # the first shard's backward; a graph the user drops is let go at the next op.
+    model = th.shard(mlp(), engine=kept_engine)
+    (x, y), (x2, _) = batches(2)
+    loss = F.cross_entropy(model(x), y)
+    name = kept_engine.tasks()[0]
+    assert kept_engine.kept_on(name) is not None
+    loss.backward()
+    assert kept_engine.kept_on(name) is None
+    assert all(p.grad is not None for p in model.parameters())
+    out = model(x2)
+    assert kept_engine.kept_on(name) is not None
+    del out
+    gc.collect()
+    model.eval()
+    with torch.no_grad():
+        model(x2)
+    assert kept_engine.kept_on(name) is None
+
+
+def test_kept_graphs_fall_back_to_recompute_over_budget() -> None:
+    # A batch whose kept activations would not fit device_memory recomputes (a ModelTask
+    # is refused there): exact all the same, nothing reserved.
+    def wide() -> nn.Module:
+        torch.manual_seed(0)
+        layers: list[nn.Module] = [nn.Linear(8, 64), nn.ReLU(), nn.Dropout(0.1)]
+        layers += [nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)]
+        return nn.Sequential(*layers).double()
+
+    g = torch.Generator().manual_seed(1)
+    data = [
+        (torch.randn(256, 8, generator=g, dtype=torch.float64), torch.randint(0, 4, (256,)))
+        for _ in range(3)
+    ]
+    with th.Engine(
+        devices=["cpu", "cpu"],
+        copy_on_cpu=True,
+        recompute=False,
+        max_layers_per_shard=2,
+        device_memory="512KiB",
+    ) as eng:
+        model, *_ = both(wide, "sgd", lambda m, o: train(m, o, data, classify), eng)
+        loop = model.__dict__["_th_shard"].loop
+        assert not loop.keep
+        assert loop.plan.kept_peak_bytes() > loop.plan.budget
+        model(data[0][0])
+        assert eng.kept_on(loop.name) is None
 
 
 class GlobalDraws:

@@ -18,6 +18,12 @@ On a device that copies (a GPU, or ``copy_on_cpu``) the engine therefore
 The boundary tensors of a batch in flight are inside its reservation (the forward's are
 views of kept outputs: parking them would free nothing), so they are not tracked as
 carries.
+
+A task registered with ``TrainOptions(recompute=True)`` keeps nothing and reserves
+nothing. A runner whose batch goes on while it has no op ready (a user-driven loop, whose
+next op is the user's next call: ``tune_hydra.engine.loop``) says so with a
+``keeps_batch`` property (optional; ``False`` when absent): its reservation holds until
+that is false after one of its ops.
 """
 
 from __future__ import annotations
@@ -65,7 +71,7 @@ class KeptGraphs:
         another device, or it would not fit beside the batches in flight on ``w``."""
         if entry.kept_on is not None:
             return entry.kept_on is not w
-        if not self.active or not w.copy:
+        if not self.active or not w.copy or entry.options.recompute:
             return False
         if starts_batch(op):
             need = kept_bytes(entry.plan)
@@ -77,7 +83,7 @@ class KeptGraphs:
 
     def begin(self, entry: TaskRecord, op: Op, w: DeviceWorker) -> None:
         """Reserve the batch ``op`` starts on ``w`` (called as it is assigned there)."""
-        if self.active and w.copy and starts_batch(op):
+        if self.active and w.copy and starts_batch(op) and not entry.options.recompute:
             entry.kept_on = w
             w.reserve(entry.name, kept_bytes(entry.plan))
 
@@ -106,7 +112,7 @@ class KeptGraphs:
             return
         if drop:
             entry.runner.drop_batch()
-        elif in_batch(entry.runner.current):
+        elif in_batch(entry.runner.current) or getattr(entry.runner, "keeps_batch", False):
             return
         w.reserve(entry.name, None)
         entry.kept_on = None

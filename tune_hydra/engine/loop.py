@@ -18,6 +18,13 @@ result. Ops of one loop run one at a time, in the user's order.
   the input's gradient handed back. The graph the user's thread sees lives on the device
   of the inputs, so ``loss.backward()`` runs these backward ops from the user's thread.
   Without grad (``torch.no_grad()``, evaluation) the ops keep nothing.
+- **kept graphs**: on an engine that keeps graphs (``recompute=False``) a forward op runs
+  the shard with grad instead and keeps its graph (activations) on the device until the
+  shard's backward op back-propagates through it; the engine reserves the batch's
+  activations on the device where its first forward ran and keeps the batch's ops there
+  (``tune_hydra.engine.kept``; :attr:`LoopRunner.keeps_batch` tells it the batch is still
+  open while the user's code runs between ops). A loop whose batch would not fit the
+  budget with every shard's activations kept recomputes instead.
 - **optimizer**: the user's optimizer is split per shard (same class, same hyperparameter
   groups); ``step()`` and ``zero_grad()`` are recorded per shard and applied at the start
   of the shard's next op (the state is on a device then anyway), each step with the
@@ -44,6 +51,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import itertools
+import logging
 import threading
 import time
 import weakref
@@ -65,11 +73,13 @@ from tune_hydra.engine.shared import SharedParams
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.task import OwnedTensors, owned_tensors
 from tune_hydra.engine.units import device_capacity
-from tune_hydra.exceptions import ShardClosedError
+from tune_hydra.exceptions import ShardClosedError, format_bytes
+from tune_hydra.options import TrainOptions
 
 if TYPE_CHECKING:
     from tune_hydra.engine.engine import Engine
 
+log = logging.getLogger(__name__)
 _LOCAL = threading.local()  # .depth > 0: this thread computes inside an op (or a probe)
 _NAMES = itertools.count()
 
@@ -141,6 +151,7 @@ class LoopRunner:
         *,
         rng_start: torch.Tensor,
         hf: bool,
+        keep: bool = False,
     ) -> None:
         self.name = name
         self.engine = engine
@@ -173,6 +184,10 @@ class LoopRunner:
         self._ops_per_batch = 3 * len(shards)
         self._home_now = True  # every state is home (sync), nothing pending
         self.closed = False
+        self.keep = keep  # forward ops keep their graphs for the backward (no recompute)
+        # The shard calls of the batch in progress that may keep a graph (weakly: the
+        # user's autograd graph owns them).
+        self._open: list[weakref.ref[_ShardCall]] = []
         # The loop's own CPU stream (see the module docstring), and the generator the op in
         # flight draws from (chosen by the user's thread in run, read by the device's).
         self._gen = torch.Generator()
@@ -294,7 +309,20 @@ class LoopRunner:
         return _park_nothing
 
     def drop_batch(self) -> None:
-        """Nothing to drop: a batch's saved inputs belong to the user's autograd graph."""
+        """Drop the graphs the batch in progress keeps on a device (the loop failed or
+        leaves); saved inputs of a recompute belong to the user's autograd graph."""
+        for ref in self._open:
+            call = ref()
+            if call is not None:
+                call.kept = None
+        self._open = []
+
+    @property
+    def keeps_batch(self) -> bool:
+        """Whether a forward's graph is kept for a backward still to come: the batch is
+        in progress though no op is ready (the user's code runs between its ops), so the
+        engine holds its reservation and keeps its ops on its device."""
+        return any((c := r()) is not None and c.kept is not None for r in self._open)
 
     def owned_tensors(self) -> OwnedTensors:
         host: list[tuple[Any, torch.Tensor]] = []
@@ -371,13 +399,24 @@ class LoopRunner:
         carry = _to(inputs, self.home)  # differentiable: the user's graph goes on from here
         if grad:
             token = torch.empty(0, requires_grad=True)  # so that every shard's node is reached
+            if self.keep:  # the batches before are done (or were dropped by the user)
+                self._open = [r for r in self._open if (c := r()) is not None and c.kept]
             for shard in self.shards:
                 call = _ShardCall(self, shard)
+                if self.keep:
+                    self._open.append(weakref.ref(call))
                 leaves, spec = tree_flatten(carry)
                 tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
                 call.leaves, call.spec, call.tensor_at = leaves, spec, tensors
                 outs = _ShardFunction.apply(call, token, *(leaves[i] for i in tensors))
                 carry = call.rebuild(outs)
+                # Only the pytrees' other leaves are needed again: holding the tensors
+                # (outputs of the call's own node) would make a cycle through autograd's
+                # nodes that a graph dropped without backward never frees.
+                call.leaves = [None if i in tensors else t for i, t in enumerate(leaves)]
+                call.out_leaves = [
+                    None if i in call.out_tensor_at else t for i, t in enumerate(call.out_leaves)
+                ]
         else:
             kind = OpKind.FORWARD if self.model.training else OpKind.EVAL
             for shard in self.shards:
@@ -576,6 +615,9 @@ class _ShardCall:
         self.out_leaves: list[Any] = []
         self.out_tensor_at: list[int] = []
         self.training = True
+        # With kept graphs: the forward's inputs (leaves on the device) and its outputs,
+        # whose graph the backward op back-propagates through.
+        self.kept: tuple[list[torch.Tensor], Any] | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.leaves)
@@ -589,10 +631,20 @@ class _ShardCall:
             leaves[i] = t
         return tree_unflatten(leaves, self.out_spec)
 
-    def forward(self, tensors: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
+    def forward(self, tensors: tuple[torch.Tensor, ...], need: Any) -> list[torch.Tensor]:
         loop, shard = self.loop, self.shard
         self.training = loop.model.training
         x = self.inputs(tensors)
+
+        def keep(device: torch.device) -> Any:
+            inp = _leaves(tensors, need, device)
+            arg = self.inputs(
+                tuple(_clone(t) if shard.writes_input is not False else t for t in inp)
+            )
+            with loop._stream(shard, device), torch.enable_grad():
+                out = shard.module(arg)
+            self.kept = (inp, out)
+            return _to(_detached(out), loop.home)
 
         def compute(device: torch.device) -> Any:
             arg = _to(x, device)
@@ -603,7 +655,7 @@ class _ShardCall:
             self.entry = entry
             return _to(out, loop.home)
 
-        out = loop.run(OpKind.FORWARD, shard.index, compute)
+        out = loop.run(OpKind.FORWARD, shard.index, keep if loop.keep else compute)
         leaves, self.out_spec = tree_flatten(out)
         self.out_tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         self.out_leaves = leaves
@@ -614,11 +666,26 @@ class _ShardCall:
     ) -> list[torch.Tensor | None]:
         loop, shard = self.loop, self.shard
 
-        def compute(device: torch.device) -> list[torch.Tensor | None]:
-            inp = [
-                t.detach().to(device).requires_grad_(bool(n) and t.is_floating_point())
-                for t, n in zip(saved, need, strict=True)
+        def kept(device: torch.device) -> list[torch.Tensor | None]:
+            if self.kept is None:
+                raise ShardClosedError(
+                    f"loop {loop.name!r}: the graph of this batch was dropped (the loop "
+                    f"failed or left its engine); run the forward again"
+                )
+            inp, out = self.kept
+            for store, i in shard.first_uses:
+                store.stash_grad(i)
+            self._back_propagate(out, grads, device)
+            for store, i in shard.last_uses:
+                store.unstash_grad(i)
+            self.kept = None
+            return [
+                None if t.grad is None else t.grad.to(loop.home) if n else None
+                for t, n in zip(inp, need, strict=True)
             ]
+
+        def compute(device: torch.device) -> list[torch.Tensor | None]:
+            inp = _leaves(saved, need, device)
             arg = self.inputs(tuple(_clone(t) if shard.writes_input else t for t in inp))
             for store, i in shard.first_uses:
                 store.stash_grad(i)
@@ -634,13 +701,7 @@ class _ShardCall:
             finally:
                 for (m, n), b in zip(slots, real, strict=True):
                     m._buffers[n] = b
-            outs, _ = tree_flatten(out)
-            outs = [outs[i] for i in self.out_tensor_at]
-            gs = [None if g is None else g.to(device) for g in grads]
-            # On this thread, not autograd's per-device thread: with CUDA inputs the user's
-            # loss.backward() runs this node there, waiting for this op (a deadlock).
-            with torch.autograd.set_multithreading_enabled(False):
-                backward_from(outs, gs)
+            self._back_propagate(out, grads, device)
             for store, i in shard.last_uses:
                 store.unstash_grad(i)
             return [
@@ -649,10 +710,23 @@ class _ShardCall:
             ]
 
         try:
-            grads_in: list[torch.Tensor | None] = loop.run(OpKind.BACKWARD, shard.index, compute)
+            grads_in: list[torch.Tensor | None] = loop.run(
+                OpKind.BACKWARD, shard.index, kept if loop.keep else compute
+            )
             return grads_in
         finally:
             self.leaves, self.out_leaves = [], []  # the graph is done with them
+
+    def _back_propagate(
+        self, out: Any, grads: tuple[torch.Tensor | None, ...], device: torch.device
+    ) -> None:
+        outs, _ = tree_flatten(out)
+        outs = [outs[i] for i in self.out_tensor_at]
+        gs = [None if g is None else g.to(device) for g in grads]
+        # On this thread, not autograd's per-device thread: with CUDA inputs the user's
+        # loss.backward() runs this node there, waiting for this op (a deadlock).
+        with torch.autograd.set_multithreading_enabled(False):
+            backward_from(outs, gs)
 
 
 class _ShardFunction(torch.autograd.Function):
@@ -660,9 +734,10 @@ class _ShardFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, call: _ShardCall, token: torch.Tensor, *tensors: torch.Tensor) -> Any:
-        outs = call.forward(tensors)
+        outs = call.forward(tensors, ctx.needs_input_grad[2:])
         ctx.call = call
-        ctx.save_for_backward(*tensors)
+        if not call.loop.keep:  # a kept graph holds its inputs on the device itself
+            ctx.save_for_backward(*tensors)
         ctx.set_materialize_grads(False)
         frozen = [t for t in outs if not (t.is_floating_point() or t.is_complex())]
         if frozen:
@@ -684,6 +759,22 @@ def _to(obj: Any, device: torch.device) -> Any:
         return obj
     moved = [t.to(device) if isinstance(t, torch.Tensor) else t for t in leaves]
     return tree_unflatten(moved, spec)
+
+
+def _leaves(tensors: Any, need: Any, device: torch.device) -> list[torch.Tensor]:
+    """A shard's inputs on ``device`` as leaves of its graph (those whose gradient is
+    needed require it)."""
+    return [
+        t.detach().to(device).requires_grad_(bool(n) and t.is_floating_point())
+        for t, n in zip(tensors, need, strict=True)
+    ]
+
+
+def _detached(obj: Any) -> Any:
+    """``obj``'s tensors detached from the graph a kept forward made (sharing memory and
+    version counters: an in-place write by the user's code is caught as in plain)."""
+    leaves, spec = tree_flatten(obj)
+    return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
 
 def _clone(obj: Any) -> Any:
@@ -729,6 +820,7 @@ def build_loop(
     plan = plan_shards(
         costs, budget, prefetch=engine.prefetch, max_layers_per_shard=engine.max_layers_per_shard
     )
+    keep = keeps_graphs(engine, plan)
     modules = [nn.Sequential(*(m for _, m in layers[s.start : s.stop])) for s in plan.shards]
     shared = SharedParams(modules)
     optimizers: list[torch.optim.Optimizer | None] = []
@@ -788,9 +880,31 @@ def build_loop(
         wrappers,
         rng_start=rng_start,
         hf=hf,
+        keep=keep,
     )
-    engine.add_runner(name, runner)
+    # recompute=True: the engine reserves nothing for this loop's batches (and does not
+    # refuse a batch too big to keep: the loop recomputes it).
+    engine.add_runner(name, runner, options=TrainOptions(recompute=not keep, where=name))
     return runner
+
+
+def keeps_graphs(engine: Engine, plan: ShardPlan) -> bool:
+    """Whether a loop of ``plan`` keeps its forward graphs on ``engine``: when the engine
+    keeps graphs (``recompute=False``) and, on devices that copy, one batch with every
+    shard's activations kept fits the device budget; else it recomputes."""
+    if engine.recompute:
+        return False
+    budget = plan.budget
+    if engine.keeps_graphs and budget is not None and plan.kept_peak_bytes() > budget:
+        log.info(
+            "a th.shard loop recomputes its forwards in backward: keeping all %d shards' "
+            "activations (%s) would not fit device_memory=%s",
+            len(plan),
+            format_bytes(plan.kept_peak_bytes()),
+            format_bytes(budget),
+        )
+        return False
+    return True
 
 
 def _like(
@@ -812,4 +926,4 @@ def _like(
     return opt
 
 
-__all__ = ["LoopRunner", "LoopShard", "build_loop", "in_op", "inside_op"]
+__all__ = ["LoopRunner", "LoopShard", "build_loop", "in_op", "inside_op", "keeps_graphs"]

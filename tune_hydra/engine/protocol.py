@@ -76,6 +76,11 @@ class Runner(Protocol):
         ops_per_batch: ops of one training batch (the remaining-work estimate).
         batches_done: train batches of the current iteration already run (subtracted
             from the remaining-work estimate).
+
+    Optional: ``keeps_batch`` (a bool property, ``False`` when absent): the runner's batch
+    keeps graphs on its device while no op is ready (a user-driven loop between its
+    user's calls), so the engine holds the batch's kept-graph reservation
+    (``tune_hydra.engine.kept``).
     """
 
     current: Op | None
