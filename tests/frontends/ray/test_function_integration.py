@@ -38,11 +38,12 @@ class ConvNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.conv1 = nn.Conv2d(1, 3, kernel_size=3)
+        self.drop = nn.Dropout(0.25)
         self.fc = nn.Linear(27, 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = torch.relu(torch.max_pool2d(self.conv1(x), 2))
-        return torch.log_softmax(self.fc(x.flatten(1)), dim=1)
+        return torch.log_softmax(self.fc(self.drop(x.flatten(1))), dim=1)
 
 
 def _data(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -149,6 +150,19 @@ def _executor(**options: Any) -> HydraExecutor:
     return ex
 
 
+def _live_functions(ex: HydraExecutor, wait_s: float = 15.0) -> list[str]:
+    """The trials whose function thread still runs in an engine, once they had
+    ``wait_s`` to end (a stopped function ends at its next forward or report)."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        live = [k for h in ex.engines().values() for k in ray.get(h.functions.remote(ex._secret))]
+        if not live or time.monotonic() > deadline:
+            return live
+        time.sleep(0.2)
+
+
 def _load(trial_checkpoint: Any) -> dict[str, Any]:
     with trial_checkpoint.as_directory() as d:
         return torch.load(os.path.join(d, "ckpt.pt"), weights_only=False)
@@ -170,6 +184,7 @@ def test_function_trainables_are_exact_and_tune_works(ray_session: Any, storage:
             verbose=0,
         )
         registered = ex.registered_trials()
+        assert _live_functions(ex) == []
     trials = sorted(analysis.trials, key=lambda t: t.config["seed"])
     assert [t.status for t in trials] == ["TERMINATED"] * 3
     for trial in trials:
@@ -255,6 +270,7 @@ def test_asha_context_cwd_failures_and_threads(ray_session: Any, storage: str) -
         )
         results = tuner.fit()
         registered = ex.registered_trials()
+        assert _live_functions(ex) == []
     by_q = {r.config["q"]: r for r in results}
     failed = by_q[0.5]
     assert failed.error is not None
@@ -291,7 +307,7 @@ def test_a_function_without_shard_ends_the_run_once(ray_session: Any, storage: s
     with _executor() as ex, pytest.raises(NoShardError) as info:
         th.run(
             train_plainly,
-            config={"i": tune.grid_search([0, 1, 2])},
+            config={"i": tune.grid_search([0, 1])},
             metric="score",
             mode="max",
             storage_path=storage,
@@ -326,6 +342,7 @@ def test_pbt_exploits_restore_weights_and_optimizer(ray_session: Any, storage: s
             verbose=0,
         )
         registered = ex.registered_trials()
+        assert _live_functions(ex) == []
     assert all(t.status == "TERMINATED" for t in analysis.trials)
     restored = 0
     for trial in analysis.trials:

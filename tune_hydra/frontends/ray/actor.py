@@ -228,6 +228,7 @@ class EngineActor:
         self._builds = PendingBuilds(secret)
         # Function trainables running here, by trial id (tune_hydra.frontends.ray.function).
         self._functions: dict[str, Any] = {}
+        self._function_threads: list[Any] = []  # every run started, until its thread ends
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hydra-ctl")
 
     # ---------------------------------------------------------------- helpers
@@ -403,6 +404,9 @@ class EngineActor:
         if old is not None:
             old.stop()
         run.start()
+        with self._lock:
+            self._function_threads = [r for r in self._function_threads if r.thread.is_alive()]
+            self._function_threads.append(run)
 
     def _function(self, key: str, token: str) -> Any:
         with self._lock:
@@ -437,6 +441,14 @@ class EngineActor:
             del self._functions[key]
         run.stop()
         return True
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def functions(self, secret: str) -> list[str]:
+        """The trial ids whose function's thread still runs here (a stopped one until it
+        reached its next forward or report); for the executor's driver only."""
+        self._driver(secret)
+        with self._lock:
+            return sorted(r.key for r in self._function_threads if r.thread.is_alive())
 
     def _stop_functions(self) -> None:
         with self._lock:
