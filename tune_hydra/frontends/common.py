@@ -52,6 +52,22 @@ def declare_metric(name: str) -> str:
     return f"th.ModelTask(..., eval_data=..., metrics={{{name!r}: fn(output, target)}})"
 
 
+def training_loss_ranked(what: str) -> str:
+    """The words for ``what`` ranking a task's trials by ``loss``, which is the epoch's
+    *training* loss, although the task has ``eval_data`` (so ``val_loss`` is reported).
+
+    Example:
+        >>> training_loss_ranked("metric='loss'").split(":")[0]
+        "metric='loss' ranks the trials by their training loss"
+    """
+    return (
+        f"{what} ranks the trials by their training loss: tune_hydra reports "
+        f"{LOSS_METRICS['loss']} as 'loss', and the task has eval_data, whose loss is "
+        f"'val_loss'. Pass metric='val_loss' to rank by the held-out loss (a function "
+        f"trainable that calls th.shard reports its own 'loss' instead)"
+    )
+
+
 def trial_result(
     figures: Mapping[str, Any], metrics: Iterable[str], *, num_shards: int | None = None
 ) -> dict[str, Any]:
@@ -71,5 +87,6 @@ __all__ = [
     "RESULT_KEYS",
     "TASK_METRICS",
     "declare_metric",
+    "training_loss_ranked",
     "trial_result",
 ]

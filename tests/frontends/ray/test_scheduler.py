@@ -4,6 +4,7 @@ is chosen from the run's scheduler, ``stop`` and search algorithm, without start
 from __future__ import annotations
 
 import logging
+import warnings
 from types import SimpleNamespace
 from typing import Any
 
@@ -164,3 +165,41 @@ def test_the_choice_reaches_the_engine_actors_with_the_other_options(
     assert (kwargs["devices"], kwargs["device_memory"], kwargs["prefetch"]) == (
         ["cpu", "cpu"], "1MiB", False,
     )  # fmt: skip
+
+
+def _report(scheduler: HydraScheduler, results: list[dict[str, Any]]) -> None:
+    trial = _Trial(trial_id="t0", last_result={}, config={}, status="RUNNING")
+    controller = SimpleNamespace(get_live_trials=lambda: [trial])
+    scheduler.on_trial_add(controller, trial)
+    for result in results:
+        scheduler.on_trial_result(controller, trial, result)
+
+
+def test_ranking_a_task_with_eval_data_by_training_loss_warns_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """metric='loss' with a task that has eval data (its results hold val_loss) ranks by
+    the training loss: said once per run, not silently; val_loss, a task without eval
+    data, or a function trainable's own 'loss' (no engine figures) say nothing."""
+    monkeypatch.setattr(registry, "broadcast", lambda *args: None)
+    engine = {"loss": 0.5, "val_loss": 0.7, "device_time_s": 0.1, "training_iteration": 1}
+    scheduler = HydraScheduler(FIFOScheduler())
+    scheduler.set_search_properties("loss", "min")
+    with (
+        pytest.warns(UserWarning, match=r"metric='loss' ranks the trials by their training"),
+        caplog.at_level(logging.WARNING, logger="tune_hydra.frontends.ray.scheduler"),
+    ):
+        _report(scheduler, [engine, {**engine, "training_iteration": 2}])
+    assert sum("training loss" in r.getMessage() for r in caplog.records) == 1
+    no_eval = {k: v for k, v in engine.items() if k != "val_loss"}
+    quiet = [
+        (ASHAScheduler(metric="val_loss", mode="min"), engine),
+        (ASHAScheduler(metric="loss", mode="min"), no_eval),
+        (FIFOScheduler(), {"loss": 0.3, "accuracy": 0.9, "training_iteration": 1}),
+    ]
+    for base, result in quiet:
+        wrapped = HydraScheduler(base)
+        wrapped.set_search_properties("loss" if type(base) is FIFOScheduler else None, "min")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            _report(wrapped, [result])

@@ -24,13 +24,18 @@ wrapper unpickled by ``Tuner.restore`` still reaches the new run's engines.
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
+from tune_hydra.frontends.common import training_loss_ranked
 from tune_hydra.frontends.milestones import NONE, Milestones, tune_milestones
 from tune_hydra.frontends.ray import registry
+
+logger = logging.getLogger(__name__)
 
 
 def _budget_from_stop(stop: Any) -> int | None:
@@ -147,7 +152,23 @@ class HydraScheduler(TrialScheduler):
 
     # --------------------------------------------------------- TrialScheduler API
     def set_search_properties(self, metric: str | None, mode: str | None, **spec: Any) -> bool:
+        if metric is not None:
+            self.__dict__["_run_metric"] = metric  # the run's metric (FIFO keeps none)
         return self._base.set_search_properties(metric, mode, **spec)
+
+    def _check_loss_metric(self, result: dict[str, Any]) -> None:
+        """Warn once when the run ranks a task's trials by ``loss`` (the engine's
+        training loss) although the task has eval data: its result holds ``val_loss``.
+        A function trainable's results are its own (no engine figures): its ``loss``
+        is whatever it reports."""
+        if self.__dict__.get("_loss_warned") or "device_time_s" not in result:
+            return
+        metric = self.__dict__.get("_run_metric") or getattr(self._base, "metric", None)
+        if metric == "loss" and "val_loss" in result:
+            self.__dict__["_loss_warned"] = True
+            message = training_loss_ranked("the run's metric='loss'")
+            logger.warning("tune_hydra: %s", message)
+            warnings.warn(f"tune_hydra: {message}", UserWarning, stacklevel=2)
 
     def on_trial_add(self, tune_controller: Any, trial: Any) -> None:
         run_id = getattr(self, "_run_id", "")  # absent in a wrapper pickled before it
@@ -162,6 +183,7 @@ class HydraScheduler(TrialScheduler):
         self._base.on_trial_error(tune_controller, trial)
 
     def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+        self._check_loss_metric(result)
         decision = self._base.on_trial_result(tune_controller, trial, result)
         if decision in (TrialScheduler.STOP, TrialScheduler.PAUSE):
             self._cancel(trial)
