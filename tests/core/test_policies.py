@@ -312,6 +312,18 @@ def test_milestone_trial_leaves_admission_at_its_milestone() -> None:
     assert policy.admitted == ["t1"]
 
 
+def test_milestone_replaced_estimate_is_a_milestone_reached() -> None:
+    """A result later with less than half as much to go: the front end replaced its
+    estimate (a th.shard loop's first trial.report measures its steps: its milestone
+    was announced far before). With half or more to go it is the same milestone."""
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    assert sel(policy, [mcand(0, 100.0), mcand(1, 100.0)]) == 0
+    assert sel(policy, [mcand(0, 60.0, iteration=1), mcand(1, 100.0)]) == 0  # on its way
+    assert policy.admitted == ["t0"]
+    assert sel(policy, [mcand(0, 10.0, iteration=2), mcand(1, 100.0)]) == 1
+    assert policy.admitted == ["t1"]
+
+
 def test_milestone_overdue_trial_leaves_admission() -> None:
     """A trial whose milestone never comes (its front end moves the milestone on without
     an iteration ending, as a th.shard loop's trial.report does, or it reports less often

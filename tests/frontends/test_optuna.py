@@ -285,7 +285,7 @@ def test_an_objectives_loop_is_told_its_next_milestone_in_ops() -> None:
     trial.report, from the ops the steps took. MedianPruner(n_warmup_steps=1) decides
     from step 1 on (after 2 reports), each step; half a step of slack. The first loop's
     ops per step are not known before it reports (far: _UNKNOWN_OPS); the second's are,
-    from the first."""
+    from the first. Each op of a loop carries, as its iteration, the reports before it."""
     from tune_hydra.frontends.optuna import _UNKNOWN_OPS
 
     def objective(trial: optuna.Trial) -> float:
@@ -322,6 +322,10 @@ def test_an_objectives_loop_is_told_its_next_milestone_in_ops() -> None:
     next_step = math.ceil(1.5 * per_step)  # one step ahead, half a step of slack
     assert eng.milestones[first] == [_UNKNOWN_OPS] + [next_step] * 4
     assert eng.milestones[second] == [math.ceil(2.5 * per_step)] + [next_step] * 4
+    # Its ops' iteration counts the reports before them: the policy sees it progress.
+    events = [e for e in eng.trace.events if e.task == first and e.is_compute]
+    assert sorted({e.iteration for e in events}) == [0, 1, 2, 3]
+    assert sum(e.iteration == 0 for e in events) == per_step
 
 
 def _model_and_optimizer() -> tuple[nn.Module, torch.optim.Optimizer]:

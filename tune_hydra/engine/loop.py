@@ -177,6 +177,9 @@ class LoopRunner:
         self._running = False
         self._result: tuple[bool, Any] = (True, None)
         self._batch = 0  # train forwards of shard 0 so far
+        # Its ops' iteration: the results its front end has seen (th.optimize counts the
+        # trial.report calls), which the milestone policy reads as the loop's progress.
+        self.reports = 0
         # The op pattern, learnt as it runs: (kind, shard) -> what followed it last time.
         self._next: dict[tuple[OpKind, int], tuple[OpKind, int]] = {}
         self._last_key: tuple[OpKind, int] | None = None
@@ -348,7 +351,7 @@ class LoopRunner:
         batch = self._batch
         if kind is OpKind.FORWARD and shard == 0 and torch.is_grad_enabled():
             self._batch += 1
-        op = Op(self.name, kind, shard, 0, batch)
+        op = Op(self.name, kind, shard, self.reports, batch)  # reports: see __init__
         self._learn((kind, shard))
         self._home_now = False
         self._request = (op, fn)

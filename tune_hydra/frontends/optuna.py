@@ -826,7 +826,8 @@ class _LoopMilestones:
                 self.driver.ops_per_step = self.per_step[name]
             self.loops[name] = (loop, ops)
         self.done = max(self.done, done)
-        for name in self.loops:
+        for name, (loop, _) in self.loops.items():
+            loop.reports = self.done  # its next ops' iteration: the policy sees it progress
             self._announce(name, self.per_step.get(name, self.driver.ops_per_step))
 
     def _announce(self, name: str, per_step: float | None) -> None:

@@ -75,7 +75,9 @@ class MilestonePolicy(BasePolicy):
 
     A trial leaves admission when it reaches its milestone (its iteration advanced and
     its ``milestone_s`` did not decrease although it did work: the front end announced
-    the next milestone; or it became ``None``), when its milestone is overdue (the work
+    the next milestone; or fell below half: the front end replaced an estimate, as
+    ``th.optimize`` does at a ``th.shard`` loop's first ``trial.report``; or it became
+    ``None``), when its milestone is overdue (the work
     it did since admission, summed from its ``milestone_s`` going down, exceeds what it
     had to its milestone when admitted by :data:`TENURE_SLACK`: no admitted trial holds
     a slot for good, so none waiting for one stalls), or when it leaves the engine
@@ -147,7 +149,14 @@ class MilestonePolicy(BasePolicy):
     def _reached(seen: _Admitted, c: Candidate) -> bool:
         """Whether ``c`` shows its trial past the milestone it was admitted for."""
         m = c.milestone_s
-        return m is None or (c.op.iteration > seen.iteration and m >= seen.milestone_s)
+        if m is None:
+            return True
+        # An iteration (a result) later with as much to go or more: the front end moved
+        # the milestone on; with less than half as much: it replaced an estimate (a
+        # loop's first report measures its steps), a milestone of its own too.
+        return (
+            c.op.iteration > seen.iteration and not 0.5 * seen.milestone_s <= m < seen.milestone_s
+        )
 
     @staticmethod
     def _overran(seen: _Admitted, c: Candidate) -> bool:
