@@ -50,6 +50,7 @@ ENGINE_ACTOR_PREFIX = "tune_hydra_engine"
 CONTROL_GROUP = "control"
 DEFAULT_ENGINE_CLASS = "tune_hydra.engine:Engine"
 DEFAULT_FACTORY_TIMEOUT_S = 600.0
+_NO_HINT: Any = object()
 """How long a task factory may take by default (``HydraExecutor(factory_timeout_s=...)``)."""
 
 
@@ -403,6 +404,13 @@ class EngineActor:
             self._functions[key] = run
         if old is not None:
             old.stop()
+        with self._lock:  # hints that came before the function (see set_remaining)
+            hint = self._hints.get(key)
+            milestone = self._milestones.get(key, _NO_HINT)
+        if milestone is not _NO_HINT:
+            run.hint(milestone=milestone)
+        if hint is not None:
+            run.hint(remaining=hint)
         run.start()
         with self._lock:
             self._function_threads = [r for r in self._function_threads if r.thread.is_alive()]
@@ -529,6 +537,9 @@ class EngineActor:
         self._driver(secret)
         with self._lock:
             self._hints[key] = int(iterations)
+            run = self._functions.get(key)
+        if run is not None:
+            run.hint(remaining=int(iterations))
         reg = self._trial(key)
         if reg is not None and self._engine is not None:
             # The task may go away meanwhile; a hint is not worth an error.
@@ -544,6 +555,10 @@ class EngineActor:
         value = None if iterations is None else int(iterations)
         with self._lock:
             self._milestones[key] = value
+            run = self._functions.get(key)
+        if run is not None:
+            run.hint(milestone=value)
+            self._milestones_given += 1
         reg = self._trial(key)
         if reg is not None and self._engine is not None:
             with contextlib.suppress(TuneHydraError):  # as set_remaining: not worth an error

@@ -41,6 +41,7 @@ import contextlib
 import ctypes
 import inspect
 import logging
+import math
 import os
 import sys
 import threading
@@ -66,6 +67,10 @@ from tune_hydra.frontends.ray.trainable import EngineClient, with_parameters_ref
 logger = logging.getLogger(__name__)
 
 _CLONE_FS = 0x00000200  # linux/sched.h: the cwd, root and umask of a thread
+# A loop's milestone in ops before its ops per report are known: far, so that it is
+# served as a trial with a milestone ahead (as th.optimize's objectives).
+_UNKNOWN_OPS = 1_000_000
+_UNSET: Any = object()
 
 SHARD_LINE = "model, optimizer = th.shard(model, optimizer)"
 
@@ -229,6 +234,11 @@ class FunctionRun:
         self._continue = threading.Semaphore(0)
         self._stopped = threading.Event()
         self.thread = threading.Thread(target=self._main, name=f"hydra-fn-{key}", daemon=True)
+        # The driver's hints (in reports: Tune results), turned into ops of its loops.
+        self._loops: dict[str, tuple[Any, int]] = {}  # name -> (loop, ops at last report)
+        self._per_report: dict[str, float] = {}  # name -> ops between two reports
+        self._milestone: Any = _UNSET  # reports to the next milestone (None: none left)
+        self._remaining: int | None = None  # reports after the current one
 
     # -- Ray's session attributes ----------------------------------------------------
     @property
@@ -290,10 +300,62 @@ class FunctionRun:
             self._put(("error", str(err), err))
             raise _Stopped
         self.reports += 1
+        self._measure()
         self._put(("report", dict(metrics), checkpoint))
         self._continue.acquire()
         if self._stopped.is_set():
             raise _Stopped
+
+    # -- the engine's hints: Tune's budget and milestones, in ops of the loops ----------
+    def add_loop(self, loop: Any) -> None:
+        """``EngineScope.on_loop``: a loop of the function was cut and registered."""
+        with self._lock:
+            self._loops[loop.name] = (loop, loop.iteration)
+        self._announce()
+
+    def hint(self, *, milestone: Any = _UNSET, remaining: int | None = None) -> None:
+        """The driver's ``set_milestone`` (reports from the last one to the trial's next
+        milestone; None: none left) or ``set_remaining`` (reports after the next one)."""
+        with self._lock:
+            if milestone is not _UNSET:
+                self._milestone = milestone
+            if remaining is not None:
+                self._remaining = remaining
+        self._announce()
+
+    def _measure(self) -> None:
+        """At a report: the ops each loop ran since the last one, and the loops' progress
+        (their ops' iteration, which the milestone policy reads)."""
+        with self._lock:
+            for name, (loop, at) in list(self._loops.items()):
+                ops = loop.iteration
+                if ops > at:
+                    self._per_report[name] = float(ops - at)
+                self._loops[name] = (loop, ops)
+                loop.reports = self.reports
+
+    def _announce(self) -> None:
+        """Tell the engine each loop's next milestone and remaining work, in its ops
+        (half a report of slack: a report that takes an op or two more than the last
+        one is not taken for committed work)."""
+        with self._lock:
+            loops = [(name, loop) for name, (loop, _) in self._loops.items()]
+            per_report = dict(self._per_report)
+            milestone, remaining = self._milestone, self._remaining
+        for name, _loop in loops:
+            per = per_report.get(name)
+            with contextlib.suppress(Exception):  # the loop left (unshard): no hint
+                if milestone is not _UNSET:
+                    ops = (
+                        None
+                        if milestone is None
+                        else _UNKNOWN_OPS
+                        if per is None
+                        else max(1, math.ceil((milestone + 0.5) * per))
+                    )
+                    self.engine.set_milestone(name, ops)
+                if remaining is not None and per is not None:
+                    self.engine.set_remaining(name, math.ceil((remaining + 1) * per))
 
     def _name(self) -> str:
         fn = getattr(self.fn, "fn", self.fn)
@@ -359,6 +421,7 @@ class FunctionRun:
                 own_working_directory(str(self.cwd))
             with private_rng(self.seed), engine_scope(self.engine) as scope:
                 self.scope = scope
+                scope.on_loop = self.add_loop
                 if self._stopped.is_set():
                     scope.stop()
                 try:
