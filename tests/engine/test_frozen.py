@@ -301,3 +301,32 @@ def test_share_frozen_is_a_checked_engine_option() -> None:
         assert not eng._registry.frozen.entries()
         a, b = (frozen_ptrs(eng._registry.tasks[k].task.model) for k in "ab")  # type: ignore[union-attr]
         assert all(a[n] != b[n] for n in a)
+
+
+def test_one_device_copy_per_device_while_any_user_is_resident() -> None:
+    """Two tasks' shard 0 on one device holder: the shared frozen tensors are copied
+    there by the first, reused by the second, and freed when the last one leaves."""
+    with engine() as eng:
+        for name in "ab":
+            eng.add_task(name, trial("ab".index(name)), seed=SEED)
+        a, b = (eng._registry.tasks[k].runner.store_of(0) for k in "ab")
+        frozen = (8 * 32 + 32) * 8  # layer 0's weight and bias, in shard 0
+        own = a.nbytes()
+        holder, other = object(), object()
+        cpu = torch.device("cpu")
+        assert a.promote(cpu, owner=holder) == own + frozen
+        assert b.promote(cpu, owner=holder) == own  # b's own state only
+        wa, wb = (eng._registry.tasks[k].task.model[0].weight for k in "ab")  # type: ignore[union-attr]
+        assert wa.data_ptr() == wb.data_ptr() != eng._registry.frozen.entries()[0].host.data_ptr()
+        c = trial(2)  # another holder of the same device type gets its own copy
+        eng.add_task("c", c, seed=SEED)
+        sc = eng._registry.tasks["c"].runner.store_of(0)
+        assert sc.promote(cpu, owner=other) == own + frozen
+        assert c.model[0].weight.data_ptr() != wa.data_ptr()
+        a.demote()
+        entry = next(e for e in eng._registry.frozen.entries() if e.name == "0.weight")
+        assert sorted(slot[1] for slot in entry.devices.values()) == [1, 1]
+        b.demote()
+        sc.demote()
+        assert not entry.devices
+        assert wa.data_ptr() == wb.data_ptr() == entry.host.data_ptr()

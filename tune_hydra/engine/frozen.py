@@ -103,6 +103,9 @@ def checksum(t: torch.Tensor) -> int:
 
 
 Key = tuple[str, tuple[int, ...], torch.dtype, bytes]
+DeviceKey = tuple[str, int]
+"""``(device, id of its holder)``: emulated CPU devices are all ``cpu``; their workers
+tell them apart."""
 
 
 @dataclass(eq=False)
@@ -126,6 +129,8 @@ class FrozenEntry:
     users: int = 0
     tasks: dict[str, int] = field(default_factory=dict)
     live: bool = True
+    # Device copies: (device, holder) -> [tensor, users there, CUDA event after its copy]
+    devices: dict[DeviceKey, list[Any]] = field(default_factory=dict)
 
     @property
     def name(self) -> str:
@@ -253,6 +258,63 @@ class FrozenPool:
             for entry in new:
                 self.host.hold(entry.ledger_key, entry.nbytes, (task, -1))
         return replaced
+
+    # -- devices --------------------------------------------------------------------------
+
+    def to_device(
+        self, entry: FrozenEntry, device: torch.device, owner: object, stream: Any
+    ) -> tuple[torch.Tensor, int, DeviceKey]:
+        """``entry``'s copy on ``device`` held by ``owner`` (a worker), copied there by the
+        first store that needs it and kept while any store using it is resident there:
+        returns it, the bytes copied (0 if it was there) and the key to give back with
+        :meth:`off_device`."""
+        key: DeviceKey = (str(device), id(owner))
+        with self._lock:
+            slot = entry.devices.get(key)
+            if slot is not None:
+                slot[1] += 1
+        if slot is not None:
+            if slot[2] is not None:  # ordered after the copy, whichever stream made it
+                (stream or torch.cuda.current_stream(device)).wait_event(slot[2])
+            return slot[0], 0, key
+        host = entry.host
+        dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+        dev.copy_(host, non_blocking=host.is_pinned())
+        event = None
+        if dev.is_cuda:
+            event = torch.cuda.Event()
+            event.record(stream or torch.cuda.current_stream(device))
+        with self._lock:
+            slot = entry.devices.get(key)
+            if slot is None:  # another store of this holder may have copied it meanwhile
+                entry.devices[key] = [dev, 1, event]
+                return dev, host.numel() * host.element_size(), key
+            slot[1] += 1
+        if slot[2] is not None:
+            (stream or torch.cuda.current_stream(device)).wait_event(slot[2])
+        return slot[0], 0, key
+
+    def off_device(self, entry: FrozenEntry, key: DeviceKey) -> None:
+        """A store using ``entry``'s device copy ``key`` left that device; the last one
+        frees it (its compute is over: stores leave a device after their ops)."""
+        with self._lock:
+            slot = entry.devices.get(key)
+            if slot is None:
+                return
+            slot[1] -= 1
+            if slot[1] <= 0:
+                del entry.devices[key]
+
+    def repair(self, entry: FrozenEntry, tensor: torch.Tensor) -> bool:
+        """Write the pool's values back into ``tensor`` if it is one of ``entry``'s device
+        copies (a task wrote it: the tasks sharing it on that device must not see it);
+        returns whether it was one."""
+        with self._lock:
+            shared = any(slot[0] is tensor for slot in entry.devices.values())
+        if shared:
+            with torch.no_grad():
+                tensor.copy_(entry.host)
+        return shared
 
     # -- leaving --------------------------------------------------------------------------
 

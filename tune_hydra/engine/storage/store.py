@@ -156,6 +156,7 @@ class ShardStore:
         # spilled with it); each with the tensor it points at now and its version then.
         self._frozen: dict[int, FrozenRef] = {}
         self._frozen_live: dict[int, tuple[torch.Tensor, int]] = {}
+        self._frozen_dev: dict[int, tuple[str, int]] = {}  # its pool device copy's key
         for key, t in list(self._live()):
             home = tier.keep(key, t)
             if home is not t:
@@ -218,6 +219,9 @@ class ShardStore:
                 continue
             others = ref.entry.others(ref.task)
             if others:
+                # A device copy other resident tasks use gets its values back before their
+                # next op (a device runs one op at a time).
+                ref.pool.repair(ref.entry, self._frozen_live[i][0])
                 raise FrozenTensorModifiedError(ref.task, ref.name, f"{what} {when}", others)
             self._unshare(i)
 
@@ -243,6 +247,9 @@ class ShardStore:
         with self.lock:
             ref = self._frozen.pop(i)
             self._frozen_live.pop(i, None)
+            key = self._frozen_dev.pop(i, None)
+            if key is not None:  # its device copy is the store's own now
+                ref.pool.off_device(ref.entry, key)
             p = self.params[i]
             if self._residency.state is not Residency.DEVICE:
                 # At home (or in place): its tensor is the entry's, now the store's own.
@@ -257,6 +264,9 @@ class ShardStore:
 
     def _frozen_home(self, i: int) -> None:
         ref = self._frozen[i]
+        key = self._frozen_dev.pop(i, None)
+        if key is not None:
+            ref.pool.off_device(ref.entry, key)
         p = self.params[i]
         p.data = ref.entry.host
         self._frozen_live[i] = (ref.entry.host, p._version)
@@ -562,12 +572,11 @@ class ShardStore:
                 moved += host.numel() * host.element_size()
                 self._set(key, dev)
             for i, ref in self._frozen.items():
-                # The task's own device copy (never copied back: the pool's host tensor
-                # keeps the values).
-                host = ref.entry.host
-                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-                dev.copy_(host, non_blocking=host.is_pinned())
-                moved += host.numel() * host.element_size()
+                # One copy per device for every task resident there (never copied back:
+                # the pool's host tensor keeps the values).
+                dev, copied, key = ref.pool.to_device(ref.entry, device, owner, stream)
+                self._frozen_dev[i] = key
+                moved += copied
                 p = self.params[i]
                 p.data = dev
                 self._frozen_live[i] = (dev, p._version)
