@@ -360,3 +360,41 @@ def test_pbt_exploits_restore_weights_and_optimizer(ray_session: Any, storage: s
             )
     assert restored >= 1  # PBT exploited at least once
     assert all(not r["engine_tasks"] for r in registered.values()), registered
+
+
+def train_with_data(config: dict[str, Any], data: Any = None) -> None:
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1).double()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = th.shard(model, optimizer)
+    for x, y in data:
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        tune.report({"loss": loss.item(), "batches": len(data)})
+
+
+def test_with_parameters_both_ways(ray_session: Any, storage: str) -> None:
+    """tune.with_parameters inside or around ex.trainable(fn): the data reach the
+    function as a keyword argument (fetched by the engine, not the trial processes)."""
+    gen = torch.Generator().manual_seed(3)
+    data = [
+        (
+            torch.randn(4, 3, generator=gen, dtype=torch.float64),
+            torch.randn(4, 1, dtype=torch.float64),
+        )
+        for _ in range(2)
+    ]
+    with _executor() as ex:
+        inside = ex.trainable(tune.with_parameters(train_with_data, data=data))
+        around = tune.with_parameters(ex.trainable(train_with_data), data=data)
+        frames = []
+        for trainable in (inside, around):
+            analysis = tune.run(trainable, config={}, storage_path=storage, verbose=0)
+            (trial,) = analysis.trials
+            assert trial.status == "TERMINATED", trial.error_file
+            frames.append(analysis.trial_dataframes[trial.trial_id])
+        assert _live_functions(ex) == []
+    assert list(frames[0]["batches"]) == [2, 2] and list(frames[1]["batches"]) == [2, 2]
+    assert list(frames[0]["loss"]) == list(frames[1]["loss"])
