@@ -297,6 +297,50 @@ def test_four_lora_trials_multiplexed_are_exact(
 
 
 @pytest.mark.parametrize("kind", KINDS)
+def test_four_lora_trials_hold_one_base(kind: str, saved: dict[str, Path], tmp_path: Path) -> None:
+    """Whatever modules each trial adapts, the base is held once: each base tensor is one
+    pool entry of all four trials, counted once in the host ledger and copied to a device
+    once per residency; and each trial still trains exactly as alone."""
+    from tune_hydra.engine import Engine
+
+    tasks = {f"t{i}": trial(kind, saved[kind], i) for i in range(4)}
+    refs = {k: alone(t) for k, t in tasks.items()}
+    base = load(kind, saved[kind])
+    base_bytes = sum(p.numel() * p.element_size() for p in base.parameters())
+    copied = {}
+    for share in (True, False):
+        runs = tasks if share else {k: alone(t) for k, t in refs.items()}
+        with Engine(
+            ["cpu", "cpu"],
+            max_layers_per_shard=2,
+            copy_on_cpu=True,
+            host_memory=2**30,
+            spill_dir=tmp_path,
+            share_frozen=share,
+        ) as eng:
+            for name, task in runs.items():
+                eng.add_task(name, task, seed=5)
+            pool = eng._registry.frozen
+            if share:
+                entries = pool.entries()
+                assert len(entries) == len(list(base.parameters()))
+                assert all(e.users == 4 and len(e.tasks) == 4 for e in entries)
+                assert pool.held_bytes() == base_bytes
+                ledger = eng.host.ledger.states
+                assert sum(v for k, v in ledger.items() if isinstance(k, tuple)) == base_bytes
+            futures = {name: eng.train(name, 2) for name in runs}
+            results = {name: f.result(timeout=300) for name, f in futures.items()}
+            copied[share] = sum(e.bytes_moved for e in eng.trace.events if e.op == "copy_in")
+        if share:
+            for name, task in tasks.items():
+                want = plain_on_emulated_device(refs[name], 2, seed=5, devices=2)
+                got = [(r["loss"], r["val_loss"], r["accuracy"]) for r in results[name]]
+                assert got == [(r["loss"], r["val_loss"], r["accuracy"]) for r in want]
+                assert_exact(task.model, refs[name].model)
+    assert copied[True] < copied[False]
+
+
+@pytest.mark.parametrize("kind", KINDS)
 def test_ia3_trials_multiplexed_are_exact(kind: str, saved: dict[str, Path]) -> None:
     tasks = {}
     for i in range(2):
