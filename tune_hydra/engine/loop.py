@@ -279,8 +279,10 @@ class LoopRunner:
         try:
             with inside_op():
                 self._apply_pending(self.shards[op.shard])
+                training = self.model.training
                 for m in self._wrappers:  # the cut's own modules follow the user's mode
-                    m.training = self.model.training
+                    if m.training is not training:  # (Module.__setattr__ is slow)
+                        m.training = training
                 self._result = (True, fn(device))
         except BaseException as err:  # the user's code failed: raised in the user's thread
             self._result = (False, err)
@@ -371,7 +373,11 @@ class LoopRunner:
         if hand_off:
             gen.set_state(torch.get_rng_state())
         try:
-            self.engine.train(self.name, 1).result()
+            # Dispatched on this thread as the grant is made (not by waking the engine's
+            # dispatch thread: a thread hand-off less per op).
+            with self.engine.hold_dispatch():
+                done = self.engine.train(self.name, 1)
+            done.result()
         finally:
             self._request = None
         if hand_off:
