@@ -143,3 +143,16 @@ def test_disk_tier_quick(tmp_path: Path) -> None:
     out = _run("disk_tier.py", "--quick", "--spill-dir", str(tmp_path), timeout=180)
     assert "parity: exact" in out and "trace.validate(host_budget=" in out
     assert not list(tmp_path.iterdir())  # the engines' folders are gone
+
+
+def test_loops_quick() -> None:
+    out = _run("loops.py", "--quick", timeout=180)
+    for text in (
+        "4 loops vs 4 task factories",
+        "loops throughput / factories' (recompute)",
+        "loops throughput / factories' (kept graphs)",
+        "keeping activations:",
+        "us per op",
+    ):
+        assert text in out
+    assert "same weights: NO" not in out  # loops and factories are both exact to plain
