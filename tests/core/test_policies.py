@@ -324,6 +324,30 @@ def test_milestone_replaced_estimate_is_a_milestone_reached() -> None:
     assert policy.admitted == ["t1"]
 
 
+def test_milestone_due_trial_is_no_committed_one() -> None:
+    """milestone_s None at the same iteration as its last op run with a milestone ahead:
+    the count passed the milestone before the result came (a loop reporting later than
+    announced). It is due: served as a trial with a milestone (no work left to it), not
+    as committed work; a result later (a new iteration) it is committed (or moved on)."""
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    assert sel(policy, [mcand(0, 2.0), mcand(1, 3.0)]) == 0  # t0 admitted
+    assert sel(policy, [mcand(1, 3.0), mcand(2, 4.0)]) == 1  # t1 lent the device
+    # t0 due: keeps its slot and goes first; t3 (never run with a milestone) committed.
+    cands = [mcand(0, None), mcand(2, 4.0), mcand(3, None, remaining=1.0)]
+    assert sel(policy, cands) == 0
+    assert policy.admitted == ["t0"]
+    # t1 due too, not admitted: before the waiting t2 (no work left to its milestone).
+    assert sel(policy, [mcand(1, None), mcand(2, 4.0), mcand(3, None, remaining=1.0)]) == 1
+    assert [c.order for c in policy.rank([mcand(3, None), mcand(2, 4.0), mcand(1, None)])] == [
+        1,
+        2,
+        3,
+    ]
+    # A result later with no milestone: committed, and t0 leaves admission.
+    assert sel(policy, [mcand(0, None, iteration=1), mcand(2, 4.0)]) == 2
+    assert policy.admitted == ["t2"]
+
+
 def test_milestone_overdue_trial_leaves_admission() -> None:
     """A trial whose milestone never comes (its front end moves the milestone on without
     an iteration ending, as a th.shard loop's trial.report does, or it reports less often

@@ -227,10 +227,10 @@ def test_milestone_admission_never_idles_the_device_while_a_trial_waits() -> Non
 
 
 class _Reporting(ScriptedRunner):
-    """A th.shard loop as the engine sees it: each op is an iteration of its own, every
-    op of iteration 0 (``batch`` counts them), and its front end moves the milestone on
-    at each report (every ``every`` ops, to ``every`` ops ahead) without an iteration of
-    the op ever ending: its milestone never comes."""
+    """A runner whose ops never show progress (all of iteration 0; ``batch`` counts them;
+    each op is an engine iteration of its own, as a th.shard loop's), whose front end
+    moves the milestone on at each result (every ``every`` ops, to ``every`` ops ahead):
+    the milestone it was admitted for never comes."""
 
     def __init__(self, name: str, engine: Engine, every: int) -> None:
         super().__init__(name, "L0[0]", durations=1.0)
@@ -278,3 +278,47 @@ def test_milestone_a_trial_whose_milestone_never_comes_leaves_admission(
         got = play(eng, {"a": 12, "b": 12, "c": 2})
     assert " ".join(f"{op.task}{op.batch}" for _, _, op, _ in got.ops) == order
     assert got.makespan == 26.0
+
+
+class _LateLoop(ScriptedRunner):
+    """A th.shard loop under th.optimize: each op an engine iteration of its own, its ops'
+    iteration the reports before them; announced ``ahead`` ops to its next report, it
+    reports every ``every`` ops (later than announced), then announces ``ahead`` again."""
+
+    def __init__(self, name: str, engine: Engine, every: int, ahead: int) -> None:
+        super().__init__(name, "L0[0]", durations=1.0)
+        self.engine, self.every, self.ahead, self.reports = engine, every, ahead, 0
+        engine.add_runner(name, self)
+        engine.set_milestone(name, ahead)
+
+    def advance(self) -> Any:
+        op = super().advance()
+        if op is not None:
+            op = self.current = dataclasses.replace(
+                op, iteration=self.reports, batch=self.iteration
+            )
+        return op
+
+    def _finish_iteration(self) -> None:
+        super()._finish_iteration()
+        if self.iteration % self.every == 0:  # trial.report, then the next step announced
+            self.reports += 1
+            self.engine.set_milestone(self.name, self.ahead)
+
+
+def test_milestone_a_loop_reporting_later_than_announced_is_still_served() -> None:
+    # a announced its report 2 ops ahead but reports after 4: past the 2 ops its
+    # milestone_s is None at the same iteration (no result yet). It is due, not
+    # committed: it keeps its slot and reaches its report at 4 s; then b and c (b's
+    # second iteration after c's first: breadth-first). (Taken for committed, a would
+    # wait behind b and c: its report at 8 s.)
+    with Engine(["cpu"], policy=MilestonePolicy(slots_per_device=1), clock=ManualClock()) as eng:
+        _LateLoop("a", eng, every=4, ahead=2)
+        for name in "bc":
+            eng.add_runner(name, ScriptedRunner(name, "L0[0]", durations=1.0))
+            eng.set_milestone(name, 2)
+        got = play(eng, {"a": 4, "b": 2, "c": 2})
+    assert " ".join(f"{op.task}{op.batch}" for _, _, op, _ in got.ops) == (
+        "a0 a1 a2 a3 b0 c0 c0 b0"
+    )
+    assert [op.iteration for _, _, op, _ in got.ops[:4]] == [0, 0, 0, 0]

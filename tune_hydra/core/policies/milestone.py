@@ -82,6 +82,13 @@ class MilestonePolicy(BasePolicy):
     had to its milestone when admitted by :data:`TENURE_SLACK`: no admitted trial holds
     a slot for good, so none waiting for one stalls), or when it leaves the engine
     (:meth:`forget`).
+    A trial offered without a milestone at the same iteration as its last op run with
+    one is *due*, not committed: its front end's count passed the milestone before the
+    result came (a ``th.shard`` loop reporting later than announced; a factory's
+    milestone passes only as an iteration ends). It is served as a trial with a
+    milestone, with no work left to it (and keeps its slot if admitted), until a result
+    comes (a new iteration).
+
     When no ready op has a milestone and none is admitted, every decision is exactly
     :class:`LRTFPolicy`'s (so ``auto`` costs a fixed-budget run nothing).
 
@@ -128,6 +135,11 @@ class MilestonePolicy(BasePolicy):
         self._admitted: dict[str, _Admitted] = {}
         # Trials that left admission overdue: admitted again after the waiting ones.
         self._overdue: set[str] = set()
+        # task -> the iteration of its last op run with a milestone ahead: offered with
+        # none at that same iteration, its front end's count passed the milestone before
+        # the result came (a loop reporting later than announced): still due, not
+        # committed (a factory's milestone passes only as an iteration ends).
+        self._due_at: dict[str, int] = {}
 
     # --- state -------------------------------------------------------------------------
 
@@ -144,13 +156,26 @@ class MilestonePolicy(BasePolicy):
     def forget(self, task: str) -> None:
         self._admitted.pop(task, None)
         self._overdue.discard(task)
+        self._due_at.pop(task, None)
+
+    def _due(self, c: Candidate) -> bool:
+        """Whether ``c`` has a milestone ahead (or one due: see ``_due_at``)."""
+        if c.milestone_s is not None:
+            return True
+        at = self._due_at.get(c.op.task)
+        if at is None:
+            return False
+        if at != c.op.iteration:  # a result came since: committed (or moved on)
+            del self._due_at[c.op.task]
+            return False
+        return True
 
     @staticmethod
     def _reached(seen: _Admitted, c: Candidate) -> bool:
         """Whether ``c`` shows its trial past the milestone it was admitted for."""
         m = c.milestone_s
-        if m is None:
-            return True
+        if m is None:  # at the same iteration: due (its result not in yet), not reached
+            return c.op.iteration > seen.iteration
         # An iteration (a result) later with as much to go or more: the front end moved
         # the milestone on; with less than half as much: it replaced an estimate (a
         # loop's first report measures its steps), a milestone of its own too.
@@ -162,6 +187,8 @@ class MilestonePolicy(BasePolicy):
     def _overran(seen: _Admitted, c: Candidate) -> bool:
         """Whether ``c`` (not past its milestone) shows its trial past the work it was
         admitted for: its milestone is overdue."""
+        if c.milestone_s is None:
+            return False  # due: its slot is kept until its result
         done = seen.done_s + max(0.0, seen.milestone_s - (c.milestone_s or 0.0))
         return done > (1.0 + TENURE_SLACK) * seen.budget_s
 
@@ -176,8 +203,8 @@ class MilestonePolicy(BasePolicy):
             elif self._overran(seen, c):
                 del admitted[c.op.task]
                 self._overdue.add(c.op.task)
-            else:
-                m: float = c.milestone_s  # type: ignore[assignment]  # not None: not reached
+            elif c.milestone_s is not None:
+                m = c.milestone_s
                 seen.done_s += max(0.0, seen.milestone_s - m)
                 seen.iteration = c.op.iteration
                 seen.milestone_s = m
@@ -196,22 +223,26 @@ class MilestonePolicy(BasePolicy):
         if not candidates:
             return None
         admitted = self._admitted
-        committed = [c for c in candidates if c.milestone_s is None]
+        bound: list[Candidate] = []
+        committed: list[Candidate] = []
+        for c in candidates:
+            (bound if self._due(c) else committed).append(c)
         if committed:
             urgent = self._urgent(committed, candidates)
             if urgent is not None:
                 return urgent
-        mine = [c for c in candidates if c.op.task in admitted]
+        mine = [c for c in bound if c.op.task in admitted]
         if mine:
-            return min(mine, key=_admitted_key)
-        bound = [c for c in candidates if c.milestone_s is not None]
-        if not bound:
+            pick = min(mine, key=_admitted_key)
+        elif not bound:
             return self._lrtf.choose(device, committed)
-        pick = min(bound, key=self._admission_key)
-        if len(admitted) < self.capacity:
-            m = pick.milestone_s or 0.0
-            admitted[pick.op.task] = _Admitted(pick.op.iteration, m, m)
-            self._overdue.discard(pick.op.task)
+        else:
+            pick = min(bound, key=self._admission_key)
+            if len(admitted) < self.capacity:
+                m = pick.milestone_s or 0.0
+                admitted[pick.op.task] = _Admitted(pick.op.iteration, m, m)
+                self._overdue.discard(pick.op.task)
+        self._due_at[pick.op.task] = pick.op.iteration
         return pick
 
     def _urgent(
@@ -237,7 +268,7 @@ class MilestonePolicy(BasePolicy):
             seen = self._admitted.get(c.op.task)
             if seen is not None and not self._reached(seen, c) and not self._overran(seen, c):
                 admitted.append(c)
-            elif c.milestone_s is not None:
+            elif c.milestone_s is not None or self._due_at.get(c.op.task) == c.op.iteration:
                 bound.append(c)
             else:
                 committed.append(c)
