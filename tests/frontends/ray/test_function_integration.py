@@ -17,7 +17,7 @@ import pytest
 import torch
 from ray import cloudpickle, tune
 from ray.train._internal import session as ray_session
-from ray.tune.schedulers import ASHAScheduler, PopulationBasedTraining
+from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 from torch import nn
 
 import tune_hydra as th
@@ -320,6 +320,60 @@ def test_a_function_without_shard_ends_the_run_once(ray_session: Any, storage: s
     assert "experiment stops at the first one" in text
 
 
+def _check_restarts(analysis: Any, iters: int) -> int:
+    """Every run of a trial's function restarted from a checkpoint (``restored_from``)
+    reports what the plain function restored from that checkpoint reports, bit for bit;
+    returns how many restarts there were."""
+    restored = 0
+    for trial in analysis.trials:
+        frame = analysis.trial_dataframes[trial.trial_id]
+        for path, rows in frame[frame["restored_from"] != ""].groupby("restored_from"):
+            restored += 1
+            config = {"seed": trial.config["seed"], "iters": iters, **BASE}
+            config["lr"] = float(rows["lr_seen"].iloc[0])
+            plain = _plain(config, checkpoint=tune.Checkpoint(path)).results[: len(rows)]
+            for key in ("start", "train_loss", "mean_accuracy"):
+                assert list(rows[key]) == [r[key] for r in plain], key
+    return restored
+
+
+class _PauseOnce(FIFOScheduler):
+    """Pauses every trial once, at its second result, and resumes it later (the pause
+    and resume Tune does for HyperBand's rungs)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.paused: set[str] = set()
+
+    def on_trial_result(self, tune_controller: Any, trial: Any, result: dict[str, Any]) -> str:
+        if result.get("training_iteration") == 2 and trial.trial_id not in self.paused:
+            self.paused.add(trial.trial_id)
+            return self.PAUSE
+        return self.CONTINUE
+
+
+def test_paused_function_trials_resume_exactly(ray_session: Any, storage: str) -> None:
+    """A paused trial (HyperBand's rungs) is saved and its function stopped; resumed, the
+    function restarts from its own last checkpoint and goes on exactly as the plain
+    function restored from it; no trial errs, nothing is left running."""
+    with _executor() as ex:
+        analysis = tune.run(
+            ex.trainable(train_convnet),
+            config={"seed": tune.grid_search([0, 1]), "iters": 4, **BASE},
+            scheduler=_PauseOnce(),
+            storage_path=storage,
+            verbose=0,
+        )
+        assert _live_functions(ex) == []
+    assert all(t.status == "TERMINATED" for t in analysis.trials), [
+        (t.status, t.error_file) for t in analysis.trials
+    ]
+    assert _check_restarts(analysis, iters=4) == 2  # each trial paused and resumed once
+    for trial in analysis.trials:
+        frame = analysis.trial_dataframes[trial.trial_id]
+        assert list(frame["start"])[-2:] == [2, 2]  # resumed after its 2nd iteration
+
+
 def test_pbt_exploits_restore_weights_and_optimizer(ray_session: Any, storage: str) -> None:
     """PBT pauses the weaker trial and restarts its function from the stronger one's
     checkpoint (``tune.get_checkpoint()`` + ``load_state_dict`` of model and optimizer):
@@ -344,20 +398,7 @@ def test_pbt_exploits_restore_weights_and_optimizer(ray_session: Any, storage: s
         registered = ex.registered_trials()
         assert _live_functions(ex) == []
     assert all(t.status == "TERMINATED" for t in analysis.trials)
-    restored = 0
-    for trial in analysis.trials:
-        frame = analysis.trial_dataframes[trial.trial_id]
-        for path, rows in frame[frame["restored_from"] != ""].groupby("restored_from"):
-            restored += 1
-            config = {"seed": trial.config["seed"], "iters": 4, **BASE}
-            config["lr"] = float(rows["lr_seen"].iloc[0])
-            plain = _plain(config, checkpoint=tune.Checkpoint(path))
-            assert list(rows["start"]) == [r["start"] for r in plain.results][: len(rows)]
-            assert list(rows["train_loss"]) == [r["train_loss"] for r in plain.results][: len(rows)]
-            assert (
-                list(rows["mean_accuracy"])
-                == [r["mean_accuracy"] for r in plain.results][: len(rows)]
-            )
+    restored = _check_restarts(analysis, iters=4)
     assert restored >= 1  # PBT exploited at least once
     assert all(not r["engine_tasks"] for r in registered.values()), registered
 
