@@ -223,10 +223,13 @@ class MilestonePolicy(BasePolicy):
         if not candidates:
             return None
         admitted = self._admitted
-        bound: list[Candidate] = []
-        committed: list[Candidate] = []
-        for c in candidates:
-            (bound if self._due(c) else committed).append(c)
+        bound = [c for c in candidates if c.milestone_s is not None]
+        committed = [c for c in candidates if c.milestone_s is None]
+        if committed and self._due_at:
+            due = {id(c) for c in committed if self._due(c)}
+            if due:
+                bound += [c for c in committed if id(c) in due]
+                committed = [c for c in committed if id(c) not in due]
         if committed:
             urgent = self._urgent(committed, candidates)
             if urgent is not None:
@@ -237,7 +240,7 @@ class MilestonePolicy(BasePolicy):
         elif not bound:
             return self._lrtf.choose(device, committed)
         else:
-            pick = min(bound, key=self._admission_key)
+            pick = min(bound, key=self._admission_key if self._overdue else _admission_key)
             if len(admitted) < self.capacity:
                 m = pick.milestone_s or 0.0
                 admitted[pick.op.task] = _Admitted(pick.op.iteration, m, m)
@@ -278,8 +281,15 @@ class MilestonePolicy(BasePolicy):
 
     def _admission_key(self, c: Candidate) -> tuple[int, bool, float, bool, bool, int]:
         # Breadth-first; within a level the trials that left admission overdue after the
-        # others (which waited for a slot), then the shortest first.
-        return (c.op.iteration, c.op.task in self._overdue, *_admission_key(c)[1:])
+        # others (which waited for a slot), then as _admission_key.
+        return (
+            c.op.iteration,
+            c.op.task in self._overdue,
+            c.milestone_s or 0.0,
+            not c.resident,
+            not c.in_host,
+            c.order,
+        )
 
     def __repr__(self) -> str:
         return (
