@@ -95,11 +95,16 @@ def checksum(t: torch.Tensor) -> int:
     own device, so a visit can tell whether a device copy was written. A change through
     ``.data`` (``weight.data += delta``, peft's unsafe merge) moves no version counter;
     it moves this sum unless it cancels out exactly."""
-    flat = t.detach().reshape(-1)
+    flat = t.detach().reshape(-1).contiguous()
     if flat.numel() == 0:
         return 0
-    ints = flat.contiguous().view(_INT[flat.element_size()])
-    return int(ints.sum(dtype=torch.int64).item())
+    raw = flat.view(torch.uint8)
+    if raw.numel() % 8 == 0:
+        try:  # 8 bytes at a time: several times faster than widening narrower integers
+            return int(raw.view(torch.int64).sum().item())
+        except RuntimeError:  # a view whose offset is not 8-byte aligned
+            pass
+    return int(flat.view(_INT[flat.element_size()]).sum(dtype=torch.int64).item())
 
 
 Key = tuple[str, tuple[int, ...], torch.dtype, bytes]
