@@ -218,7 +218,7 @@ def train_context(config: dict[str, Any]) -> None:
         optimizer.step()
         with open("out.txt", "a") as f:  # relative: the trial's own directory
             f.write(ctx.get_trial_id() + "\n")
-        if config.get("fail"):
+        if config.get("fail") and i == 1:  # mid-run, after one report
             raise RuntimeError("injected failure in the user's loop")
         thread_error = ""
         if config.get("thread"):
@@ -234,7 +234,8 @@ def train_context(config: dict[str, Any]) -> None:
             worker.start()
             worker.join()
             thread_error = f"{type(caught[0]).__name__}: {caught[0]}" if caught else "none"
-        time.sleep(0.25 * (5 - config["q"]))  # weaker trials reach ASHA's rungs later
+        if not config.get("fail"):  # weaker trials reach ASHA's rungs later
+            time.sleep(0.25 * (5 - config["q"]))
         tune.report(
             {
                 "score": config["q"] * (i + 1),
@@ -249,8 +250,8 @@ def train_context(config: dict[str, Any]) -> None:
 
 
 def test_asha_context_cwd_failures_and_threads(ray_session: Any, storage: str) -> None:
-    """Through a Tuner with ASHA: the weaker trials stop early, a trial that raises fails
-    alone (its traceback in its error file), each trial sees its own context and works in
+    """Through a Tuner with ASHA: the weaker trials stop early, a trial that raises
+    mid-run fails alone (its traceback in its error), each trial sees its own context and works in
     its own directory, and tune.report from a user's thread is a clear error."""
     qs = [0.5, 1.0, 2.0, 3.0, 4.0]
     with _executor() as ex:
@@ -275,6 +276,7 @@ def test_asha_context_cwd_failures_and_threads(ray_session: Any, storage: str) -
     failed = by_q[0.5]
     assert failed.error is not None
     assert "injected failure in the user's loop" in str(failed.error)
+    assert len(failed.metrics_dataframe) == 1  # it failed after its first report
     assert "TrialFunctionError" in str(failed.error) or "raised in the engine" in str(failed.error)
     done = [r for q, r in by_q.items() if q != 0.5]
     assert all(r.error is None for r in done)
