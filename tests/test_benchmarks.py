@@ -156,3 +156,12 @@ def test_loops_quick() -> None:
     ):
         assert text in out
     assert "same weights: NO" not in out  # loops and factories are both exact to plain
+
+
+def test_lora_base_tiny() -> None:
+    pytest.importorskip("peft")
+    out = _run("lora_base.py", "--tiny", timeout=300)
+    for text in ("host ledger, registered", "copied to devices per step", "samples/s"):
+        assert text in out
+    shared = float(out.split("host ledger / target: shared ")[1].split(",")[0])
+    assert shared <= 1.05  # the base once, plus each trial's adapter and optimizer state
