@@ -816,9 +816,9 @@ class _LoopMilestones:
     def report(self, value: float, step: int) -> None:
         """``trial.report``: Optuna's, then the loops' next milestones."""
         self._report(value, step)
-        if not isinstance(step, int) or isinstance(step, bool):
+        if not isinstance(step, numbers.Integral) or isinstance(step, bool):
             return  # Optuna refused it already, or will: nothing to measure
-        done = step + 1
+        done = int(step) + 1
         for name, (loop, at) in list(self.loops.items()):
             ops = loop.iteration
             if done > self.done and ops > at:
