@@ -330,3 +330,18 @@ def test_one_device_copy_per_device_while_any_user_is_resident() -> None:
         sc.demote()
         assert not entry.devices
         assert wa.data_ptr() == wb.data_ptr() == entry.host.data_ptr()
+
+
+def test_a_task_restored_from_its_state_shares_again_and_stays_exact() -> None:
+    tasks = {f"t{i}": trial(i) for i in range(2)}
+    refs = {k: alone(t) for k, t in tasks.items()}
+    with engine() as eng:
+        first = train(eng, tasks, epochs=1)
+        state = eng.get_state("t0")
+        eng.set_state("t0", state)  # a new runner: its frozen tensors join the pool again
+        entries = eng._registry.frozen.entries()
+        assert len(entries) == 6 and all(e.users == 2 for e in entries)
+        futures = {name: eng.train(name, 1) for name in tasks}
+        second = {name: f.result(timeout=120) for name, f in futures.items()}
+    for name, task in tasks.items():
+        assert_alone(first[name] + second[name], task, refs[name])
