@@ -523,7 +523,11 @@ class HydraFunctionTrainable(EngineClient, FunctionTrainable):
         session = ray_session.get_session()
         assert session is not None
         key = self.trial_id
-        self._check_slot()
+        try:
+            self._check_slot()
+        except SystematicTaskError as err:
+            self._record(err)
+            raise
         context = {
             "trial_info": session.trial_info,
             "storage": session.storage,
