@@ -221,3 +221,28 @@ def test_patched_tune_run_without_executor_is_rays(ray_session: Any, tmp_path: P
         assert all(t.last_result["training_iteration"] == 3 for t in analysis.trials)
         # ordinary function trainables: not proxies of a tune_hydra engine
         assert all(not t.trainable_name.startswith("Hydra") for t in analysis.trials)
+
+
+def test_the_tuner_hook_is_idempotent_and_leaves_other_tuners_alone(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """HydraExecutor.trainable installs hook_tuner; it completes only the configs of a
+    Tuner over an executor's trainable (none here: no executor is active for a plain
+    function), and unhook_tuner gives Ray's constructor back."""
+    patch_module.unhook_tuner()
+    ray_init = tune.Tuner.__init__
+    calls: list[Any] = []
+    monkeypatch.setattr(patch_module, "tuner_configs", lambda *a: calls.append(a) or a[1:])
+    try:
+        assert patch_module.hook_tuner() is True and patch_module.hook_tuner() is False
+        assert tune.Tuner.__init__.__wrapped__ is ray_init  # type: ignore[attr-defined]
+        assert inspect.signature(tune.Tuner.__init__) == inspect.signature(ray_init)
+        tune.Tuner(
+            lambda config: None,
+            tune_config=tune.TuneConfig(metric="x", mode="min"),
+            run_config=tune.RunConfig(storage_path=str(tmp_path)),
+        )
+        assert calls == []
+    finally:
+        assert patch_module.unhook_tuner() is True
+    assert tune.Tuner.__init__ is ray_init and patch_module.unhook_tuner() is False

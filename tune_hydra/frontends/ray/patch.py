@@ -156,7 +156,8 @@ def patch_tune() -> TunePatch:
     Only the attribute is replaced: code that did ``from ray.tune import run`` **before**
     the patch keeps Ray's function in its own name (and its ``trial_executor=`` still
     raises ``TypeError``); call ``tune.run(...)`` through the module, import after
-    patching, or call :func:`tune_hydra.run`. ``tune.Tuner`` is unchanged.
+    patching, or call :func:`tune_hydra.run`. ``tune.Tuner`` needs no patch: a Tuner over
+    ``HydraExecutor.trainable(...)`` completes its configs itself (:func:`hook_tuner`).
 
     Returns:
         A :class:`TunePatch`; used as a context manager (``with th.patch_tune(): ...``) it
