@@ -7,8 +7,10 @@ import csv
 import difflib
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -421,19 +423,22 @@ def test_the_plain_version_is_rays_example(name: str, replaced: int) -> None:
 def _run_ray_example(script: str, home: Path, *args: str, code: str = "") -> str:
     """Run examples/ray_tune/<script> (or ``code`` that runs it) as a user would, its
     ~/ray_results and Ray's temp dir under ``home``; stdout and stderr together."""
-    tmp = home / "ray_tmp"
-    tmp.mkdir(parents=True, exist_ok=True)
+    home.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix="thex", dir="/tmp")  # short: Ray's socket paths
     env = dict(
         os.environ,
         RAY_AUTH_MODE="disabled",
-        RAY_TMPDIR=str(tmp),
+        RAY_TMPDIR=tmp,
         HOME=str(home),
         PYTHONPATH=str(ROOT),
         RAY_DEDUP_LOGS="0",
     )
     path = str(RAY_TUNE / script)
     cmd = [sys.executable, "-c", code, path, *args] if code else [sys.executable, path, *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=home)
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=home)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-6000:]
     return out
@@ -471,16 +476,19 @@ def test_ray_tune_getting_started_asha_stops_and_best_checkpoint_reloads(
     assert epochs[0] < 10, epochs  # stopped early by ASHA
 
 
-_PBT_EVERY_2 = """
+_PBT_SYNCHRONOUS = """
 import runpy, sys
 import ray.tune.schedulers as schedulers
 
-class EveryTwo(schedulers.PopulationBasedTraining):
+class Synchronous(schedulers.PopulationBasedTraining):
     def __init__(self, **kwargs):
-        kwargs["perturbation_interval"] = 2  # the smoke test's 5 iterations see exploits
+        # Every trial waits (paused) at iteration 1, when each has reported its step-0
+        # checkpoint; then the bottom quantile exploits the top: within the smoke run.
+        kwargs["perturbation_interval"] = 1
+        kwargs["synch"] = True
         super().__init__(**kwargs)
 
-schedulers.PopulationBasedTraining = EveryTwo
+schedulers.PopulationBasedTraining = Synchronous
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
 sys.path.insert(0, script.rsplit("/", 1)[0])
@@ -488,15 +496,86 @@ runpy.run_path(script, run_name="__main__")
 """
 
 
-def test_ray_pbt_function_example_exploits(tmp_path: Path) -> None:
-    """The PBT function example (perturbing every 2 iterations so its smoke run sees it):
-    exploited trials restart from the best trial's checkpoint through their own
-    tune.get_checkpoint() + load_state_dict, and its eval_best_model reloads the best."""
+def test_ray_pbt_function_example_pauses_and_exploits(tmp_path: Path) -> None:
+    """The PBT function example, its PBT made synchronous with a perturbation every
+    iteration (Ray's example checkpoints at steps 0, 5, ... and perturbs every 5, so its
+    own smoke run never has a checkpoint to exploit): every trial is paused at each
+    perturbation, the bottom ones are exploited, and they restart from the top trial's
+    checkpoint through their own tune.get_checkpoint() + load_state_dict; its
+    eval_best_model reloads the best checkpoint."""
     out = _run_ray_example(
-        "pbt_convnet_function_example.py", tmp_path, "--smoke-test", code=_PBT_EVERY_2
+        "pbt_convnet_function_example.py", tmp_path, "--smoke-test", code=_PBT_SYNCHRONOUS
     )
     assert "best model accuracy: " in out
-    assert "Loading from checkpoint." in out  # the user's restore code ran in an exploit
+    assert "[Synchronous] [Exploit] Cloning trial" in out
+    assert "Loading from checkpoint." in out  # the user's restore code, in the engine
     trials = _progress(tmp_path, "pbt_test")
     assert len(trials) == 4
     assert all(int(rows[-1]["training_iteration"]) == 5 for rows in trials.values())
+
+
+_CIFAR_INTERRUPT_AND_RESTORE = """
+import os, signal, sys
+script = sys.argv[1]
+folder = os.path.dirname(script)
+sys.path.insert(0, folder)
+# The engine imports this module: Ray hands a script's folder to its workers, not a -c's.
+os.environ["PYTHONPATH"] = folder + os.pathsep + os.environ.get("PYTHONPATH", "")
+import ray
+from ray import tune
+import tune_hydra as th
+import cifar10_pytorch as example  # the tune_hydra version, as written
+
+ray.init(num_cpus=2)
+
+
+class InterruptAtIteration2(tune.Callback):  # as Ctrl-C would, once
+    def on_trial_result(self, iteration, trials, trial, result, **info):
+        # Tune pickles the callback with the experiment: the restored one runs too.
+        done = os.path.expanduser("~/interrupted")
+        if result["training_iteration"] == 2 and not os.path.exists(done):
+            open(done, "w").close()
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+ex = th.HydraExecutor()
+space = {"l1": 8, "l2": 8, "lr": tune.grid_search([0.01, 0.02]), "batch_size": 16,
+         "smoke_test": True}
+first = tune.Tuner(
+    ex.trainable(tune.with_parameters(example.train_cifar)),
+    tune_config=tune.TuneConfig(metric="loss", mode="min"),
+    run_config=tune.RunConfig(name="cifar_restore", stop={"training_iteration": 3},
+                              callbacks=[InterruptAtIteration2()]),
+    param_space=space,
+).fit()
+print("FIRST", sorted(r.metrics.get("training_iteration", 0) for r in first))
+path = os.path.expanduser("~/ray_results/cifar_restore")
+trainable = ex.trainable(tune.with_parameters(example.train_cifar))
+restored = tune.Tuner.restore(path, trainable=trainable)
+second = restored.fit()
+for r in second:
+    print("SECOND", r.metrics["training_iteration"], r.metrics["iterations_since_restore"],
+          r.error is None)
+best = second.get_best_result("loss", "min")
+example.test_best_model(best.config, best.checkpoint, smoke_test=True)
+"""
+
+
+def test_ray_cifar10_smoke_and_restore_resumes_unfinished_trials(tmp_path: Path) -> None:
+    """cifar10_pytorch.py --smoke-test runs (its own test_best_model reloads the best
+    checkpoint); then its train_cifar in a Tuner interrupted when a trial reports its
+    2nd iteration (SIGINT, as Ctrl-C) resumes both unfinished trials with Tuner.restore
+    to the stop, that one from its checkpoint (the example's tune.get_checkpoint())."""
+    out = _run_ray_example("cifar10_pytorch.py", tmp_path / "smoke", "--smoke-test")
+    assert "Best trial final validation loss: " in out
+    assert "Best trial test set accuracy: " in out
+    out = _run_ray_example("cifar10_pytorch.py", tmp_path, code=_CIFAR_INTERRUPT_AND_RESTORE)
+    first = ast.literal_eval(_line(out, "FIRST "))
+    assert len(first) == 2 and max(first) < 3, first  # unfinished when interrupted
+    second = [line.split()[1:] for line in out.splitlines() if line.startswith("SECOND ")]
+    assert len(second) == 2, out[-3000:]
+    assert all(ok == "True" and int(iteration) == 3 for iteration, _, ok in second), second
+    # The trial at iteration 2 went on from its checkpoint (the example's own
+    # tune.get_checkpoint() code), not from scratch.
+    assert min(int(since_restore) for _, since_restore, _ in second) < 3, second
+    assert "Best trial test set accuracy: " in out
