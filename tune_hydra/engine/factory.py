@@ -202,6 +202,10 @@ def private_rng(seed: int | None = None) -> Iterator[torch.Generator]:
         >>> torch.equal(a, torch.randn(3))
         True
     """
+    # torch's intra-op thread count applied to this thread now (a new thread gets it only
+    # at its first parallel_for; an MKL vector op before that, such as Adam's sqrt, runs
+    # an OpenMP team of one spinning thread per core).
+    torch.set_num_threads(torch.get_num_threads())
     gen = torch.Generator()
     if seed is None:
         gen.seed()

@@ -688,8 +688,12 @@ class DeviceWorker:
             self.trace.add(TraceEvent(self.label, task, shard, "copy_out", t0, t1, moved))
 
     def _run_loop(self) -> None:
-        if self.intra_threads is not None and self.device.type == "cpu":
-            torch.set_num_threads(self.intra_threads)
+        if self.device.type == "cpu":
+            # Set in this thread, even to the process's count: torch applies it to a new
+            # thread only at its first parallel_for, and an MKL vector op before that
+            # (Adam's sqrt) runs an OpenMP team of one thread per core that spins between
+            # ops (a core burnt per device; 25x the CPU of a small op in a 2-core A/B).
+            torch.set_num_threads(self.intra_threads or torch.get_num_threads())
         while True:
             a = self._run_q.get()
             if a is None:
