@@ -176,15 +176,22 @@ def test_function_trainables_are_exact_and_tune_works(ray_session: Any, storage:
     """Three function trials multiplexed on one engine: every reported metric and the
     final checkpoint's weights and optimizer state equal the plain function's, bit for
     bit; the engine holds nothing of them afterwards."""
-    with _executor() as ex:
-        analysis = tune.run(
-            ex.trainable(train_convnet),
-            config={"seed": tune.grid_search(SEEDS), **BASE},
-            storage_path=storage,
-            verbose=0,
-        )
-        registered = ex.registered_trials()
-        assert _live_functions(ex) == []
+    th.patch_tune()  # the contract's form: tune.run(train_fn, trial_executor=...)
+    try:
+        with _executor() as ex:
+            analysis = tune.run(
+                train_convnet,
+                config={"seed": tune.grid_search(SEEDS), **BASE},
+                metric="mean_accuracy",
+                mode="max",
+                storage_path=storage,
+                verbose=0,
+                trial_executor=ex,
+            )
+            registered = ex.registered_trials()
+            assert _live_functions(ex) == []
+    finally:
+        th.unpatch_tune()
     trials = sorted(analysis.trials, key=lambda t: t.config["seed"])
     assert [t.status for t in trials] == ["TERMINATED"] * 3
     for trial in trials:
@@ -287,6 +294,7 @@ def test_asha_context_cwd_failures_and_threads(ray_session: Any, storage: str) -
         frame = r.metrics_dataframe
         last = frame.iloc[-1]
         assert last["trial_id"] == r.metrics["trial_id"] and last["trial_name"]
+        assert Path(last["trial_dir"]).name == Path(r.path).name  # as plain Tune's
         # Tune's trial working directory (RAY_CHDIR_TO_TRIAL_DIR), one per trial
         assert last["cwd"].endswith(os.path.join("working_dirs", Path(r.path).name))
         assert list(frame["lines"]) == list(range(1, len(frame) + 1))  # nobody else's
