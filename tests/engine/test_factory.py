@@ -205,3 +205,26 @@ def test_private_rng_survives_a_rewrapped_manual_seed(monkeypatch: pytest.Monkey
         got = call_factory(lambda _: _draws(), None, what="test", timeout_s=120)
     assert hammer.wrong == 0
     assert all(torch.equal(a, b) for a, b in zip(got, _draws(), strict=True))
+
+
+def test_use_generator_routes_the_threads_draws_and_tells_whether_it_drew() -> None:
+    # What a loop's op runs under on a device thread: every CPU random op without a
+    # generator draws from the given one, torch's global generator is left alone, and the
+    # mode says whether anything drew (a shard that never draws then skips it).
+    from tune_hydra.engine.factory import thread_generator, use_generator
+
+    gen = torch.Generator().manual_seed(3)
+    before = torch.get_rng_state()
+    assert thread_generator() is None
+    with use_generator(gen) as mode:
+        assert thread_generator() is gen
+        a = torch.nn.functional.dropout(torch.ones(6, dtype=torch.float64), 0.5)
+        b = torch.rand(2)
+    assert mode.drew and thread_generator() is None
+    assert torch.equal(torch.get_rng_state(), before)
+    want = torch.Generator().manual_seed(3)
+    mask = torch.empty(6, dtype=torch.float64).bernoulli_(0.5, generator=want)
+    assert torch.equal(a, mask * 2) and torch.equal(b, torch.rand(2, generator=want))
+    with use_generator(gen) as mode:
+        _ = torch.ones(3) * 2
+    assert not mode.drew
