@@ -295,6 +295,20 @@ def test_milestone_admission_never_idles_a_device() -> None:
     assert policy.admitted == ["t0"]
 
 
+def test_milestone_lent_slots_go_to_the_trial_nearest_its_milestone() -> None:
+    """Every slot taken and the admitted trials not ready: the device is lent to the
+    trial with the least work to its milestone (its result comes soonest, and a trial
+    lent ops before goes on rather than waiting half-way), not breadth-first as
+    admission picks."""
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    assert sel(policy, [mcand(0, 4.0), mcand(1, 4.0)]) == 0
+    assert sel(policy, [mcand(1, 4.0), mcand(2, 1.0, iteration=2)]) == 2
+    assert policy.admitted == ["t0"]
+    policy.forget("t0")
+    assert sel(policy, [mcand(1, 4.0), mcand(2, 1.0, iteration=2)]) == 1  # admission
+    assert policy.admitted == ["t1"]
+
+
 def test_milestone_trial_leaves_admission_at_its_milestone() -> None:
     policy = MilestonePolicy(slots_per_device=1, devices=1)
     assert sel(policy, [mcand(0, 2.0), mcand(1, 2.0)]) == 0

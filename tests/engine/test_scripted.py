@@ -309,9 +309,10 @@ class _LateLoop(ScriptedRunner):
 def test_milestone_a_loop_reporting_later_than_announced_is_still_served() -> None:
     # a announced its report 2 ops ahead but reports after 4: past the 2 ops its
     # milestone_s is None at the same iteration (no result yet). It is due, not
-    # committed: it keeps its slot and reaches its report at 4 s; then b and c (b's
-    # second iteration after c's first: breadth-first). (Taken for committed, a would
-    # wait behind b and c: its report at 8 s.)
+    # committed: it keeps its slot and reaches its report at 4 s; then b and c, lent the
+    # device (a, done, keeps the one slot): b, nearer its milestone after its first
+    # iteration, before c. (Taken for committed, a would wait behind b and c: its
+    # report at 8 s.)
     with Engine(["cpu"], policy=MilestonePolicy(slots_per_device=1), clock=ManualClock()) as eng:
         _LateLoop("a", eng, every=4, ahead=2)
         for name in "bc":
@@ -319,6 +320,6 @@ def test_milestone_a_loop_reporting_later_than_announced_is_still_served() -> No
             eng.set_milestone(name, 2)
         got = play(eng, {"a": 4, "b": 2, "c": 2})
     assert " ".join(f"{op.task}{op.batch}" for _, _, op, _ in got.ops) == (
-        "a0 a1 a2 a3 b0 c0 c0 b0"
+        "a0 a1 a2 a3 b0 b0 c0 c0"
     )
     assert [op.iteration for _, _, op, _ in got.ops[:4]] == [0, 0, 0, 0]

@@ -68,7 +68,9 @@ class MilestonePolicy(BasePolicy):
        engine asks for a second op per device while the first runs: another trial's);
        at most ``slots_per_device x devices`` stay admitted, beyond that an op runs
        without admitting its trial (a trial waiting for its search between iterations
-       lends its slot that way).
+       lends its slot that way): the least work to its milestone first (its result
+       comes soonest, and a trial lent ops before goes on instead of waiting half-way),
+       those that left admission overdue last.
     4. **Committed trials**, when no trial with a milestone ahead fits: by
        :class:`LRTFPolicy` among themselves, since for them only the makespan is left
        to win.
@@ -239,12 +241,14 @@ class MilestonePolicy(BasePolicy):
             pick = min(mine, key=_admitted_key)
         elif not bound:
             return self._lrtf.choose(device, committed)
-        else:
+        elif len(admitted) < self.capacity:
             pick = min(bound, key=self._admission_key if self._overdue else _admission_key)
-            if len(admitted) < self.capacity:
-                m = pick.milestone_s or 0.0
-                admitted[pick.op.task] = _Admitted(pick.op.iteration, m, m)
-                self._overdue.discard(pick.op.task)
+            m = pick.milestone_s or 0.0
+            admitted[pick.op.task] = _Admitted(pick.op.iteration, m, m)
+            self._overdue.discard(pick.op.task)
+        else:  # lent while the admitted trials wait: to the one nearest its milestone
+            overdue = self._overdue
+            pick = min(bound, key=lambda c: (c.op.task in overdue, *_lent_key(c)))
         self._due_at[pick.op.task] = pick.op.iteration
         return pick
 
@@ -300,6 +304,10 @@ class MilestonePolicy(BasePolicy):
 
 def _admitted_key(c: Candidate) -> tuple[bool, bool, float, int]:
     return (not c.resident, not c.in_host, c.milestone_s or 0.0, c.order)
+
+
+def _lent_key(c: Candidate) -> tuple[float, bool, bool, int]:
+    return (c.milestone_s or 0.0, not c.resident, not c.in_host, c.order)
 
 
 def _admission_key(c: Candidate) -> tuple[int, float, bool, bool, int]:
