@@ -50,8 +50,8 @@ ENGINE_ACTOR_PREFIX = "tune_hydra_engine"
 CONTROL_GROUP = "control"
 DEFAULT_ENGINE_CLASS = "tune_hydra.engine:Engine"
 DEFAULT_FACTORY_TIMEOUT_S = 600.0
-_NO_HINT: Any = object()
 """How long a task factory may take by default (``HydraExecutor(factory_timeout_s=...)``)."""
+_NO_HINT: Any = object()  # no milestone announced for a trial (None means: none left)
 
 
 def engine_actor_name(run_id: str, node_id: str) -> str:
@@ -584,6 +584,10 @@ class EngineActor:
         """Forget trial ``key`` if ``token`` owns it (or is the executor's secret). True if
         removed; False for a trial that is not registered or belongs to someone else."""
         stopped = self._stop_function(key, token)
+        if stopped:
+            with self._lock:  # the function trial ended: its hints go with it
+                self._hints.pop(key, None)
+                self._milestones.pop(key, None)
         reg = self._trial(key)
         if reg is None or not (reg.token == token or self._is_driver(token)):
             return stopped
