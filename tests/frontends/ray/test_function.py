@@ -185,3 +185,45 @@ def test_tunes_hints_reach_the_loops_in_ops() -> None:
         ("milestone", "loop_0", None),
         ("remaining", "loop_0", 24),  # this report's and 3 more
     ]
+
+
+def test_the_engine_actor_runs_owns_and_stops_functions(
+    router: function.SessionRouter, tmp_path: Path
+) -> None:
+    """The actor's function calls, hosted in-process: the experiment's secret starts a
+    function, only its token (or the secret) takes its reports, the driver's milestone
+    reaches it, and deregistering it stops it with nothing left on the engine."""
+    import asyncio
+
+    from ray import cloudpickle
+
+    from tune_hydra.frontends.ray.actor import EngineActor
+    from tune_hydra.frontends.ray.errors import NotOwnerError, TrialNotRegisteredError
+    from tune_hydra.options import EngineOptions
+
+    options = EngineOptions(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=1)
+    actor = EngineActor(options, {}, factories={"fn": cloudpickle.dumps(counting)}, secret="s")
+    progress: list[int] = []
+    config = {"progress": progress}
+
+    async def scenario() -> None:
+        with pytest.raises(NotOwnerError):
+            await actor.fn_start("k", "tok", "fn", config, None, "not-it", {})
+        await actor.fn_start("k", "tok", "fn", config, None, "s", {"cwd": str(tmp_path)})
+        with pytest.raises(TrialNotRegisteredError, match="a newer copy"):
+            await actor.fn_next("k", "other")
+        kind, metrics, _ = await actor.fn_next("k", "tok")
+        assert kind == "report" and metrics["i"] == 0 and metrics["cwd"] == str(tmp_path)
+        await actor.set_milestone("k", "s", 2)
+        assert (await actor.summary("s"))["milestones_given"] == 1
+        assert await actor.functions("s") == ["k"]
+        assert await actor.deregister("k", "s") is True
+        for _ in range(100):
+            if not await actor.functions("s"):
+                break
+            await asyncio.sleep(0.1)
+        assert await actor.functions("s") == []
+        assert actor._engine.tasks() == [] and progress == [0]
+        await actor.close("s")
+
+    asyncio.run(scenario())
