@@ -13,8 +13,10 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   it); no match makes the task's tensor a new entry. A base with one tensor different
   shares all the others and keeps its own copy of that one.
 - **Counted once**: each entry is held in the engine's host ledger under a key of its own
-  (``("frozen", n)``), never a spill victim; its stores leave it out of their own state
-  (``ShardStore.share_frozen``), so it is neither counted nor spilled with them.
+  (``("frozen", n)``); its stores leave it out of their own state
+  (``ShardStore.share_frozen``), so it is neither counted nor spilled with them. The
+  disk tier does not spill it: it stays in host memory while any task uses it (never a
+  spill victim; with a host budget smaller than the base, the budget is exceeded by it).
 - **Refcounted**: every store slot using an entry holds a reference; a task leaving the
   engine drops its references (``ShardStore.leave_frozen``, from
   ``HostMemory.discard``). Its parameters then get a private copy while other tasks
@@ -22,23 +24,32 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   see it); the last user keeps the pool's tensor, and the entry is freed.
 - **Never modified in place**: each store checks its shared slots at every visit
   (``ShardStore.begin_op`` / ``end_op``: the parameter's version counter, its data
-  pointer, ``requires_grad`` and its gradient). A change in a slot another task also uses
-  fails that task alone (:class:`~tune_hydra.exceptions.FrozenTensorModifiedError`); in
-  an entry only this task uses, the slot goes back to the store's own state (it trains
-  as it would have unshared: gradual unfreezing works) and the entry leaves the pool.
+  pointer, ``requires_grad`` and its gradient; after each op also a :func:`checksum` of
+  its values, as ``weight.data += delta`` moves no version counter). A change in a slot
+  another task also uses fails that task alone
+  (:class:`~tune_hydra.exceptions.FrozenTensorModifiedError`); in an entry only this
+  task uses, the slot goes back to the store's own state (it trains as it would have
+  unshared: gradual unfreezing works) and the entry leaves the pool.
 
-Devices: each task copies its shared tensors onto a device with its own state, as before
-(one copy per resident task, counted with its shard); one resident copy per device for
-all tasks is not done here. On a copying device a task writing its device copy cannot
-touch the others' tensors; on a CPU "device" without copies (``copy_on_cpu=False``) the
-host tensor is computed with in place, so a write there is detected and fails its task,
+Devices: one copy per device holder (a device worker; emulated CPU devices are told apart
+by it) for every task resident there (:meth:`FrozenPool.to_device`, refcounted: the
+last store to leave frees it), so the trace's ``copy_in`` shows a shared tensor copied
+once per residency; it is never copied back (the host tensor keeps the values). With
+CUDA, a later user's stream waits on an event recorded after the copy. The device ledger
+still counts the tensor in every resident shard's plan bytes (conservative: the budget
+holds, the device is used less than counted). A task that writes a shared device copy
+has it repaired from the host tensor before it fails, so the tasks resident with it
+(whose ops run after it on that device) are unaffected. A write into the host tensor
+itself (a CPU "device" without copies, ``copy_on_cpu=False``, or a module writing
+another shard's tensor while that shard is at home) is detected and fails its task,
 but the tasks sharing it have seen the write.
 
 Locks: ``FrozenPool._lock`` is a leaf guarding the entries and their reference counts; it
 is never held while waiting for another lock, and the host ledger is told under its own
 lock after it is released. Digests and ``torch.equal`` run outside every lock (at
-registration, before the engine's lock is taken); :meth:`FrozenPool.adopt` re-checks under
-the pool's lock that a matched entry is still live and unmodified.
+registration, before the engine's lock is taken); :meth:`FrozenPool.adopt` takes a
+matched entry only if it is still the one indexed under its key (an entry indexed
+meanwhile by a concurrent registration is compared there, under the pool's lock).
 """
 
 from __future__ import annotations
@@ -205,6 +216,11 @@ class FrozenPool:
     def entries(self) -> list[FrozenEntry]:
         with self._lock:
             return list(self._index.values())
+
+    def others(self, ref: FrozenRef) -> int:
+        """How many tasks besides ``ref``'s use its entry now."""
+        with self._lock:
+            return ref.entry.others(ref.task)
 
     # -- registration ---------------------------------------------------------------------
 

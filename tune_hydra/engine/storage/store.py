@@ -217,7 +217,7 @@ class ShardStore:
             what = self._frozen_change(i, values)
             if what is None:
                 continue
-            others = ref.entry.others(ref.task)
+            others = ref.pool.others(ref)
             if others:
                 # A device copy other resident tasks use gets its values back before their
                 # next op (a device runs one op at a time).
