@@ -340,6 +340,50 @@ def test_four_lora_trials_hold_one_base(kind: str, saved: dict[str, Path], tmp_p
     assert copied[True] < copied[False]
 
 
+def test_a_trial_whose_base_was_merged_in_place_keeps_its_own_merged_tensors(
+    saved: dict[str, Path],
+) -> None:
+    """A trial that merged an earlier adapter into its base in place (merge_and_unload)
+    before wrapping it again: the merged tensors differ from the others' base, so it keeps
+    its own copies of them and shares the rest; every trial trains exactly as alone."""
+    from tune_hydra.engine import Engine
+
+    tasks = {f"t{i}": trial("llama", saved["llama"], i) for i in range(3)}
+    torch.manual_seed(7)
+    first = peft.get_peft_model(
+        load("llama", saved["llama"]), lora_config("llama", r=2, target_modules=["q_proj"])
+    )
+    for n, p in first.named_parameters():
+        if "lora_B" in n:  # B = 0 at init: a merge would change nothing
+            with torch.no_grad():
+                p.add_(0.1)
+    merged = first.merge_and_unload()  # writes the base's q_proj weights in place
+    torch.manual_seed(3)
+    model = peft.get_peft_model(merged, lora_config("llama", r=2, target_modules=["v_proj"]))
+    lr = 1e-2
+    tasks["merged"] = th.ModelTask(
+        model, None, lambda p: torch.optim.AdamW(p, lr=lr), data(9), eval_data=data(59, n=2)
+    )
+    refs = {k: alone(t) for k, t in tasks.items()}
+    with Engine(["cpu", "cpu"], max_layers_per_shard=2, copy_on_cpu=True) as eng:
+        for name, task in tasks.items():
+            eng.add_task(name, task, seed=5)
+        users = {}
+        for e in eng._registry.frozen.entries():
+            users.setdefault(e.name, []).append(e.users)
+        q = [n for n in users if "q_proj" in n]
+        assert q and all(sorted(users[n]) == [1, 3] for n in q)  # its own, the others'
+        assert all(u == [4] for n, u in users.items() if n not in q)
+        futures = {name: eng.train(name, 2) for name in tasks}
+        results = {name: f.result(timeout=300) for name, f in futures.items()}
+    for name, task in tasks.items():
+        want = plain_on_emulated_device(refs[name], 2, seed=5, devices=2)
+        assert [(r["loss"], r["val_loss"]) for r in results[name]] == [
+            (r["loss"], r["val_loss"]) for r in want
+        ]
+        assert_exact(task.model, refs[name].model)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_ia3_trials_multiplexed_are_exact(kind: str, saved: dict[str, Path]) -> None:
     tasks = {}
