@@ -309,6 +309,19 @@ def test_milestone_lent_slots_go_to_the_trial_nearest_its_milestone() -> None:
     assert policy.admitted == ["t1"]
 
 
+def test_milestone_trials_bound_for_their_end_finish_nearest_first() -> None:
+    """A trial whose next milestone is its end (milestone_s as large as remaining_s: an
+    adaptive searcher learns from finished trials) is admitted as a fresh one would be
+    (level 0), nearest its end first: a fresh trial does not overtake it."""
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    cands = [mcand(0, 8.0, remaining=8.0), mcand(1, 3.0, remaining=3.0, iteration=2)]
+    assert sel(policy, cands) == 1
+    # With a rung ahead (less work to it than to its end), breadth-first as before.
+    policy = MilestonePolicy(slots_per_device=1, devices=1)
+    cands = [mcand(0, 8.0, remaining=20.0), mcand(1, 3.0, remaining=9.0, iteration=2)]
+    assert sel(policy, cands) == 0
+
+
 def test_milestone_trial_leaves_admission_at_its_milestone() -> None:
     policy = MilestonePolicy(slots_per_device=1, devices=1)
     assert sel(policy, [mcand(0, 2.0), mcand(1, 2.0)]) == 0

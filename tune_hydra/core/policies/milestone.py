@@ -60,17 +60,18 @@ class MilestonePolicy(BasePolicy):
        is admitted and runs, so a device never idles while such a trial could run: the
        one with the fewest iterations done (breadth-first across rungs: a fresh trial's
        first rung before a promoted trial's next one, and equal trials take turns
-       between milestones instead of one running ahead without evidence to be judged
-       by), then one that did not leave admission overdue (see below: the others waited
-       for a slot), then the least work to its milestone (shortest first: the earliest
-       results), then resident, in host memory, first registered. Admission is on
-       demand, so the admitted set is what keeps the devices busy (with prefetch, the
-       engine asks for a second op per device while the first runs: another trial's);
-       at most ``slots_per_device x devices`` stay admitted, beyond that an op runs
-       without admitting its trial (a trial waiting for its search between iterations
-       lends its slot that way): the least work to its milestone first (its result
-       comes soonest, and a trial lent ops before goes on instead of waiting half-way),
-       those that left admission overdue last.
+       between milestones instead of one running ahead without evidence to be judged by;
+       a trial whose next milestone is its end counts as none done, so the one nearest
+       its end finishes first), then one that did not leave admission overdue (see
+       below: the others waited for a slot), then the least work to its milestone
+       (shortest first: the earliest results), then resident, in host memory, first
+       registered. Admission is on demand, so the admitted set is what keeps the devices
+       busy (with prefetch, the engine asks for a second op per device while the first
+       runs: another trial's); at most ``slots_per_device x devices`` stay admitted,
+       beyond that an op runs without admitting its trial (a trial waiting for its
+       search between iterations lends its slot that way): the least work to its
+       milestone first (its result comes soonest, and a trial lent ops before goes on
+       instead of waiting half-way), those that left admission overdue last.
     4. **Committed trials**, when no trial with a milestone ahead fits: by
        :class:`LRTFPolicy` among themselves, since for them only the makespan is left
        to win.
@@ -287,7 +288,7 @@ class MilestonePolicy(BasePolicy):
         # Breadth-first; within a level the trials that left admission overdue after the
         # others (which waited for a slot), then as _admission_key.
         return (
-            c.op.iteration,
+            _level(c),
             c.op.task in self._overdue,
             c.milestone_s or 0.0,
             not c.resident,
@@ -310,5 +311,14 @@ def _lent_key(c: Candidate) -> tuple[float, bool, bool, int]:
     return (c.milestone_s or 0.0, not c.resident, not c.in_host, c.order)
 
 
+def _level(c: Candidate) -> int:
+    """Admission's breadth-first level: the iterations done, but 0 for a trial whose next
+    milestone is its end (``milestone_s`` as large as ``remaining_s``: an adaptive
+    searcher learns from finished trials), so that those nearest their end finish first
+    rather than wait behind fresh trials."""
+    m = c.milestone_s
+    return 0 if m is not None and m >= c.remaining_s else c.op.iteration
+
+
 def _admission_key(c: Candidate) -> tuple[int, float, bool, bool, int]:
-    return (c.op.iteration, c.milestone_s or 0.0, not c.resident, not c.in_host, c.order)
+    return (_level(c), c.milestone_s or 0.0, not c.resident, not c.in_host, c.order)
