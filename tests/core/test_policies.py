@@ -310,7 +310,7 @@ def test_milestone_lent_slots_go_to_the_trial_nearest_its_milestone() -> None:
 
 
 def test_milestone_trials_bound_for_their_end_finish_nearest_first() -> None:
-    """A trial whose next milestone is its end (milestone_s as large as remaining_s: an
+    """A trial whose next milestone is its end (milestone_s equal to remaining_s: an
     adaptive searcher learns from finished trials) is admitted as a fresh one would be
     (level 0), nearest its end first: a fresh trial does not overtake it."""
     policy = MilestonePolicy(slots_per_device=1, devices=1)

@@ -313,11 +313,13 @@ def _lent_key(c: Candidate) -> tuple[float, bool, bool, int]:
 
 def _level(c: Candidate) -> int:
     """Admission's breadth-first level: the iterations done, but 0 for a trial whose next
-    milestone is its end (``milestone_s`` as large as ``remaining_s``: an adaptive
-    searcher learns from finished trials), so that those nearest their end finish first
-    rather than wait behind fresh trials."""
+    milestone is its end (``milestone_s`` equal to ``remaining_s``, both counted from the
+    same estimates: an adaptive searcher learns from finished trials), so that those
+    nearest their end finish first rather than wait behind fresh trials. (A th.shard
+    loop's remaining work is its one granted op, less than its milestone's.)"""
     m = c.milestone_s
-    return 0 if m is not None and m >= c.remaining_s else c.op.iteration
+    end = m is not None and abs(m - c.remaining_s) <= 1e-9 * c.remaining_s
+    return 0 if end else c.op.iteration
 
 
 def _admission_key(c: Candidate) -> tuple[int, float, bool, bool, int]:
