@@ -260,7 +260,7 @@ class FrozenTensorModifiedError(TuneHydraError, RuntimeError):
             f"tensor must stay as loaded: keep it frozen (requires_grad=False, no "
             f"gradient, not stepped), merge adapters only after training and into a copy "
             f"(merge_and_unload(safe_merge=True) on a deepcopy), or train this task with "
-            f"its own copy: Engine(options=EngineOptions(share_frozen=False)), or load a "
+            f"its own copy: Engine(share_frozen=False), or load a "
             f"base that differs."
         )
 

@@ -594,20 +594,20 @@ NOT_OFFERED: dict[str, dict[str, str]] = {
         "trace_window": "its History holds the engine's trace with the default window; "
         "drive an Engine(trace_window=...) yourself for another",
         "share_frozen": "frozen tensors equal across tasks are always held once; "
-        "Engine(options=EngineOptions(share_frozen=False)) turns it off (a benchmark switch)",
+        "Engine(share_frozen=False) turns it off (a benchmark switch)",
     },
     "optimize": {
         "iteration_batches": "a trial reports to Optuna once per epoch (the epoch is the step)",
         "trace_window": "pass engine=Engine(trace_window=...) for another window",
         "share_frozen": "frozen tensors equal across tasks are always held once; "
-        "Engine(options=EngineOptions(share_frozen=False)) turns it off (a benchmark switch)",
+        "Engine(share_frozen=False) turns it off (a benchmark switch)",
     },
     "HydraExecutor": {
         "copy_on_cpu": "a test aid of the engine's copy path on CPU 'devices' "
         "(Engine / train_models); a node's engine computes on its devices",
         "trace_window": "each engine keeps the default window; executor.trace() gathers them",
         "share_frozen": "frozen tensors equal across tasks are always held once; "
-        "Engine(options=EngineOptions(share_frozen=False)) turns it off (a benchmark switch)",
+        "Engine(share_frozen=False) turns it off (a benchmark switch)",
     },
 }
 
