@@ -104,6 +104,7 @@ def train_convnet(config: dict[str, Any]) -> None:
                     "mean_accuracy": acc,
                     "train_loss": total,
                     "lr_seen": config["lr"],
+                    "seed_seen": config["seed"],  # PBT copies the donor's config
                     "start": start,
                     "restored_from": restored_from,
                 },
@@ -331,17 +332,18 @@ def test_a_function_without_shard_ends_the_run_once(ray_session: Any, storage: s
 
 
 def _check_restarts(analysis: Any, iters: int) -> int:
-    """Every run of a trial's function restarted from a checkpoint (``restored_from``)
-    reports what the plain function restored from that checkpoint reports, bit for bit;
-    returns how many restarts there were."""
+    """Every run of a trial's function (from scratch, or restarted from a checkpoint:
+    ``restored_from``) reports what the plain function started the same way reports, bit
+    for bit; returns how many restarts there were."""
     restored = 0
     for trial in analysis.trials:
         frame = analysis.trial_dataframes[trial.trial_id]
-        for path, rows in frame[frame["restored_from"] != ""].groupby("restored_from"):
-            restored += 1
-            config = {"seed": trial.config["seed"], "iters": iters, **BASE}
+        for path, rows in frame.groupby("restored_from"):
+            restored += bool(path)  # "": the first run, from scratch
+            config = {"seed": int(rows["seed_seen"].iloc[0]), "iters": iters, **BASE}
             config["lr"] = float(rows["lr_seen"].iloc[0])
-            plain = _plain(config, checkpoint=tune.Checkpoint(path)).results[: len(rows)]
+            checkpoint = tune.Checkpoint(path) if path else None
+            plain = _plain(config, checkpoint=checkpoint).results[: len(rows)]
             for key in ("start", "train_loss", "mean_accuracy"):
                 assert list(rows[key]) == [r[key] for r in plain], key
     return restored
@@ -366,7 +368,7 @@ def test_paused_function_trials_resume_exactly(ray_session: Any, storage: str) -
     """A paused trial (HyperBand's rungs) is saved and its function stopped; resumed, the
     function restarts from its own last checkpoint and goes on exactly as the plain
     function restored from it; no trial errs, nothing is left running."""
-    with _executor() as ex:
+    with _executor(recompute=True) as ex:  # shards recompute their forward in backward
         analysis = tune.run(
             ex.trainable(train_convnet),
             config={"seed": tune.grid_search([0, 1]), "iters": 4, **BASE},
