@@ -13,7 +13,9 @@ policy (``lrtf``, ``fifo``, ``auto``):
 * ``optuna``: ``th.optimize`` with ``TPESampler(seed)`` + ``MedianPruner()``, 8 trials, 8
   concurrent, 4 epochs;
 * ``objective``: the same study with an objective that trains the same model in its own
-  loop through ``th.shard`` (a trial's first epoch ends at its first ``trial.report``).
+  loop through ``th.shard`` (a trial's first epoch ends at its first ``trial.report``);
+* ``tpe``: ``th.run`` with ``OptunaSearch(seed)`` and no scheduler, 16 trials, 8 at once
+  (the fractions there are of trials *completed*: what the searcher learns from).
 
 Each is measured on the engine's own trace, so Ray's process start-up does not count:
 the span runs from the first compute op to the last; a trial's first epoch ends with its
@@ -350,6 +352,58 @@ def objective_run(policy: str, seed: int, trials: int = 8, concurrent: int = 8) 
         )  # fmt: skip
 
 
+# --- (e) th.run with an adaptive searcher and no early stopping ------------------------------
+
+
+def tpe_run(policy: str, seed: int, trials: int = 16, concurrent: int = 8) -> Figures:
+    """``th.run`` with ``OptunaSearch(seed)`` (TPE), no scheduler, 4 epochs each, 16
+    trials, 8 at once: the searcher proposes each next configuration from the trials
+    *completed* so far, so here ``half`` / ``last`` are the fractions of the span at
+    which the K/2-th and the last trial *completed* (with ``auto`` a trial's end is its
+    milestone)."""
+    from ray import tune
+    from ray.tune.search.optuna import OptunaSearch
+
+    storage = tempfile.mkdtemp(prefix="thsr-results")
+    ex = _executor(policy)
+    try:
+        analysis = th.run(
+            make_task,
+            trial_executor=ex,
+            config={"lr": tune.loguniform(LR_LO, LR_HI)},
+            search_alg=OptunaSearch(seed=seed),
+            metric="val_loss",
+            mode="min",
+            num_samples=trials,
+            stop={"training_iteration": EPOCHS},
+            max_concurrent_trials=concurrent,
+            storage_path=storage,
+            verbose=0,
+        )
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    trace = ex.trace()
+    events = [e for e in trace.events if e.is_compute]
+    t0, t1 = min(e.start for e in events), max(e.end for e in events)
+    span = t1 - t0
+    done: dict[str, float] = {}
+    for e in events:
+        done[e.task] = max(done.get(e.task, 0.0), e.end)
+    ends = sorted(done.values())
+    k = len(ends)
+    batches = {(e.task, e.iteration, e.batch) for e in events if e.op == "L"}
+    best = min(t.last_result.get("val_loss", math.inf) for t in analysis.trials)
+    return Figures(
+        half=(ends[k // 2 - 1] - t0) / span,
+        last=(ends[-1] - t0) / span,
+        span_s=span,
+        samples_per_s=len(batches) * BATCH / span,
+        trials=k,
+        best=best,
+        floor=0.0,
+    )
+
+
 # --- the fixed-budget searches ---------------------------------------------------------------
 
 
@@ -406,6 +460,7 @@ RUNS = {
     "tune": tune_run,
     "optuna": optuna_run,
     "objective": objective_run,
+    "tpe": tpe_run,
 }
 
 
@@ -430,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING)
     torch.set_num_threads(2)
     ray_tmp = None
-    if "tune" in args.runs or args.budget is not None:
+    if "tune" in args.runs or "tpe" in args.runs or args.budget is not None:
         ray_tmp = _ray_init(max(16, args.trials))
     out: dict[str, Any] = {}
     try:
