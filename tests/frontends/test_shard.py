@@ -824,3 +824,37 @@ def test_param_groups_manual_lr_and_model_zero_grad_exact(engine: th.Engine) -> 
     assert_same_optimizer(opt.state_dict(), ref_opt.state_dict())
     for p, q in zip(model.parameters(), ref.parameters(), strict=True):
         assert torch.equal(p.grad, q.grad)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_model_moved_to_a_gpu_before_shard_trains_as_plain() -> None:
+    # Ray's examples call model.to(device) before the line th.shard is added after: the
+    # model is brought back to host memory (its Parameters kept, the optimizer's state
+    # too) and trains exactly as the plain loop on that GPU.
+    def net() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4)).double()
+
+    data = [(x.cuda(), y.cuda()) for x, y in batches(4)]
+
+    def loss_of(m: nn.Module, batch: Any) -> torch.Tensor:
+        return F.cross_entropy(m(batch[0]), batch[1])
+
+    plain = net().cuda()
+    plain_opt = torch.optim.SGD(plain.parameters(), lr=0.1, momentum=0.9)
+    want = train(plain, plain_opt, data, loss_of)
+
+    eng = th.Engine(devices="cuda", device_memory="1GiB")
+    try:
+        model = net().cuda()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        params = list(model.parameters())
+        model, opt = th.shard(model, opt, engine=eng)
+        assert [p.device.type for p in params] == ["cpu"] * len(params)
+        assert train(model, opt, data, loss_of) == want
+        home = th.unshard(model)
+        for a, b in zip(home.state_dict().values(), plain.state_dict().values(), strict=True):
+            assert torch.equal(a, b.cpu())
+    finally:
+        eng.close()

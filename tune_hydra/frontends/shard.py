@@ -171,6 +171,43 @@ def default_engine() -> Engine:
         return _ENGINE
 
 
+_WARNED_HOME = False
+
+
+def _bring_home(
+    model: nn.Module, optimizer: torch.optim.Optimizer | None, devices: list[str]
+) -> None:
+    """Move a model that the user put on an accelerator (and its optimizer's state) to
+    host memory, keeping every ``Parameter`` object (the optimizer holds them): the engine
+    promotes its shards to the devices itself, and the model's outputs come back on the
+    device of its inputs, so ``model.to(device)`` before ``th.shard`` changes nothing."""
+    global _WARNED_HOME
+    cpu = torch.device("cpu")
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.device != cpu:
+                param.data = param.data.to(cpu)
+            if param.grad is not None and param.grad.device != cpu:
+                param.grad = param.grad.to(cpu)
+        for module in model.modules():
+            for name, buf in module._buffers.items():
+                if buf is not None and buf.device != cpu:
+                    module._buffers[name] = buf.to(cpu)
+        if optimizer is not None:
+            for state in optimizer.state.values():
+                for key, value in state.items():
+                    if isinstance(value, torch.Tensor) and value.device != cpu:
+                        state[key] = value.to(cpu)
+    if not _WARNED_HOME:
+        _WARNED_HOME = True
+        log.warning(
+            "th.shard: the model was on %s; it was moved to host memory, from where the "
+            "engine places its shards on its devices (its outputs come back on the device "
+            "of its inputs). Building it on the CPU saves the round trip.",
+            ", ".join(devices),
+        )
+
+
 def shard(
     model: nn.Module,
     optimizer: torch.optim.Optimizer | None = None,
@@ -182,7 +219,10 @@ def shard(
 
     Args:
         model: the user's ``nn.Module`` (an ``nn.Sequential``, a module whose ``forward``
-            torch.fx can trace, a Hugging Face ``PreTrainedModel``), on the CPU.
+            torch.fx can trace, a Hugging Face ``PreTrainedModel``). One already moved to
+            an accelerator (``model.to(device)`` before this line, as Ray's examples do)
+            is brought back to host memory first, with one warning: the engine places
+            its shards.
         optimizer: the user's optimizer over (some of) the model's parameters, of a
             per-parameter kind (SGD, Adam, AdamW, RMSprop, Adagrad ...).
         engine: the engine to run on. ``None``: the one of the enclosing front end
@@ -196,7 +236,7 @@ def shard(
     Raises:
         AlreadyShardedError: the model (or the optimizer) was sharded already.
         OptimizerMismatchError: the optimizer steps parameters the model does not have.
-        ModelOnDeviceError: a parameter or buffer is on an accelerator.
+        ModelOnDeviceError: a parameter or buffer is on the meta device (no data).
         InvalidModelError: not an ``nn.Module``.
     """
     from tune_hydra.exceptions import InvalidModelError
@@ -225,11 +265,14 @@ def shard(
     on = sorted(
         {str(t.device) for t in [*model.parameters(), *model.buffers()] if t.device.type != "cpu"}
     )
-    if on:
+    if "meta" in on:
         raise ModelOnDeviceError(
-            f"the model is on {', '.join(on)}: th.shard places it itself. Build it on the "
-            f"CPU (drop the .to(device) / .cuda() before th.shard; after it they are no-ops)"
+            "the model has tensors on the meta device (shapes, no data): th.shard trains "
+            "real weights. Build it with its weights (e.g. model.to_empty(device='cpu') "
+            "then load_state_dict) before th.shard"
         )
+    if on:
+        _bring_home(model, optimizer, on)
     if optimizer is not None and "step" in optimizer.__dict__:
         # An lr scheduler made before th.shard wrapped the class's step on the instance,
         # which would bypass the sharded step: drop the wrapper (the class's step counts).
