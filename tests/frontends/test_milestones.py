@@ -118,60 +118,6 @@ def test_tune_adaptive_search_alg() -> None:
     assert tune_milestones(None, search_alg=limited).search_aware
 
 
-def _searcher(kind: str) -> Any:
-    from ray.tune.search import BasicVariantGenerator, ConcurrencyLimiter, Searcher
-    from ray.tune.search.optuna import OptunaSearch
-
-    class Own(Searcher):  # type: ignore[misc]  # a user's own searcher: adaptive
-        def suggest(self, trial_id: str) -> dict[str, Any] | None:
-            return {}
-
-    return {
-        "random": BasicVariantGenerator,
-        "optuna": OptunaSearch,
-        "limited optuna": lambda: ConcurrencyLimiter(OptunaSearch(), max_concurrent=2),
-        "own": Own,
-    }[kind]()
-
-
-# (label, scheduler factory, stop, searcher, what HydraScheduler sends after 0, 1, 2, 3
-# iterations of a 4-iteration budget: iterations to the next milestone)
-ENDS_CASES: list[tuple[str, Callable[[], Any], Any, str, list[int | None]]] = [
-    ("fifo + random: a fixed budget", lambda: None, {ITER: 4}, "random", [None] * 4),
-    ("fifo + optuna: the end is the milestone", lambda: None, {ITER: 4}, "optuna", [4, 3, 2, 1]),
-    ("concurrency-limited optuna", lambda: None, {ITER: 4}, "limited optuna", [4, 3, 2, 1]),
-    ("a user's own searcher", lambda: None, {ITER: 4}, "own", [4, 3, 2, 1]),
-    ("asha max_t 4 + optuna: asha's rungs, then committed",
-     lambda: _asha(max_t=4, grace_period=1, reduction_factor=2), None, "optuna",
-     [1, 1, None, None]),
-    ("median + optuna: every result from grace on, not the end",
-     lambda: schedulers.MedianStoppingRule(time_attr=ITER, grace_period=2), {ITER: 4}, "optuna",
-     [2, 1, 1, None]),
-    ("fifo + metric stop + optuna: stops early, no milestone known", lambda: None,
-     {ITER: 4, "loss": 0.1}, "optuna", [None] * 4),
-]  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("label", "make", "stop", "searcher", "sent"), ENDS_CASES, ids=[c[0] for c in ENDS_CASES]
-)
-def test_adaptive_searcher_ends_are_milestones(
-    label: str, make: Callable[[], Any], stop: Any, searcher: str, sent: list[int | None]
-) -> None:
-    """Tune's adaptive searchers propose from *completed* trials: with no scheduler that
-    stops trials early, a trial's end is its milestone (early trials complete first)."""
-    from tune_hydra.frontends.ray.scheduler import HydraScheduler
-
-    sched = HydraScheduler(make(), stop=stop, search_alg=_searcher(searcher))
-    assert [sched.to_milestone(done) for done in range(4)] == sent
-    assert sched.has_milestones == any(n is not None for n in sent)
-    m = sched.milestones
-    assert m.ends_decide == (m.adaptive and not m.early_stopping)
-    assert m.to_next(4, 4) is None  # done: nothing ahead
-    if m.ends_decide:
-        assert m.to_next(0, None) is None and not m.announces(None)  # the end not known
-
-
 class Custom(schedulers.FIFOScheduler):  # type: ignore[misc]
     """A user's own scheduler: its rules cannot be read."""
 

@@ -68,37 +68,6 @@ class Milestones:
         policy): the run stops trials early or adapts its search."""
         return self.early_stopping or self.adaptive
 
-    @property
-    def ends_decide(self) -> bool:
-        """Whether a trial's *end* is a decision point: the searcher adapts to finished
-        trials (Tune's OptunaSearch / TPE, HyperOpt, BayesOpt ... propose their next
-        configurations from them) and no scheduler stops trials early. With an
-        early-stopping scheduler its rungs are where results count, and a trial past
-        the last one is committed to its end."""
-        return self.adaptive and not self.early_stopping
-
-    def announces(self, budget: int | None) -> bool:
-        """Whether trials of ``budget`` iterations have decision points to announce
-        (:meth:`to_next` is not always ``None``)."""
-        return (
-            bool(self.points) or self.every is not None or (self.ends_decide and budget is not None)
-        )
-
-    def to_next(self, done: int, budget: int | None) -> int | None:
-        """Iterations from ``done`` completed ones to the trial's next decision point,
-        for a trial of ``budget`` iterations (``None``: not known).
-
-        A point at or past the budget is none (the end of a trial's budget spares no
-        work), except the end itself when :attr:`ends_decide`: the searcher learns from
-        it, so early trials' ends should come first. ``None``: no decision point left
-        (the trial is committed to its end)."""
-        at = self.next_after(done)
-        if at is not None and budget is not None and at >= budget:
-            at = None
-        if at is None and self.ends_decide and budget is not None and done < budget:
-            at = budget
-        return None if at is None else at - done
-
     def next_after(self, iteration: int) -> int | None:
         """The first decision point after ``iteration`` completed iterations (``None``:
         none left: the trial is committed to its end)."""

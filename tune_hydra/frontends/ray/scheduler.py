@@ -137,14 +137,16 @@ class HydraScheduler(TrialScheduler):
     def has_milestones(self) -> bool:
         """Whether the wrapped scheduler has milestones in iterations (else no
         ``set_milestone`` is sent)."""
-        return self.milestones.announces(self._budget)
+        m = self.milestones
+        return bool(m.points) or m.every is not None
 
     def to_milestone(self, done: int) -> int | None:
         """Iterations from ``done`` completed ones to the next milestone; ``None`` past
-        the last (or at the trial's budget: its end decides nothing that spares work,
-        unless an adaptive searcher learns from it and no scheduler stops trials early:
-        then the end is the milestone, :meth:`Milestones.to_next`)."""
-        return self.milestones.to_next(done, self._budget)
+        the last (or at the trial's budget: its end decides nothing that spares work)."""
+        at = self.milestones.next_after(done)
+        if at is None or (self._budget is not None and at >= self._budget):
+            return None
+        return at - done
 
     @staticmethod
     def _cancel(trial: Any) -> None:
