@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from ray import cloudpickle, tune
-from ray.train._internal import session as ray_session
+from ray.train._internal import session as train_session
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 from torch import nn
 
@@ -132,12 +132,12 @@ class _FakeSession:
 def _plain(config: dict[str, Any], checkpoint: Any = None) -> _FakeSession:
     """The function without th.shard, in this thread, with a fake session."""
     fake = _FakeSession(checkpoint)
-    old = ray_session._session
-    ray_session._session = fake  # type: ignore[assignment]
+    old = train_session._session
+    train_session._session = fake  # type: ignore[assignment]
     try:
         train_convnet({**config, "shard": False})
     finally:
-        ray_session._session = old
+        train_session._session = old
     return fake
 
 
@@ -416,29 +416,34 @@ def test_pbt_exploits_restore_weights_and_optimizer(ray_session: Any, storage: s
 
 
 def train_with_data(config: dict[str, Any], data: Any = None) -> None:
+    """Data from tune.with_parameters through a shuffling DataLoader with worker
+    processes (forked from the engine process's function thread)."""
     torch.manual_seed(0)
+    loader = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(*data), batch_size=4, shuffle=True, num_workers=2
+    )
     model = nn.Linear(3, 1).double()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    model, optimizer = th.shard(model, optimizer)
-    for x, y in data:
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.step()
-        tune.report({"loss": loss.item(), "batches": len(data)})
+    if config.get("shard", True):
+        model, optimizer = th.shard(model, optimizer)
+    for _ in range(2):
+        total = 0.0
+        for x, y in loader:
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            total += loss.item()
+        tune.report({"loss": total, "batches": len(loader)})
 
 
 def test_with_parameters_both_ways(ray_session: Any, storage: str) -> None:
     """tune.with_parameters inside or around ex.trainable(fn): the data reach the
-    function as a keyword argument (fetched by the engine, not the trial processes)."""
+    function as a keyword argument (fetched by the engine, not the trial processes); its
+    DataLoader's worker processes shuffle as the plain function's do (exact)."""
     gen = torch.Generator().manual_seed(3)
-    data = [
-        (
-            torch.randn(4, 3, generator=gen, dtype=torch.float64),
-            torch.randn(4, 1, dtype=torch.float64),
-        )
-        for _ in range(2)
-    ]
+    x = torch.randn(16, 3, generator=gen, dtype=torch.float64)
+    data = (x, torch.randn(16, 1, generator=gen, dtype=torch.float64))
     with _executor() as ex:
         inside = ex.trainable(tune.with_parameters(train_with_data, data=data))
         around = tune.with_parameters(ex.trainable(train_with_data), data=data)
@@ -449,5 +454,13 @@ def test_with_parameters_both_ways(ray_session: Any, storage: str) -> None:
             assert trial.status == "TERMINATED", trial.error_file
             frames.append(analysis.trial_dataframes[trial.trial_id])
         assert _live_functions(ex) == []
-    assert list(frames[0]["batches"]) == [2, 2] and list(frames[1]["batches"]) == [2, 2]
-    assert list(frames[0]["loss"]) == list(frames[1]["loss"])
+    plain = _FakeSession()
+    old = train_session._session
+    train_session._session = plain  # type: ignore[assignment]
+    try:
+        train_with_data({"shard": False}, data=data)
+    finally:
+        train_session._session = old
+    want = [r["loss"] for r in plain.results]
+    assert list(frames[0]["batches"]) == [4, 4] and list(frames[1]["batches"]) == [4, 4]
+    assert list(frames[0]["loss"]) == want and list(frames[1]["loss"]) == want
