@@ -20,7 +20,12 @@ Needs only torch and the engine (``tune_hydra.engine``; never Ray, never
    tokens/s of each, and the kept run's peak memory / budget (goal <= 1.0).
 5. **parity**: a small float32 model trained by the engine on the GPU (TF32 off) vs the
    same model trained plainly on the CPU: max relative loss and parameter differences.
-6. **disk tier** (on a GPU only; skipped with a printed line on the CPU): 3 float32
+6. **th.shard loops**: ``--tasks`` + 1 users' training loops (``th.shard``) in threads on
+   one engine on the device (each its own small GPT, AdamW): all must finish (none stalled
+   behind autograd's one CUDA worker thread per device) and each loop's weights must equal
+   the same loop run plainly on the device (TF32 off); wall time vs the loops run plainly
+   one after the other.
+7. **disk tier** (on a GPU only; skipped with a printed line on the CPU): 3 float32
    MLPs (``Linear`` + GELU stacks, Adam) spilled on ``cuda:0`` with
    ``host_memory`` = 1/4 of their training states and ``spill_dir`` a fresh folder under
    ``--spill-dir`` (default: the working directory), vs the same with
@@ -427,6 +432,88 @@ class Check:
             "ok": loss_rel < 1e-4 and param_rel < 1e-4,
         }
 
+    def shard_loops(self) -> None:
+        """``cfg.tasks + 1`` users' loops (``th.shard``) in threads on one engine on the
+        device, each with its own small GPT: they must all finish (autograd runs a CUDA
+        backward on one worker thread per device for the whole process: a backward that
+        waited there for its shard's turn would block every loop's), and each loop's
+        weights must equal the same loop run plainly on the device (TF32 off)."""
+        import threading
+
+        cfg = self.cfg
+        small = Config(
+            width=cfg.parity_width * 4,
+            heads=4,
+            layers=4,
+            vocab=256,
+            seq=64 if self.gpu else 16,
+            batch=8 if self.gpu else 2,
+            batches=6 if self.gpu else 3,
+            tiny=cfg.tiny,
+        )
+        if self.gpu:
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        n = cfg.tasks + 1
+        datas = [token_data(small, seed=10 + i) for i in range(n)]
+        models = [make_gpt(small, small.layers) for _ in range(n)]
+        refs = [copy.deepcopy(m).to(self.device) for m in models]
+        budget, _ = spill_budget(models[0], datas[0][0][0], 0.5, None)
+
+        def loop(model: nn.Module, data: Any, errors: list[str]) -> None:
+            try:
+                opt = adamw(list(model.parameters()))
+                if engine is not None:
+                    model, opt = th.shard(model, opt, engine=engine)
+                for x, y in data:
+                    opt.zero_grad()
+                    lm_loss(model(x.to(self.device)), y.to(self.device)).backward()
+                    opt.step()
+            except Exception as err:  # reported below: one loop's error is the figure
+                errors.append(f"{type(err).__name__}: {err}")
+
+        engine = None
+        t0 = time.perf_counter()
+        for ref, data in zip(refs, datas, strict=True):
+            loop(ref, data, [])
+        if self.gpu:
+            torch.cuda.synchronize()
+        plain_s = time.perf_counter() - t0
+        engine = th.Engine(devices=[self.device], device_memory=budget, **self.engine_kw)
+        errors: list[str] = []
+        threads = [
+            threading.Thread(target=loop, args=(m, d, errors), daemon=True)
+            for m, d in zip(models, datas, strict=True)
+        ]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=300)
+        sharded_s = time.perf_counter() - t0
+        stalled = sum(t.is_alive() for t in threads)
+        exact = worst = None
+        if not stalled and not errors:
+            homes = [th.unshard(m) for m in models]
+            pairs = [
+                (a.detach().cpu(), b.detach().cpu())
+                for home, ref in zip(homes, refs, strict=True)
+                for a, b in zip(home.parameters(), ref.parameters(), strict=True)
+            ]
+            exact = all(torch.equal(a, b) for a, b in pairs)
+            worst = max(((a - b).norm() / b.norm().clamp_min(1e-12)).item() for a, b in pairs)
+            engine.close()
+        self.results["shard_loops"] = {
+            "loops": n,
+            "stalled": stalled,
+            "errors": errors,
+            "exact": exact,
+            "param_rel": worst,
+            "sharded_s": sharded_s,
+            "plain_sequential_s": plain_s,
+            "ok": not stalled and not errors and worst is not None and worst < 1e-5,
+        }
+
     def disk_tier(self, spill_root: str) -> None:
         """Float32 MLPs whose states sum to 4x ``host_memory``, spilling to a folder under
         ``spill_root``, vs unlimited host memory: bitwise-equal weights, disk figures."""
@@ -623,6 +710,21 @@ def table(r: dict[str, Any], errors: dict[str, str]) -> str:
         f"{_fmt((r.get('budget_bytes') or 0) / 2**30)} GiB of "
         f"{_fmt((r.get('state_bytes') or 0) / 2**30)} GiB state"
     )
+    loops = r.get("shard_loops", {})
+    if loops:
+        rows += [
+            (
+                f"th.shard loops x{loops.get('loops')} (s)",
+                _fmt(loops.get("sharded_s")),
+                f"plain one after another {_fmt(loops.get('plain_sequential_s'))} s; "
+                f"stalled {loops.get('stalled')}, errors {len(loops.get('errors') or [])}",
+            ),
+            (
+                "th.shard loops param rel",
+                _fmt(loops.get("param_rel"), ".2e"),
+                f"exact {loops.get('exact')}; " + ("ok" if loops.get("ok") else "CHECK"),
+            ),
+        ]
     rows += _disk_rows(r.get("disk_tier", {}))
     lines = [head, f"{'figure':<32} {'value':>10}  note"]
     lines += [f"{a:<32} {b:>10}  {c}" for a, b, c in rows]
@@ -705,6 +807,7 @@ def main(argv: list[str] | None = None) -> int:
     check.guarded("multitask", check.multitask)
     check.guarded("kept vs recompute", check.kept_vs_recompute)
     check.guarded("parity", check.parity)
+    check.guarded("shard loops", check.shard_loops)
     if check.gpu or args.disk_on_cpu:
         spill_root = args.spill_dir or os.getcwd()
         check.guarded("disk tier", lambda: check.disk_tier(spill_root))
