@@ -71,9 +71,11 @@ def not_a_task(
         )
         problem += f" ({ran})"
         fix += (
-            ". To run a function trainable as it is, drop trial_executor (th.run then is "
-            "tune.run) or use it with tune.Tuner directly; to train it with tune_hydra, "
-            "move its model, loss, optimizer and data into a make_task(config)"
+            ". A function trainable runs under a HydraExecutor when tune_hydra sees its "
+            "tune.report (read from the function and the functions of its module that it "
+            "calls, not from other modules): call tune.report there and add "
+            "model, optimizer = th.shard(model, optimizer) after building them. To run it "
+            "as plain Tune does, drop trial_executor (th.run then is tune.run)"
         )
     if systematic:
         return NotATaskError(trial, problem, fix)
