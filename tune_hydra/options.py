@@ -43,9 +43,14 @@ if TYPE_CHECKING:
 
     from tune_hydra.core.policies import BasePolicy
 
-#: Result keys of the engine (and of Ray Tune) that a ``ModelTask`` metric may not take.
+#: Where a task's results hold the engine's mean training loss when the task declares a
+#: metric named ``loss`` of its own (the task's name wins: its ``loss`` is that metric).
+TRAIN_LOSS = "train_loss"
+#: Result keys of the engine (and of Ray Tune) that a ``ModelTask`` metric may not take
+#: (``loss`` excepted: see :data:`TRAIN_LOSS`).
 ENGINE_KEYS = (
     "loss",
+    TRAIN_LOSS,
     "val_loss",
     "num_shards",
     "iteration",
@@ -641,6 +646,7 @@ __all__ = [
     "SEED_MAX",
     "SEED_MIN",
     "TASK_OPTIONS",
+    "TRAIN_LOSS",
     "EngineOptions",
     "TrainOptions",
     "check_devices",

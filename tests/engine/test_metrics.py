@@ -138,6 +138,7 @@ def test_metrics_are_batch_weighted_means_equal_to_plain_training(recompute: boo
         for got, want in zip(history[name], ref_hist, strict=True):
             for key in ("loss", "val_loss", "accuracy", "neg_nll"):
                 assert got[key] == want[key], (name, key)
+            assert "train_loss" not in got  # "loss" is the training loss here
     # the mean is weighted by batch size (the eval batches have 6, 2 and 5 rows)
     model = tasks["a"].model
     model.eval()
@@ -145,6 +146,38 @@ def test_metrics_are_batch_weighted_means_equal_to_plain_training(recompute: boo
         outs = [(model(x), y) for x, y in eval_batches()]
     acc = sum(accuracy(o, y) * len(y) for o, y in outs) / 13
     assert history["a"][-1]["accuracy"] == pytest.approx(acc, abs=1e-12)
+
+
+def error_rate(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return 1.0 - (output.argmax(1) == target).double().mean()
+
+
+def test_a_metric_named_loss_is_the_tasks_own_and_the_training_loss_moves_aside() -> None:
+    """The user's name wins: each epoch's ``loss`` is the task's metric and ``train_loss``
+    the engine's training loss, which is exactly that of the same task without the
+    metric; engine and plain training agree exactly (2 tasks, 2 emulated devices)."""
+    own = {"loss": error_rate, "accuracy": accuracy}
+    setups: dict[str, tuple[int, Any, str]] = {"a": (0, step_lr, "adamw"), "b": (1, None, "sgd")}
+    tasks = {name: task(seed, sched, own, opt) for name, (seed, sched, opt) in setups.items()}
+    refs = {name: plain(t, 2) for name, t in tasks.items()}
+    without = {  # the same tasks, their metric named loss left out
+        name: plain(task(seed, sched, {"accuracy": accuracy}, opt), 2)[1]
+        for name, (seed, sched, opt) in setups.items()
+    }
+    history = th.train_models(tasks, epochs=2, **DEVICES, **OPTIONS)
+    for name, t in tasks.items():
+        assert history[name][0]["num_shards"] >= 3
+        ref_task, ref_hist = refs[name]
+        assert_params_equal(t.model, ref_task.model)
+        for got, want, other in zip(history[name], ref_hist, without[name], strict=True):
+            assert set(got) >= {"loss", "train_loss", "val_loss", "accuracy"}
+            for key in ("loss", "train_loss", "val_loss", "accuracy"):
+                assert got[key] == want[key], (name, key)
+            assert got["train_loss"] == other["loss"]  # the training loss, unchanged
+            assert got["val_loss"] == other["val_loss"]
+            assert got["loss"] == pytest.approx(1.0 - got["accuracy"], abs=1e-12)
+            assert got["loss"] != got["train_loss"]
+    assert "train_loss" not in without["a"][0]  # only a task's own loss moves it aside
 
 
 @pytest.mark.parametrize("schedule", [step_lr, warmup, one_cycle, hf_linear])
@@ -212,10 +245,15 @@ def test_a_state_without_scheduler_is_refused_by_a_task_with_one() -> None:
 # -- bad inputs ----------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["loss", "val_loss", "epoch", "num_shards", "config/lr"])
+@pytest.mark.parametrize(
+    "name", ["val_loss", "train_loss", "epoch", "num_shards", "iteration", "config/lr"]
+)
 def test_a_metric_named_like_an_engine_result_is_refused(name: str) -> None:
     with pytest.raises(InvalidTaskError, match=f"metric name '{name}'.*rename"):
         task(0, metrics={name: accuracy})
+    # with a metric named loss of the task's own, train_loss holds the training loss
+    with pytest.raises(InvalidTaskError, match=f"metric name '{name}'.*rename"):
+        task(0, metrics={"loss": accuracy, name: accuracy})
 
 
 def test_metrics_need_eval_data_and_callables() -> None:

@@ -8,9 +8,12 @@ from tune_hydra.frontends.common import (
     RESULT_KEYS,
     TASK_METRICS,
     declare_metric,
+    ranks_training_loss,
+    task_reports,
+    training_loss_ranked,
     trial_result,
 )
-from tune_hydra.options import ENGINE_KEYS
+from tune_hydra.options import ENGINE_KEYS, TRAIN_LOSS
 
 
 def test_a_trial_reports_the_engine_figures_and_its_task_metrics() -> None:
@@ -31,3 +34,22 @@ def test_the_words_messages_use_name_every_figure() -> None:
         declare_metric("acc")
         == "th.ModelTask(..., eval_data=..., metrics={'acc': fn(output, target)})"
     )
+
+
+def test_a_metric_of_the_tasks_own_named_loss_takes_the_key() -> None:
+    """The engine's result of a task with a metric named ``loss``: ``loss`` is the
+    metric's, ``train_loss`` the training loss, and the trial reports both."""
+    figures = {"loss": 0.25, "val_loss": 0.75, "train_loss": 0.5, "epoch": 1, "acc": 0.9}
+    assert task_reports(["loss", "acc"]) == ("loss", "acc", TRAIN_LOSS)
+    assert task_reports(["acc"]) == ("acc",)
+    out = trial_result(figures, ["loss", "acc"])
+    assert out == {"loss": 0.25, "val_loss": 0.75, "epoch": 1, "train_loss": 0.5, "acc": 0.9}
+    # ranking by loss ranks by the task's own metric then: no training-loss warning
+    assert not ranks_training_loss("loss", figures)
+    assert ranks_training_loss("loss", {"loss": 0.5, "val_loss": 0.75})
+    assert not ranks_training_loss("loss", {"loss": 0.5})  # no eval data: loss is all there is
+    assert not ranks_training_loss("val_loss", {"loss": 0.5, "val_loss": 0.75})
+    # messages: train_loss is declared by declaring loss; the warning says how
+    assert "metrics={'loss'" in declare_metric(TRAIN_LOSS) and TRAIN_LOSS in TASK_METRICS
+    assert "metrics={'loss'" in training_loss_ranked("metric='loss'")
+    assert TRAIN_LOSS in ENGINE_KEYS and TRAIN_LOSS not in RESULT_KEYS

@@ -63,9 +63,11 @@ def factory(
     skip: Collection[int] = (),
     sleep_s: float = 0.0,
     penalty: bool = False,
+    metrics: dict[str, Callable[[Any, Any], Any]] | None = None,
 ) -> Callable[[Any], th.ModelTask]:
     """A define-by-run task factory; trials whose number is in a set misbehave that way.
-    With ``penalty``, a suggested constant is added to the loss."""
+    With ``penalty``, a suggested constant is added to the loss; ``metrics`` are the
+    tasks' own."""
 
     def make_task(trial: Any) -> th.ModelTask:
         lr = trial.suggest_float("lr", 1e-7, 1e-1, log=True)
@@ -99,6 +101,7 @@ def factory(
             opt,
             batches(4),
             eval_data=None if n in no_eval else batches(2, seed=7),
+            metrics=metrics,
         )
         built[n] = task
         return task
@@ -179,6 +182,35 @@ def test_metric_loss_and_an_own_engine() -> None:
         history = th.train_plain(ref, 2, seed=3)
         assert trial.intermediate_values == {0: history[0]["loss"], 1: history[1]["loss"]}
         assert trial.user_attrs["num_shards"] == 1  # the whole CPU: one shard
+
+
+def test_a_metric_of_the_tasks_own_named_loss_is_the_objective() -> None:
+    """The task's metric named loss is what metric='loss' reports (each epoch and as the
+    value); metric='train_loss' then reports the training loss, as plain training has it."""
+
+    def error_rate(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return 1.0 - (out.argmax(1) == target).double().mean()
+
+    built: dict[int, th.ModelTask] = {}
+    make_task = factory(built, metrics={"loss": error_rate})
+    for metric, key in (("loss", "loss"), ("train_loss", "train_loss")):
+        study = optuna.create_study(sampler=optuna.samplers.RandomSampler(seed=2))
+        th.optimize(study, make_task, n_trials=1, epochs=2, devices=["cpu"], metric=metric, seed=3)
+        (trial,) = study.trials
+        assert trial.state.name == "COMPLETE", trial.user_attrs.get("error")
+        ref = make_task(optuna.trial.FixedTrial(trial.params, number=trial.number))
+        history = th.train_plain(ref, 2, seed=3)
+        assert history[0]["loss"] != history[0]["train_loss"]
+        assert trial.intermediate_values == {0: history[0][key], 1: history[1][key]}
+        assert trial.value == history[1][key]
+    # train_loss is a loss (a minimizing study), reported by tasks with their own 'loss'
+    with pytest.raises(UnknownMetricError, match="direction='minimize'"):
+        th.optimize(optuna.create_study(direction="maximize"), make_task, metric="train_loss")
+    study = optuna.create_study()
+    th.optimize(study, factory({}), n_trials=1, devices=["cpu"], metric="train_loss")
+    (failed,) = study.trials
+    assert failed.state.name == "FAIL"
+    assert "metrics={'loss'" in failed.user_attrs["error"], failed.user_attrs["error"]
 
 
 # ------------------------------------------------------------------------------ pruning

@@ -5,6 +5,8 @@ compute them in the same order, bit for bit.
 - A metric is ``fn(output, target) -> float | 0-dim tensor``, evaluated on every batch of
   ``eval_data``; the epoch's value is the mean over batches weighted by each batch's size
   (the first dimension of its target): :class:`MetricTotals`.
+- A metric named ``loss`` is the task's own: its results report it as ``loss``, and the
+  engine's mean training loss as ``train_loss`` (:func:`add_metrics`).
 - A schedule is ``lr_scheduler(optimizer) -> LRScheduler``; the engine builds one per
   shard optimizer (:func:`build_scheduler`) and steps it after every step of that
   optimizer, so every shard follows the schedule one scheduler over the whole model would.
@@ -27,7 +29,7 @@ from typing import Any
 import torch
 
 from tune_hydra.exceptions import InvalidSchedulerError, InvalidTaskError, MetricError
-from tune_hydra.options import ENGINE_KEYS
+from tune_hydra.options import ENGINE_KEYS, TRAIN_LOSS
 
 MetricFn = Callable[[Any, Any], Any]
 SchedulerFactory = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -45,7 +47,8 @@ def check_metrics(metrics: Any, has_eval_data: bool) -> dict[str, MetricFn] | No
 
     Raises:
         InvalidTaskError: not a dict of callables under string names, a name the engine
-            reports itself (``loss``, ``val_loss``, ``epoch`` ...), or no ``eval_data``.
+            reports itself (``val_loss``, ``train_loss``, ``epoch`` ...; ``loss`` is
+            allowed, see :func:`add_metrics`), or no ``eval_data``.
     """
     if metrics is None:
         return None
@@ -57,7 +60,14 @@ def check_metrics(metrics: Any, has_eval_data: bool) -> dict[str, MetricFn] | No
     for name, fn in metrics.items():
         if not isinstance(name, str) or not name:
             raise InvalidTaskError(f"metrics names must be non-empty strings, got {name!r}")
-        if name in ENGINE_KEYS or name.startswith("config/"):
+        if name == TRAIN_LOSS:
+            raise InvalidTaskError(
+                f"metric name {name!r} is where the engine reports its mean training loss "
+                f"when the task has a metric named 'loss' of its own; rename the metric "
+                f"(e.g. {'eval_' + name!r})"
+            )
+        # "loss" is the user's to take: the engine's training loss then moves aside.
+        if (name in ENGINE_KEYS and name != "loss") or name.startswith("config/"):
             raise InvalidTaskError(
                 f"metric name {name!r} is a result the engine (or Ray Tune) reports itself; "
                 f"rename the metric (e.g. {'eval_' + name!r})"
@@ -73,6 +83,22 @@ def check_metrics(metrics: Any, has_eval_data: bool) -> dict[str, MetricFn] | No
             f"pass eval_data=... (a re-iterable of (inputs, targets) batches)"
         )
     return dict(metrics)
+
+
+def add_metrics(record: dict[str, Any], means: Mapping[str, float]) -> None:
+    """Add a task's metric values of one epoch (``means``) to the engine's ``record`` of
+    that epoch, in place. A metric named ``loss`` is the task's own and wins: the record's
+    ``loss`` (the mean training loss) moves to ``train_loss`` first.
+
+    Example:
+        >>> record = {"loss": 0.5, "val_loss": 0.75}
+        >>> add_metrics(record, {"loss": 0.25, "acc": 0.9})
+        >>> record
+        {'loss': 0.25, 'val_loss': 0.75, 'train_loss': 0.5, 'acc': 0.9}
+    """
+    if "loss" in means:
+        record[TRAIN_LOSS] = record["loss"]
+    record.update(means)
 
 
 def check_lr_scheduler(factory: Any) -> None:

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from tune_hydra.engine.boundary import split_batch
-from tune_hydra.engine.metrics import MetricTotals, build_scheduler
+from tune_hydra.engine.metrics import MetricTotals, add_metrics, build_scheduler
 from tune_hydra.engine.task import ModelTask
 
 
@@ -35,7 +35,8 @@ def train_plain(
     ``max_grad_norm``), ``step`` and the ``lr_scheduler``'s ``step`` (one scheduler built
     over the one optimizer). ``loss`` is the mean of ``loss.item()``; ``val_loss`` the mean
     eval loss under ``model.eval()`` and ``no_grad``, and each of ``task.metrics`` the
-    batch-size-weighted mean of its values over ``eval_data``. The engine's ``seed`` gives
+    batch-size-weighted mean of its values over ``eval_data`` (a metric named ``loss`` takes
+    that key, and the training loss is then ``train_loss``). The engine's ``seed`` gives
     each task this same stream.
 
     Example:
@@ -104,7 +105,7 @@ def train_plain(
                         totals.add(out, target, "plain", f"batch {e} of eval_data")
             model.train()
             record["val_loss"] = sum(vals) / len(vals)
-            record.update(totals.means())
+            add_metrics(record, totals.means())
         history.append(record)
     return history
 

@@ -28,7 +28,7 @@ from tune_hydra.engine.boundary import leaves, park, to_device
 from tune_hydra.engine.checks import BatchChecks
 from tune_hydra.engine.data import DataCursor
 from tune_hydra.engine.host import HostMemory
-from tune_hydra.engine.metrics import MetricTotals, build_scheduler
+from tune_hydra.engine.metrics import MetricTotals, add_metrics, build_scheduler
 from tune_hydra.engine.optim import Stepper
 from tune_hydra.engine.partition import ShardPlan, build_optimizer
 from tune_hydra.engine.shared import SharedParams
@@ -451,7 +451,7 @@ class TaskRunner:
             if not self._eval_losses:
                 raise EmptyDataError(f"task {self.name!r}: eval_data yielded no batch")
             result["val_loss"] = sum(self._eval_losses) / len(self._eval_losses)
-            result.update(self._metric_totals.means())
+            add_metrics(result, self._metric_totals.means())  # a "loss" of its own wins
         self.history.append(result)
         self.iteration += 1
         self.granted -= 1

@@ -45,8 +45,10 @@ class ModelTask:
         metrics: optional ``{name: fn(output, target) -> float | 0-dim tensor}``, computed
             on every ``eval_data`` batch (needs ``eval_data``); each epoch reports under
             ``name`` the mean over batches weighted by batch size (the target's first
-            dimension). Names the engine reports itself (``loss``, ``val_loss``,
-            ``epoch`` ...) are refused.
+            dimension). A metric named ``loss`` is the task's own: its results report it
+            as ``loss`` and the mean training loss as ``train_loss``. Other names the
+            engine reports itself (``val_loss``, ``train_loss``, ``epoch`` ...) are
+            refused.
         lr_scheduler: optional ``fn(optimizer) -> torch.optim.lr_scheduler.LRScheduler``
             (``StepLR``, ``LambdaLR``, ``OneCycleLR``, ``transformers.get_scheduler``
             ...), stepped after every optimizer step (every batch, or every

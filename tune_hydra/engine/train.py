@@ -110,8 +110,10 @@ def train_models(
     Returns:
         A :class:`History`: ``history["a"]`` is a list with one dict per epoch holding
         ``loss``, ``val_loss`` (with ``eval_data``), each of the task's ``metrics`` (its
-        batch-size-weighted mean over ``eval_data``), ``num_shards`` and engine figures
-        (``device_time_s`` and ``bytes_spilled``, cumulative since registration).
+        batch-size-weighted mean over ``eval_data``; a metric named ``loss`` takes that
+        key, and the mean training loss is then ``train_loss``), ``num_shards`` and
+        engine figures (``device_time_s`` and ``bytes_spilled``, cumulative since
+        registration).
         After return every ``task.model`` holds its trained weights, on the CPU, in RAM
         (with the disk tier, states on disk are read back first; nothing maps a spill
         file).

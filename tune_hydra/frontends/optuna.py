@@ -44,12 +44,13 @@ from tune_hydra.exceptions import (
 )
 from tune_hydra.frontends.build import TrialSet, check_task
 from tune_hydra.frontends.checkpoint import save_model
-from tune_hydra.frontends.common import LOSS_METRICS, TASK_METRICS, declare_metric
+from tune_hydra.frontends.common import LOSS_METRICS, TASK_METRICS, declare_metric, task_reports
 from tune_hydra.frontends.failures import error_text
 from tune_hydra.frontends.milestones import Milestones, optuna_milestones
 from tune_hydra.options import (
     ENGINE_KEYS,
     NOT_OFFERED,
+    TRAIN_LOSS,
     EngineOptions,
     check_factory_timeout,
     check_positive_int,
@@ -183,7 +184,9 @@ def optimize(
             Each keeps its model, gradients and optimizer state in host memory (or, with
             ``host_memory`` and ``spill_dir``, partly on disk).
         metric: what each epoch reports to Optuna: ``"val_loss"`` (needs ``eval_data``),
-            ``"loss"`` (see :data:`METRICS`), or a name in the task's ``metrics``.
+            ``"loss"`` (see :data:`METRICS`), or a name in the task's ``metrics`` (one
+            named ``loss`` is the task's own ``"loss"``; the training loss is then
+            ``"train_loss"``).
             ``None``: ``"val_loss"``; a maximizing study (fine for objectives, which
             return their own value) then stops the call at the first task factory's
             trial, with ``UnknownMetricError``.
@@ -773,7 +776,7 @@ class _Driver:
     def _check_metric(self, number: int, task: ModelTask) -> None:
         """Refuse a task that does not report the study's metric."""
         declared = task.metrics or {}
-        if self.metric not in METRICS and self.metric not in declared:
+        if self.metric not in METRICS and self.metric not in task_reports(declared):
             close = difflib.get_close_matches(self.metric, [*METRICS, *declared], n=1)
             hint = f" Did you mean {close[0]!r}?" if close else ""
             raise UnknownMetricError(
@@ -916,7 +919,8 @@ def _check_metric(
     if (
         not isinstance(metric, str)
         or not metric
-        or (metric in ENGINE_KEYS and metric not in METRICS)
+        # train_loss: a task's training loss when it declares a metric named loss
+        or (metric in ENGINE_KEYS and metric not in (*METRICS, TRAIN_LOSS))
     ):
         listed = "; ".join(f"{k!r}: {v}" for k, v in METRICS.items())
         close = difflib.get_close_matches(str(metric), METRICS, n=1)
@@ -925,7 +929,8 @@ def _check_metric(
             f"metric={metric!r} is not reported by training; th.optimize reports {listed}, "
             f"and {TASK_METRICS}.{hint}"
         )
-    if metric in METRICS and study.direction == optuna.study.StudyDirection.MAXIMIZE:
+    loss = metric in METRICS or metric == TRAIN_LOSS
+    if loss and study.direction == optuna.study.StudyDirection.MAXIMIZE:
         error = UnknownMetricError(
             f"study {study.study_name!r} maximizes, but metric={metric!r} is a loss (lower "
             f"is better): create the study with optuna.create_study(direction='minimize'), "

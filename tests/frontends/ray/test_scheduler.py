@@ -195,6 +195,8 @@ def test_ranking_a_task_with_eval_data_by_training_loss_warns_once(
     quiet = [
         (ASHAScheduler(metric="val_loss", mode="min"), engine),
         (ASHAScheduler(metric="loss", mode="min"), no_eval),
+        # a task's own metric named loss: its result holds the training loss as train_loss
+        (ASHAScheduler(metric="loss", mode="min"), {**engine, "train_loss": 0.6}),
         (FIFOScheduler(), {"loss": 0.3, "accuracy": 0.9, "training_iteration": 1}),
     ]
     for base, result in quiet:

@@ -31,7 +31,7 @@ from typing import Any
 
 from ray.tune.schedulers import FIFOScheduler, TrialScheduler
 
-from tune_hydra.frontends.common import training_loss_ranked
+from tune_hydra.frontends.common import ranks_training_loss, training_loss_ranked
 from tune_hydra.frontends.milestones import NONE, Milestones, tune_milestones
 from tune_hydra.frontends.ray import registry
 
@@ -162,11 +162,11 @@ class HydraScheduler(TrialScheduler):
         """Warn once when the run ranks a task's trials by ``loss`` (the engine's
         training loss) although the task has eval data: its result holds ``val_loss``.
         A function trainable's results are its own (no engine figures): its ``loss``
-        is whatever it reports."""
+        is whatever it reports; so is a task's own metric named ``loss``."""
         if self.__dict__.get("_loss_warned") or "device_time_s" not in result:
             return
         metric = self.__dict__.get("_run_metric") or getattr(self._base, "metric", None)
-        if metric == "loss" and "val_loss" in result:
+        if ranks_training_loss(metric, result):
             self.__dict__["_loss_warned"] = True
             message = training_loss_ranked("the run's metric='loss'")
             logger.warning("tune_hydra: %s", message)

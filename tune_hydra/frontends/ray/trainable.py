@@ -37,7 +37,7 @@ from tune_hydra.frontends.checkpoint import (
     discard_partial_save,
     not_a_folder,
 )
-from tune_hydra.frontends.common import REPORTED, declare_metric, trial_result
+from tune_hydra.frontends.common import REPORTED, declare_metric, task_reports, trial_result
 from tune_hydra.frontends.ray.actor import engine_actor_name
 from tune_hydra.frontends.ray.errors import (
     EngineUnavailableError,
@@ -333,7 +333,8 @@ class HydraTrainable(EngineClient, tune.Trainable):
         )
         self._key = self.trial_id
         self._metric_names = tuple(self._call("task_metrics", self.trial_id, self._token))
-        missing = [m for m in self._required_metrics if m not in self._metric_names]
+        reported = task_reports(self._metric_names)
+        missing = [m for m in self._required_metrics if m not in reported]
         if missing:
             declared = list(self._metric_names) or "none"
             raise UndeclaredMetricError(
