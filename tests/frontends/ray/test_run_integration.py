@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -163,8 +165,6 @@ def test_bad_input_is_rejected_early(ray_session: Any, storage: str) -> None:
         th.run(tune_tasks.make_task, scheduler=ASHAScheduler(), trial_executor=ex)
     with pytest.raises(MissingMetricError, match="mode"):
         th.run(tune_tasks.make_task, metric="loss", mode="lowest", trial_executor=ex)
-    with pytest.raises(InvalidExecutorError, match="resources_per_trial"):
-        th.run(tune_tasks.make_task, resources_per_trial={"cpu": 1}, trial_executor=ex)
     with pytest.raises(TypeError, match="unexpected"):
         th.run(tune_tasks.make_task, not_an_arg=1, trial_executor=ex)
     with pytest.raises(UnknownPolicyError, match="lrtf"):
@@ -173,6 +173,85 @@ def test_bad_input_is_rejected_early(ray_session: Any, storage: str) -> None:
         HydraExecutor(device_memory="lots")
     assert not ex.started  # nothing was started by the rejected calls
     assert not [n for n in ray.util.list_named_actors() if n.startswith("tune_hydra_engine")]
+
+
+class _Resources(tune.Callback):
+    """Records each started trial's resource request."""
+
+    def __init__(self) -> None:
+        self.started: list[dict[str, float]] = []
+
+    def on_trial_start(self, iteration: int, trials: Any, trial: Any, **info: Any) -> None:
+        self.started.append(dict(trial.placement_group_factory.required_resources))
+
+
+def test_resources_per_trial_is_dropped_with_one_warning(ray_session: Any, storage: str) -> None:
+    """As ``tune.with_resources`` around ``ex.trainable(...)``: the request is dropped with
+    one warning, and every trial holds its engine slot (and no CPU)."""
+    resources = _Resources()
+    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
+        with pytest.warns(UserWarning, match=r"resources_per_trial of th\.run\) is dropped") as w:
+            analysis = th.run(
+                tune_tasks.make_task,
+                config={"lr": tune.grid_search([0.01, 0.03])},
+                resources_per_trial={"cpu": 2, "gpu": 0.5},
+                stop={"training_iteration": 2},
+                callbacks=[resources],
+                storage_path=storage,
+                trial_executor=ex,
+                verbose=0,
+            )
+        dropped = [x for x in w if "is dropped" in str(x.message)]
+        assert len(dropped) == 1 and "{'CPU': 2.0, 'GPU': 0.5}" in str(dropped[0].message)
+        assert _registered(ex) == []
+    assert [t.status for t in analysis.trials] == ["TERMINATED"] * 2
+    assert resources.started == [{"hydra_slot": 1.0}] * 2, resources.started
+
+
+def test_a_tasks_own_metric_named_loss_ranks_the_run(ray_session: Any, storage: str) -> None:
+    """metric='loss' with a task whose own metric is named loss: the trials report that
+    metric as loss (the best checkpoint's model gives it) and the training loss as
+    train_loss, and the run's scheduler wrapper says nothing about ranking by training
+    loss."""
+
+    def make_task(config: dict[str, Any]) -> th.ModelTask:
+        task = tune_tasks.make_task(config)
+        return dataclasses.replace(task, metrics={"loss": lambda out, y: (out - y).abs().mean()})
+
+    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            analysis = th.run(
+                make_task,
+                config={"lr": tune.grid_search([0.003, 0.03])},
+                metric="loss",
+                mode="min",
+                stop={"training_iteration": 2},
+                storage_path=storage,
+                trial_executor=ex,
+                verbose=0,
+            )
+        assert _registered(ex) == []
+    assert not [x for x in caught if "training loss" in str(x.message)]
+    for trial in analysis.trials:
+        result = trial.last_result
+        assert trial.status == "TERMINATED" and result["training_iteration"] == 2
+        assert {"loss", "train_loss", "val_loss"} <= set(result)
+        assert result["loss"] != result["train_loss"]
+    best = analysis.get_best_trial("loss", "min", "last")
+    assert best is not None
+    assert best.last_result["loss"] == min(t.last_result["loss"] for t in analysis.trials)
+    ckpt = analysis.get_last_checkpoint(best)  # the trial's end: its last result
+    assert ckpt is not None
+    model = tune_tasks.build_model(16, torch.float32)
+    model.load_state_dict(torch.load(Path(ckpt.path) / "model.pt"))
+    model.eval()
+    eval_data = tune_tasks.dataset()[:2]  # make_task's eval_data
+    with torch.no_grad():
+        mae = sum(float((model(x) - y).abs().mean()) * len(y) for x, y in eval_data) / sum(
+            len(y) for _, y in eval_data
+        )
+    assert best.last_result["loss"] == pytest.approx(mae, rel=1e-5)
 
 
 def test_auto_devices_without_gpu_warns(ray_session: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import inspect
+from collections.abc import Mapping
 from typing import Any
 
 from ray import tune
@@ -25,8 +26,12 @@ from tune_hydra.frontends.ray.errors import (
     MissingMetricError,
     UnreportedMetricError,
 )
-from tune_hydra.frontends.ray.executor import HydraExecutor, check_task_factory
-from tune_hydra.options import ENGINE_KEYS
+from tune_hydra.frontends.ray.executor import (
+    HydraExecutor,
+    check_task_factory,
+    warn_resources_dropped,
+)
+from tune_hydra.options import ENGINE_KEYS, TRAIN_LOSS
 
 REPORTED_KEYS = tuple(
     dict.fromkeys(
@@ -119,8 +124,9 @@ def _check_reported(kwargs: dict[str, Any]) -> tuple[str, ...]:
             continue
         if metric.startswith("config/"):
             continue  # the trial's config, flattened into every result
-        if metric not in ENGINE_KEYS:
-            custom[metric] = None  # a metric of the task's own, checked per trial
+        if metric not in ENGINE_KEYS or metric == TRAIN_LOSS:
+            # A metric of the task's own (train_loss: with one named loss), checked per trial
+            custom[metric] = None
             continue
         tune_keys = ", ".join(k for k in _TUNE_NUMBERS if k in REPORTED_KEYS)
         raise UnreportedMetricError(
@@ -154,7 +160,8 @@ def run(
     * ``run_or_experiment`` is a task factory ``make_task(config) -> th.ModelTask``; it
       runs inside the engine actor's process, once per trial (and per restore).
     * each Tune iteration trains one epoch (or ``iteration_batches`` batches) and reports
-      ``loss``, ``val_loss`` (with eval data), each of the task's ``metrics``,
+      ``loss``, ``val_loss`` (with eval data), each of the task's ``metrics`` (one named
+      ``loss`` takes that key, and the training loss is then ``train_loss``),
       ``num_shards``, ``epoch``, ``device_time_s`` and ``bytes_spilled``;
     * checkpoints hold ``model.pt`` (the whole model's ``state_dict``) and the state that
       resumes training exactly;
@@ -162,8 +169,9 @@ def run(
       milestone (its next rung) and drop stopped or paused trials' queued work; the
       executor's ``policy="auto"`` becomes the milestone policy when the scheduler stops
       trials early or ``search_alg`` adapts, LRTF otherwise; ``max_concurrent_trials``
-      defaults to the number of engine slots; trials must not ask for resources of their own
-      (``resources_per_trial``, ``tune.with_resources``).
+      defaults to the number of engine slots; a request for resources of the trials' own
+      (``resources_per_trial``, ``tune.with_resources``) is dropped with one warning: each
+      trial holds one engine slot and no CPU, and the engine places the model.
     * every trial ends with a checkpoint (``HydraExecutor(checkpoint="every")``, unless the
       run sets ``checkpoint_freq`` / ``checkpoint_config`` itself);
     * ``tune.with_parameters(make_task, data=...)`` is a task factory called as
@@ -211,12 +219,13 @@ def run(
     if not check_task_factory(run_or_experiment):
         _check_metric(kwargs)
         required = _check_reported(kwargs)
-    if kwargs.get("resources_per_trial") is not None:
-        raise InvalidExecutorError(
-            "resources_per_trial cannot be combined with a HydraExecutor: its trials are "
-            "proxies that reserve one engine slot each, and the models train on the engine's "
-            "devices. Size the engine with HydraExecutor(devices=..., device_memory=...)"
-        )
+    resources = kwargs.pop("resources_per_trial", None)
+    if resources:  # as a tune.with_resources request: the trials keep their engine slot
+        if isinstance(resources, Mapping):  # as tune.run reads it, for the warning
+            from ray.tune.execution.placement_groups import resource_dict_to_pg_factory
+
+            resources = resource_dict_to_pg_factory(dict(resources))
+        warn_resources_dropped(resources, "(resources_per_trial of th.run)")
     ex = trial_executor
     owns = not ex.started
     trainable = None
