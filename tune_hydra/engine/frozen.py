@@ -17,6 +17,13 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   (``ShardStore.share_frozen``), so it is neither counted nor spilled with them. The
   disk tier does not spill it: it stays in host memory while any task uses it (never a
   spill victim; with a host budget smaller than the base, the budget is exceeded by it).
+- **Every kind of task**: a ``ModelTask`` at ``add_task``, and a runner that trains a
+  model of its own (a ``th.shard`` loop: ``LoopRunner.frozen_model``) at ``add_runner``,
+  once its loop is cut; one pool for both. A ``th.shard`` model's ``load_state_dict``
+  (resuming a trial) writes only its own copy: a shared tensor given other values leaves
+  the pool for that loop first (``ShardStore.own_frozen``), one given its own values
+  stays shared (``ShardStore.frozen_rewritten``). Other writes by the user's thread into
+  a tensor of ``parameters()`` are caught at the loop's next op, as below.
 - **Refcounted**: every store slot using an entry holds a reference; a task leaving the
   engine drops its references (``ShardStore.leave_frozen``, from
   ``HostMemory.discard``). Its parameters then get a private copy while other tasks
@@ -232,7 +239,8 @@ class FrozenPool:
             return None
         out = Prepared(task)
         seen: set[int] = set()
-        for name, p in model.named_parameters(remove_duplicate=False):
+        # nn.Module's own: a th.shard model's override would bring its loop's state home.
+        for name, p in nn.Module.named_parameters(model, remove_duplicate=False):
             if id(p) in seen or not _frozen(p, None):
                 continue
             seen.add(id(p))

@@ -55,7 +55,7 @@ import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -210,6 +210,12 @@ class LoopRunner:
         if model is None:
             raise ShardClosedError(f"loop {self.name!r}: its model was garbage-collected")
         return model
+
+    @property
+    def frozen_model(self) -> nn.Module | None:
+        """The model whose frozen tensors the engine shares with other tasks' equal ones
+        (``TaskRegistry.add_runner``; ``None`` once garbage-collected)."""
+        return self._model()
 
     # -- the Runner protocol ------------------------------------------------------------
 
@@ -501,6 +507,41 @@ class LoopRunner:
             for part in parts(s.store):
                 part.begin_op(OpKind.STEP)  # a step "changes" the state
                 part.end_op()
+
+    def before_load(self, state_dict: Any) -> list[tuple[ShardStore, int]]:
+        """Before ``load_state_dict(state_dict)`` writes into the model at home (after
+        :meth:`sync`): a frozen tensor the loop shares with other tasks
+        (``tune_hydra.engine.frozen``) and gets other values becomes the loop's own first,
+        so that the others do not see the write. Returns the shared ones it writes with
+        their own values (a checkpoint of the same base): give them to
+        :meth:`after_load`."""
+        shared = {id(st.params[i]): (st, i) for st in self.stores for i in st.frozen}
+        if not shared or not isinstance(state_dict, Mapping):
+            return []
+        params = dict(nn.Module.named_parameters(self.model, remove_duplicate=False))
+        same: list[tuple[ShardStore, int]] = []
+        for key, value in state_dict.items():
+            p = params.get(key)
+            slot = None if p is None else shared.get(id(p))
+            if p is None or slot is None or slot[1] not in slot[0].frozen:
+                continue
+            if (
+                isinstance(value, torch.Tensor)
+                and value.shape == p.shape
+                and value.dtype == p.dtype
+                and torch.equal(value, p.data)
+            ):
+                same.append(slot)
+            else:
+                slot[0].own_frozen(slot[1])
+        return same
+
+    def after_load(self, same: list[tuple[ShardStore, int]]) -> None:
+        """After ``load_state_dict``: the shared tensors :meth:`before_load` found written
+        with their own values stay shared."""
+        for store, i in same:
+            if i in store.frozen:
+                store.frozen_rewritten(i)
 
     def load_optimizer_state(self) -> None:
         """Move the state the user's optimizer holds (after its ``load_state_dict``) into

@@ -193,7 +193,11 @@ class TaskRegistry:
         return len(plan)
 
     def add_runner(self, name: str, runner: Runner, options: TrainOptions | None) -> int:
-        """``Engine.add_runner``: check and register ``runner``; returns its shard count."""
+        """``Engine.add_runner``: check and register ``runner``; returns its shard count.
+
+        A runner with a ``frozen_model`` attribute (an ``nn.Module`` whose parameters its
+        stores hold: a ``th.shard`` loop's model) has that model's frozen tensors shared
+        with the other tasks' through the frozen pool, as a ``ModelTask``'s are."""
         check_runner(name, runner)
         own = getattr(runner, "name", name)
         if own != name:  # its ops would carry another task's name
@@ -213,6 +217,10 @@ class TaskRegistry:
                 f"runner {name!r}: options must be a tune_hydra.options.TrainOptions, not "
                 f"{type(options).__name__}"
             )
+        # A runner training a model of its own (a th.shard loop) shares its frozen tensors
+        # as a ModelTask does; digested here, outside the engine's lock.
+        model = getattr(runner, "frozen_model", None)
+        prepared = self.frozen.prepare(name, model) if isinstance(model, torch.nn.Module) else None
         with self._cv:
             self._check_name(name)
             if not options.recompute:  # a runner that recomputes keeps no graph
@@ -221,7 +229,8 @@ class TaskRegistry:
             self._register(
                 TaskRecord(
                     name, None, plan, options, self._order, runner, batches_per_iter=per_iter
-                )
+                ),
+                prepared,
             )
         return len(plan)
 
@@ -259,9 +268,10 @@ class TaskRegistry:
 
     def _register(self, entry: TaskRecord, prepared: Prepared | None = None) -> None:
         """Add ``entry`` (under the lock, its checks passed); ``prepared``: its frozen
-        tensors, matched with the pool's (a ``TaskRunner``'s)."""
+        tensors, matched with the pool's (a ``TaskRunner``'s, or a runner's with a
+        ``frozen_model``)."""
         runner = entry.runner
-        if prepared is not None and isinstance(runner, TaskRunner):
+        if prepared is not None:
             self.frozen.adopt(prepared, runner.stores)
         self._host.register(runner.stores)
         runner.on_iteration = entry.deliver

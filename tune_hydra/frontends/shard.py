@@ -529,8 +529,19 @@ class _ShardedModule(nn.Module):
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
+        from tune_hydra.engine.loop import in_op
+
         self._th_sync(write=True)
-        return super().load_state_dict(state_dict, *args, **kwargs)
+        state: _State | None = self.__dict__.get("_th_shard")
+        loop = None if state is None or in_op() else state.loop
+        if loop is None:
+            return super().load_state_dict(state_dict, *args, **kwargs)
+        # Frozen tensors shared with other loops: written only in this model's own copy.
+        same = loop.before_load(state_dict)
+        try:
+            return super().load_state_dict(state_dict, *args, **kwargs)
+        finally:
+            loop.after_load(same)
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         state: _State = self.__dict__["_th_shard"]

@@ -262,6 +262,28 @@ class ShardStore:
             self._home = None
             self._changed()
 
+    def own_frozen(self, index: int) -> None:
+        """Shared parameter ``index`` (at home) leaves the pool for the store's own state,
+        before the user's thread writes other values into it (``load_state_dict`` on a
+        ``th.shard`` model): with a private copy while other tasks use its entry."""
+        with self.lock:
+            assert self._residency.state is not Residency.DEVICE, "at home only"
+            ref = self._frozen.pop(index)
+            self._frozen_live.pop(index, None)
+            p = self.params[index]
+            ref.pool.release(ref, p, keep=not ref.pool.others(ref))
+            self._tier.keep(("p", index), p.data)
+            self._home = None
+            self._changed()
+
+    def frozen_rewritten(self, index: int) -> None:
+        """The user's thread wrote shared parameter ``index`` (at home) with the values it
+        had (``load_state_dict`` of a checkpoint of the same base): only its version counter
+        moved, which the next op's check must not take for a change."""
+        with self.lock:
+            live, _ = self._frozen_live[index]
+            self._frozen_live[index] = (live, self.params[index]._version)
+
     def _frozen_home(self, i: int) -> None:
         ref = self._frozen[i]
         key = self._frozen_dev.pop(i, None)

@@ -1,0 +1,306 @@
+"""A LoRA search written as users write it with ``th.shard``: each trial's loop (an
+Optuna objective, a Ray function trainable) loads the base with ``from_pretrained``,
+wraps it with ``peft.get_peft_model`` and adds the ``th.shard`` line. The loops share the
+base's frozen tensors through the engine's frozen pool (one host copy, counted once), and
+each still trains bit for bit as plain PyTorch on its own copy of the base (float64, 2
+emulated copying devices, recomputing or keeping graphs). What the user reads and writes
+(``state_dict``, ``load_state_dict``, ``th.unshard``) is their model's own, as in plain
+PyTorch, while other loops still share the tensors."""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tune_hydra as th
+from tests.models.test_peft import TRIALS, config, data, lora_config
+from tune_hydra.engine.frozen import canonical_name
+from tune_hydra.exceptions import FrozenTensorModifiedError
+
+peft = pytest.importorskip("peft", reason="peft is not installed: pip install 'tune_hydra[lora]'")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+KIND = "llama"
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread: None) -> None:
+    """One torch thread: a reduction split over threads rounds by how it is split."""
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny random Llama saved as a user's pretrained checkpoint."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config(KIND))
+    out = tmp_path_factory.mktemp("base")
+    model.save_pretrained(out)
+    return out
+
+
+def trial(folder: Path, i: int) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, Any]:
+    """Trial ``i``'s model and optimizer as its objective builds them, and the same on a
+    deepcopy (its own copy of the base) for the plain run."""
+    spec = dict(TRIALS[KIND][i])
+    lr = spec.pop("lr")
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    torch.manual_seed(i)  # the adapters' initial weights
+    model = peft.get_peft_model(base, lora_config(KIND, dropout=0.1 * (i % 2), **spec))
+    ref = copy.deepcopy(model)
+
+    def adamw(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=lr)
+
+    return model, adamw(model), ref, adamw(ref)
+
+
+def train(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    i: int,
+    epochs: int = 2,
+    between: Callable[[int], None] | None = None,
+) -> list[float]:
+    """Trial ``i``'s loop: train an epoch, evaluate; ``between(epoch)`` after each."""
+    history = []
+    for epoch in range(epochs):
+        model.train()
+        for batch in data(i + 1):
+            optimizer.zero_grad()
+            loss = model(**batch).loss
+            loss.backward()
+            optimizer.step()
+            history.append(loss.item())
+        model.eval()
+        with torch.no_grad():
+            history.extend(model(**b).loss.item() for b in data(i + 51, n=2))
+        if between is not None:
+            between(epoch)
+    return history
+
+
+def run_loops(
+    engine: th.Engine,
+    trials: list[tuple[nn.Module, torch.optim.Optimizer]],
+    between: dict[int, Callable[[int], None]] | None = None,
+    epochs: dict[int, int] | None = None,
+) -> dict[int, Any]:
+    """Each trial's loop in a thread of its own (``study.optimize(n_jobs=...)``), sharded
+    on ``engine``; the loop's stream starts from ``torch.manual_seed(100 + i)``.
+    ``between``, ``epochs``: a trial's :func:`train` arguments (2 epochs by default)."""
+    lock = threading.Lock()
+    results: dict[int, Any] = {}
+
+    def loop(i: int) -> None:
+        try:
+            with lock:
+                torch.manual_seed(100 + i)
+                m, o = th.shard(*trials[i], engine=engine)
+            n = (epochs or {}).get(i, 2)
+            results[i] = train(m, o, i, epochs=n, between=(between or {}).get(i))
+        except BaseException as err:
+            results[i] = err
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(trials))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    return results
+
+
+def plain(ref: nn.Module, opt: torch.optim.Optimizer, i: int, **kw: Any) -> list[float]:
+    torch.manual_seed(100 + i)
+    return train(ref, opt, i, **kw)
+
+
+def assert_same(a: nn.Module, b: nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert list(sa) == list(sb)
+    for k in sb:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def frozen_ptrs(m: nn.Module) -> dict[str, int]:
+    """The frozen tensors' addresses at home, by name (peft's ``.base_layer`` left out)."""
+    m.state_dict()  # a th.shard model's: every state home
+    return {
+        canonical_name(n): p.data_ptr()
+        for n, p in nn.Module.named_parameters(m)
+        if not p.requires_grad
+    }
+
+
+def engine(tmp_path: Path, **kw: Any) -> th.Engine:
+    """2 emulated copying devices, at most 2 layers a shard (3 shards of the tiny Llama),
+    a host ledger (with a disk tier that nothing needs)."""
+    tmp_path.mkdir(exist_ok=True)
+    return th.Engine(
+        devices=["cpu", "cpu"],
+        copy_on_cpu=True,
+        max_layers_per_shard=2,
+        host_memory=2**30,
+        spill_dir=tmp_path,
+        **kw,
+    )
+
+
+def base_bytes(folder: Path) -> int:
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    return sum(p.numel() * p.element_size() for p in base.parameters())
+
+
+# -- parity and one base --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
+def test_lora_loops_share_one_base_and_train_as_alone(
+    recompute: bool, folder: Path, tmp_path: Path
+) -> None:
+    B = base_bytes(folder)
+    held: dict[bool, int] = {}
+    for share in (True, False):
+        trials = [trial(folder, i) for i in range(4)]
+        with engine(tmp_path / str(share), recompute=recompute, share_frozen=share) as eng:
+            results = run_loops(eng, [(m, o) for m, o, _, _ in trials])
+            pool = eng._registry.frozen
+            ledger = eng.host.ledger.states
+            frozen_held = sum(v for k, v in ledger.items() if isinstance(k, tuple))
+            held[share] = eng.summary()["host"]["held_bytes"]
+            if share:
+                entries = pool.entries()
+                n_base = sum(not p.requires_grad for p in trials[0][2].parameters())
+                assert len(entries) == n_base and all(len(e.tasks) == 4 for e in entries)
+                assert pool.held_bytes() == B == frozen_held
+                ptrs = [frozen_ptrs(m) for m, _, _, _ in trials]
+                assert all(p == ptrs[0] for p in ptrs)  # one tensor each, for all four
+                loops = [m._th_shard.loop for m, _, _, _ in trials]
+                assert all(lp.keep is not recompute for lp in loops)
+                assert all(len(lp.shards) == 3 for lp in loops)
+            else:
+                assert frozen_held == 0 and not pool.entries()
+            for i, (model, _, ref, ref_opt) in enumerate(trials):
+                assert not isinstance(results[i], BaseException), results[i]
+                assert results[i] == plain(ref, ref_opt, i), i
+                assert_same(model, ref)
+                assert_same(model.get_base_model(), ref.get_base_model())
+    # The base counted once, not four times.
+    assert held[False] - held[True] == 3 * B
+
+
+# -- what the user reads and writes ---------------------------------------------------------
+
+
+def test_unshard_gives_the_user_their_own_weights_while_others_share(
+    folder: Path, tmp_path: Path
+) -> None:
+    trials = [trial(folder, i) for i in range(3)]
+    with engine(tmp_path) as eng:
+        pool = eng._registry.frozen
+        seen: dict[str, Any] = {}
+
+        def leave(epoch: int) -> None:  # trial 0's last epoch: it leaves the engine
+            model = trials[0][0]
+            seen["shared"] = frozen_ptrs(model)
+            seen["state"] = {k: v.clone() for k, v in model.state_dict().items()}
+            th.unshard(model)
+
+        results = run_loops(
+            eng, [(m, o) for m, o, _, _ in trials], between={0: leave}, epochs={0: 1}
+        )
+        # The loop that left got a private copy of the base; the others still share one.
+        own = frozen_ptrs(trials[0][0])
+        others = frozen_ptrs(trials[1][0])
+        assert all(own[n] != others[n] for n in own) and seen["shared"] == others
+        assert all(len(e.tasks) == 2 for e in pool.entries())
+        with torch.no_grad():  # the user's model: writing it reaches no other loop
+            for p in trials[0][0].parameters():
+                p.add_(1.0)
+        for i in (1, 2):
+            model, _, ref, ref_opt = trials[i]
+            assert results[i] == plain(ref, ref_opt, i), i
+            assert_same(model, ref)
+            th.unshard(model)
+        assert not pool.entries() and pool.held_bytes() == 0
+    model, _, ref, ref_opt = trials[0]
+    assert results[0] == plain(ref, ref_opt, 0, epochs=1)
+    want = ref.state_dict()
+    assert list(seen["state"]) == list(want)
+    assert all(torch.equal(seen["state"][k], want[k]) for k in want)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(1.0)
+    assert_same(model, ref)
+
+
+def test_load_state_dict_writes_the_loops_own_copy(folder: Path, tmp_path: Path) -> None:
+    """A checkpoint of the same base loaded mid-run (resuming) keeps the base shared; one
+    whose base tensor differs gives that loop its own copy of it (the others unaffected);
+    every loop trains as plain PyTorch does with the same loads."""
+    trials = [trial(folder, i) for i in range(3)]
+    name = "base_model.model.model.layers.1.mlp.up_proj.weight"
+    assert name in dict(trials[0][0].named_parameters())
+
+    def reload(model: nn.Module, change: bool) -> Callable[[int], None]:
+        def between(epoch: int) -> None:
+            if epoch == 0:
+                state = {k: v.clone() for k, v in model.state_dict().items()}
+                if change:
+                    state[name] = state[name] * 0.5
+                model.load_state_dict(state)
+
+        return between
+
+    with engine(tmp_path) as eng:
+        pool = eng._registry.frozen
+        results = run_loops(
+            eng,
+            [(m, o) for m, o, _, _ in trials],
+            between={0: reload(trials[0][0], False), 1: reload(trials[1][0], True)},
+        )
+        entries = {e.name: len(e.tasks) for e in pool.entries()}
+        assert entries.pop(name) == 2  # loop 1's own now; loops 0 and 2 share it
+        assert all(n == 3 for n in entries.values())
+        ptrs = [frozen_ptrs(m) for m, _, _, _ in trials]  # (up_proj is trial 2's adapted)
+        assert ptrs[0][name] == ptrs[2][name] != ptrs[1][name]
+    for i, (model, _, ref, ref_opt) in enumerate(trials):
+        assert not isinstance(results[i], BaseException), results[i]
+        assert results[i] == plain(ref, ref_opt, i, between=reload(ref, i == 1)), i
+        assert_same(model, ref)
+
+
+class WriteBase:
+    """A forward pre-hook writing its module's (shared, frozen) weight in place at the
+    loop's fourth training forward."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, module: nn.Module, args: Any) -> None:
+        if module.training:
+            self.calls += 1
+            if self.calls == 4:
+                with torch.no_grad():
+                    module.weight.mul_(0.5)
+
+
+def test_a_loop_writing_a_shared_base_tensor_fails_alone(folder: Path, tmp_path: Path) -> None:
+    trials = [trial(folder, i) for i in range(3)]
+    bad = trials[1][0].get_base_model().model.layers[0].mlp.gate_proj
+    bad.register_forward_pre_hook(WriteBase())
+    with engine(tmp_path) as eng:
+        results = run_loops(eng, [(m, o) for m, o, _, _ in trials])
+    err = results[1]
+    assert isinstance(err, FrozenTensorModifiedError), err
+    assert err.tensor.endswith("layers.0.mlp.gate_proj.weight") and err.others == 2
+    for i in (0, 2):
+        model, _, ref, ref_opt = trials[i]
+        assert results[i] == plain(ref, ref_opt, i), i
+        assert_same(model, ref)
