@@ -15,7 +15,13 @@ import tune_hydra as th
 from tests.conftest import OPTIMIZERS, assert_same_model, batches
 from tune_hydra.engine import Engine
 from tune_hydra.engine.frozen import FrozenPool, canonical_name, digest
-from tune_hydra.exceptions import FrozenTensorModifiedError, SharedModelError, TrainingError
+from tune_hydra.engine.partition import plan_shards
+from tune_hydra.exceptions import (
+    FrozenTensorModifiedError,
+    ShardTooLargeError,
+    SharedModelError,
+    TrainingError,
+)
 
 SEED = 3
 BASE = (8 * 32 + 32 + 2 * (32 * 32 + 32)) * 8  # float64 bytes of the frozen layers
@@ -345,3 +351,106 @@ def test_a_task_restored_from_its_state_shares_again_and_stays_exact() -> None:
         second = {name: f.result(timeout=120) for name, f in futures.items()}
     for name, task in tasks.items():
         assert_alone(first[name] + second[name], task, refs[name])
+
+
+# -- aligned cuts --------------------------------------------------------------------------
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``Linear`` of the base plus a rank-``r`` adapter, then tanh."""
+
+    def __init__(self, base: nn.Linear, r: int) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Parameter(0.1 * torch.randn(r, base.in_features, dtype=torch.float64))
+        self.lora_b = nn.Parameter(0.1 * torch.randn(base.out_features, r, dtype=torch.float64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.base(x) + x @ self.lora_a.t() @ self.lora_b.t())
+
+
+def lora_base() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    base = nn.Sequential(*(nn.Linear(32, 32) for _ in range(6))).double()
+    return base.state_dict()
+
+
+def lora_model(r: int, seed: int) -> nn.Sequential:
+    """Six LoRA layers over the one base (its weights loaded as a trial loads them)."""
+    layers = nn.Sequential(*(nn.Linear(32, 32) for _ in range(6))).double()
+    layers.load_state_dict(lora_base())
+    torch.manual_seed(seed)
+    return nn.Sequential(*(LoRALinear(lin, r) for lin in layers))
+
+
+def lora_data(seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(6, 32, generator=g, dtype=torch.float64),
+            torch.randint(0, 32, (6,), generator=g),
+        )
+        for _ in range(3)
+    ]
+
+
+def lora_task(r: int, i: int) -> th.ModelTask:
+    return th.ModelTask(
+        lora_model(r, i),
+        nn.CrossEntropyLoss(),
+        OPTIMIZERS["adam"],
+        lora_data(i),
+        eval_data=lora_data(50 + i),
+    )
+
+
+RANKS = {"a": 8, "b": 1, "c": 16}  # b's layers are smaller than a's, c's larger
+
+
+def lora_budget() -> int:
+    """The smallest device budget that cuts trial a's six layers in two shards of three
+    (with prefetch); b alone would fit in one shard there, c not in a's shards."""
+    from tune_hydra.engine.partition import layer_costs
+    from tune_hydra.engine.task import model_layers
+
+    task = lora_task(RANKS["a"], 0)
+    costs = layer_costs(model_layers(task.model), task.optimizer, lora_data(0)[0][0])
+    lo, hi = 1, 10**8
+    while lo < hi:
+        mid = (lo + hi) // 2
+        fits = True
+        try:
+            fits = len(plan_shards(costs, mid)) <= 2
+        except ShardTooLargeError:
+            fits = False
+        lo, hi = (lo, mid) if fits else (mid + 1, hi)
+    return lo
+
+
+def spans(plan: Any) -> list[tuple[int, int]]:
+    return [(s.start, s.stop) for s in plan.shards]
+
+
+def test_trials_sharing_a_base_are_cut_where_the_first_was_if_it_fits() -> None:
+    budget = lora_budget()
+    own = {}
+    for name, r in RANKS.items():  # each alone on the engine: its own cut
+        with Engine(["cpu", "cpu"], device_memory=budget, copy_on_cpu=True) as eng:
+            eng.add_task(name, lora_task(r, 0), seed=SEED)
+            own[name] = spans(eng.plan(name))
+    assert own["a"] == [(0, 3), (3, 6)] and own["b"] != own["a"] != own["c"]
+    tasks = {name: lora_task(r, i) for i, (name, r) in enumerate(RANKS.items())}
+    refs = {k: alone(t) for k, t in tasks.items()}
+    with Engine(["cpu", "cpu"], device_memory=budget, copy_on_cpu=True, policy="lrtf") as eng:
+        results = train(eng, tasks)
+        cuts = {name: spans(eng.plan(name)) for name in tasks}
+        users = {len(e.tasks) for e in eng._registry.frozen.entries()}
+    # b, of a smaller rank, is cut as a (shard k of both holds the same base layers);
+    # c's shards would not fit there: its own cut. All three share the base, exactly.
+    assert cuts == {"a": own["a"], "b": own["a"], "c": own["c"]} and users == {3}
+    for name, task in tasks.items():
+        assert_alone(results[name], task, refs[name])
+    with Engine(["cpu", "cpu"], device_memory=budget, copy_on_cpu=True, share_frozen=False) as eng:
+        for name in "ab":
+            eng.add_task(name, lora_task(RANKS[name], 0), seed=SEED)
+        assert spans(eng.plan("b")) == own["b"]  # nothing shared, nothing aligned

@@ -201,3 +201,26 @@ def test_tuple_inputs_and_outputs_are_probed_too() -> None:
 
     costs = layer_costs(model_layers(nn.Sequential(Count())), OPTIMIZERS["sgd"], 3)
     assert (costs[0].writes_input, costs[0].passes_input) == (None, None)
+
+
+def test_a_preferred_cut_is_taken_only_where_it_fits() -> None:
+    costs = _costs()
+    n = len(costs)
+    budget = 100_000
+    own = plan_shards(costs, budget)
+    spans = [(s.start, s.stop) for s in own.shards]
+    one_each = [(i, i + 1) for i in range(n)]
+    assert spans != one_each
+    got = plan_shards(costs, budget, prefer=one_each)
+    assert [(s.start, s.stop) for s in got.shards] == one_each
+    assert got.peak_bytes() <= budget and [s.index for s in got.shards] == list(range(n))
+    # Not a cut of these layers, or a shard of it over the budget or the layer limit:
+    # the plan's own cut.
+    whole = [(0, n)]
+    small = plan_shards(costs, 20_000)
+    bad = [[(0, n - 1)], [(0, 2), (1, n)], [(0, 2), (3, n)], [(0, 0), (0, n)], one_each + [(n, n)]]
+    for prefer in bad:
+        assert plan_shards(costs, budget, prefer=prefer).shards == own.shards, prefer
+    assert plan_shards(costs, 20_000, prefer=whole).shards == small.shards
+    assert len(plan_shards(costs, None, max_layers_per_shard=2, prefer=whole)) == (n + 1) // 2
+    assert len(plan_shards(costs, None, max_layers_per_shard=n, prefer=one_each)) == n

@@ -304,3 +304,58 @@ def test_a_loop_writing_a_shared_base_tensor_fails_alone(folder: Path, tmp_path:
         model, _, ref, ref_opt = trials[i]
         assert results[i] == plain(ref, ref_opt, i), i
         assert_same(model, ref)
+
+
+def test_loops_sharing_a_base_are_cut_where_the_first_was_if_it_fits() -> None:
+    """th.shard loops of three ranks over one base, on a budget that cuts rank 8 in two
+    shards of three layers: rank 1 (alone: one shard) is cut there too, rank 16 (which
+    does not fit there) keeps its own cut; each trains exactly as plain."""
+    from tests.engine.test_frozen import RANKS, lora_budget, lora_data, lora_model
+
+    budget = lora_budget()
+    models = {name: lora_model(r, i) for i, (name, r) in enumerate(RANKS.items())}
+    refs = {name: copy.deepcopy(m) for name, m in models.items()}
+
+    def opt(m: nn.Module) -> torch.optim.Optimizer:
+        return torch.optim.Adam([p for p in m.parameters() if p.requires_grad], lr=1e-2)
+
+    def fit(m: nn.Module, o: torch.optim.Optimizer, i: int) -> list[float]:
+        out = []
+        for _ in range(2):
+            for x, y in lora_data(i):
+                o.zero_grad()
+                loss = nn.functional.cross_entropy(m(x), y)
+                loss.backward()
+                o.step()
+                out.append(loss.item())
+        return out
+
+    with th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, device_memory=budget) as eng:
+        loops = {}
+        for i, (name, m) in enumerate(models.items()):  # cut in this order: a first
+            m, o = th.shard(m, opt(m), engine=eng)
+            with torch.no_grad():  # no state changes, no random numbers: plain's as is
+                m(lora_data(i)[0][0])
+            loops[name] = (m, o)
+        cuts = {
+            n: [(s.start, s.stop) for s in m._th_shard.loop.plan.shards]
+            for n, (m, _) in loops.items()
+        }
+        results: dict[str, Any] = {}
+
+        def run(i: int, name: str) -> None:
+            try:
+                results[name] = fit(*loops[name], i)
+            except BaseException as err:
+                results[name] = err
+
+        threads = [threading.Thread(target=run, args=(i, n)) for i, n in enumerate(loops)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        users = {len(e.tasks) for e in eng._registry.frozen.entries()}
+        assert cuts["a"] == cuts["b"] == [(0, 3), (3, 6)] != cuts["c"] and users == {3}
+        for i, (name, ref) in enumerate(refs.items()):
+            assert results[name] == fit(ref, opt(ref), i), name
+            assert_same(loops[name][0], ref)

@@ -316,6 +316,12 @@ class Engine:
         (``recompute=False`` there; see ``tune_hydra.engine.kept``)."""
         return self._registry.keeps_graphs
 
+    def shared_cut(self, model: torch.nn.Module, layers: list[str]) -> list[tuple[int, int]] | None:
+        """Where a registered task likely sharing ``model``'s frozen tensors was cut, if
+        it was cut from the same layers (``TaskRegistry.shared_cut``): a th.shard loop
+        cuts there when it fits (``plan_shards(prefer=...)``)."""
+        return self._registry.shared_cut(model, layers)
+
     def plan(self, name: str) -> ShardPlan:
         """The shard plan of a registered task."""
         return self._entry(name).plan

@@ -24,6 +24,12 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   the pool for that loop first (``ShardStore.own_frozen``), one given its own values
   stays shared (``ShardStore.frozen_rewritten``). Other writes by the user's thread into
   a tensor of ``parameters()`` are caught at the loop's next op, as below.
+- **Aligned cuts**: a task is cut where the registered task likely to share the most
+  frozen bytes with it was (:meth:`FrozenPool.peers`: entries named, shaped and typed
+  as its frozen parameters; ``TaskRegistry.shared_cut``), if that cut is of the same
+  layers and each of its shards fits the budget with this task's costs
+  (``plan_shards(prefer=...)``); else its own. Shard k of both then holds the same
+  frozen tensors, so their device copies are shared while both are resident.
 - **Refcounted**: every store slot using an entry holds a reference; a task leaving the
   engine drops its references (``ShardStore.leave_frozen``, from
   ``HostMemory.discard``). Its parameters then get a private copy while other tasks
@@ -228,6 +234,26 @@ class FrozenPool:
         """How many tasks besides ``ref``'s use its entry now."""
         with self._lock:
             return ref.entry.others(ref.task)
+
+    def peers(self, model: nn.Module) -> dict[str, int]:
+        """The tasks holding entries named, shaped and typed as ``model``'s frozen
+        parameters, with the bytes of those entries: likely sharers, for an aligned cut
+        (a guess, cheap: no byte is read; sharing itself is decided by :meth:`prepare`)."""
+        if not self.enabled:
+            return {}
+        mine: set[tuple[str, tuple[int, ...], torch.dtype]] = set()
+        seen: set[int] = set()
+        for name, p in nn.Module.named_parameters(model, remove_duplicate=False):
+            if id(p) not in seen and _frozen(p, None):
+                seen.add(id(p))
+                mine.add((canonical_name(name), tuple(p.shape), p.dtype))
+        out: dict[str, int] = {}
+        with self._lock:
+            for key, entry in self._index.items():
+                if key[:3] in mine:
+                    for task in entry.tasks:
+                        out[task] = out.get(task, 0) + entry.nbytes
+        return out
 
     # -- registration ---------------------------------------------------------------------
 

@@ -868,7 +868,12 @@ def build_loop(
     if budget is None and device.type == "cuda":  # as the engine budgets a whole GPU
         budget = int(device_capacity(device) * 0.9)
     plan = plan_shards(
-        costs, budget, prefetch=engine.prefetch, max_layers_per_shard=engine.max_layers_per_shard
+        costs,
+        budget,
+        prefetch=engine.prefetch,
+        max_layers_per_shard=engine.max_layers_per_shard,
+        # Where a loop sharing its frozen base was cut (LoRA trials of one search), if it fits.
+        prefer=engine.shared_cut(model, [c.name for c in costs]),
     )
     keep = keeps_graphs(engine, plan)
     modules = [nn.Sequential(*(m for _, m in layers[s.start : s.stop])) for s in plan.shards]

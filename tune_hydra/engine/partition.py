@@ -9,9 +9,10 @@ shard's state, so each shard must fit beside the largest state of any shard.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -515,11 +516,21 @@ def plan_shards(
     *,
     prefetch: bool = True,
     max_layers_per_shard: int | None = None,
+    prefer: Sequence[tuple[int, int]] | None = None,
 ) -> ShardPlan:
     """Cut layers into the fewest contiguous shards that fit ``budget``.
 
     Each shard must satisfy ``state + activations (+ largest shard state, with prefetch)
     <= budget``.
+
+    Args:
+        costs: the layers' costs, in order.
+        budget: bytes per device (``None``: no limit, ``max_layers_per_shard`` cuts).
+        prefetch: leave room for the next shard's state.
+        max_layers_per_shard: at most this many layers a shard.
+        prefer: ``(start, stop)`` spans to cut at instead, if they cover the layers and
+            every shard of them fits (the cut of a task sharing this one's frozen
+            tensors: shard k of both then uses the same ones); else the fewest shards.
 
     Raises:
         ShardTooLargeError: one layer alone does not fit.
@@ -540,6 +551,9 @@ def plan_shards(
                     + ")"
                 )
                 raise ShardTooLargeError(c.name, need, budget, detail)
+    if prefer is not None and _fits(prefer, costs, budget, prefetch, max_layers_per_shard):
+        spans = list(prefer)
+    elif budget is not None:
         # The prefetch room depends on the largest shard state, which depends on the cut:
         # try a ladder of caps on shard state and keep the cut with the fewest shards.
         best: list[tuple[int, int]] | None = None
@@ -580,6 +594,29 @@ def plan_shards(
         for k, (a, b) in enumerate(spans)
     )
     return ShardPlan(shards, budget, prefetch, tuple(costs))
+
+
+def _fits(
+    spans: Sequence[tuple[int, int]],
+    costs: list[LayerCost],
+    budget: int | None,
+    prefetch: bool,
+    max_layers: int | None,
+) -> bool:
+    """Whether ``spans`` cut ``costs`` into contiguous shards that each fit ``budget``
+    (as :func:`plan_shards` counts them) and ``max_layers``."""
+    if not spans or spans[0][0] != 0 or spans[-1][1] != len(costs):
+        return False
+    if any(a >= b for a, b in spans) or any(b != c for (_, b), (c, _) in itertools.pairwise(spans)):
+        return False
+    if max_layers is not None and any(b - a > max_layers for a, b in spans):
+        return False
+    if budget is None:
+        return True
+    states = [sum(c.state_bytes for c in costs[a:b]) for a, b in spans]
+    totals = [sum(c.total_bytes for c in costs[a:b]) for a, b in spans]
+    room = max(states) if prefetch and len(spans) > 1 else 0
+    return all(t + room <= budget for t in totals)
 
 
 def _writes_input(costs: list[LayerCost]) -> bool | None:

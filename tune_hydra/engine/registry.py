@@ -156,6 +156,7 @@ class TaskRegistry:
             self._budget,
             prefetch=self._options.prefetch,
             max_layers_per_shard=self._options.max_layers_per_shard,
+            prefer=self.shared_cut(task.model, [c.name for c in costs]),  # type: ignore[arg-type]
         )
         # Digested and matched here, outside the engine's lock (it reads every frozen byte).
         prepared = self.frozen.prepare(name, task.model)  # type: ignore[arg-type]
@@ -233,6 +234,24 @@ class TaskRegistry:
                 prepared,
             )
         return len(plan)
+
+    def shared_cut(self, model: torch.nn.Module, layers: list[str]) -> list[tuple[int, int]] | None:
+        """The cut (``(start, stop)`` per shard) of the registered task likely to share
+        the most frozen bytes with ``model`` (see ``FrozenPool.peers``) among those cut
+        from the same layers (``layers``: their names), for ``plan_shards(prefer=...)``:
+        shard k of both then holds the same frozen tensors. ``None``: no such task."""
+        peers = self.frozen.peers(model)
+        if not peers:
+            return None
+        with self._cv:
+            plans = {n: e.plan for n, e in self.tasks.items() if n in peers}
+        names = tuple(layers)
+        # Most shared bytes first; among equals, the task registered first.
+        for name in sorted(plans, key=lambda n: -peers[n]):
+            plan = plans[name]
+            if tuple(c.name for c in plan.layers) == names:
+                return [(s.start, s.stop) for s in plan.shards]
+        return None
 
     def restored(self, entry: TaskRecord, old: TaskRunner, state: dict[str, Any]) -> TaskRunner:
         """A new runner for ``entry``'s task, restored from ``state`` and registered with
