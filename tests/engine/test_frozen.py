@@ -454,3 +454,63 @@ def test_trials_sharing_a_base_are_cut_where_the_first_was_if_it_fits() -> None:
         for name in "ab":
             eng.add_task(name, lora_task(RANKS[name], 0), seed=SEED)
         assert spans(eng.plan("b")) == own["b"]  # nothing shared, nothing aligned
+
+
+# -- the policy prefers a shard whose shared base is on the device already ----------------
+
+
+def test_a_shard_whose_shared_base_is_on_the_device_is_offered_as_such() -> None:
+    """Task a's shard 0 resident on worker 0: b's shard 0 (the same frozen layer) is
+    offered there with those bytes as ``shared_bytes``, not in ``bring_in_bytes``; on
+    worker 1, and with sharing off, it brings in its whole state."""
+    from tune_hydra.core.ops import Op, OpKind
+
+    frozen = (8 * 32 + 32) * 8  # layer 0's weight and bias, in shard 0
+    offers = {}
+    for share in (True, False):
+        with engine(share_frozen=share) as eng:
+            for name in "ab":
+                eng.add_task(name, trial("ab".index(name)), seed=SEED)
+            w0, w1 = eng.workers
+            a, b = (eng._registry.tasks[k] for k in "ab")
+            a.runner.store_of(0).promote(w0.device, owner=w0)
+            op = Op("b", OpKind.FORWARD, 0)
+            offers[share] = [eng._dispatcher._offer(b, op, w, 1.0) for w in (w0, w1)]
+            state = b.runner.store_of(0).state_bytes
+            a.runner.store_of(0).demote()
+    here, there = offers[True]
+    assert (here.shared_bytes, here.bring_in_bytes) == (frozen, state - frozen)
+    assert (there.shared_bytes, there.bring_in_bytes) == (0, state)
+    assert all((c.shared_bytes, c.bring_in_bytes) == (0, state) for c in offers[False])
+
+
+@pytest.mark.parametrize("policy", ["lrtf", "milestone"])
+def test_policies_prefer_the_shared_base_on_the_device_within_their_band(policy: str) -> None:
+    from tune_hydra.core.dispatch import offer
+    from tune_hydra.core.ops import Op, OpKind
+    from tune_hydra.core.policies import LRTFPolicy, MilestonePolicy
+
+    def cand(task: str, remaining: float, shared: int, order: int) -> Any:
+        return offer(
+            Op(task, OpKind.FORWARD, 0),
+            remaining,
+            ready_since=0.0,
+            order=order,
+            bring_in_bytes=1000 - shared,
+            shared_bytes=shared,
+            milestone_s=None if policy == "lrtf" else remaining,
+        )
+
+    pol = LRTFPolicy() if policy == "lrtf" else MilestonePolicy(devices=1, slots_per_device=4)
+    # Without the shared bytes, each policy would pick a: LRTF the longest, the milestone
+    # policy the least work to its milestone among admitted trials.
+    a, b = (100.0, 99.0) if policy == "lrtf" else (99.0, 100.0)
+    longest, sharing = cand("a", a, 0, 0), cand("b", b, 600, 1)
+    if policy == "milestone":  # admit both first (the admitted trials' rule decides)
+        for c in (longest, sharing):
+            assert pol.choose(0, [c]) is c
+    assert pol.choose(0, [longest, sharing]) is sharing
+    # Outside LRTF's band (5%) the longest still runs first.
+    far = cand("c", 50.0, 600, 2)
+    if policy == "lrtf":
+        assert pol.choose(0, [longest, far]) is longest

@@ -51,6 +51,7 @@ def offer(
     fits: bool = True,
     bring_in_bytes: int = 0,
     milestone_s: float | None = None,
+    shared_bytes: int = 0,
 ) -> Candidate:
     """The candidate a task's ready ``op`` is offered as (see
     :class:`~tune_hydra.core.policies.Candidate` for each fact).
@@ -68,6 +69,8 @@ def offer(
         bring_in_bytes: bytes of shard state the device must copy in before it runs.
         milestone_s: estimated seconds of its work before its trial's next milestone
             (``None``: not known).
+        shared_bytes: bytes of its shard's state already on the device offered, held
+            there for other tasks that share them (a frozen base).
 
     Returns:
         The candidate.
@@ -82,6 +85,7 @@ def offer(
     _set_fits(c, fits)
     _set_bring_in_bytes(c, bring_in_bytes)
     _set_milestone_s(c, milestone_s)
+    _set_shared_bytes(c, shared_bytes)
     return c
 
 
@@ -100,6 +104,7 @@ _new = object.__new__
     _set_fits,
     _set_bring_in_bytes,
     _set_milestone_s,
+    _set_shared_bytes,
 ) = (getattr(Candidate, f.name).__set__ for f in fields(Candidate))
 
 

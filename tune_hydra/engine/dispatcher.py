@@ -32,6 +32,7 @@ from typing import Any
 from tune_hydra.core.dispatch import decide, offer
 from tune_hydra.core.ops import Op
 from tune_hydra.core.policies import BasePolicy, Candidate
+from tune_hydra.engine.frozen import shared_on_device
 from tune_hydra.engine.host import HostMemory
 from tune_hydra.engine.kept import KeptGraphs
 from tune_hydra.engine.records import PendingIterations, TaskRecord
@@ -404,9 +405,12 @@ class Dispatcher:
                 in_host=in_host,
                 milestone_s=e.milestone_s(default_op_s),
             )
+        shared = 0
         if w.copy:
             res = w.holds(store)
-            bring = 0 if res else store.state_bytes
+            # A shared frozen base already there for other tasks is not copied again.
+            shared = 0 if res else shared_on_device(store, w)
+            bring = 0 if res else max(0, store.state_bytes - shared)
         else:  # computes in host memory: "resident" is the task that ran here last
             res = w.last_task == e.name
             bring = 0
@@ -425,6 +429,7 @@ class Dispatcher:
             or c.fits is not fits
             or c.in_host is not in_host
             or c.bring_in_bytes != bring
+            or c.shared_bytes != shared
             or (not e.known_n and e.offered_s != default_op_s)
         ):
             e.offered_s = default_op_s
@@ -438,6 +443,7 @@ class Dispatcher:
                 fits=fits,
                 bring_in_bytes=bring,
                 milestone_s=e.milestone_s(default_op_s),
+                shared_bytes=shared,
             )
         return c
 

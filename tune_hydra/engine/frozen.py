@@ -403,6 +403,22 @@ class FrozenPool:
             self.host.drop(entry.ledger_key, (ref.task, -1))
 
 
+def shared_on_device(store: Any, worker: Any) -> int:
+    """Bytes of ``store``'s shared frozen tensors (a ``LinkedStore``'s parts' too) that
+    already have a copy on ``worker``'s device, held by it for other tasks: promoting
+    the store there would not copy them (the policy prefers such a shard)."""
+    total = 0
+    for part in [store.own, *store.shared] if hasattr(store, "own") else [store]:
+        refs = getattr(part, "frozen", None)
+        if not refs:
+            continue
+        key: DeviceKey = (str(worker.device), id(worker))  # as the worker promotes it
+        ref = next(iter(refs.values()))
+        with ref.pool._lock:  # the leaf lock: only the entries' device maps are read
+            total += sum(r.entry.nbytes for r in refs.values() if key in r.entry.devices)
+    return total
+
+
 __all__ = [
     "FrozenEntry",
     "FrozenPool",
@@ -411,4 +427,5 @@ __all__ = [
     "canonical_name",
     "checksum",
     "digest",
+    "shared_on_device",
 ]

@@ -37,6 +37,9 @@ class Candidate:
         milestone_s: estimated seconds of the task's work before its trial's next
             milestone (the next result a search waits for, such as a successive-halving
             rung); ``None`` when not known.
+        shared_bytes: bytes of its shard's state already on the device being filled
+            because other tasks resident there share them (a fine-tuning search's frozen
+            base, held once per device): not copied again, not in ``bring_in_bytes``.
 
     Candidates are built by :func:`tune_hydra.core.dispatch.offer` (the engine and the
     simulator both); those given to :meth:`BasePolicy.rank` are offered for no device
@@ -52,6 +55,7 @@ class Candidate:
     fits: bool = True
     bring_in_bytes: int = 0
     milestone_s: float | None = None
+    shared_bytes: int = 0
 
 
 class BasePolicy(abc.ABC):

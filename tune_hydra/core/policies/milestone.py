@@ -54,8 +54,9 @@ class MilestonePolicy(BasePolicy):
        ``remaining_s``, to its end, over the devices: as if no trial were stopped) runs
        first: each second it waits lengthens the run even then.
     2. **Admitted trials.** A resident one first (its shard is on the device, or it ran
-       there last), then one whose state is in host memory, then the least work to its
-       milestone.
+       there last), then one whose state is in host memory, then the one with the most
+       bytes on the device already for other trials sharing them (a frozen base), then
+       the least work to its milestone.
     3. **Admission.** When no admitted trial's op fits, a trial with a milestone ahead
        is admitted and runs, so a device never idles while such a trial could run: the
        one with the fewest iterations done (breadth-first across rungs: a fresh trial's
@@ -303,8 +304,8 @@ class MilestonePolicy(BasePolicy):
         )
 
 
-def _admitted_key(c: Candidate) -> tuple[bool, bool, float, int]:
-    return (not c.resident, not c.in_host, c.milestone_s or 0.0, c.order)
+def _admitted_key(c: Candidate) -> tuple[bool, bool, int, float, int]:
+    return (not c.resident, not c.in_host, -c.shared_bytes, c.milestone_s or 0.0, c.order)
 
 
 def _lent_key(c: Candidate) -> tuple[float, bool, bool, int]:
