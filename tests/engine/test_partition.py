@@ -211,16 +211,19 @@ def test_a_preferred_cut_is_taken_only_where_it_fits() -> None:
     spans = [(s.start, s.stop) for s in own.shards]
     one_each = [(i, i + 1) for i in range(n)]
     assert spans != one_each
-    got = plan_shards(costs, budget, prefer=one_each)
+    got = plan_shards(costs, budget, prefer=[one_each])
     assert [(s.start, s.stop) for s in got.shards] == one_each
     assert got.peak_bytes() <= budget and [s.index for s in got.shards] == list(range(n))
     # Not a cut of these layers, or a shard of it over the budget or the layer limit:
     # the plan's own cut.
     whole = [(0, n)]
     small = plan_shards(costs, 20_000)
-    bad = [[(0, n - 1)], [(0, 2), (1, n)], [(0, 2), (3, n)], [(0, 0), (0, n)], one_each + [(n, n)]]
+    bad = [[(0, n - 1)], [(0, 2), (1, n)], [(0, 2), (3, n)], [(0, 0), (0, n)], [*one_each, (n, n)]]
     for prefer in bad:
-        assert plan_shards(costs, budget, prefer=prefer).shards == own.shards, prefer
-    assert plan_shards(costs, 20_000, prefer=whole).shards == small.shards
-    assert len(plan_shards(costs, None, max_layers_per_shard=2, prefer=whole)) == (n + 1) // 2
-    assert len(plan_shards(costs, None, max_layers_per_shard=n, prefer=one_each)) == n
+        assert plan_shards(costs, budget, prefer=[prefer]).shards == own.shards, prefer
+    assert plan_shards(costs, 20_000, prefer=[whole]).shards == small.shards
+    assert len(plan_shards(costs, None, max_layers_per_shard=2, prefer=[whole])) == (n + 1) // 2
+    assert len(plan_shards(costs, None, max_layers_per_shard=n, prefer=[one_each])) == n
+    # The first cut that fits, of several (the whole model fits this budget too).
+    got = plan_shards(costs, budget, prefer=[*bad, one_each, whole])
+    assert [(s.start, s.stop) for s in got.shards] == one_each

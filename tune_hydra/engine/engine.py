@@ -316,11 +316,11 @@ class Engine:
         (``recompute=False`` there; see ``tune_hydra.engine.kept``)."""
         return self._registry.keeps_graphs
 
-    def shared_cut(self, model: torch.nn.Module, layers: list[str]) -> list[tuple[int, int]] | None:
-        """Where a registered task likely sharing ``model``'s frozen tensors was cut, if
-        it was cut from the same layers (``TaskRegistry.shared_cut``): a th.shard loop
-        cuts there when it fits (``plan_shards(prefer=...)``)."""
-        return self._registry.shared_cut(model, layers)
+    def shared_cuts(self, model: torch.nn.Module, layers: list[str]) -> list[list[tuple[int, int]]]:
+        """Where registered tasks likely sharing ``model``'s frozen tensors were cut from
+        the same layers (``TaskRegistry.shared_cuts``): a th.shard loop cuts at the first
+        of them that fits (``plan_shards(prefer=...)``)."""
+        return self._registry.shared_cuts(model, layers)
 
     def plan(self, name: str) -> ShardPlan:
         """The shard plan of a registered task."""

@@ -24,10 +24,10 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   the pool for that loop first (``ShardStore.own_frozen``), one given its own values
   stays shared (``ShardStore.frozen_rewritten``). Other writes by the user's thread into
   a tensor of ``parameters()`` are caught at the loop's next op, as below.
-- **Aligned cuts**: a task is cut where the registered task likely to share the most
-  frozen bytes with it was (:meth:`FrozenPool.peers`: entries named, shaped and typed
-  as its frozen parameters; ``TaskRegistry.shared_cut``), if that cut is of the same
-  layers and each of its shards fits the budget with this task's costs
+- **Aligned cuts**: a task is cut where a registered task likely to share frozen
+  tensors with it was (:meth:`FrozenPool.peers`: entries named, shaped and typed as its
+  frozen parameters; ``TaskRegistry.shared_cuts``, most shared bytes first): the first
+  such cut of the same layers whose every shard fits the budget with this task's costs
   (``plan_shards(prefer=...)``); else its own. Shard k of both then holds the same
   frozen tensors, so their device copies are shared while both are resident.
 - **Refcounted**: every store slot using an entry holds a reference; a task leaving the

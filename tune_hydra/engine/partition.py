@@ -516,7 +516,7 @@ def plan_shards(
     *,
     prefetch: bool = True,
     max_layers_per_shard: int | None = None,
-    prefer: Sequence[tuple[int, int]] | None = None,
+    prefer: Sequence[Sequence[tuple[int, int]]] = (),
 ) -> ShardPlan:
     """Cut layers into the fewest contiguous shards that fit ``budget``.
 
@@ -528,9 +528,10 @@ def plan_shards(
         budget: bytes per device (``None``: no limit, ``max_layers_per_shard`` cuts).
         prefetch: leave room for the next shard's state.
         max_layers_per_shard: at most this many layers a shard.
-        prefer: ``(start, stop)`` spans to cut at instead, if they cover the layers and
-            every shard of them fits (the cut of a task sharing this one's frozen
-            tensors: shard k of both then uses the same ones); else the fewest shards.
+        prefer: cuts (``(start, stop)`` per shard) to take instead: the first that covers
+            the layers and whose every shard fits (the cuts of tasks sharing this one's
+            frozen tensors: shard k of both then uses the same ones); if none does, the
+            fewest shards.
 
     Raises:
         ShardTooLargeError: one layer alone does not fit.
@@ -551,8 +552,10 @@ def plan_shards(
                     + ")"
                 )
                 raise ShardTooLargeError(c.name, need, budget, detail)
-    if prefer is not None and _fits(prefer, costs, budget, prefetch, max_layers_per_shard):
-        spans = list(prefer)
+    fitting = (c for c in prefer if _fits(c, costs, budget, prefetch, max_layers_per_shard))
+    cut = next(fitting, None)
+    if cut is not None:
+        spans = list(cut)
     elif budget is not None:
         # The prefetch room depends on the largest shard state, which depends on the cut:
         # try a ladder of caps on shard state and keep the cut with the fewest shards.

@@ -156,7 +156,7 @@ class TaskRegistry:
             self._budget,
             prefetch=self._options.prefetch,
             max_layers_per_shard=self._options.max_layers_per_shard,
-            prefer=self.shared_cut(task.model, [c.name for c in costs]),  # type: ignore[arg-type]
+            prefer=self.shared_cuts(task.model, [c.name for c in costs]),  # type: ignore[arg-type]
         )
         # Digested and matched here, outside the engine's lock (it reads every frozen byte).
         prepared = self.frozen.prepare(name, task.model)  # type: ignore[arg-type]
@@ -235,23 +235,25 @@ class TaskRegistry:
             )
         return len(plan)
 
-    def shared_cut(self, model: torch.nn.Module, layers: list[str]) -> list[tuple[int, int]] | None:
-        """The cut (``(start, stop)`` per shard) of the registered task likely to share
-        the most frozen bytes with ``model`` (see ``FrozenPool.peers``) among those cut
-        from the same layers (``layers``: their names), for ``plan_shards(prefer=...)``:
-        shard k of both then holds the same frozen tensors. ``None``: no such task."""
+    def shared_cuts(self, model: torch.nn.Module, layers: list[str]) -> list[list[tuple[int, int]]]:
+        """The cuts (``(start, stop)`` per shard) of the registered tasks likely to share
+        frozen tensors with ``model`` (see ``FrozenPool.peers``) and cut from the same
+        layers (``layers``: their names), most shared bytes first (then the first
+        registered), each once: for ``plan_shards(prefer=...)``, which takes the first
+        that fits, so shard k of both holds the same frozen tensors."""
         peers = self.frozen.peers(model)
         if not peers:
-            return None
+            return []
         with self._cv:
             plans = {n: e.plan for n, e in self.tasks.items() if n in peers}
         names = tuple(layers)
-        # Most shared bytes first; among equals, the task registered first.
-        for name in sorted(plans, key=lambda n: -peers[n]):
+        cuts: list[list[tuple[int, int]]] = []
+        for name in sorted(plans, key=lambda n: -peers[n]):  # stable: registration order
             plan = plans[name]
-            if tuple(c.name for c in plan.layers) == names:
-                return [(s.start, s.stop) for s in plan.shards]
-        return None
+            cut = [(s.start, s.stop) for s in plan.shards]
+            if tuple(c.name for c in plan.layers) == names and cut not in cuts:
+                cuts.append(cut)
+        return cuts
 
     def restored(self, entry: TaskRecord, old: TaskRunner, state: dict[str, Any]) -> TaskRunner:
         """A new runner for ``entry``'s task, restored from ``state`` and registered with
