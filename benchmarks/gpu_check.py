@@ -25,6 +25,13 @@ Needs only torch and the engine (``tune_hydra.engine``; never Ray, never
    behind autograd's one CUDA worker thread per device) and each loop's weights must equal
    the same loop run plainly on the device (TF32 off); wall time vs the loops run plainly
    one after the other.
+8. **shared base** (#22): 4 LoRA-like trials (plain ``nn.Module`` layers: a frozen
+   ``Linear`` of one base plus a rank-r adapter, ranks 4 to 32, Adam, float32) over one
+   base that each trial loads from the same state dict, spilled under a device budget of
+   about a third of one trial's state, with ``share_frozen=True`` vs ``False``: bytes
+   copied to the device per step (one batch of every trial), samples/s, peak device
+   memory, and whether the weights are bitwise equal (TF32 off). Needs neither peft nor
+   transformers.
 7. **disk tier** (on a GPU only; skipped with a printed line on the CPU): 3 float32
    MLPs (``Linear`` + GELU stacks, Adam) spilled on ``cuda:0`` with
    ``host_memory`` = 1/4 of their training states and ``spill_dir`` a fresh folder under
@@ -91,6 +98,10 @@ class Config:
     disk_layers: int = 8
     disk_batch: int = 256
     disk_batches: int = 4
+    lora_width: int = 4096
+    lora_layers: int = 8
+    lora_batch: int = 128
+    lora_batches: int = 8
     tiny: bool = False
 
 
@@ -110,6 +121,10 @@ TINY = Config(
     disk_layers=6,
     disk_batch=4,
     disk_batches=2,
+    lora_width=32,
+    lora_layers=4,
+    lora_batch=4,
+    lora_batches=2,
     tiny=True,
 )
 
@@ -514,6 +529,82 @@ class Check:
             "ok": not stalled and not errors and worst is not None and worst < 1e-5,
         }
 
+    def shared_base(self) -> None:
+        """4 LoRA-like trials over one base loaded by each, spilled on the device, with
+        the frozen base shared (one host copy, one device copy per residency, aligned
+        cuts) vs not: bytes copied in per step, samples/s, peak memory, equal weights."""
+        cfg = self.cfg
+        if self.gpu:  # bitwise equality needs the same kernels in both runs
+            torch.backends.cuda.matmul.allow_tf32 = False
+            torch.backends.cudnn.allow_tf32 = False
+        n = len(LORA_RANKS)
+        base = lora_base(cfg.lora_width, cfg.lora_layers)
+        datas = [lora_data(cfg, seed=i) for i in range(n)]
+
+        def adam(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+            return torch.optim.Adam(params, lr=1e-3)
+
+        largest = lora_trial(base, cfg.lora_width, cfg.lora_layers, n - 1)
+        costs = layer_costs(model_layers(largest), adam, datas[0][0][0])
+        state = sum(c.state_bytes for c in costs)
+        floor = max(c.total_bytes for c in costs) + max(c.state_bytes for c in costs)
+        budget = max(state // 3, floor + floor // 8)
+        base_bytes = sum(t.numel() * t.element_size() for t in base.values())
+        r: dict[str, Any] = {
+            "trials": n,
+            "ranks": list(LORA_RANKS),
+            "base_bytes": base_bytes,
+            "device_memory": budget,
+        }
+        self.results["shared_base"] = r
+        weights = {}
+        samples = n * cfg.lora_batches * cfg.lora_batch
+        for key, share in (("shared", True), ("unshared", False)):
+            models = [lora_trial(base, cfg.lora_width, cfg.lora_layers, i) for i in range(n)]
+            self._reset_peak()
+            with th.Engine(
+                devices=[self.device],
+                device_memory=budget,
+                share_frozen=share,
+                policy="lrtf",
+                **self.engine_kw,
+            ) as eng:
+                names = [f"l{i}" for i in range(n)]
+                for i, (name, model) in enumerate(zip(names, models, strict=True)):
+                    task = th.ModelTask(model, nn.CrossEntropyLoss(), adam, datas[i])
+                    eng.add_task(name, task, seed=i)
+                t0 = time.perf_counter()
+                futures = [eng.train(name, 1) for name in names]
+                for future in futures:
+                    future.result(timeout=600)
+                wall = time.perf_counter() - t0
+                events = eng.trace.events
+                r[key] = {
+                    "wall_s": wall,
+                    "samples_s": samples / wall,
+                    "copied_in_per_step": sum(e.bytes_moved for e in events if e.op == "copy_in")
+                    / cfg.lora_batches,
+                    "copied_back_per_step": sum(e.bytes_moved for e in events if e.op == "copy_out")
+                    / cfg.lora_batches,
+                    "peak_bytes": self._peak(),
+                    "shards": [len(eng.plan(name)) for name in names],
+                    "cuts": [[(s.start, s.stop) for s in eng.plan(nm).shards] for nm in names],
+                    "pool_bytes": eng._registry.frozen.held_bytes(),
+                }
+            weights[key] = [m.state_dict() for m in models]
+        equal, worst = True, 0.0
+        for a, b in zip(weights["shared"], weights["unshared"], strict=True):
+            for name, t in a.items():
+                if not torch.equal(t, b[name]):
+                    equal = False
+                    worst = max(worst, (t.double() - b[name].double()).abs().max().item())
+        s, u = r["shared"], r["unshared"]
+        r["bitwise_equal"] = equal
+        r["max_abs_diff"] = worst
+        r["copied_ratio"] = u["copied_in_per_step"] / max(1.0, s["copied_in_per_step"])
+        r["samples_ratio"] = s["samples_s"] / u["samples_s"]
+        r["ok"] = equal and s["copied_in_per_step"] < u["copied_in_per_step"]
+
     def disk_tier(self, spill_root: str) -> None:
         """Float32 MLPs whose states sum to 4x ``host_memory``, spilling to a folder under
         ``spill_root``, vs unlimited host memory: bitwise-equal weights, disk figures."""
@@ -590,6 +681,47 @@ class Check:
                     worst = max(worst, (t.double() - b[name].double()).abs().max().item())
         r["bitwise_equal"] = equal
         r["max_abs_diff"] = worst
+
+
+class LoRALinear(nn.Module):
+    """A frozen ``Linear`` of the base plus a trainable rank-``r`` adapter, then GELU."""
+
+    def __init__(self, base: nn.Linear, r: int) -> None:
+        super().__init__()
+        self.base = base.requires_grad_(False)
+        self.lora_a = nn.Parameter(torch.randn(r, base.in_features) / base.in_features**0.5)
+        self.lora_b = nn.Parameter(torch.randn(base.out_features, r) / r**0.5 * 0.01)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.base(x) + (x @ self.lora_a.t()) @ self.lora_b.t())
+
+
+LORA_RANKS = (4, 8, 16, 32)
+
+
+def lora_base(width: int, layers: int) -> dict[str, torch.Tensor]:
+    """The 'pretrained' base every trial loads."""
+    torch.manual_seed(0)
+    return nn.Sequential(*(nn.Linear(width, width) for _ in range(layers))).state_dict()
+
+
+def lora_trial(base: dict[str, torch.Tensor], width: int, layers: int, i: int) -> nn.Sequential:
+    """Trial ``i``: its own copy of the base, loaded, and adapters of its rank."""
+    lins = nn.Sequential(*(nn.Linear(width, width) for _ in range(layers)))
+    lins.load_state_dict(base)
+    torch.manual_seed(100 + i)
+    return nn.Sequential(*(LoRALinear(lin, LORA_RANKS[i % len(LORA_RANKS)]) for lin in lins))
+
+
+def lora_data(cfg: Config, seed: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (
+            torch.randn(cfg.lora_batch, cfg.lora_width, generator=g),
+            torch.randint(0, cfg.lora_width, (cfg.lora_batch,), generator=g),
+        )
+        for _ in range(cfg.lora_batches)
+    ]
 
 
 def disk_mlp(width: int, layers: int) -> nn.Sequential:
@@ -725,11 +857,44 @@ def table(r: dict[str, Any], errors: dict[str, str]) -> str:
                 f"exact {loops.get('exact')}; " + ("ok" if loops.get("ok") else "CHECK"),
             ),
         ]
+    rows += _shared_base_rows(r.get("shared_base", {}))
     rows += _disk_rows(r.get("disk_tier", {}))
     lines = [head, f"{'figure':<32} {'value':>10}  note"]
     lines += [f"{a:<32} {b:>10}  {c}" for a, b, c in rows]
     lines += [f"ERROR {k}: {v}" for k, v in errors.items()]
     return "\n".join(lines)
+
+
+def _shared_base_rows(d: dict[str, Any]) -> list[tuple[str, str, str]]:
+    """The shared-base part's rows of the table."""
+    if "shared" not in d or "unshared" not in d:
+        return [("shared base", "n/a", "see ERROR")] if d else []
+    s, u = d["shared"], d["unshared"]
+    mib = 2**20
+    return [
+        (
+            "shared base copied in MiB/step",
+            _fmt(s["copied_in_per_step"] / mib),
+            f"not shared {_fmt(u['copied_in_per_step'] / mib)} ({_fmt(d['copied_ratio'])}x); "
+            f"{d['trials']} trials, base {_fmt(d['base_bytes'] / mib)} MiB",
+        ),
+        (
+            "shared base samples/s",
+            _fmt(s["samples_s"]),
+            f"not shared {_fmt(u['samples_s'])} ({_fmt(d['samples_ratio'])}x)",
+        ),
+        (
+            "shared base peak MiB",
+            _fmt(s["peak_bytes"] / mib),
+            f"not shared {_fmt(u['peak_bytes'] / mib)}; budget "
+            f"{_fmt(d['device_memory'] / mib)} MiB",
+        ),
+        (
+            "shared base weights vs unshared",
+            "bitwise" if d.get("bitwise_equal") else _fmt(d.get("max_abs_diff"), ".2e"),
+            "ok" if d.get("ok") else "CHECK (equal weights, fewer bytes copied)",
+        ),
+    ]
 
 
 def _disk_rows(d: dict[str, Any]) -> list[tuple[str, str, str]]:
@@ -791,6 +956,12 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="with --tiny: run the disk-tier part on the CPU too (copy_on_cpu)",
     )
+    parser.add_argument(
+        "--only",
+        action="append",
+        default=None,
+        help="run only this part (repeatable), as named in the log, e.g. 'shared base'",
+    )
     args = parser.parse_args(argv)
     cfg = copy.copy(TINY if args.tiny else Config())
     for name in ("layers", "batch", "seq", "budget_frac"):
@@ -802,13 +973,21 @@ def main(argv: list[str] | None = None) -> int:
     if cfg.tiny:
         torch.set_num_threads(1)  # steadier on small shared CPU machines
     check = Check(cfg)
-    check.guarded("spilled vs resident", check.spilled_vs_resident)
-    check.guarded("accelerate", check.accelerate)
-    check.guarded("multitask", check.multitask)
-    check.guarded("kept vs recompute", check.kept_vs_recompute)
-    check.guarded("parity", check.parity)
-    check.guarded("shard loops", check.shard_loops)
-    if check.gpu or args.disk_on_cpu:
+    parts: list[tuple[str, Callable[[], None]]] = [
+        ("spilled vs resident", check.spilled_vs_resident),
+        ("accelerate", check.accelerate),
+        ("multitask", check.multitask),
+        ("kept vs recompute", check.kept_vs_recompute),
+        ("parity", check.parity),
+        ("shard loops", check.shard_loops),
+        ("shared base", check.shared_base),
+    ]
+    for name, fn in parts:
+        if args.only is None or name in args.only:
+            check.guarded(name, fn)
+    if args.only is not None and "disk tier" not in args.only:
+        pass
+    elif check.gpu or args.disk_on_cpu:
         spill_root = args.spill_dir or os.getcwd()
         check.guarded("disk tier", lambda: check.disk_tier(spill_root))
     else:
