@@ -227,3 +227,20 @@ def test_a_preferred_cut_is_taken_only_where_it_fits() -> None:
     # The first cut that fits, of several (the whole model fits this budget too).
     got = plan_shards(costs, budget, prefer=[*bad, one_each, whole])
     assert [(s.start, s.stop) for s in got.shards] == one_each
+
+
+def test_a_preferred_cut_must_fit_a_kept_batch_where_graphs_are_kept() -> None:
+    costs = _costs()
+    cut = [(0, 2), (2, len(costs))]
+    for budget in range(30_000, 80_000, 500):  # peak fits, a kept batch does not
+        own = plan_shards(costs, budget)
+        got = plan_shards(costs, budget, prefer=[cut])
+        spans = [(s.start, s.stop) for s in got.shards]
+        if spans == cut and got.kept_peak_bytes() > budget >= own.kept_peak_bytes():
+            break
+    else:
+        pytest.fail("no budget where the cut fits but not a kept batch")
+    assert plan_shards(costs, budget, prefer=[cut], kept=True).shards == own.shards
+    roomy = got.kept_peak_bytes()
+    kept = plan_shards(costs, roomy, prefer=[cut], kept=True)
+    assert [(s.start, s.stop) for s in kept.shards] == cut

@@ -874,6 +874,7 @@ def build_loop(
         max_layers_per_shard=engine.max_layers_per_shard,
         # Where a loop sharing its frozen base was cut (LoRA trials of one search), if it fits.
         prefer=engine.shared_cuts(model, [c.name for c in costs]),
+        kept=not engine.recompute and engine.keeps_graphs,
     )
     keep = keeps_graphs(engine, plan)
     modules = [nn.Sequential(*(m for _, m in layers[s.start : s.stop])) for s in plan.shards]

@@ -517,6 +517,7 @@ def plan_shards(
     prefetch: bool = True,
     max_layers_per_shard: int | None = None,
     prefer: Sequence[Sequence[tuple[int, int]]] = (),
+    kept: bool = False,
 ) -> ShardPlan:
     """Cut layers into the fewest contiguous shards that fit ``budget``.
 
@@ -532,6 +533,9 @@ def plan_shards(
             the layers and whose every shard fits (the cuts of tasks sharing this one's
             frozen tensors: shard k of both then uses the same ones); if none does, the
             fewest shards.
+        kept: a preferred cut must also fit one batch with every shard's activations
+            kept (``ShardPlan.kept_peak_bytes``: an engine keeping graphs), so that it
+            is not refused, or made to recompute, where its own cut would not be.
 
     Raises:
         ShardTooLargeError: one layer alone does not fit.
@@ -552,7 +556,7 @@ def plan_shards(
                     + ")"
                 )
                 raise ShardTooLargeError(c.name, need, budget, detail)
-    fitting = (c for c in prefer if _fits(c, costs, budget, prefetch, max_layers_per_shard))
+    fitting = (c for c in prefer if _fits(c, costs, budget, prefetch, max_layers_per_shard, kept))
     cut = next(fitting, None)
     if cut is not None:
         spans = list(cut)
@@ -605,9 +609,11 @@ def _fits(
     budget: int | None,
     prefetch: bool,
     max_layers: int | None,
+    kept: bool = False,
 ) -> bool:
     """Whether ``spans`` cut ``costs`` into contiguous shards that each fit ``budget``
-    (as :func:`plan_shards` counts them) and ``max_layers``."""
+    (as :func:`plan_shards` counts them) and ``max_layers``; ``kept``: and one batch
+    with every shard's activations kept fits too."""
     if not spans or spans[0][0] != 0 or spans[-1][1] != len(costs):
         return False
     if any(a >= b for a, b in spans) or any(b != c for (_, b), (c, _) in itertools.pairwise(spans)):
@@ -619,6 +625,10 @@ def _fits(
     states = [sum(c.state_bytes for c in costs[a:b]) for a, b in spans]
     totals = [sum(c.total_bytes for c in costs[a:b]) for a, b in spans]
     room = max(states) if prefetch and len(spans) > 1 else 0
+    if kept:
+        acts = sum(t - s for t, s in zip(totals, states, strict=True))
+        if acts + max(states) + room > budget:
+            return False
     return all(t + room <= budget for t in totals)
 
 

@@ -157,6 +157,7 @@ class TaskRegistry:
             prefetch=self._options.prefetch,
             max_layers_per_shard=self._options.max_layers_per_shard,
             prefer=self.shared_cuts(task.model, [c.name for c in costs]),  # type: ignore[arg-type]
+            kept=self._kept.active,
         )
         # Digested and matched here, outside the engine's lock (it reads every frozen byte).
         prepared = self.frozen.prepare(name, task.model)  # type: ignore[arg-type]
