@@ -3,7 +3,8 @@ Optuna objective, a Ray function trainable) loads the base with ``from_pretraine
 wraps it with ``peft.get_peft_model`` and adds the ``th.shard`` line. The loops share the
 base's frozen tensors through the engine's frozen pool (one host copy, counted once), and
 each still trains bit for bit as plain PyTorch on its own copy of the base (float64, 2
-emulated copying devices, recomputing or keeping graphs). What the user reads and writes
+emulated copying devices, recomputing or keeping graphs; a tiny Llama, and a GPT-2 whose
+frozen input embedding is its lm_head, used by the first and the last shard). What the user reads and writes
 (``state_dict``, ``load_state_dict``, ``th.unshard``) is their model's own, as in plain
 PyTorch, while other loops still share the tensors."""
 
@@ -36,23 +37,33 @@ def _one_thread(one_torch_thread: None) -> None:
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A tiny random Llama saved as a user's pretrained checkpoint."""
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config(KIND))
-    out = tmp_path_factory.mktemp("base")
-    model.save_pretrained(out)
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny random Llama and GPT-2 (tied lm_head, dropout in the base) saved as a
+    user's pretrained checkpoints."""
+    out = {}
+    for kind in ("llama", "gpt2"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config(kind))
+        out[kind] = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(out[kind])
     return out
 
 
-def trial(folder: Path, i: int) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, Any]:
+@pytest.fixture(scope="module")
+def folder(folders: dict[str, Path]) -> Path:
+    return folders[KIND]
+
+
+def trial(
+    folder: Path, i: int, kind: str = KIND
+) -> tuple[nn.Module, torch.optim.Optimizer, nn.Module, Any]:
     """Trial ``i``'s model and optimizer as its objective builds them, and the same on a
     deepcopy (its own copy of the base) for the plain run."""
-    spec = dict(TRIALS[KIND][i])
+    spec = dict(TRIALS[kind][i])
     lr = spec.pop("lr")
     base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
     torch.manual_seed(i)  # the adapters' initial weights
-    model = peft.get_peft_model(base, lora_config(KIND, dropout=0.1 * (i % 2), **spec))
+    model = peft.get_peft_model(base, lora_config(kind, dropout=0.1 * (i % 2), **spec))
     ref = copy.deepcopy(model)
 
     def adamw(m: nn.Module) -> torch.optim.Optimizer:
@@ -161,13 +172,15 @@ def base_bytes(folder: Path) -> int:
 
 
 @pytest.mark.parametrize("recompute", [True, False], ids=["recompute", "kept"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
 def test_lora_loops_share_one_base_and_train_as_alone(
-    recompute: bool, folder: Path, tmp_path: Path
+    kind: str, recompute: bool, folders: dict[str, Path], tmp_path: Path
 ) -> None:
+    folder = folders[kind]
     B = base_bytes(folder)
     held: dict[bool, int] = {}
     for share in (True, False):
-        trials = [trial(folder, i) for i in range(4)]
+        trials = [trial(folder, i, kind) for i in range(4)]
         with engine(tmp_path / str(share), recompute=recompute, share_frozen=share) as eng:
             results = run_loops(eng, [(m, o) for m, o, _, _ in trials])
             pool = eng._registry.frozen
