@@ -4,9 +4,10 @@ wraps it with ``peft.get_peft_model`` and adds the ``th.shard`` line. The loops 
 base's frozen tensors through the engine's frozen pool (one host copy, counted once), and
 each still trains bit for bit as plain PyTorch on its own copy of the base (float64, 2
 emulated copying devices, recomputing or keeping graphs; a tiny Llama, and a GPT-2 whose
-frozen input embedding is its lm_head, used by the first and the last shard). What the user reads and writes
-(``state_dict``, ``load_state_dict``, ``th.unshard``) is their model's own, as in plain
-PyTorch, while other loops still share the tensors."""
+frozen input embedding is its lm_head, used by the first and the last shard; with and
+without the disk tier). What the user reads and writes (``state_dict``,
+``load_state_dict``, ``th.unshard``) is their model's own, as in plain PyTorch, while
+other loops still share the tensors."""
 
 from __future__ import annotations
 
@@ -372,3 +373,33 @@ def test_loops_sharing_a_base_are_cut_where_the_first_was_if_it_fits() -> None:
         for i, (name, ref) in enumerate(refs.items()):
             assert results[name] == fit(ref, opt(ref), i), name
             assert_same(loops[name][0], ref)
+
+
+def test_lora_loops_with_the_disk_tier_share_the_base_and_train_as_alone(
+    folder: Path, tmp_path: Path
+) -> None:
+    """A host budget below the trials' states: their own states go to disk and back, the
+    shared base stays in host memory (never spilled), each loop exact as plain."""
+    trials = [trial(folder, i) for i in range(3)]
+    own = sum(
+        p.numel() * p.element_size()
+        for m, _, _, _ in trials
+        for p in nn.Module.parameters(m)
+        if p.requires_grad
+    )
+    B = base_bytes(folder)
+    with th.Engine(
+        devices=["cpu", "cpu"],
+        copy_on_cpu=True,
+        max_layers_per_shard=2,
+        host_memory=B + own * 2,  # adapters, gradients and AdamW: 4x own, and activations
+        spill_dir=tmp_path,
+    ) as eng:
+        results = run_loops(eng, [(m, o) for m, o, _, _ in trials])
+        host = eng.summary()["host"]
+        assert eng._registry.frozen.held_bytes() == B
+        for i, (model, _, ref, ref_opt) in enumerate(trials):
+            assert not isinstance(results[i], BaseException), results[i]
+            assert results[i] == plain(ref, ref_opt, i), i
+            assert_same(model, ref)
+    assert host["written_bytes"] > 0 and host["read_bytes"] > 0

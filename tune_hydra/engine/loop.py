@@ -899,7 +899,15 @@ def build_loop(
         optimizers.append(opt)
         maps.append(gmap)
     pin = any(d.type == "cuda" for d in engine.devices)
-    stores = shared.stores(optimizers, pin=pin, task=name)
+    host = engine.host
+
+    def spill(key: tuple[str, int]) -> dict[str, Any]:
+        # With a host budget, the disk tier below it (as a ModelTask's stores have).
+        if not host.active or host.folder is None:
+            return {}
+        return {"host": host, "spill_file": host.folder.file(key)}
+
+    stores = shared.stores(optimizers, pin=pin, task=name, spill=spill)
     shards = []
     for spec, module, opt, gmap in zip(plan.shards, modules, optimizers, maps, strict=True):
         own = ShardStore(
@@ -909,6 +917,7 @@ def build_loop(
             name=(name, spec.index),
             footprint=(spec.state_bytes, spec.activation_bytes),
             params=shared.own(module),
+            **spill((name, spec.index)),
         )
         links = [stores[k] for k in shared.groups_of(spec.index)]
         shards.append(
