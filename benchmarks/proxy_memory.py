@@ -133,7 +133,7 @@ def main() -> None:
         with th.HydraExecutor(devices="cpu", slots_per_node=args.trials) as ex:
             pid = ray.get(next(iter(ex.engines().values())).start.remote())["pid"]
             for run in range(args.runs):
-                with Sampler("ResourceTrainable") as sampler:
+                with Sampler("Hydra_") as sampler:  # the proxy classes are Hydra_<name>
                     th.run(
                         proxy_trials.closure_factory(args.closure_mb),
                         config={"lr": tune.uniform(0.01, 0.1)},

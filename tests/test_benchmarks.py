@@ -152,7 +152,7 @@ def test_loops_quick() -> None:
         "loops throughput / factories' (recompute)",
         "loops throughput / factories' (kept graphs)",
         "keeping activations:",
-        "us per op",
+        "us/op",
     ):
         assert text in out
     assert "same weights: NO" not in out  # loops and factories are both exact to plain
