@@ -44,19 +44,14 @@ from tune_hydra.frontends.ray.errors import (
 )
 from tune_hydra.frontends.ray.factories import BoundFactory as BoundFactory  # its old home
 from tune_hydra.frontends.ray.factories import FactoryCache, closure
+from tune_hydra.frontends.ray.names import engine_actor_name as engine_actor_name
 from tune_hydra.options import EngineOptions
 
-ENGINE_ACTOR_PREFIX = "tune_hydra_engine"
 CONTROL_GROUP = "control"
 DEFAULT_ENGINE_CLASS = "tune_hydra.engine:Engine"
 DEFAULT_FACTORY_TIMEOUT_S = 600.0
 """How long a task factory may take by default (``HydraExecutor(factory_timeout_s=...)``)."""
 _NO_HINT: Any = object()  # no milestone announced for a trial (None means: none left)
-
-
-def engine_actor_name(run_id: str, node_id: str) -> str:
-    """The Ray name of the engine actor of executor ``run_id`` on node ``node_id``."""
-    return f"{ENGINE_ACTOR_PREFIX}:{run_id}:{node_id}"
 
 
 def _ray_object(obj: Any) -> bool:

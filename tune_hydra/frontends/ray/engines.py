@@ -21,8 +21,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from tune_hydra.core.policies import AUTO, BasePolicy, resolve_policy
 from tune_hydra.exceptions import TuneHydraError
-from tune_hydra.frontends.ray.actor import CONTROL_GROUP, EngineActor, engine_actor_name
+from tune_hydra.frontends.ray.actor import CONTROL_GROUP, EngineActor
 from tune_hydra.frontends.ray.errors import EngineStartError
+from tune_hydra.frontends.ray.names import engine_actor_name
 from tune_hydra.options import EngineOptions, check_positive_int, check_seconds
 
 logger = logging.getLogger(__name__)

@@ -38,13 +38,13 @@ from tune_hydra.frontends.checkpoint import (
     not_a_folder,
 )
 from tune_hydra.frontends.common import REPORTED, declare_metric, task_reports, trial_result
-from tune_hydra.frontends.ray.actor import engine_actor_name
 from tune_hydra.frontends.ray.errors import (
     EngineUnavailableError,
     engine_lost,
     no_slot,
 )
 from tune_hydra.frontends.ray.factories import FactoryStore, closure
+from tune_hydra.frontends.ray.names import engine_actor_name
 
 logger = logging.getLogger(__name__)
 
