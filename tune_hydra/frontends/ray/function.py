@@ -66,7 +66,7 @@ from tune_hydra.frontends.ray.errors import (
     TrialFunctionError,
 )
 from tune_hydra.frontends.ray.factories import FactoryStore
-from tune_hydra.frontends.ray.trainable import EngineClient, with_parameters_refs
+from tune_hydra.frontends.ray.trainable import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -484,16 +484,7 @@ class HydraFunctionTrainable(EngineClient, FunctionTrainable):
     ``tune.with_parameters`` around this class.
     """
 
-    _param_refs: ClassVar[dict[str, Any]] = {}
     _required_metrics: ClassVar[tuple[str, ...]] = ()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        refs = with_parameters_refs(cls)
-        if refs is not None:
-            # tune.with_parameters(ex.trainable(fn), data=...): the engine fetches them.
-            cls._param_refs = {**cls._param_refs, **refs}
-            cls.setup = HydraFunctionTrainable.setup  # type: ignore[method-assign]
 
     @classmethod
     def for_function(

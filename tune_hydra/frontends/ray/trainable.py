@@ -106,19 +106,35 @@ class EngineClient:
     :mod:`tune_hydra.frontends.ray.function`).
 
     Class attributes (set on the subclass): ``_factory_id``, ``_run_id``, ``_secret``,
-    ``_slot_resource`` (see :class:`HydraTrainable`). Instances have ``_actor`` (None
-    until the first call) and ``_slot_checked``, and are Tune trainables
-    (``trial_id``, ``trial_resources``).
+    ``_slot_resource`` (see :class:`HydraTrainable`), ``_param_refs`` (the references
+    of ``tune.with_parameters`` around the class, set here when Tune subclasses it).
+    Instances have ``_actor`` (None until the first call) and ``_slot_checked``, and are
+    Tune trainables (``trial_id``, ``trial_resources``).
     """
 
     _factory_id: ClassVar[str] = ""
     _run_id: ClassVar[str] = ""
     _secret: ClassVar[str] = ""
     _slot_resource: ClassVar[str] = ""
+    _param_refs: ClassVar[dict[str, Any]] = {}
     _actor: Any = None
     _slot_checked: bool = False
     trial_id: str
     trial_resources: Any
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        refs = with_parameters_refs(cls)
+        if refs is None:
+            return
+        # tune.with_parameters(executor.trainable(...), data=...): keep the references
+        # (the engine fetches them once) instead of letting Tune's setup fetch the data
+        # into every trial process, and give the class back the proxy's own setup: that
+        # of the proxy class deriving from this mixin (HydraTrainable,
+        # HydraFunctionTrainable), which keeps the references in ``_params``.
+        proxy = next(c for c in cls.__mro__ if EngineClient in c.__bases__)
+        cls._param_refs = {**cls._param_refs, **refs}
+        cls.setup = proxy.__dict__["setup"]  # type: ignore[attr-defined]
 
     def _engine(self) -> Any:
         if self._actor is None:
@@ -240,18 +256,7 @@ class HydraTrainable(EngineClient, tune.Trainable):
     _secret: ClassVar[str] = ""
     _slot_resource: ClassVar[str] = ""
     _checkpoint: ClassVar[str | None] = None
-    _param_refs: ClassVar[dict[str, Any]] = {}
     _required_metrics: ClassVar[tuple[str, ...]] = ()
-
-    def __init_subclass__(cls, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        refs = with_parameters_refs(cls)
-        if refs is not None:
-            # tune.with_parameters(executor.trainable(make_task), data=...): keep the
-            # references (the engine fetches them once) instead of letting Tune's setup
-            # fetch the data into every trial process.
-            cls._param_refs = {**cls._param_refs, **refs}
-            cls.setup = HydraTrainable.setup  # type: ignore[method-assign]
 
     @classmethod
     def for_factory(
