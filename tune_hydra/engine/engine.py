@@ -442,7 +442,16 @@ class Engine:
             LeaseTimeoutError: no room within ``timeout``.
             LeaseEndedError: the engine is closed (or closes while it waits).
         """
-        return acquire_lease(self, task, shard, device, timeout=timeout)
+        return acquire_lease(
+            task,
+            shard,
+            device,
+            timeout=timeout,
+            workers=self.workers,
+            host=self.host,
+            lock=self._cv,
+            lookup=self._leasable,
+        )
 
     def summary(self) -> dict[str, Any]:
         """Per-device busy time and utilization, bytes moved, per-task figures, and host
@@ -489,19 +498,20 @@ class Engine:
         self._dispatcher.release_all()
         self.host.close()
 
-    # -- internals (also what engine/lease.py reads) ------------------------------------------
+    # -- internals ------------------------------------------------------------------------------
 
     @property
     def _tasks(self) -> dict[str, TaskRecord]:
         """The registry's ``name -> TaskRecord`` map (read it under ``_cv``)."""
         return self._registry.tasks
 
-    @property
-    def _closed(self) -> bool:
-        return self._dispatcher.closed
-
     def _entry(self, name: str) -> TaskRecord:
         return self._registry.entry(name)
+
+    def _leasable(self, name: str) -> TaskRecord | None:
+        """Task ``name``'s record for :meth:`acquire` (under ``_cv``); ``None`` once the
+        engine is closed."""
+        return None if self._dispatcher.closed else self._entry(name)
 
 
 def _device_budget(device: torch.device, budget: int | None) -> int | None:

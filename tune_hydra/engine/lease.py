@@ -44,8 +44,8 @@ from __future__ import annotations
 import math
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -62,8 +62,8 @@ from tune_hydra.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from tune_hydra.engine.engine import Engine
     from tune_hydra.engine.host import HostMemory
+    from tune_hydra.engine.records import TaskRecord
     from tune_hydra.engine.workers import DeviceWorker
 
 _POLL_S = 0.2  # a wait for a claim wakes up this often to notice a close
@@ -308,14 +308,29 @@ class Lease:
 
 
 def acquire(
-    engine: Engine,
     task: str,
     shard: int,
     device: int | str | torch.device,
     *,
     timeout: float | None = None,
+    workers: Sequence[DeviceWorker],
+    host: HostMemory,
+    lock: AbstractContextManager[Any],
+    lookup: Callable[[str], TaskRecord | None],
 ) -> Lease:
-    """Lease shard ``shard`` of ``task`` on ``device`` (see ``Engine.acquire``)."""
+    """Lease shard ``shard`` of ``task`` on ``device`` (see ``Engine.acquire``).
+
+    Args:
+        task: the task's name.
+        shard: the shard's index.
+        device: the device's index, its label, or a device only one worker has.
+        timeout: seconds to wait for room and for the claim; ``None``: no limit.
+        workers: the engine's device workers.
+        host: the engine's host memory manager.
+        lock: the engine's lock, held while the task's record is read.
+        lookup: the task's record, called under ``lock`` (raises for an unknown task);
+            ``None`` once the engine is closed.
+    """
     if timeout is not None and (
         isinstance(timeout, bool)
         or not isinstance(timeout, (int, float))
@@ -328,11 +343,11 @@ def acquire(
             "a number of seconds >= 0, or None (wait as long as needed)",
             "Engine.acquire",
         )
-    worker = _worker(engine, device)
-    with engine._cv:
-        if engine._closed:
+    worker = _worker(workers, device)
+    with lock:
+        entry = lookup(task)
+        if entry is None:
             raise LeaseEndedError(f"shard {shard} of task {task!r}: the engine is closed")
-        entry = engine._entry(task)
         runner = entry.runner
         n = len(runner.plan.shards)
         if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < n:
@@ -346,7 +361,7 @@ def acquire(
                 f"task {task!r} is being trained by the engine{where}: its shards cannot be "
                 f"leased until its train() futures are done; wait for them (or cancel it)"
             )
-        for w in engine.workers:
+        for w in workers:
             if w is not worker and any(le.task == task for le in w.leases()):
                 raise LeaseConflictError(
                     f"task {task!r} has a shard leased on device {w.label}; all leases held "
@@ -357,8 +372,8 @@ def acquire(
     deadline = None if timeout is None else time.monotonic() + timeout
     # A device computing in host memory uses the host tensors themselves: busy with the
     # disk tier for the lease's life (a copying device computes on its own copies).
-    host = engine.host if engine.host.active and not worker.copy else None
-    lease = worker.lease(store, deadline=deadline, host=host)
+    in_place = host if host.active and not worker.copy else None
+    lease = worker.lease(store, deadline=deadline, host=in_place)
     assert lease is not None  # a blocking lease is taken, or raises
     if lease.event is not None:  # the caller computes on its stream: after the copy-in
         torch.cuda.current_stream(worker.device).wait_event(lease.event)
@@ -366,7 +381,7 @@ def acquire(
     return lease
 
 
-def _worker(engine: Engine, device: Any) -> DeviceWorker:
+def _worker(workers: Sequence[DeviceWorker], device: Any) -> DeviceWorker:
     """The worker of ``device``: its index, its label (``"cpu#1"``) or a device that only
     one worker has.
 
@@ -374,7 +389,6 @@ def _worker(engine: Engine, device: Any) -> DeviceWorker:
         UnknownDeviceError: no such device, or several (emulated CPU devices: use the
             index or the label).
     """
-    workers = engine.workers
     labels = ", ".join(f"{i} ({w.label})" for i, w in enumerate(workers))
     if isinstance(device, int) and not isinstance(device, bool):
         if 0 <= device < len(workers):
