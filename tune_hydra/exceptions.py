@@ -268,6 +268,11 @@ class FrozenTensorModifiedError(TuneHydraError, RuntimeError):
         return (type(self), (self.task, self.tensor, self.what, self.others))
 
 
+class NotBatchableError(TuneHydraError, ValueError):
+    """Several trials' ops on one shared shard cannot run as one batched pass
+    (``tune_hydra.engine.batched``): the message says why; run them one after another."""
+
+
 class _Shown(str):
     """A value's ``repr`` standing in for the value once an error is pickled (the value
     itself may not pickle: a lambda given as a seed)."""

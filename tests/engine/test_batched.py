@@ -1,0 +1,304 @@
+"""One pass of a shared frozen shard for several LoRA trials (tune_hydra.engine.batched):
+outputs, input gradients and adapter gradients equal each trial's shard run alone
+(float64, within 1e-12 relative), and what is not batchable is refused with a reason."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tune_hydra.engine.batched import BatchedShard, why_not_batchable
+from tune_hydra.engine.boundary import backward, detach, grads_of
+from tune_hydra.engine.factory import use_generator
+from tune_hydra.engine.frozen import canonical_name
+from tune_hydra.exceptions import NotBatchableError
+
+peft = pytest.importorskip("peft", reason="peft is not installed: pip install 'tune_hydra[lora]'")
+transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+
+from tune_hydra.models import peft_layers  # noqa: E402
+
+VOCAB = 40
+TOL = 1e-12
+SIZES = [3, 2, 4, 3]  # each trial's batch size
+
+LLAMA_ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# Four trials per base: rank, alpha, target modules and adapter dropout differ.
+TRIALS: dict[str, list[dict[str, Any]]] = {
+    "llama": [
+        {"r": 2, "lora_alpha": 4, "target_modules": ["q_proj", "v_proj"]},
+        {"r": 4, "lora_alpha": 4, "target_modules": ["k_proj", "o_proj"], "lora_dropout": 0.1},
+        {"r": 8, "lora_alpha": 32, "target_modules": ["up_proj", "down_proj"]},
+        {
+            "r": 3,
+            "lora_alpha": 6,
+            "target_modules": [*LLAMA_ALL, "embed_tokens"],
+            "lora_dropout": 0.2,
+        },
+    ],
+    "gpt2": [
+        {"r": 2, "lora_alpha": 4, "target_modules": ["c_attn"]},
+        {"r": 4, "lora_alpha": 8, "target_modules": ["c_proj"], "lora_dropout": 0.1},
+        {"r": 8, "lora_alpha": 16, "target_modules": ["c_fc"]},
+        {"r": 3, "lora_alpha": 3, "target_modules": ["c_attn", "c_fc"], "lora_dropout": 0.2},
+    ],
+}
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def config(kind: str, dropout: float = 0.0) -> Any:
+    if kind == "llama":
+        return transformers.LlamaConfig(
+            num_hidden_layers=3,
+            hidden_size=16,
+            intermediate_size=32,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=VOCAB,
+            max_position_embeddings=16,
+            attention_dropout=dropout,
+        )
+    return transformers.GPT2Config(
+        n_layer=3,
+        n_embd=16,
+        n_head=2,
+        vocab_size=VOCAB,
+        n_positions=16,
+        bos_token_id=1,
+        eos_token_id=1,
+        resid_pdrop=dropout,
+        embd_pdrop=dropout,
+        attn_pdrop=dropout,
+    )
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A tiny random base per kind, saved as a user's pretrained checkpoint."""
+    out = {}
+    for kind in ("llama", "gpt2"):
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config(kind))
+        out[kind] = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(out[kind])
+    return out
+
+
+def trials(kind: str, folder: Path, share: bool = True) -> list[nn.Module]:
+    """The four trials as users build them: load the base, wrap it; their frozen tensors
+    then shared as the engine's frozen pool shares them (``share``)."""
+    models = []
+    for i, spec in enumerate(TRIALS[kind]):
+        base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+        torch.manual_seed(i)
+        extra = {"fan_in_fan_out": True} if kind == "gpt2" else {}
+        lora = peft.LoraConfig(task_type="CAUSAL_LM", **{"lora_dropout": 0.0, **spec}, **extra)
+        model = peft.get_peft_model(base, lora)
+        for p in model.parameters():
+            if p.requires_grad:  # non-zero B: the adapters' gradients reach their inputs
+                with torch.no_grad():
+                    p.normal_(0, 0.3)
+        models.append(model.train())  # as training does
+    if share:
+        pool = {canonical_name(n): p.data for n, p in models[0].named_parameters()}
+        for m in models[1:]:
+            for n, p in m.named_parameters():
+                if not p.requires_grad:
+                    p.data = pool[canonical_name(n)]
+    return models
+
+
+def shards(model: nn.Module) -> list[nn.Sequential]:
+    """The model cut as the engine cuts it: [embed, block 0], [blocks 1, 2], [head]."""
+    stages = [m for _, m in peft_layers(model)]
+    return [nn.Sequential(*stages[:2]), nn.Sequential(*stages[2:4]), nn.Sequential(stages[4])]
+
+
+def batch(seed: int, size: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(1, VOCAB, (size, 7), generator=g)
+    mask = torch.ones(size, 7, dtype=torch.long)
+    mask[1, 5:] = 0  # right padding: every trial's block gets a mask tensor
+    labels = ids.clone()
+    labels[mask == 0] = -100
+    return {"input_ids": ids, "attention_mask": mask, "labels": labels}
+
+
+def grads_like(out: Any, seed: int) -> Any:
+    """Random gradients for every floating tensor of ``out``, None elsewhere."""
+    g = torch.Generator().manual_seed(seed)
+
+    def f(t: Any) -> Any:
+        if isinstance(t, torch.Tensor) and t.is_floating_point():
+            return torch.randn(t.shape, dtype=t.dtype, generator=g)
+        return None
+
+    return tree_map(f, out)
+
+
+def adapter_grads(module: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for n, p in module.named_parameters():
+        if p.requires_grad and p.grad is not None:
+            out[n] = p.grad.clone()
+            p.grad = None
+    return out
+
+
+def tensors(obj: Any) -> list[torch.Tensor | None]:
+    return [t if isinstance(t, torch.Tensor) or t is None else None for t in tree_flatten(obj)[0]]
+
+
+def compare(got: Any, want: Any, worst: list[float]) -> None:
+    """Assert equal tensors within TOL relative (norm-wise); track the worst error."""
+    a, b = tensors(got), tensors(want)
+    assert len(a) == len(b)
+    for x, y in zip(a, b, strict=True):
+        assert (x is None) == (y is None)
+        if x is None or y is None:
+            continue
+        assert x.shape == y.shape and x.dtype == y.dtype
+        if not x.is_floating_point():
+            assert torch.equal(x, y)
+            continue
+        scale = y.abs().max().item()
+        err = (x - y).abs().max().item() / (scale if scale > 0 else 1.0)
+        worst.append(err)
+        assert err <= TOL, err
+
+
+def gen(i: int) -> torch.Generator:
+    return torch.Generator().manual_seed(50 + i)
+
+
+def alone(module: nn.Module, x: Any, grad: Any, i: int) -> tuple[Any, Any, dict[str, Any]]:
+    """Trial ``i``'s shard run alone: forward, backward; outputs, input and adapter grads."""
+    inp = detach(x, requires_grad=True)
+    with use_generator(gen(i)):
+        out = module(inp)
+    backward(out, grad)
+    return detach(out, False), grads_of(inp), adapter_grads(module)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["graph", "recompute"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_batched_equals_each_trial_alone(
+    kind: str, recompute: bool, saved: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    models = trials(kind, saved[kind])
+    cut = [shards(m) for m in models]
+    worst: list[float] = []
+    inputs: list[Any] = [batch(10 + i, b) for i, b in enumerate(SIZES)]
+    for k in range(2):  # the embed shard (a batch dict in), then two blocks
+        mods = [c[k] for c in cut]
+        want = []
+        for i, m in enumerate(mods):
+            with torch.no_grad():
+                out = m(detach(inputs[i], False))  # only for the gradients' shapes
+            grad = grads_like(out, 90 + i)
+            want.append((*alone(m, inputs[i], grad, i), grad))
+        shard = BatchedShard(mods)
+        assert shard.draws == [t.get("lora_dropout", 0) > 0 for t in TRIALS[kind]]
+        leaves = [detach(x, requires_grad=True) for x in inputs]
+        gens = [gen(i) for i in range(4)]
+        if recompute:  # a no-grad forward, then the backward's re-run on replayed streams
+            states = [g.get_state() for g in gens]
+            with torch.no_grad():
+                first = shard.forward(leaves, gens)
+            for g, s in zip(gens, states, strict=True):
+                g.set_state(s)
+        run = shard.forward(leaves, gens)
+        BatchedShard.backward(run, [w[3] for w in want])
+        for i, (out, in_grad, grads, _) in enumerate(want):
+            compare(run.outputs[i], out, worst)
+            if recompute:
+                compare(first.outputs[i], out, worst)
+            compare(grads_of(leaves[i]), in_grad, worst)
+            mine = adapter_grads(mods[i])
+            assert mine.keys() == grads.keys() and mine  # every trial's adapters got grads
+            for n in grads:
+                compare(mine[n], grads[n], worst)
+        inputs = [w[0] for w in want]  # the next shard's inputs, as each trial's alone
+    exact = max(worst) == 0.0
+    with capsys.disabled():
+        print(f"\n{kind} batched vs alone: {'exact' if exact else f'max rel {max(worst):.2e}'}")
+
+
+def test_eval_mode_and_dropout_in_the_base(saved: dict[str, Path], tmp_path: Path) -> None:
+    """A base with dropout is refused in training mode (one pass would draw other
+    numbers), and batched in eval mode, where it draws none."""
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config("gpt2", dropout=0.1))
+    model.save_pretrained(tmp_path)
+    mods = [shards(m)[1] for m in trials("gpt2", tmp_path)]
+    with pytest.raises(NotBatchableError, match="active dropout"):
+        BatchedShard(mods)
+    for m in mods:
+        m.eval()
+    assert why_not_batchable(mods) is None
+    x = [
+        detach(s[0](batch(i, b)), False)
+        for i, (s, b) in enumerate(
+            zip([shards(m)[0] for m in trials("gpt2", tmp_path)], SIZES, strict=True)
+        )
+    ]
+    with torch.no_grad():
+        got = BatchedShard(mods).forward(x).outputs
+        want = [m(xi) for m, xi in zip(mods, x, strict=True)]
+    worst: list[float] = []
+    for g, w in zip(got, want, strict=True):
+        compare(g, w, worst)
+
+
+def test_llama_attention_dropout_refused(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config("llama", 0.1)).save_pretrained(tmp_path)
+    mods = [shards(m)[1] for m in trials("llama", tmp_path)]
+    with pytest.raises(NotBatchableError, match=r"attention_dropout=0\.1"):
+        BatchedShard(mods)
+
+
+def test_refusals(saved: dict[str, Path]) -> None:
+    # Frozen tensors not shared (each trial's own copy): not one base to run once.
+    mods = [shards(m)[1] for m in trials("llama", saved["llama"], share=False)]
+    with pytest.raises(NotBatchableError, match="is not trial 0's tensor"):
+        BatchedShard(mods)
+    models = trials("llama", saved["llama"])
+    cut = [shards(m) for m in models]
+    # The head computes the loss: never over the concatenation.
+    with pytest.raises(NotBatchableError, match="head"):
+        BatchedShard([c[2] for c in cut])
+    # Different shards of the trials.
+    with pytest.raises(NotBatchableError, match="not trial 0's apart from the adapters"):
+        BatchedShard([cut[0][0], cut[1][1]])
+    # A trial training a parameter outside its adapters.
+    other = copy.deepcopy(cut[1][1])
+    next(p for n, p in other.named_parameters() if "norm" in n).requires_grad_(True)
+    with pytest.raises(NotBatchableError, match="outside its LoRA adapters"):
+        BatchedShard([cut[0][1], other])
+    # Active adapter dropout without the trial's generator.
+    shard = BatchedShard([c[1] for c in cut])
+    x = [detach(c[0](batch(i, b)), False) for i, (c, b) in enumerate(zip(cut, SIZES, strict=True))]
+    with pytest.raises(NotBatchableError, match=r"trials \[1, 3\] have active LoRA dropout"):
+        shard.forward(x)
+    # Inputs that do not concatenate: another sequence length in one trial.
+    y = [detach(c[0](batch(i, 3)), False) for i, c in enumerate(cut)]
+    short = batch(7, 3)
+    y[2] = detach(cut[2][0]({k: v[:, :5] for k, v in short.items()}), False)
+    with pytest.raises(NotBatchableError):
+        shard.forward(y, [gen(i) for i in range(4)])
+    assert "at least 2" in (why_not_batchable([cut[0][1]]) or "")
