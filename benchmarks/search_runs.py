@@ -46,7 +46,7 @@ import os
 import shutil
 import statistics
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
@@ -57,7 +57,7 @@ from torch import nn
 
 import tune_hydra as th
 from tune_hydra.core.policies import resolve_policy
-from tune_hydra.core.trace import Trace
+from tune_hydra.core.trace import Trace, TraceEvent
 from tune_hydra.engine import Engine
 from tune_hydra.frontends.milestones import optuna_milestones, tune_milestones
 
@@ -129,34 +129,68 @@ class Figures:
     floor: float = 0.0
 
 
+@dataclasses.dataclass
+class Span:
+    """A trace's compute events and the span they cover (first op's start to last op's
+    end): what every figure is a fraction of."""
+
+    events: list[TraceEvent]
+    t0: float
+    span_s: float
+
+    @classmethod
+    def of(cls, trace: Trace) -> Span:
+        events = [e for e in trace.events if e.is_compute]
+        t0 = min(e.start for e in events)
+        return cls(events, t0, max(e.end for e in events) - t0)
+
+    def fraction(self, at: float) -> float:
+        """``at`` (on the trace's clock) as a fraction of the span."""
+        return (at - self.t0) / self.span_s
+
+    def arrived(self) -> float:
+        """When the last trial's first op started (fraction of the span)."""
+        began: dict[str, float] = {}
+        for e in self.events:
+            began[e.task] = min(began.get(e.task, math.inf), e.start)
+        return self.fraction(max(began.values()))
+
+    def batches(self) -> int:
+        """Training batches computed (each counted once, however many shards)."""
+        return len({(e.task, e.iteration, e.batch) for e in self.events if e.op == "L"})
+
+    def figures(self, ends: Iterable[float], batches: int, **rest: Any) -> Figures:
+        """The figures of a run whose trials reached the measured point (first epoch,
+        or completion) at ``ends``, having trained ``batches`` batches; ``rest``: the
+        other :class:`Figures` fields."""
+        at = sorted(ends)
+        return Figures(
+            half=self.fraction(at[len(at) // 2 - 1]),
+            last=self.fraction(at[-1]),
+            span_s=self.span_s,
+            samples_per_s=batches * BATCH / self.span_s,
+            trials=len(at),
+            **rest,
+        )
+
+
 def figures(trace: Trace, stopped: int = 0, best: float = math.nan) -> Figures:
     """First-epoch fractions and throughput from ``trace``'s compute events."""
-    events = [e for e in trace.events if e.is_compute]
     if trace.dropped:
         raise RuntimeError("the trace window dropped events: raise trace_window")
-    t0 = min(e.start for e in events)
-    t1 = max(e.end for e in events)
-    span = t1 - t0
-    first_iteration = min(e.iteration for e in events)
+    span = Span.of(trace)
+    first_iteration = min(e.iteration for e in span.events)
     first: dict[str, float] = {}
-    began: dict[str, float] = {}
-    for e in events:
-        began[e.task] = min(began.get(e.task, math.inf), e.start)
+    for e in span.events:
         if e.iteration == first_iteration:
             first[e.task] = max(first.get(e.task, 0.0), e.end)
-    ends = sorted(first.values())
-    k = len(ends)
-    batches = {(e.task, e.iteration, e.batch) for e in events if e.op == "L"}
-    return Figures(
-        half=(ends[k // 2 - 1] - t0) / span,
-        last=(ends[-1] - t0) / span,
-        span_s=span,
-        samples_per_s=len(batches) * BATCH / span,
-        trials=k,
+    return span.figures(
+        first.values(),
+        span.batches(),
         stopped=stopped,
         best=best,
-        arrived=(max(began.values()) - t0) / span,
-        floor=k / len({(e.task, e.iteration) for e in events}),
+        arrived=span.arrived(),
+        floor=len(first) / len({(e.task, e.iteration) for e in span.events}),
     )
 
 
@@ -175,7 +209,7 @@ def engine_run(policy: str, seed: int, trials: int = 16) -> Figures:
         at = m.next_after(done)
         return None if at is None or at >= EPOCHS else at - done
 
-    with Engine(DEVICES, BUDGET, chosen, copy_on_cpu=True, prefetch=True, trace_window=None) as eng:
+    with _engine(chosen) as eng:
         for i in range(trials):
             eng.add_task(f"t{i}", make_task({"lr": lr_of(seed, i)}), seed=seed)
         done = dict.fromkeys(eng.tasks(), 0)
@@ -205,6 +239,12 @@ def engine_run(policy: str, seed: int, trials: int = 16) -> Figures:
 # --- (b) th.run with ASHA --------------------------------------------------------------------
 
 
+def _engine(policy: Any) -> Engine:
+    """An engine on the emulated devices that copy as a GPU's would, keeping its whole
+    trace."""
+    return Engine(DEVICES, BUDGET, policy, copy_on_cpu=True, prefetch=True, trace_window=None)
+
+
 def _ray_init(slots: int) -> str:
     import ray
 
@@ -232,31 +272,47 @@ def _executor(policy: str) -> Any:
     return ex
 
 
+def _th_run(policy: str, trainable: Any, **options: Any) -> tuple[Any, Any]:
+    """``th.run(trainable, **options)`` for ``val_loss`` (min) and ``EPOCHS`` epochs on a
+    fresh executor, its results in a temporary folder; returns the analysis and the
+    executor (its trace)."""
+    storage = tempfile.mkdtemp(prefix="thsr-results")
+    ex = _executor(policy)
+    try:
+        analysis = th.run(
+            trainable,
+            trial_executor=ex,
+            metric="val_loss",
+            mode="min",
+            stop={"training_iteration": EPOCHS},
+            storage_path=storage,
+            verbose=0,
+            **options,
+        )
+    finally:
+        shutil.rmtree(storage, ignore_errors=True)
+    return analysis, ex
+
+
+def _best(analysis: Any) -> float:
+    """The best last ``val_loss`` of a Tune run's trials."""
+    return min((t.last_result.get("val_loss", math.inf) for t in analysis.trials), default=math.inf)
+
+
 def tune_run(policy: str, seed: int, trials: int = 16) -> Figures:
     """``th.run`` with ASHA (grace 1, rf 2, max_t 4): ``trials`` trials admitted at once."""
     from ray import tune
     from ray.tune.schedulers import ASHAScheduler
 
-    storage = tempfile.mkdtemp(prefix="thsr-results")
-    ex = _executor(policy)
-    try:
-        analysis = th.run(
-            make_indexed_task,
-            trial_executor=ex,
-            config={"i": tune.grid_search(list(range(trials))), "seed": seed},
-            scheduler=ASHAScheduler(**ASHA),
-            metric="val_loss",
-            mode="min",
-            stop={"training_iteration": EPOCHS},
-            max_concurrent_trials=trials,
-            storage_path=storage,
-            verbose=0,
-        )
-    finally:
-        shutil.rmtree(storage, ignore_errors=True)
+    analysis, ex = _th_run(
+        policy,
+        make_indexed_task,
+        config={"i": tune.grid_search(list(range(trials))), "seed": seed},
+        scheduler=ASHAScheduler(**ASHA),
+        max_concurrent_trials=trials,
+    )
     stopped = sum(1 for t in analysis.trials if t.last_result.get("training_iteration", 0) < EPOCHS)
-    best = min(t.last_result.get("val_loss", math.inf) for t in analysis.trials)
-    return figures(ex.trace(), stopped=stopped, best=best)
+    return figures(ex.trace(), stopped=stopped, best=_best(analysis))
 
 
 # --- (c) th.optimize with TPE + MedianPruner -------------------------------------------------
@@ -266,25 +322,38 @@ def _objective(trial: Any) -> th.ModelTask:
     return make_task({"lr": trial.suggest_float("lr", LR_LO, LR_HI, log=True)})
 
 
-def optuna_run(policy: str, seed: int, trials: int = 8, concurrent: int = 8) -> Figures:
-    """``th.optimize`` with ``TPESampler(seed)`` + ``MedianPruner()``."""
+def _study(seed: int) -> Any:
+    """A quiet study with ``TPESampler(seed)`` + ``MedianPruner()``."""
     import optuna
 
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
+    return optuna.create_study(
         sampler=optuna.samplers.TPESampler(seed=seed), pruner=optuna.pruners.MedianPruner()
     )
-    # As th.optimize resolves it (the engine is ours, to read its trace).
-    chosen = resolve_policy(
-        policy, search_aware=optuna_milestones(study.pruner, study.sampler).search_aware
-    )
-    with Engine(DEVICES, BUDGET, chosen, copy_on_cpu=True, prefetch=True, trace_window=None) as eng:
+
+
+def _study_engine(policy: str, study: Any) -> Engine:
+    """:func:`_engine` with ``policy`` resolved as ``th.optimize`` resolves it for
+    ``study`` (the engine is ours, to read its trace)."""
+    aware = optuna_milestones(study.pruner, study.sampler).search_aware
+    return _engine(resolve_policy(policy, search_aware=aware))
+
+
+def _pruned(study: Any) -> int:
+    import optuna
+
+    return sum(1 for t in study.trials if t.state == optuna.trial.TrialState.PRUNED)
+
+
+def optuna_run(policy: str, seed: int, trials: int = 8, concurrent: int = 8) -> Figures:
+    """``th.optimize`` with ``TPESampler(seed)`` + ``MedianPruner()``."""
+    study = _study(seed)
+    with _study_engine(policy, study) as eng:
         th.optimize(
             study, _objective, n_trials=trials, epochs=EPOCHS, max_concurrent=concurrent,
             engine=eng, seed=seed,
         )  # fmt: skip
-        pruned = sum(1 for t in study.trials if t.state == optuna.trial.TrialState.PRUNED)
-        return figures(eng.trace, stopped=pruned, best=study.best_value)
+        return figures(eng.trace, stopped=_pruned(study), best=study.best_value)
 
 
 # --- (d) th.optimize with an objective that owns its loop (th.shard) ------------------------
@@ -297,14 +366,8 @@ def objective_run(policy: str, seed: int, trials: int = 8, concurrent: int = 8) 
     ends at its first ``trial.report`` (read on the engine's clock)."""
     import optuna
 
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        sampler=optuna.samplers.TPESampler(seed=seed), pruner=optuna.pruners.MedianPruner()
-    )
-    chosen = resolve_policy(
-        policy, search_aware=optuna_milestones(study.pruner, study.sampler).search_aware
-    )
-    with Engine(DEVICES, BUDGET, chosen, copy_on_cpu=True, prefetch=True, trace_window=None) as eng:
+    study = _study(seed)
+    with _study_engine(policy, study) as eng:
         first: dict[int, float] = {}
         batches = [0]
 
@@ -332,24 +395,15 @@ def objective_run(policy: str, seed: int, trials: int = 8, concurrent: int = 8) 
             return value
 
         th.optimize(study, objective, n_trials=trials, max_concurrent=concurrent, engine=eng)
-        pruned = sum(1 for t in study.trials if t.state == optuna.trial.TrialState.PRUNED)
-        events = [e for e in eng.trace.events if e.is_compute]
-        t0, t1 = min(e.start for e in events), max(e.end for e in events)
-        span = t1 - t0
-        ends = sorted(first.values())
-        k = len(ends)
-        return Figures(
-            half=(ends[k // 2 - 1] - t0) / span,
-            last=(ends[-1] - t0) / span,
-            span_s=span,
-            samples_per_s=batches[0] * BATCH / span,
-            trials=k,
-            stopped=pruned,
+        span = Span.of(eng.trace)
+        return span.figures(
+            first.values(),
+            batches[0],
+            stopped=_pruned(study),
             best=study.best_value,
-            arrived=(max(min(e.start for e in events if e.task == n) for n in
-                         {e.task for e in events}) - t0) / span,
-            floor=k / sum(len(t.intermediate_values) for t in study.trials),
-        )  # fmt: skip
+            arrived=span.arrived(),
+            floor=len(first) / sum(len(t.intermediate_values) for t in study.trials),
+        )
 
 
 # --- (e) th.run with an adaptive searcher and no early stopping ------------------------------
@@ -364,44 +418,19 @@ def tpe_run(policy: str, seed: int, trials: int = 16, concurrent: int = 8) -> Fi
     from ray import tune
     from ray.tune.search.optuna import OptunaSearch
 
-    storage = tempfile.mkdtemp(prefix="thsr-results")
-    ex = _executor(policy)
-    try:
-        analysis = th.run(
-            make_task,
-            trial_executor=ex,
-            config={"lr": tune.loguniform(LR_LO, LR_HI)},
-            search_alg=OptunaSearch(seed=seed),
-            metric="val_loss",
-            mode="min",
-            num_samples=trials,
-            stop={"training_iteration": EPOCHS},
-            max_concurrent_trials=concurrent,
-            storage_path=storage,
-            verbose=0,
-        )
-    finally:
-        shutil.rmtree(storage, ignore_errors=True)
-    trace = ex.trace()
-    events = [e for e in trace.events if e.is_compute]
-    t0, t1 = min(e.start for e in events), max(e.end for e in events)
-    span = t1 - t0
-    done: dict[str, float] = {}
-    for e in events:
-        done[e.task] = max(done.get(e.task, 0.0), e.end)
-    ends = sorted(done.values())
-    k = len(ends)
-    batches = {(e.task, e.iteration, e.batch) for e in events if e.op == "L"}
-    best = min(t.last_result.get("val_loss", math.inf) for t in analysis.trials)
-    return Figures(
-        half=(ends[k // 2 - 1] - t0) / span,
-        last=(ends[-1] - t0) / span,
-        span_s=span,
-        samples_per_s=len(batches) * BATCH / span,
-        trials=k,
-        best=best,
-        floor=0.0,
+    analysis, ex = _th_run(
+        policy,
+        make_task,
+        config={"lr": tune.loguniform(LR_LO, LR_HI)},
+        search_alg=OptunaSearch(seed=seed),
+        num_samples=trials,
+        max_concurrent_trials=concurrent,
     )
+    span = Span.of(ex.trace())
+    done: dict[str, float] = {}
+    for e in span.events:
+        done[e.task] = max(done.get(e.task, 0.0), e.end)
+    return span.figures(done.values(), span.batches(), best=_best(analysis))
 
 
 # --- the fixed-budget searches ---------------------------------------------------------------
@@ -413,38 +442,23 @@ def tune_budget(policy: str, seed: int, trials: int, budget_s: float) -> float:
     from ray.tune.schedulers import ASHAScheduler
     from ray.tune.search.optuna import OptunaSearch
 
-    storage = tempfile.mkdtemp(prefix="thsr-results")
-    ex = _executor(policy)
-    try:
-        analysis = th.run(
-            make_task,
-            trial_executor=ex,
-            config={"lr": tune.loguniform(LR_LO, LR_HI)},
-            search_alg=OptunaSearch(seed=seed),
-            scheduler=ASHAScheduler(**ASHA),
-            metric="val_loss",
-            mode="min",
-            num_samples=trials,
-            stop={"training_iteration": EPOCHS},
-            time_budget_s=budget_s,
-            max_concurrent_trials=8,
-            storage_path=storage,
-            verbose=0,
-        )
-    finally:
-        shutil.rmtree(storage, ignore_errors=True)
-    return min((t.last_result.get("val_loss", math.inf) for t in analysis.trials), default=math.inf)
+    analysis, _ = _th_run(
+        policy,
+        make_task,
+        config={"lr": tune.loguniform(LR_LO, LR_HI)},
+        search_alg=OptunaSearch(seed=seed),
+        scheduler=ASHAScheduler(**ASHA),
+        num_samples=trials,
+        time_budget_s=budget_s,
+        max_concurrent_trials=8,
+    )
+    return _best(analysis)
 
 
 def optuna_budget(policy: str, seed: int, budget_s: float) -> float:
     """Best ``val_loss`` of a ``th.optimize`` study (TPE + MedianPruner) after ``budget_s``
     (no trial starts after it; the running ones finish)."""
-    import optuna
-
-    optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(
-        sampler=optuna.samplers.TPESampler(seed=seed), pruner=optuna.pruners.MedianPruner()
-    )
+    study = _study(seed)
     th.optimize(
         study, _objective, epochs=EPOCHS, devices=DEVICES, device_memory=BUDGET,
         copy_on_cpu=True, max_concurrent=8, timeout=budget_s, seed=seed, policy=policy,

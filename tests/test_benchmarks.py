@@ -165,3 +165,21 @@ def test_lora_base_tiny() -> None:
         assert text in out
     shared = float(out.split("host ledger / target: shared ")[1].split(",")[0])
     assert shared <= 1.05  # the base once, plus each trial's adapter and optimizer state
+
+
+def test_search_runs_engine_and_objective(tmp_path: Path) -> None:
+    """The two Ray-free runs of search_runs.py, one policy: their table rows and the
+    figures in --json (every trial measured, fractions of the span in order)."""
+    out_json = tmp_path / "figures.json"
+    out = _run(
+        "search_runs.py", "engine", "objective", "--policies", "lrtf", "--json",
+        str(out_json), timeout=300,
+    )  # fmt: skip
+    assert "## engine: K/2-th / last first epoch" in out and "## objective:" in out
+    figures = json.loads(out_json.read_text())
+    for run, trials in (("engine", 16), ("objective", 8)):
+        (f,) = figures[run]["lrtf"]
+        assert f["trials"] == trials
+        assert 0 < f["half"] <= f["last"] <= 1 and 0 < f["floor"] <= 1, f
+        assert 0 <= f["arrived"] <= f["last"] and f["samples_per_s"] > 0 and f["best"] < 1, f
+    assert figures["engine"]["lrtf"][0]["stopped"] == 0  # the driver stops nothing
