@@ -11,7 +11,8 @@ process, and reports:
   registered, against the target ``B + trials x (adapter + gradients + AdamW state)``
   (B: the base's bytes);
 - bytes copied to the devices per search step (one batch of every trial);
-- samples per second over the training.
+- samples per second over the training;
+- RSS growth once every trial finished (left the engine), the users' models kept.
 
 Run: ``python benchmarks/lora_base.py`` (``--tiny`` for the tests; ``--hidden``,
 ``--layers``, ``--trials``, ``--batches`` to size it).
@@ -117,6 +118,7 @@ def one(args: argparse.Namespace, share: bool) -> dict[str, Any]:
         ) as eng,
     ):
         own = 0
+        models = []  # the users' models: kept after their trials finish, as users do
         for i in range(args.trials):
             task = trial(folder, i, args.batches, args.seq, args.vocab)
             trainable = sum(
@@ -124,6 +126,7 @@ def one(args: argparse.Namespace, share: bool) -> dict[str, Any]:
             )
             own += 4 * trainable  # weights, gradients, AdamW's two moments
             eng.add_task(f"t{i}", task, seed=i)
+            models.append(task.model)
             del task
         registered = rss()
         held = eng.summary()["host"]["held_bytes"]
@@ -136,6 +139,11 @@ def one(args: argparse.Namespace, share: bool) -> dict[str, Any]:
         copied = sum(e.bytes_moved for e in eng.trace.events if e.op == "copy_in")
         spilled = sum(e.bytes_moved for e in eng.trace.events if e.op == "copy_out")
         peak = eng.summary()["host"]["peak_held_bytes"]
+        # All trials finish (leave the engine), their models kept: shared, a finished
+        # model reads the pool's base until the user writes it (no copy per trial).
+        for i in range(args.trials):
+            eng.remove_task(f"t{i}")
+        finished = rss()
     samples = args.trials * args.batches * 4
     return {
         "share": share,
@@ -145,6 +153,7 @@ def one(args: argparse.Namespace, share: bool) -> dict[str, Any]:
         "peak_held": peak,
         "rss_growth": registered - rss0,
         "rss_growth_trained": trained - rss0,
+        "rss_growth_finished": finished - rss0,
         "copied_per_step": copied / args.batches,
         "copied_back_per_step": spilled / args.batches,
         "samples_per_s": samples / wall,
@@ -209,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
         ("host ledger, peak", "peak_held"),
         ("RSS growth, registered", "rss_growth"),
         ("RSS growth, after training", "rss_growth_trained"),
+        ("RSS growth, all finished", "rss_growth_finished"),
         ("copied to devices per step", "copied_per_step"),
         ("copied back per step", "copied_back_per_step"),
     ):

@@ -14,7 +14,7 @@ from torch import nn
 import tune_hydra as th
 from tests.conftest import OPTIMIZERS, assert_same_model, batches
 from tune_hydra.engine import Engine
-from tune_hydra.engine.frozen import FrozenPool, canonical_name, digest
+from tune_hydra.engine.frozen import FrozenPool, address, canonical_name, digest
 from tune_hydra.engine.partition import plan_shards
 from tune_hydra.exceptions import (
     FrozenTensorModifiedError,
@@ -184,20 +184,37 @@ def test_a_base_with_one_tensor_different_keeps_its_own_copy_of_it() -> None:
         assert_alone(results[name], task, refs[name])
 
 
+def addresses(m: nn.Module) -> dict[str, int]:
+    """The frozen tensors' data addresses, read without copying a copy-on-write one."""
+    return {n: address(p.data) for n, p in m.named_parameters() if not p.requires_grad}
+
+
 def test_a_task_leaving_drops_its_references() -> None:
     tasks = {f"t{i}": trial(i) for i in range(3)}
+    refs = {k: alone(t) for k, t in tasks.items()}
     with engine() as eng:
-        train(eng, tasks, epochs=1)
+        first = train(eng, tasks, epochs=1)
         pool = eng._registry.frozen
+        held = {e.name: address(e.host) for e in pool.entries()}
         eng.remove_task("t0")
         assert all(e.users == 2 for e in pool.entries())
-        # Its model got a private copy: changing it now touches no other task.
+        # No copy of the base for a finished trial: its model reads the pool's tensors.
+        assert addresses(tasks["t0"].model) == held
+        # The user writes into it (it is theirs now): only then it gets its own copy, and
+        # no other task sees the write.
         with torch.no_grad():
             tasks["t0"].model[0].weight.add_(1.0)
+        assert addresses(tasks["t0"].model)["0.weight"] != held["0.weight"]
         assert not torch.equal(tasks["t0"].model[0].weight, tasks["t1"].model[0].weight)
+        # The others go on as alone, on the pool's tensors as they were (never copied).
+        more = {n: eng.train(n, 1) for n in ("t1", "t2")}
+        results = {n: first[n] + f.result(timeout=120) for n, f in more.items()}
+        assert {e.name: address(e.host) for e in pool.entries()} == held
         eng.remove_task("t1")
         eng.remove_task("t2")
         assert not pool.entries()
+    for name in ("t1", "t2"):
+        assert_alone(results[name], tasks[name], refs[name])
 
 
 def test_trainable_tensors_shared_between_tasks_stay_refused() -> None:

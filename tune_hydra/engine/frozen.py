@@ -32,9 +32,16 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   frozen tensors, so their device copies are shared while both are resident.
 - **Refcounted**: every store slot using an entry holds a reference; a task leaving the
   engine drops its references (``ShardStore.leave_frozen``, from
-  ``HostMemory.discard``). Its parameters then get a private copy while other tasks
-  still use the entry (the user may modify their model afterwards: the others must not
-  see it); the last user keeps the pool's tensor, and the entry is freed.
+  ``HostMemory.discard``). While other tasks still use the entry, its parameters get a
+  copy-on-write clone of the pool's tensor (:func:`lazy_clone`, ``torch._lazy_clone``):
+  no bytes are copied when a trial finishes; a write by the user into that model (it is
+  theirs now: ``merge_and_unload``, an optimizer step, ``numpy()`` or ``data_ptr()``,
+  which may write) copies that tensor then, on the model's side, so the other tasks
+  never see it. The pool's side is only read (ops, ``copy_`` to devices, checksums,
+  addresses through :func:`address`, never ``data_ptr()``), so it is never copied. The
+  last user keeps the pool's tensor, and the entry is freed. (Known gap: code outside the
+  engine that asks a live task's shared tensor for ``data_ptr()`` copies the pool's side
+  once, costing one extra host copy, never correctness.)
 - **Never modified in place**: each store checks its shared slots at every visit
   (``ShardStore.begin_op`` / ``end_op``: the parameter's version counter, its data
   pointer, ``requires_grad`` and its gradient; after each op also a :func:`checksum` of
@@ -129,6 +136,43 @@ def checksum(t: torch.Tensor) -> int:
         except RuntimeError:  # a view whose offset is not 8-byte aligned
             pass
     return int(flat.view(_INT[flat.element_size()]).sum(dtype=torch.int64).item())
+
+
+def address(t: torch.Tensor) -> int:
+    """``t``'s data address, read without a write access: ``Tensor.data_ptr()`` of a
+    copy-on-write tensor (see :func:`lazy_clone`) copies it first."""
+    return int(torch._C._data_address(t))  # type: ignore[attr-defined]
+
+
+def lazy_clone(t: torch.Tensor) -> torch.Tensor:
+    """A copy-on-write clone of host tensor ``t`` (``torch._lazy_clone``): both share
+    ``t``'s memory until either is written (or anything asks for a writable pointer:
+    ``data_ptr()``, ``numpy()``), which copies the written side only. Reads (ops,
+    ``copy_`` from it, :func:`checksum`) copy nothing. A plain clone where torch has none.
+    """
+    fn = getattr(torch, "_lazy_clone", None)
+    if fn is None or t.device.type != "cpu":
+        return t.clone()
+    try:
+        return fn(t)
+    except RuntimeError:  # memory torch did not allocate itself (see cow_ready)
+        return t.clone()
+
+
+def cow_ready(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it :func:`lazy_clone` can share: torch's copy-on-write takes
+    only memory its allocator made, not a file mapping (``from_pretrained`` of
+    safetensors) or other foreign memory. A pool entry is made of it, once per tensor of
+    the base, so that a finished task later costs no copy. Pinned memory stays as it is
+    (a device copy from it is asynchronous; a finished task gets a plain clone)."""
+    fn = getattr(torch, "_lazy_clone", None)
+    if fn is None or t.device.type != "cpu" or t.is_pinned():
+        return t
+    try:
+        fn(t)  # marks t's memory copy-on-write; dropped at once, so t is its only user
+    except RuntimeError:
+        return t.clone()
+    return t
 
 
 Key = tuple[str, tuple[int, ...], torch.dtype, bytes]
@@ -294,13 +338,15 @@ class FrozenPool:
                 if info is None or not _frozen(p, store.optimizer):
                     continue
                 name, key, check, match = info
+                # A new entry's tensor, made shareable copy-on-write outside the lock.
+                host = cow_ready(p.data) if match is None else p.data
                 with self._lock:
                     entry = self._index.get(key)
                     if entry is not None and entry is not match:
                         # Added meanwhile by another task (or replaced): compare now.
                         entry = entry if torch.equal(entry.host, p.data) else None
                     if entry is None:
-                        entry = FrozenEntry(key, p.data, ("frozen", next(self._count)), check)
+                        entry = FrozenEntry(key, host, ("frozen", next(self._count)), check)
                         self._index[key] = entry
                         new.append(entry)
                     else:
@@ -396,9 +442,11 @@ class FrozenPool:
                     del self._index[entry.key]
                 entry.live = False
             private = not last and not keep
-        if private and param.data.data_ptr() == entry.host.data_ptr():
-            # The model is the user's again, and other tasks still use this tensor.
-            param.data = entry.host.clone()
+        if private and address(param.data) == address(entry.host):
+            # The model is the user's again, and other tasks still use this tensor: a
+            # copy-on-write clone, so that a write by the user copies it then, on the
+            # user's side, and no other task sees it (no copy until then).
+            param.data = lazy_clone(entry.host)
         if (last or keep) and self.host is not None:
             self.host.drop(entry.ledger_key, (ref.task, -1))
 
@@ -424,8 +472,11 @@ __all__ = [
     "FrozenPool",
     "FrozenRef",
     "Prepared",
+    "address",
     "canonical_name",
     "checksum",
+    "cow_ready",
     "digest",
+    "lazy_clone",
     "shared_on_device",
 ]

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
+from tune_hydra.engine.frozen import address
 from tune_hydra.engine.metrics import check_lr_scheduler, check_metrics
 from tune_hydra.exceptions import InvalidModelError, InvalidTaskError
 
@@ -223,7 +224,9 @@ class OwnedTensors:
         if t.device.type != "cpu" or t.layout is not torch.strided:
             return
         storage = t.untyped_storage()
-        ptr = storage.data_ptr()
+        # Not storage.data_ptr(): it copies a copy-on-write storage (a finished task's
+        # model sharing a frozen pool tensor, see tune_hydra.engine.frozen.lazy_clone).
+        ptr = address(t) - t.storage_offset() * t.element_size()
         if ptr and storage.nbytes():
             self.add(("storage", ptr), name, storage)
 

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tune_hydra.core.ops import OpKind
-from tune_hydra.engine.frozen import checksum
+from tune_hydra.engine.frozen import address, checksum
 from tune_hydra.engine.storage.disk import SpillFile
 from tune_hydra.engine.storage.residency import Residency, ShardResidency
 from tune_hydra.engine.storage.tiers import HostTier, Key, PinnedHostTier, StorageTier
@@ -233,7 +233,9 @@ class ShardStore:
         if p.grad is not None:
             return "given a gradient"
         t = p.data
-        if t.data_ptr() != live.data_ptr() or t.shape != live.shape or t.dtype != live.dtype:
+        # Not data_ptr(): a pool tensor may be copy-on-write (a finished task's model
+        # shares it), and asking for a writable pointer would copy it.
+        if address(t) != address(live) or t.shape != live.shape or t.dtype != live.dtype:
             return "replaced (its .data set to another tensor)"
         if p._version != version:
             return "written in place"
