@@ -32,6 +32,13 @@ def _run(script: str, *args: str, timeout: float = 60) -> str:
     return proc.stdout
 
 
+def test_lora_batched_tiny() -> None:
+    pytest.importorskip("peft")
+    out = _run("lora_batched.py", "--tiny", timeout=300)
+    assert "one after another:" in out and "batched:" in out
+    assert float(out.split("batched / one after another: ")[1].split("x")[0]) > 0
+
+
 def test_overhead_quick() -> None:
     out = _run("overhead.py", "--quick")
     assert "ratio vs plain" in out
