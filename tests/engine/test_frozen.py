@@ -148,6 +148,54 @@ def test_three_trials_hold_one_base_and_train_as_alone(disk: bool, tmp_path: Pat
     assert not pool.entries() and pool.held_bytes() == 0
 
 
+def deep_trial(i: int, opt: str) -> th.ModelTask:
+    """A trial over a deeper frozen base (six Linear layers, 44544 bytes) with a head."""
+    torch.manual_seed(0)
+    layers: list[nn.Module] = [nn.Linear(8, 32), nn.ReLU()]
+    for _ in range(5):
+        layers += [nn.Linear(32, 32), nn.ReLU()]
+    base = nn.Sequential(*layers).double().requires_grad_(False)
+    torch.manual_seed(100 + i)
+    m = nn.Sequential(*base, nn.Linear(32, 4).double())
+    return th.ModelTask(
+        m, nn.CrossEntropyLoss(), OPTIMIZERS[opt], batches(4, seed=10 + i), eval_data=batches(2)
+    )
+
+
+def test_the_base_spills_once_under_a_host_budget_below_base_and_adapters(
+    tmp_path: Path,
+) -> None:
+    """Four trials under a host budget below their shared base alone (and 4x the largest
+    frozen tensor, the strict bound with 2 devices): the pool's entries go to disk (each
+    written once, not once per trial), come back when a trial needs them, the budget
+    holds, and every trial trains exactly as alone."""
+    tasks = {f"t{i}": deep_trial(i, ["adam", "sgd", "adamw", "adam"][i]) for i in range(4)}
+    refs = {k: alone(t) for k, t in tasks.items()}
+    base = (8 * 32 + 32 + 5 * (32 * 32 + 32)) * 8
+    budget = 34000
+    assert 4 * 32 * 32 * 8 < budget < base
+    with Engine(
+        ["cpu", "cpu"],
+        max_layers_per_shard=2,
+        copy_on_cpu=True,
+        policy="lrtf",
+        host_memory=budget,
+        spill_dir=tmp_path,
+    ) as eng:
+        results = train(eng, tasks, epochs=2)
+        assert len(eng._registry.frozen.entries()) == 12
+        host = eng.summary()["host"]
+        trace = eng.trace
+    assert host["peak_held_bytes"] <= budget, host
+    trace.validate(host_budget=budget)
+    frozen_io = [e for e in trace.events if e.device == "disk" and e.task == "frozen"]
+    written = [e for e in frozen_io if e.op == "to_disk"]
+    assert written and any(e.op == "from_disk" for e in frozen_io), host
+    assert sum(e.bytes_moved for e in written) <= base  # each entry written at most once
+    for name, task in tasks.items():
+        assert_alone(results[name], task, refs[name])
+
+
 def test_host_ledger_counts_the_base_once(tmp_path: Path) -> None:
     held = {}
     for share in (True, False):

@@ -14,9 +14,19 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   shares all the others and keeps its own copy of that one.
 - **Counted once**: each entry is held in the engine's host ledger under a key of its own
   (``("frozen", n)``); its stores leave it out of their own state
-  (``ShardStore.share_frozen``), so it is neither counted nor spilled with them. The
-  disk tier does not spill it: it stays in host memory while any task uses it (never a
-  spill victim; with a host budget smaller than the base, the budget is exceeded by it).
+  (``ShardStore.share_frozen``), so it is neither counted nor spilled with them.
+- **Spilled once**: with a host budget the disk tier spills an entry as it spills a
+  state (``HostMemory._victims``: as hot as the hottest store using it) when no store
+  using it is on a device, computing in place or being promoted
+  (:meth:`FrozenPool.try_spill` takes every user's lock without waiting, then writes
+  the entry to a spill file of its own, once: its values never change, so later spills
+  write nothing, and points every user at a view of that file; the ledger drops it). A
+  new entry with no room even then goes to disk at once (its task is not registered
+  yet). A store about to visit pins its entries and reads those on disk back once
+  (:meth:`FrozenPool.load`, counted again; other users are pointed at the RAM copy as
+  they next move, reading equal values from the view until then). A task leaving while
+  its entry is on disk gets a RAM copy (a write into the shared mapping would reach
+  the file).
 - **Every kind of task**: a ``ModelTask`` at ``add_task``, and a runner that trains a
   model of its own (a ``th.shard`` loop: ``LoopRunner.frozen_model``) at ``add_runner``,
   once its loop is cut; one pool for both. A ``th.shard`` model's ``load_state_dict``
@@ -76,12 +86,18 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+
+from tune_hydra.exceptions import SpillReadError, SpillWriteError
+
+log = logging.getLogger(__name__)
 
 _PEFT_WRAP = ".base_layer"  # peft's wrapper of an adapted module: the same base tensor
 
@@ -89,8 +105,21 @@ _PEFT_WRAP = ".base_layer"  # peft's wrapper of an adapted module: the same base
 class FrozenHost(Protocol):
     """What the pool tells the engine's host memory manager (``HostMemory``)."""
 
-    def hold(self, key: object, nbytes: int, name: tuple[str, int]) -> None:
-        """Count ``nbytes`` held in host memory under ``key`` (never spilled)."""
+    def hold(
+        self,
+        key: object,
+        nbytes: int,
+        name: tuple[str, int],
+        store: Any = None,
+        spill: Any = None,
+    ) -> None:
+        """Count ``nbytes`` held in host memory under ``key``, making room first (never
+        by spilling ``store``, whose lock the caller holds); if none can be made,
+        ``spill()`` (if given) may put the tensor itself on disk instead."""
+        ...
+
+    def note_frozen_io(self, entry: Any, op: str, nbytes: int, start: float) -> None:
+        """The pool moved ``entry`` to or from disk."""
         ...
 
     def drop(self, key: object, name: tuple[str, int]) -> None:
@@ -204,6 +233,14 @@ class FrozenEntry:
     live: bool = True
     # Device copies: (device, holder) -> [tensor, users there, CUDA event after its copy]
     devices: dict[DeviceKey, list[Any]] = field(default_factory=dict)
+    # The disk tier (see FrozenPool.try_spill): every slot's reference, its spill file
+    # (written once: the values never change), whether ``host`` is a view of that file,
+    # and how many promotions are bringing it to a device right now (not a victim then).
+    refs: list[FrozenRef] = field(default_factory=list)
+    file: Any = None
+    on_disk: bool = False
+    pins: int = 0
+    failed: bool = False  # could not be written: never picked again
 
     @property
     def name(self) -> str:
@@ -226,6 +263,8 @@ class FrozenRef:
     entry: FrozenEntry
     task: str
     name: str  # the parameter's name in the task's model
+    store: Any = None  # the ShardStore holding the slot, and the parameter's index there
+    index: int = -1
 
 
 @dataclass
@@ -259,7 +298,11 @@ class FrozenPool:
         self.host = host
         self.enabled = enabled
         self._lock = threading.Lock()
-        self._index: dict[Key, FrozenEntry] = {}  # live entries, to match new tasks with
+        self._load_lock = threading.Lock()  # disk reads (see load): never under _lock
+        self._index: dict[Key, FrozenEntry] = {}
+        self._ledger: dict[
+            object, FrozenEntry
+        ] = {}  # live entries by ledger key  # live entries, to match new tasks with
         self._count = itertools.count()
         self.shared_bytes = 0  # bytes of task tensors replaced by pool tensors, in all
 
@@ -348,16 +391,24 @@ class FrozenPool:
                     if entry is None:
                         entry = FrozenEntry(key, host, ("frozen", next(self._count)), check)
                         self._index[key] = entry
+                        self._ledger[entry.ledger_key] = entry
                         new.append(entry)
                     else:
                         replaced += entry.nbytes
                         self.shared_bytes += entry.nbytes
                     entry.users += 1
                     entry.tasks[task] = entry.tasks.get(task, 0) + 1
-                store.share_frozen(i, FrozenRef(self, entry, task, name))
+                    ref = FrozenRef(self, entry, task, name, store, i)
+                    entry.refs.append(ref)
+                store.share_frozen(i, ref)
         if self.host is not None:
             for entry in new:
-                self.host.hold(entry.ledger_key, entry.nbytes, (task, -1))
+                # No room without going over: this entry goes to disk right away (its
+                # task is not registered yet: nothing uses it).
+                def spill(entry: FrozenEntry = entry) -> bool:
+                    return self.try_spill(entry, self.host, fresh=True)
+
+                self.host.hold(entry.ledger_key, entry.nbytes, (task, -1), spill=spill)
         return replaced
 
     # -- devices --------------------------------------------------------------------------
@@ -417,6 +468,122 @@ class FrozenPool:
                 tensor.copy_(entry.host)
         return shared
 
+    # -- the disk tier --------------------------------------------------------------------
+
+    def entry_of(self, ledger_key: object) -> FrozenEntry | None:
+        """The live entry counted under ``ledger_key`` in the host ledger."""
+        with self._lock:
+            return self._ledger.get(ledger_key)
+
+    def stores_of(self, entry: FrozenEntry) -> list[Any]:
+        """The stores using ``entry`` (each once)."""
+        with self._lock:
+            return list({id(r.store): r.store for r in entry.refs}.values())
+
+    def spillable(self, entry: FrozenEntry) -> bool:
+        """Whether ``entry`` may go to disk now, as far as the pool knows: in host memory,
+        on no device, no promotion bringing it to one (its stores are checked by
+        :meth:`try_spill`, under their locks)."""
+        with self._lock:
+            return (
+                entry.live
+                and not entry.on_disk
+                and not entry.failed
+                and not entry.pins
+                and not entry.devices
+            )
+
+    def try_spill(self, entry: FrozenEntry, host: Any, *, fresh: bool = False) -> bool:
+        """Write ``entry`` to its spill file (once: its values never change; later spills
+        write nothing) and point every user at a view of it, freeing its host memory;
+        only if every store using it is at home (or on disk) and not in use. Never waits
+        for a store's lock. Returns whether host memory was freed.
+
+        Args:
+            entry: the entry.
+            host: the engine's ``HostMemory`` (``busy``, ``frozen_file``, ``note_frozen_io``,
+                ``drop``).
+            fresh: the entry is being adopted, not counted yet: its task's stores are not
+                registered (and not in use).
+        """
+        if not self.spillable(entry):
+            return False
+        stores = self.stores_of(entry)
+        taken = []
+        try:
+            for store in stores:
+                if not store.lock.acquire(blocking=False):
+                    return False
+                taken.append(store)
+            if any((not fresh and host.busy(s)) or not s.at_home for s in stores):
+                return False
+            with self._lock:  # promotions take their stores' locks first: none now
+                if not (entry.live and not entry.on_disk and not entry.pins and not entry.devices):
+                    return False
+                refs = list(entry.refs)
+            key = ("f",)
+            if entry.file is None:
+                entry.file = host.frozen_file(entry.ledger_key)
+                start = time.perf_counter()
+                try:
+                    nbytes = entry.file.write([(key, entry.host)])
+                    view = entry.file.views()[key]
+                except (SpillWriteError, SpillReadError) as err:
+                    log.warning("frozen tensor %s stays in host memory: %s", entry.name, err)
+                    entry.file.close()
+                    entry.file = None
+                    entry.failed = True
+                    return False
+                host.note_frozen_io(entry, "to_disk", nbytes, start)
+            else:
+                view = entry.file.views()[key]
+            with self._lock:
+                entry.host = view
+                entry.on_disk = True
+            for ref in refs:
+                ref.store.frozen_moved(ref.index)
+            host.drop(entry.ledger_key, (refs[0].task if refs else "", -1))
+            return True
+        finally:
+            for store in taken:
+                store.lock.release()
+
+    def pin(self, entries: list[FrozenEntry], delta: int) -> None:
+        """A promotion brings ``entries`` to a device (``delta=1``) or is done (``-1``):
+        not spilled meanwhile."""
+        with self._lock:
+            for entry in entries:
+                entry.pins += delta
+
+    def load(self, entry: FrozenEntry, store: Any) -> None:
+        """``entry`` back into host memory if it is on disk (read once, counted once),
+        for ``store`` (pinning it, and holding its lock) to use. Other users are pointed
+        at the RAM copy as they next move (they read the same values from the view until
+        then).
+
+        Raises:
+            SpillReadError: the file cannot be read (the entry stays on disk).
+        """
+        with self._load_lock:  # one reader per entry; others wait for its result
+            with self._lock:
+                if not entry.on_disk:
+                    return
+                view = entry.host
+            assert self.host is not None and entry.file is not None
+            self.host.hold(entry.ledger_key, entry.nbytes, (store.name[0], -1), store)
+            start = time.perf_counter()
+            buf = torch.empty(view.shape, dtype=view.dtype)
+            try:
+                entry.file.read_into(("f",), buf)
+            except SpillReadError:
+                self.host.drop(entry.ledger_key, (store.name[0], -1))
+                raise
+            buf = cow_ready(buf)
+            with self._lock:
+                entry.host = buf
+                entry.on_disk = False
+            self.host.note_frozen_io(entry, "from_disk", entry.nbytes, start)
+
     # -- leaving --------------------------------------------------------------------------
 
     def release(self, ref: FrozenRef, param: nn.Parameter, *, keep: bool = False) -> None:
@@ -430,6 +597,8 @@ class FrozenPool:
         """
         entry = ref.entry
         with self._lock:
+            if ref in entry.refs:
+                entry.refs.remove(ref)
             entry.users -= 1
             left = entry.tasks.get(ref.task, 0) - 1
             if left > 0:
@@ -440,15 +609,24 @@ class FrozenPool:
             if last or keep:
                 if self._index.get(entry.key) is entry:
                     del self._index[entry.key]
+                self._ledger.pop(entry.ledger_key, None)
                 entry.live = False
             private = not last and not keep
-        if private and address(param.data) == address(entry.host):
+            on_disk = entry.on_disk
+        if on_disk and address(param.data) == address(entry.host):
+            # A view of the pool's spill file: the model gets its values in RAM (a write
+            # into the shared mapping would reach the file the other tasks read).
+            param.data = entry.host.clone()
+        elif private and address(param.data) == address(entry.host):
             # The model is the user's again, and other tasks still use this tensor: a
             # copy-on-write clone, so that a write by the user copies it then, on the
             # user's side, and no other task sees it (no copy until then).
             param.data = lazy_clone(entry.host)
-        if (last or keep) and self.host is not None:
-            self.host.drop(entry.ledger_key, (ref.task, -1))
+        if last or keep:
+            if self.host is not None and not on_disk:
+                self.host.drop(entry.ledger_key, (ref.task, -1))
+            if entry.file is not None and last:
+                entry.file.close()
 
 
 def shared_on_device(store: Any, worker: Any) -> int:

@@ -91,6 +91,23 @@ def _victim_order(store: ShardStore) -> int:
     return 1 if store.host_copy_valid else 0
 
 
+class _EntryVictim:
+    """A frozen pool entry as a spill victim (see ``FrozenPool.try_spill``)."""
+
+    copied = False  # read by _victim_order: a state at home
+
+    def __init__(self, host: HostMemory, entry: Any, stores: list[ShardStore]) -> None:
+        self.host = host
+        self.entry = entry
+        self.stores = stores
+
+    def heat(self, heat: Mapping[int, float]) -> float:
+        return min((heat.get(id(s), _COLD) for s in self.stores), default=_COLD)
+
+    def try_spill(self) -> bool:
+        return bool(self.host.pool.try_spill(self.entry, self.host))
+
+
 class HostMemory:
     """The engine's host memory account, the disk tier's folder and its thread.
 
@@ -127,6 +144,7 @@ class HostMemory:
         self.spills = 0
         self.loads = 0
         self.over_bytes = 0  # the most a reservation went over budget (the slack)
+        self.pool: Any = None  # the frozen pool (see attach)
         self._freed = 0  # host bytes freed since the last malloc_trim
         self._t0 = time.perf_counter() - clock()  # perf_counter() at the clock's zero
         self._wake = threading.Event()
@@ -185,10 +203,24 @@ class HostMemory:
 
     # -- frozen tensors held once for several tasks (tune_hydra.engine.frozen) -----------
 
-    def hold(self, key: object, nbytes: int, name: tuple[str, int]) -> None:
-        """Count ``nbytes`` of the frozen pool under ``key``, after making room by spilling
-        colder states (as for parked boundary tensors: over within the slack if none can
-        be). Never a spill victim itself: only its last user's leaving frees it."""
+    def attach(self, pool: Any) -> None:
+        """The engine's frozen pool (``tune_hydra.engine.frozen.FrozenPool``): its entries
+        are spill victims too, once no task using them is on a device or computing."""
+        self.pool = pool
+
+    def hold(
+        self,
+        key: object,
+        nbytes: int,
+        name: tuple[str, int],
+        store: Any = None,
+        spill: Callable[[], bool] | None = None,
+    ) -> None:
+        """Count ``nbytes`` of the frozen pool under ``key`` (a new entry, or one read back
+        from disk for ``store``, which is not spilled for it: the caller holds its lock),
+        after making room by spilling colder states; if none can be made, ``spill()`` (a
+        new entry's: to disk right away) or over within the slack, as for parked
+        boundary tensors."""
         if not self.active or not nbytes:
             return
         waited = 0.0
@@ -197,13 +229,15 @@ class HostMemory:
                 if self.ledger.over(nbytes) <= 0:
                     self._hold(key, nbytes, name)
                     return
-                victims = self._victims(None, None)
+                victims = self._victims(store, None)
             if any(self._spill_or_fail(v) for v in victims):
                 continue
             if not victims or waited >= _WAIT_S:
                 break
             time.sleep(_RETRY_S)
             waited += _RETRY_S
+        if spill is not None and spill():
+            return
         with self._lock:
             self.over_bytes = max(self.over_bytes, self.ledger.over(nbytes))
             self._hold(key, nbytes, name)
@@ -213,8 +247,27 @@ class HostMemory:
         t = self.clock()
         self.trace.add(TraceEvent("host", name[0], name[1], "host_take", t, t, nbytes))
 
+    def frozen_file(self, key: tuple[str, int]) -> Any:
+        """A new spill file for the frozen pool's entry ``key`` (written once)."""
+        assert self.folder is not None
+        return self.folder.file(key)
+
+    def note_frozen_io(self, entry: Any, op: str, nbytes: int, start: float) -> None:
+        """The frozen pool moved ``entry`` (see :meth:`note_io`)."""
+        t0 = start - self._t0
+        t1 = max(t0, time.perf_counter() - self._t0)
+        with self._lock:
+            if op == "to_disk":
+                self.written_bytes += nbytes
+                self.spills += 1
+            else:
+                self.read_bytes += nbytes
+                self.loads += 1
+        self.trace.add(TraceEvent("disk", entry.ledger_key[0], -1, op, t0, t1, nbytes))
+
     def drop(self, key: object, name: tuple[str, int]) -> None:
-        """The frozen pool freed ``key``'s tensor (its last user left)."""
+        """The frozen pool freed ``key``'s tensor (its last user left, or it went to
+        disk)."""
         if not self.active:
             return
         with self._lock:
@@ -408,14 +461,21 @@ class HostMemory:
             self.trace.add(TraceEvent("host", task, shard, "host_give", t, t, nbytes))
         return nbytes
 
-    def _victims(self, store: ShardStore | None, colder_than: float | None) -> list[ShardStore]:
+    def _victims(self, store: ShardStore | None, colder_than: float | None) -> list[Any]:
         """States in host memory that may go to disk, coldest first (under the lock):
-        not ``store``, not in use, not failed; with ``colder_than``, only colder ones."""
+        not ``store``, not in use, not failed; with ``colder_than``, only colder ones. The
+        frozen pool's entries too: as hot as the hottest store using them (one whose
+        user is on a device or computing is left out by its own spill)."""
         heat = self._heat
-        out = []
+        out: list[tuple[float, Any]] = []
         for key in self.ledger.states:
             if not isinstance(key, int):
-                continue  # the frozen pool's tensors (see hold): never spilled
+                victim = self._entry_victim(key, store)
+                if victim is not None:
+                    h = victim.heat(heat)
+                    if colder_than is None or h > colder_than:
+                        out.append((h, victim))
+                continue
             s = self._stores.get(key)
             if s is None or s is store or key in self._busy or key in self._failed:
                 continue
@@ -428,6 +488,17 @@ class HostMemory:
         # nothing drops its device copy and keeps them); then the coldest.
         out.sort(key=lambda hs: (_victim_order(hs[1]), -hs[0]))
         return [s for _, s in out]
+
+    def _entry_victim(self, key: object, store: ShardStore | None) -> _EntryVictim | None:
+        if self.pool is None:
+            return None
+        entry = self.pool.entry_of(key)
+        if entry is None or not self.pool.spillable(entry):
+            return None
+        stores = self.pool.stores_of(entry)
+        if store is not None and any(s is store for s in stores):
+            return None  # its lock is the caller's (see hold)
+        return _EntryVictim(self, entry, stores)
 
     def _spill_or_fail(self, store: ShardStore) -> bool:
         try:

@@ -78,6 +78,7 @@ class TaskRegistry:
         self._order = 0
         # Frozen tensors equal across tasks, held once (tune_hydra.engine.frozen).
         self.frozen = FrozenPool(host, enabled=options.share_frozen)
+        host.attach(self.frozen)  # its entries are spill victims too
 
     @property
     def keeps_graphs(self) -> bool:

@@ -254,13 +254,15 @@ class ShardStore:
                 ref.pool.off_device(ref.entry, key)
             p = self.params[i]
             if self._residency.state is not Residency.DEVICE:
-                # At home (or in place): its tensor is the entry's, now the store's own.
+                # At home (or in place): its tensor is the entry's, now the store's own
+                # (released first: one the pool had on disk is read into RAM for it).
+                ref.pool.release(ref, p, keep=True)
                 self._tier.keep(("p", i), p.data)
             else:
                 # On a device: the entry's tensor is its host buffer, filled at demotion.
                 self._tier.keep(("p", i), ref.entry.host)
                 self._changed()
-            ref.pool.release(ref, p, keep=True)
+                ref.pool.release(ref, p, keep=True)
             self._home = None
             self._changed()
 
@@ -285,6 +287,48 @@ class ShardStore:
         with self.lock:
             live, _ = self._frozen_live[index]
             self._frozen_live[index] = (live, self.params[index]._version)
+
+    def frozen_moved(self, index: int) -> None:
+        """The pool moved shared parameter ``index``'s entry (to a view of its spill file,
+        or back into RAM): point the parameter at its tensor now (the store is at home;
+        the caller holds its lock)."""
+        ref = self._frozen[index]
+        p = self.params[index]
+        if p.data is not ref.entry.host:
+            p.data = ref.entry.host
+            self._frozen_live[index] = (ref.entry.host, p._version)
+
+    def _frozen_ready(self) -> list[Any]:
+        """Before a visit: the shared entries pinned (not spilled during it) and in host
+        memory (read back once from the pool's spill file if they were on disk), the
+        parameters pointed at them. Returns the entries, to unpin after the promotion.
+
+        Raises:
+            SpillReadError: an entry cannot be read back (unpinned again)."""
+        entries = [ref.entry for ref in self._frozen.values()]
+        if not entries:
+            return entries
+        pool = next(iter(self._frozen.values())).pool
+        pool.pin(entries, 1)
+        try:
+            for i, ref in self._frozen.items():
+                if ref.entry.on_disk:
+                    pool.load(ref.entry, self)
+                self.frozen_moved(i)
+        except BaseException:
+            pool.pin(entries, -1)
+            raise
+        return entries
+
+    def host_frozen_pinned(self, entries: list[Any], delta: int) -> None:
+        """Unpin ``entries`` (see :meth:`_frozen_ready`)."""
+        if entries:
+            next(iter(self._frozen.values())).pool.pin(entries, delta)
+
+    @property
+    def at_home(self) -> bool:
+        """Whether no device uses the live tensors (at home or on disk)."""
+        return self._residency.state in (Residency.HOST, Residency.DISK, Residency.RETIRED)
 
     def _frozen_home(self, i: int) -> None:
         ref = self._frozen[i]
@@ -570,11 +614,14 @@ class ShardStore:
             self._file_valid = False
         self._vouched = False
         if device.type == "cpu" and not copy:
+            if self._frozen:  # computed with in place: in host memory, as counted
+                self.host_frozen_pinned(self._frozen_ready(), -1)
             residency.lend(device, owner)
             self._sig = self._signature() if self._file_valid else None
             return 0
         if stream is None:
             self._synchronize()
+        pinned = self._frozen_ready()  # before any tensor moves: it may raise
         moved = 0
         ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
         with ctx:
@@ -604,6 +651,7 @@ class ShardStore:
                 p = self.params[i]
                 p.data = dev
                 self._frozen_live[i] = (dev, p._version)
+        self.host_frozen_pinned(pinned, -1)  # on the device now: its copy keeps it there
         residency.arrive(device, owner)
         self._host_copy = host_copy
         self._sig = self._signature() if host_copy or self._file_valid else None
@@ -811,7 +859,8 @@ class ShardStore:
             dropped = [key for key in templates if key[0] == "o"]
             templates = {k: t for k, t in templates.items() if k[0] != "o"}
         nbytes = sum(t.numel() * t.element_size() for t in templates.values())
-        if not self.host.reserve(self, max(self.state_bytes, nbytes), speculative=speculative):
+        charge = max(self.state_bytes - self.frozen_bytes(), nbytes)  # the pool counts its own
+        if not self.host.reserve(self, charge, speculative=speculative):
             return False
         self._loading = True
         try:
