@@ -302,3 +302,81 @@ def test_refusals(saved: dict[str, Path]) -> None:
     with pytest.raises(NotBatchableError):
         shard.forward(y, [gen(i) for i in range(4)])
     assert "at least 2" in (why_not_batchable([cut[0][1]]) or "")
+
+
+# -- through the engine (Engine(batch_shared=True)) ----------------------------------------
+
+
+def lora_task(kind: str, folder: Path, i: int) -> Any:
+    """Trial ``i`` as a task factory writes it: load the base, wrap it, AdamW."""
+    import tune_hydra as th
+
+    spec = TRIALS[kind][i]
+    base = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+    torch.manual_seed(i)
+    extra = {"fan_in_fan_out": True} if kind == "gpt2" else {}
+    lora = peft.LoraConfig(task_type="CAUSAL_LM", **{"lora_dropout": 0.0, **spec}, **extra)
+    model = peft.get_peft_model(base, lora)
+    lr = [1e-2, 3e-2, 5e-3, 2e-2][i]
+    data = [batch(100 * i + j, SIZES[i]) for j in range(3)]
+    return th.ModelTask(model, None, lambda p: torch.optim.AdamW(p, lr=lr), data)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    scale = b.abs().max().item()
+    return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_engine_batch_shared_trains_as_each_alone(
+    kind: str, saved: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4 LoRA trials on 2 emulated copying devices with batch_shared=True: the engine ran
+    batched passes, and each trial's losses and adapters equal it trained alone in plain
+    PyTorch within 1e-12 relative (float64)."""
+    import tune_hydra as th
+    from tune_hydra.engine import Engine
+
+    tasks = {f"t{i}": lora_task(kind, saved[kind], i) for i in range(4)}
+    refs = {
+        k: th.ModelTask(copy.deepcopy(t.model), None, t.optimizer, t.train_data)
+        for k, t in tasks.items()
+    }
+    with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
+        for name, task in tasks.items():
+            eng.add_task(name, task, seed=3)
+        futures = {name: eng.train(name, 2) for name in tasks}
+        results = {name: f.result(timeout=600) for name, f in futures.items()}
+        assert eng.batcher is not None
+        passes, ops = eng.batcher.passes, eng.batcher.batched_ops
+    assert passes > 0 and ops > passes  # batched passes ran, of 2 trials' ops or more
+    worst = 0.0
+    for name, task in tasks.items():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads // 2))  # as an emulated device of two runs it
+        try:
+            want = th.train_plain(refs[name], 2, seed=3)
+        finally:
+            torch.set_num_threads(threads)
+        for got, w in zip(results[name], want, strict=True):
+            err = abs(got["loss"] - w["loss"]) / abs(w["loss"])
+            worst = max(worst, err)
+            assert err <= TOL, (name, got["loss"], w["loss"])
+        mine = dict(task.model.named_parameters())
+        for n, p in refs[name].model.named_parameters():
+            if p.requires_grad:
+                worst = max(worst, rel(mine[n].detach(), p.detach()))
+                assert rel(mine[n].detach(), p.detach()) <= TOL, n
+    with capsys.disabled():
+        print(
+            f"\n{kind} engine batch_shared: {passes} batched passes of {ops} ops; vs alone: "
+            f"{'exact' if worst == 0 else f'max rel {worst:.2e}'}"
+        )
+
+
+def test_engine_batch_shared_needs_recompute() -> None:
+    from tune_hydra.engine import Engine
+    from tune_hydra.exceptions import InvalidOptionError
+
+    with pytest.raises(InvalidOptionError, match="recomputing ops only"):
+        Engine(["cpu"], recompute=False, batch_shared=True)

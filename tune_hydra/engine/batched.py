@@ -54,6 +54,7 @@ and an input's gradient contributions may be summed in another order.
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, cast
@@ -571,4 +572,276 @@ class _Answer:
         return self.result
 
 
-__all__ = ["BatchedRun", "BatchedShard", "is_lora_layer", "why_not_batchable"]
+# -- the engine's batched ops (Engine(batch_shared=True)) ------------------------------------
+
+
+class SharedBatcher:
+    """Widens an op the dispatcher assigns into one batched op (``Engine(batch_shared=
+    True)``): the other tasks whose current op is ready, of the same kind (a forward
+    that is not the last shard's, or a recomputing backward), on the same shard index
+    whose store holds the same shared frozen tensors, run with it as one pass of
+    :class:`BatchedShard` on the same device, and each advances as if it had run alone.
+    The last shard's ops (the loss) of such a group run in one assignment too, one
+    after another (never over the concatenation): the group stays together for the
+    backward that follows, instead of drifting apart over the devices.
+
+    Limits (each op outside them runs alone, as without batching): recompute mode only
+    (``Engine(recompute=True)``, the default on copying devices); one micro-batch per op
+    (no grouped visits), no bf16 autocast; no device budget and no disk tier (the extra
+    shards are leased on the device beside the op's, which a budget would have to make
+    room for). Groups hold at most the live tasks per device. A group that turns out
+    not batchable on the device (:func:`why_not_batchable`) runs its ops one after
+    another in the one assignment; an error in a batched pass fails every task of it.
+    """
+
+    def __init__(self, max_group: int = 8) -> None:
+        self.max_group = max_group
+        self.batched_ops = 0  # ops run inside a batched pass (the lead's included)
+        self.passes = 0  # batched passes run
+        # Per extra task of a group run now: an error of its own, and the bytes of the
+        # boundary tensors its op left on the device.
+        self._errors: dict[str, BaseException] = {}
+        self._left: dict[str, int] = {}
+
+    def widen(self, dispatcher: Any, w: Any, entry: Any, op: Any, a: Any) -> None:
+        """Called by the dispatcher as it assigns ``op`` of ``entry`` to worker ``w``
+        (under the engine's lock): take the matching ready ops along in ``a``."""
+        from tune_hydra.core.ops import OpKind
+        from tune_hydra.engine.runner import TaskRunner
+        from tune_hydra.engine.storage import LinkedStore, ShardStore
+
+        if op.kind not in (OpKind.FORWARD, OpKind.BACKWARD, OpKind.LAST) or op.count != 1:
+            return
+        if w.budget is not None or dispatcher.host.active:
+            return
+
+        def fits(e: Any, o: Any) -> frozenset[int] | None:
+            r = e.runner
+            if not isinstance(r, TaskRunner) or not r.options.recompute:
+                return None
+            if r.stage._autocast_dtype is not None:
+                return None
+            if (o.kind is OpKind.LAST) != (o.shard == len(r.shards) - 1):
+                return None
+            store = r.store_of(o.shard)
+            parts = [store.own, *store.shared] if isinstance(store, LinkedStore) else [store]
+            if any(type(p) is not ShardStore for p in parts):
+                return None
+            if o.kind is not OpKind.LAST and r.shards[o.shard].mutates_input is not False:
+                return None
+            entries = frozenset(id(ref.entry) for p in parts for ref in p.frozen.values())
+            return entries or None
+
+        mine = fits(entry, op)
+        if mine is None:
+            return
+        # Groups no larger than the live tasks per device: every device gets a group (a
+        # group finishing makes its tasks ready together, so it stays one).
+        live = sum(1 for e in dispatcher._tasks.values() if e.error is None and e.runner.current)
+        limit = min(self.max_group, max(2, -(-live // max(1, len(dispatcher.workers)))))
+        extras = []
+        for e in dispatcher._tasks.values():
+            o = e.runner.current
+            if (
+                e is entry
+                or e.assigned is not None
+                or e.error is not None
+                or e.cancelled
+                or o is None
+                or o.kind is not op.kind
+                or o.shard != op.shard
+                or o.count != 1
+                or fits(e, o) != mine
+            ):
+                continue
+            extras.append((e, o))
+            if len(extras) + 1 >= limit:
+                break
+        if not extras:
+            return
+        for e, _ in extras:
+            e.assigned = w
+        group = [(entry, op), *extras]
+        a.run = lambda device: self._run(dispatcher, w, group, device)
+        lead_done = a.done
+
+        def done(a: Any, err: BaseException | None) -> None:
+            from tune_hydra.engine.workers import Assignment
+
+            # Every task of the group advanced before the next decision: their next ops
+            # are ready together, and run together again.
+            with dispatcher.hold():
+                for e, o in extras:
+                    one = Assignment(o, e.runner.store_of(o.shard), run=a.run, done=a.done)
+                    one.duration = a.duration / len(group)
+                    failed = err or self._errors.pop(e.name, None)
+                    one.left = 0 if failed else self._left.pop(e.name, 0)
+                    dispatcher._on_done(e, one, failed)
+                lead_done(a, err or self._errors.pop(entry.name, None))
+
+        a.done = done
+
+    def _run(self, dispatcher: Any, w: Any, group: list[Any], device: torch.device) -> None:
+        """The group's op on ``device``: the extra shards leased there, each runner's
+        prologue (as ``TaskRunner.execute``), one batched pass, each runner's epilogue."""
+        from tune_hydra.core.trace import TraceEvent
+
+        extras = group[1:]
+        leases = []
+        t0 = w.clock()
+        ok = False
+        try:
+            for e, o in extras:
+                if w.copy:
+                    dispatcher.note_carry(e, None)
+                store = e.runner.store_of(o.shard)
+                leases.append(w.lease(store))
+                store.begin_op(o.kind)
+            run_together([e.runner for e, _ in group], [o for _, o in group], device, self)
+            ok = True
+        finally:
+            for (e, o), lease in zip(extras, leases, strict=False):
+                store = e.runner.store_of(o.shard)
+                try:
+                    store.end_op(failed=not ok)
+                except BaseException as err:  # a shared frozen tensor it changed: its own
+                    self._errors[e.name] = err
+                lease.release()
+                if w.copy:
+                    self._left[e.name] = e.runner.carry_bytes(device)
+                w.trace.add(
+                    TraceEvent(
+                        w.label, o.task, o.shard, o.kind.value, t0, w.clock(), lease.moved,
+                        o.iteration, o.batch, self._left.get(e.name, 0),
+                    )
+                )  # fmt: skip
+
+
+def run_together(
+    runners: list[Any], ops: list[Any], device: torch.device, stats: SharedBatcher | None = None
+) -> None:
+    """Run each runner's ``op`` (a forward that is not the last shard's, or a
+    recomputing backward; one micro-batch; the same shard index) as one batched pass on
+    ``device``, with every ``TaskRunner.execute`` step around it per runner; one after
+    another where the group is not batchable there."""
+    from tune_hydra.core.ops import OpKind
+
+    with contextlib.ExitStack() as locks:
+        for r in sorted(runners, key=lambda r: r.name):
+            locks.enter_context(r._carry_lock)
+        todo = []
+        t0 = time.perf_counter()
+        for r, op in zip(runners, ops, strict=True):
+            if r._parked and r.host is not None:
+                r.host.unpark(r.name)
+            r._parked = False
+            r._ran += 1
+            shard = r.shards[op.shard]
+            r.stepper.step_pending(shard)
+            r._on_gpu = r._on_gpu or device.type == "cuda"
+            if op.kind is OpKind.FORWARD and op.shard == 0:
+                r._carries, r._targets = r.data.fetch_train(op.count)
+                if not r._carries:
+                    continue
+            todo.append((r, op))
+        try:
+            if len(todo) > 1 and todo[0][1].kind is not OpKind.LAST:
+                _batched_op(todo, device)
+                if stats is not None:
+                    stats.passes += 1
+                    stats.batched_ops += len(todo)
+            else:
+                _alone(todo, device)
+        except NotBatchableError:
+            _alone(todo, device)
+        spent = (time.perf_counter() - t0) / max(1, len(runners))
+        for r in runners:
+            r.device_time += spent
+
+
+def _alone(todo: list[Any], device: torch.device) -> None:
+    from tune_hydra.core.ops import OpKind
+
+    for r, op in todo:
+        shard = r.shards[op.shard]
+        if op.kind is OpKind.LAST:
+            r._losses.extend(r.stage.forward_loss(shard, device, r._carries, r._targets, op.batch))
+            r._targets = []
+        elif op.kind is OpKind.FORWARD:
+            r.stage.forward(shard, device, r._carries, op.batch)
+        else:
+            r.stage.backward(shard, device, r._carries, op.batch, op.count)
+
+
+def _batched_op(todo: list[Any], device: torch.device) -> None:
+    """One pass for every ``(runner, op)`` of ``todo``; raises NotBatchableError before
+    changing any runner's state when the group is not batchable."""
+    from tune_hydra.core.ops import OpKind
+    from tune_hydra.engine import rng
+    from tune_hydra.engine.boundary import SavedInput, detach, grads_of, to_device
+
+    shards = [r.shards[op.shard] for r, op in todo]
+    batched = BatchedShard([s.module for s in shards])
+    i = todo[0][1].shard
+    forward = todo[0][1].kind is OpKind.FORWARD
+    gens: list[torch.Generator | None] = []
+    starts = []
+    for r, _ in todo:
+        if forward:
+            start = rng.RngState(r.rng.cpu.clone(), r.rng.cuda)
+        else:
+            start = r.stage._rng_at[i][0]
+            if start is None:  # its forward drew nothing: nor does the recompute
+                start = rng.RngState(r.rng.cpu.clone(), r.rng.cuda)
+        g = torch.Generator()
+        g.set_state(start.cpu)
+        gens.append(g)
+        starts.append(start)
+    if forward:
+        inputs = [detach(to_device(r._carries[0], device), False) for r, _ in todo]
+        saved = [SavedInput(x, device) for x in inputs]
+        with torch.no_grad():
+            run = batched.forward(inputs, gens)
+        for k, ((r, _), s) in enumerate(zip(todo, shards, strict=True)):
+            after = gens[k]
+            assert after is not None
+            drew = not torch.equal(after.get_state(), starts[k].cpu)
+            if s.cpu_rng is None:
+                s.cpu_rng = drew
+            r.stage._inputs[i] = [saved[k]]
+            r.stage._outputs[i] = []
+            r.stage._rng_at[i] = [starts[k] if s.cpu_rng is not False else None]
+            r.rng.cpu = after.get_state()
+            r._carries[0] = run.outputs[k]
+        return
+    grads = [to_device(r._carries[0], device) for r, _ in todo]
+    for (r, op), s in zip(todo, shards, strict=True):
+        r.stepper.before_backward(s, op.batch)
+    inputs = [detach(r.stage._inputs[i][0].get(device), requires_grad=i > 0) for r, _ in todo]
+    real = [[mod._buffers[name] for mod, name in s.store.buffer_slots] for s in shards]
+    for s, bufs in zip(shards, real, strict=True):
+        for (mod, name), b in zip(s.store.buffer_slots, bufs, strict=True):
+            mod._buffers[name] = b.clone()
+    try:
+        with torch.enable_grad():
+            run = batched.forward(inputs, gens)
+    finally:
+        for s, bufs in zip(shards, real, strict=True):
+            for (mod, name), b in zip(s.store.buffer_slots, bufs, strict=True):
+                mod._buffers[name] = b
+    BatchedShard.backward(run, grads)
+    for k, ((r, op), s) in enumerate(zip(todo, shards, strict=True)):
+        r._carries[0] = grads_of(inputs[k]) if i > 0 else None
+        r.stepper.after_backward(s, op.batch)
+        for store in (r.stage._inputs, r.stage._outputs, r.stage._rng_at):
+            store.pop(i, None)
+
+
+__all__ = [
+    "BatchedRun",
+    "BatchedShard",
+    "SharedBatcher",
+    "is_lora_layer",
+    "run_together",
+    "why_not_batchable",
+]

@@ -462,6 +462,9 @@ class Dispatcher:
             carry_bytes=runner.carry_bytes if w.copy and entry.kept_on is None else None,
             start=(lambda: self.note_carry(entry, None)) if w.copy else None,
         )
+        batcher = getattr(self, "batcher", None)  # Engine(batch_shared=True)
+        if batcher is not None:  # other tasks' ops on the same shared shard run with it
+            batcher.widen(self, w, entry, op, a)
         entry.assigned = w
         if self.host.active and not w.copy:
             # A device that computes in host memory uses the host tensors themselves: they

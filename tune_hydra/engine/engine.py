@@ -25,6 +25,7 @@ import torch
 from tune_hydra.core.ops import Op
 from tune_hydra.core.policies import BasePolicy, get_policy
 from tune_hydra.core.trace import Trace
+from tune_hydra.engine.batched import SharedBatcher
 from tune_hydra.engine.dispatcher import Dispatcher
 from tune_hydra.engine.host import HostMemory
 from tune_hydra.engine.kept import KeptGraphs
@@ -77,6 +78,12 @@ class Engine:
         share_frozen: hold frozen tensors equal across tasks (a fine-tuning search's base)
             once in host memory (see ``tune_hydra.engine.frozen``); ``False``: each task
             keeps its own.
+        batch_shared: run the ops of several tasks that are ready together on the same
+            shared frozen shard (LoRA trials over one base) as one batched pass on one
+            device: the frozen layers once over their concatenated batches, each task's
+            adapters on its own rows (see ``tune_hydra.engine.batched``; off by default:
+            within 1e-12 relative of running them alone in float64, not always bitwise;
+            recompute mode only, no device budget or disk tier).
         options: the same options as one checked :class:`~tune_hydra.options.EngineOptions`
             (what the front ends build where the user gives them, and hand down as it is),
             instead of the keywords above (``Engine(options=opts)``; giving both is
@@ -124,6 +131,7 @@ class Engine:
         spill_dir: str | os.PathLike[str] | None = None,
         trace_window: int | None = DEFAULT_TRACE_WINDOW,
         share_frozen: bool = True,
+        batch_shared: bool = False,
         options: EngineOptions | None = None,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -146,6 +154,14 @@ class Engine:
         self.policy = get_policy(options.policy)
         gpu, recompute = any(d.type == "cuda" for d in self.devices), options.recompute
         self.recompute = (gpu or options.copy_on_cpu) if recompute is None else recompute
+        if batch_shared and not self.recompute:
+            raise InvalidOptionError(
+                "batch_shared",
+                batch_shared,
+                "the batched base runs recomputing ops only: give recompute=True (the "
+                "default on GPUs and with copy_on_cpu=True), or leave batch_shared off",
+                "Engine",
+            )
         n_cpu = sum(d.type == "cpu" for d in self.devices)
         labels = [
             f"cpu#{i}" if d.type == "cpu" and n_cpu > 1 else str(d)
@@ -186,6 +202,9 @@ class Engine:
         self._dispatcher = Dispatcher(
             self._registry.tasks, self._cv, self.workers, self.policy, self.host, kept, self.clock
         )
+        # Engine(batch_shared=True): its counts (passes, ops run in them) for the figures.
+        self.batcher = SharedBatcher() if batch_shared else None
+        self._dispatcher.batcher = self.batcher  # type: ignore[attr-defined]
 
     # -- options (read from the one EngineOptions) -----------------------------------------
 
