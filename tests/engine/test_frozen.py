@@ -13,6 +13,7 @@ from torch import nn
 
 import tune_hydra as th
 from tests.conftest import OPTIMIZERS, assert_same_model, batches
+from tune_hydra.core.ledger import DeviceLedger, state_of
 from tune_hydra.engine import Engine
 from tune_hydra.engine.frozen import FrozenPool, address, canonical_name, digest
 from tune_hydra.engine.partition import plan_shards
@@ -192,6 +193,45 @@ def test_the_base_spills_once_under_a_host_budget_below_base_and_adapters(
     written = [e for e in frozen_io if e.op == "to_disk"]
     assert written and any(e.op == "from_disk" for e in frozen_io), host
     assert sum(e.bytes_moved for e in written) <= base  # each entry written at most once
+    for name, task in tasks.items():
+        assert_alone(results[name], task, refs[name])
+
+
+def test_the_device_ledger_counts_a_shared_tensor_once_per_device() -> None:
+    """Shard 1 of two trials (one frozen Linear(32, 32): 8448 bytes, all shared) is
+    resident on one device with one copy of it: the device ledger counts it once, so
+    both fit a budget that held one before; unshared, they still count twice."""
+    budget = 8448 + 6000  # one shard 1 and its activations (4608 bytes)
+    for share in (True, False):
+        with engine(share_frozen=share) as eng:
+            for i in range(3):
+                eng.add_task(f"t{i}", trial(i), seed=SEED)
+            stores = [eng._registry.tasks[f"t{i}"].runner.store_of(1) for i in range(3)]
+            assert [s.state_bytes for s in stores] == [8448] * 3
+            ledger: DeviceLedger[Any, Any] = DeviceLedger(budget)
+            if share:
+                assert state_of(stores) == 8448 and ledger.need(stores) is None
+                for s in stores:
+                    ledger.hold(s)
+                assert ledger.usage().state == 8448
+                # Evicting one of them frees nothing while another uses the tensor.
+                assert ledger.victims(stores[:1], depth=2) == [stores[1]]
+            else:
+                assert state_of(stores) == 3 * 8448 and ledger.need(stores[:2])
+        head = [eng._registry.tasks[f"t{i}"].runner.store_of(3) for i in range(3)]
+        assert state_of(head) == sum(s.state_bytes for s in head)  # trainable: not shared
+
+
+def test_trials_sharing_a_base_under_a_device_budget_are_exact(tmp_path: Path) -> None:
+    """Under a device budget the plans barely fit (each shard's state twice, for the
+    prefetched one), the workers' ledgers counting a shared tensor once per device keep
+    the budget: the trace's replay stays within it, and each trial is exact as alone."""
+    tasks = {f"t{i}": trial(i, opt=["adam", "sgd", "adamw"][i]) for i in range(3)}
+    refs = {k: alone(t) for k, t in tasks.items()}
+    with engine(device_memory=24000) as eng:
+        results = train(eng, tasks, epochs=2)
+        trace = eng.trace
+    trace.validate(state_budget=24000)
     for name, task in tasks.items():
         assert_alone(results[name], task, refs[name])
 

@@ -2,7 +2,9 @@
 
 A :class:`DeviceLedger` holds a device's budget and what occupies the device:
 
-- resident shard states (least recently used first), each with its plan's state bytes;
+- resident shard states (least recently used first), each with its plan's state bytes
+  (a part several shards share, listed by their ``shared_parts``, counted once: see
+  :func:`state_of`);
 - reservations for the kept graphs of batches in flight (``recompute=False``): a batch's
   activations and boundary tensors are inside its reservation, not counted again;
 - boundary tensors (carries) that tasks left waiting for their next op. A task's own
@@ -78,6 +80,22 @@ class Footprint(Protocol):
     def activation_bytes(self) -> int:
         """The most bytes beside its state while one of its ops runs."""
         ...
+
+
+def state_of(shards: Iterable[Footprint]) -> int:
+    """The state bytes of ``shards`` resident together: a part several of them share (a
+    frozen tensor held once per device for every task using it, listed by a shard's
+    optional ``shared_parts`` attribute as ``(key, bytes)`` pairs inside its ``state_bytes``)
+    counted once."""
+    total = 0
+    parts: dict[object, int] = {}
+    for s in shards:
+        shared = getattr(s, "shared_parts", ())
+        total += s.state_bytes
+        for key, nbytes in shared:
+            total -= nbytes
+            parts[key] = nbytes
+    return total + sum(parts.values())
 
 
 class Waiting(Protocol):
@@ -187,7 +205,7 @@ class DeviceLedger(Generic[S, C]):
 
     def usage(self, running: S | None = None) -> Usage:
         """What the device holds now while ``running``'s op runs (``None``: none runs)."""
-        state = sum(s.state_bytes for s in self.resident.values())
+        state = state_of(self.resident.values())
         if running is None:
             return self._usage(state, None, 0, carries=True)
         return self._usage(state, running.name[0], running.activation_bytes, carries=True)
@@ -204,7 +222,7 @@ class DeviceLedger(Generic[S, C]):
         if self.budget is None:
             return None
         unique = {id(s): s for s in keep}.values()
-        need = sum(s.state_bytes for s in unique) + self.peak(unique, carries)
+        need = state_of(unique) + self.peak(unique, carries)
         return None if need <= self.budget else need - self.budget
 
     def admits(self, nbytes: int, room: int, queued: Sequence[S]) -> bool:
@@ -227,7 +245,7 @@ class DeviceLedger(Generic[S, C]):
         for s in [incoming, *queued]:
             if s is not None:
                 stores[id(s)] = s
-        state = sum(s.state_bytes for s in stores.values())
+        state = state_of(stores.values())
         if not queued:
             return self._usage(state, None, 0, carries=True).total - self.budget
         nxt = queued[0]
@@ -247,11 +265,11 @@ class DeviceLedger(Generic[S, C]):
         that run before, then the incoming shard) is resident with at most ``depth``
         states here and, with what could not be parked, within the budget."""
         keep_ids = {id(s) for s in keep}
-        state = sum({id(s): s.state_bytes for s in keep}.values())
         beside = self.peak(keep, carries=True)
         others = [s for k, s in self.resident.items() if k not in keep_ids]
+        staying = {id(s): s for s in [*keep, *others]}
         count = len(keep_ids | set(self.resident))
-        state += sum(s.state_bytes for s in others)
+        state = state_of(staying.values())
         out = []
         for s in others:
             over = self.budget is not None and state + beside > self.budget
@@ -259,7 +277,9 @@ class DeviceLedger(Generic[S, C]):
                 break
             out.append(s)
             count -= 1
-            state -= s.state_bytes
+            del staying[id(s)]
+            # A shared part stays while another staying shard lists it.
+            state = state_of(staying.values())
         return out
 
     # -- host side ------------------------------------------------------------------------
@@ -292,4 +312,4 @@ class DeviceLedger(Generic[S, C]):
         )
 
 
-__all__ = ["DeviceLedger", "Footprint", "Usage", "Waiting"]
+__all__ = ["DeviceLedger", "Footprint", "Usage", "Waiting", "state_of"]

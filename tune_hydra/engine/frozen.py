@@ -66,8 +66,19 @@ by it) for every task resident there (:meth:`FrozenPool.to_device`, refcounted: 
 last store to leave frees it), so the trace's ``copy_in`` shows a shared tensor copied
 once per residency; it is never copied back (the host tensor keeps the values). With
 CUDA, a later user's stream waits on an event recorded after the copy. The device ledger
-still counts the tensor in every resident shard's plan bytes (conservative: the budget
-holds, the device is used less than counted). A task that writes a shared device copy
+counts it once per device while any resident shard uses it: a store lists its pool
+tensors inside its plan's state bytes (``ShardStore.shared_parts``, ``(ledger key,
+bytes)``; a ``LinkedStore`` its parts' too), and ``tune_hydra.core.ledger.state_of``
+sums resident, queued and incoming states with each listed part once (evicting a shard
+frees its shared part only if no staying shard lists it). So shard k of several trials
+fits beside each other where the sum of their plans would not. The trace's replay
+(``Trace.validate``) counts each ``copy_in``'s bytes: a shared tensor already on the
+device is not in a later copy's bytes, but the first copier's ``copy_out`` releases it
+in the replay while another resident shard still uses it, so the replay can count less
+than the worker did, never more (no false failure). Making it exact needs the copy
+events to list their shared parts (a ``TraceEvent`` field the workers would fill):
+not done. A worker keeps at most ``depth`` (2 with prefetch) states resident, so on the
+engine the gain is in which pairs fit, not in more than two. A task that writes a shared device copy
 has it repaired from the host tensor before it fails, so the tasks resident with it
 (whose ops run after it on that device) are unaffected. A write into the host tensor
 itself (a CPU "device" without copies, ``copy_on_cpu=False``, or a module writing

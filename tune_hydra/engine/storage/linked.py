@@ -24,7 +24,7 @@ from torch import nn
 
 from tune_hydra.core.ops import OpKind
 from tune_hydra.engine.storage.residency import Residency
-from tune_hydra.engine.storage.store import ShardStore
+from tune_hydra.engine.storage.store import ShardStore, shared_parts
 
 
 class LinkedStore:
@@ -55,6 +55,11 @@ class LinkedStore:
         # The plan counts a shared parameter in every shard that uses it: conservative
         # while both are resident, exact when only one is.
         return self.own.state_bytes
+
+    @property
+    def shared_parts(self) -> tuple[tuple[object, int], ...]:
+        """The frozen pool's tensors its parts use (see ``ShardStore.shared_parts``)."""
+        return shared_parts([self.own, *self.shared], self.own.state_bytes)
 
     @property
     def activation_bytes(self) -> int:

@@ -179,6 +179,14 @@ class ShardStore:
         return sum(r.entry.nbytes for r in self._frozen.values())
 
     @property
+    def shared_parts(self) -> tuple[tuple[object, int], ...]:
+        """The frozen pool's tensors inside :attr:`state_bytes`, as ``(key, bytes)``: one
+        device copy serves every resident shard using them, so the device ledger counts
+        each once (``tune_hydra.core.ledger.state_of``). Empty if they would exceed the
+        plan's state bytes (then counted as the plan says: conservative)."""
+        return shared_parts([self], self.state_bytes)
+
+    @property
     def frozen(self) -> dict[int, FrozenRef]:
         """Parameter index -> its reference into the frozen pool."""
         return self._frozen
@@ -910,6 +918,18 @@ class ShardStore:
             self._event.synchronize()
             self._event = None
             self._tier.flush()
+
+
+def shared_parts(stores: list[ShardStore], state_bytes: int) -> tuple[tuple[object, int], ...]:
+    """The frozen pool entries ``stores`` use, each once, as ``(ledger key, bytes)``;
+    empty if they add up to more than ``state_bytes``."""
+    parts: dict[object, int] = {}
+    for store in stores:
+        for ref in list(store._frozen.values()):
+            parts[ref.entry.ledger_key] = ref.entry.nbytes
+    if sum(parts.values()) > state_bytes:
+        return ()
+    return tuple(parts.items())
 
 
 def _changed_by_step(ref: weakref.ReferenceType[ShardStore]) -> Any:
