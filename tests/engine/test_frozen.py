@@ -15,8 +15,9 @@ import tune_hydra as th
 from tests.conftest import OPTIMIZERS, assert_same_model, batches
 from tune_hydra.core.ledger import DeviceLedger, state_of
 from tune_hydra.engine import Engine
-from tune_hydra.engine.frozen import FrozenPool, address, canonical_name, digest
+from tune_hydra.engine.frozen import FrozenPool, address, canonical_name, digest, lazy_clone
 from tune_hydra.engine.partition import plan_shards
+from tune_hydra.engine.storage.disk import _bytes_of
 from tune_hydra.exceptions import (
     FrozenTensorModifiedError,
     ShardTooLargeError,
@@ -303,6 +304,40 @@ def test_a_task_leaving_drops_its_references() -> None:
         assert not pool.entries()
     for name in ("t1", "t2"):
         assert_alone(results[name], tasks[name], refs[name])
+
+
+def test_a_finished_trials_base_is_untouched_when_the_pool_spills_it(tmp_path: Path) -> None:
+    """A trial leaves (its model shares the pool's tensors copy-on-write), then the pool
+    writes every entry to disk: neither side is copied for the write, the finished model
+    keeps its values, and the others read the base back and go on exactly."""
+    tasks = {f"t{i}": trial(i) for i in range(3)}
+    refs = {k: alone(t) for k, t in tasks.items()}
+    with engine(tmp_path) as eng:
+        first = train(eng, tasks, epochs=1)
+        pool = eng._registry.frozen
+        eng.remove_task("t0")
+        mine = addresses(tasks["t0"].model)
+        values = {n: p.detach().clone() for n, p in tasks["t0"].model.named_parameters()}
+        for name in ("t1", "t2"):  # their states home from the devices
+            eng._dispatcher.offload(eng._registry.tasks[name])
+        for entry in pool.entries():
+            assert pool.try_spill(entry, eng.host), entry.name
+            assert entry.on_disk
+        assert addresses(tasks["t0"].model) == mine
+        more = {n: eng.train(n, 1) for n in ("t1", "t2")}
+        results = {n: first[n] + f.result(timeout=120) for n, f in more.items()}
+    for n, p in tasks["t0"].model.named_parameters():
+        assert torch.equal(p, values[n]), n
+    for name in ("t1", "t2"):
+        assert_alone(results[name], tasks[name], refs[name])
+
+
+def test_a_copy_on_write_tensor_is_written_to_disk_without_a_copy() -> None:
+    a = torch.randn(100, dtype=torch.float64)
+    c = lazy_clone(a)
+    data = _bytes_of(a)
+    assert address(a) == address(c)  # numpy() would have copied a's side
+    assert bytes(data) == bytes(c.clone().view(torch.uint8).numpy())
 
 
 def test_trainable_tensors_shared_between_tasks_stay_refused() -> None:

@@ -39,6 +39,7 @@ hand).
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import logging
 import mmap
@@ -106,6 +107,11 @@ def read_at(fd: int, out: memoryview, offset: int) -> None:
 
 def _bytes_of(t: torch.Tensor) -> memoryview:
     flat = t.detach().contiguous().reshape(-1).view(torch.uint8)
+    if flat.numel() and torch._C._is_cow_tensor(flat):  # type: ignore[attr-defined]
+        # A frozen pool tensor a finished task's model shares copy-on-write: numpy()
+        # asks for a writable pointer, which would copy it; the write only reads it.
+        address = int(torch._C._data_address(flat))  # type: ignore[attr-defined]
+        return memoryview((ctypes.c_char * flat.numel()).from_address(address)).cast("B")
     return memoryview(flat.numpy())  # type: ignore[arg-type]
 
 
