@@ -13,14 +13,25 @@ GEMMs dominate (hidden 768 by default: a block's frozen GEMMs are ``hidden x hid
 and ``hidden x 2*hidden``, the adapters' ``hidden x r``). Reports samples/s of each and
 the median of the per-round ratios.
 
+``--engine``: the same 8 trials through the engine instead (a ``lora_base.py``-style
+search: a Llama of hidden 256, 6 layers, vocab 4000 saved and loaded with
+``from_pretrained``, AdamW, 4 batches of 4 x 32 tokens, one epoch; 2 emulated copying
+CPU devices, ``max_layers_per_shard=2``), ``Engine(batch_shared=True)`` vs ``False``,
+each run in a fresh process, the two interleaved: samples/s and the batched passes.
+
 Run: ``python benchmarks/lora_batched.py`` (``--tiny`` for the tests; ``--hidden``,
-``--layers``, ``--trials``, ``--batch``, ``--seq``, ``--rounds`` to size it).
+``--layers``, ``--trials``, ``--batch``, ``--seq``, ``--rounds`` to size it;
+``--engine`` for the engine's figures).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from typing import Any
 
@@ -133,6 +144,107 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
+def engine_run(args: argparse.Namespace, batched: bool) -> dict[str, Any]:
+    """One engine search (in this process): the trials of ``args.folder``, one epoch."""
+    import peft
+    import torch
+    import transformers
+
+    import tune_hydra as th
+    from tune_hydra.engine import Engine
+
+    tasks = []
+    for i in range(args.trials):
+        base = transformers.LlamaForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
+        torch.manual_seed(i)
+        cfg = peft.LoraConfig(
+            task_type="CAUSAL_LM",
+            r=[2, 4, 8, 16][i % 4],
+            lora_alpha=[4, 8, 16, 32][(i + 1) % 4],
+            target_modules=TARGETS[i % len(TARGETS)],
+            lora_dropout=0.0,
+        )
+        g = torch.Generator().manual_seed(i)
+        data = []
+        for _ in range(args.batches):
+            ids = torch.randint(1, args.vocab, (args.batch, args.seq), generator=g)
+            data.append({"input_ids": ids, "labels": ids.clone()})
+        lr = [1e-3, 3e-3, 1e-2, 3e-4][i % 4]
+        model = peft.get_peft_model(base, cfg)
+        tasks.append(th.ModelTask(model, None, lambda p, lr=lr: torch.optim.AdamW(p, lr=lr), data))
+    with Engine(
+        ["cpu", "cpu"],
+        copy_on_cpu=True,
+        max_layers_per_shard=args.cut,
+        policy="lrtf",
+        batch_shared=batched,
+    ) as eng:
+        for i, task in enumerate(tasks):
+            eng.add_task(f"t{i}", task, seed=i)
+        t0 = time.perf_counter()
+        futures = [eng.train(f"t{i}", 1) for i in range(args.trials)]
+        for f in futures:
+            f.result(timeout=3600)
+        wall = time.perf_counter() - t0
+        copied = sum(e.bytes_moved for e in eng.trace.events if e.op == "copy_in")
+        passes = eng.batcher.passes if eng.batcher is not None else 0
+        ops = eng.batcher.batched_ops if eng.batcher is not None else 0
+    return {
+        "batched": batched,
+        "samples_per_s": args.trials * args.batches * args.batch / wall,
+        "copied_per_step": copied / args.batches,
+        "passes": passes,
+        "batched_ops": ops,
+    }
+
+
+def engine_main(args: argparse.Namespace) -> int:
+    """``--engine``: batch_shared on vs off, each in a fresh process, interleaved."""
+    import torch
+    import transformers
+
+    runs: dict[bool, list[dict[str, Any]]] = {False: [], True: []}
+    with tempfile.TemporaryDirectory() as folder:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=args.layers,
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 2,
+            num_attention_heads=4,
+            num_key_value_heads=4,
+            vocab_size=args.vocab,
+            max_position_embeddings=max(64, args.seq),
+        )
+        torch.manual_seed(0)
+        transformers.LlamaForCausalLM(config).save_pretrained(folder)
+        for r in range(args.rounds):
+            for batched in (False, True) if r % 2 == 0 else (True, False):
+                cmd = [sys.executable, __file__, "--one-engine", str(int(batched))]
+                cmd += ["--folder", folder, "--trials", str(args.trials)]
+                cmd += ["--batches", str(args.batches), "--batch", str(args.batch)]
+                cmd += ["--seq", str(args.seq), "--vocab", str(args.vocab)]
+                cmd += ["--cut", str(args.cut)]
+                out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+                runs[batched].append(json.loads(out.strip().splitlines()[-1]))
+    print(
+        f"engine: {args.trials} LoRA trials, Llama hidden {args.hidden}, {args.layers} "
+        f"layers, {args.batches} batches of {args.batch} x {args.seq} tokens, 2 emulated "
+        f"copying CPU devices, max_layers_per_shard={args.cut}, float32"
+    )
+    for batched in (False, True):
+        rs = runs[batched]
+        sps = ", ".join(f"{x['samples_per_s']:.1f}" for x in rs)
+        mib = ", ".join(f"{x['copied_per_step'] / 2**20:.0f}" for x in rs)
+        label = "batch_shared=True " if batched else "batch_shared=False"
+        extra = f"; {rs[0]['passes']} batched passes of {rs[0]['batched_ops']} ops" * batched
+        print(f"{label}: samples/s {sps}; copied per step {mib} MiB{extra}")
+    ratio = statistics.median(
+        b["samples_per_s"] / a["samples_per_s"]
+        for a, b in zip(runs[False], runs[True], strict=True)
+    )
+    print(f"engine batched / not: {ratio:.2f}x (median of {args.rounds} pairs)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tiny", action="store_true", help="a seconds-long run (the tests)")
@@ -143,7 +255,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--engine", action="store_true", help="the engine's figures")
+    parser.add_argument("--batches", type=int, default=4, help="--engine: batches per trial")
+    parser.add_argument("--cut", type=int, default=2, help="--engine: max_layers_per_shard")
+    parser.add_argument("--one-engine", help=argparse.SUPPRESS)
+    parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.one_engine is not None:
+        print(json.dumps(engine_run(args, args.one_engine == "1")))
+        return 0
+    if args.engine:
+        if args.tiny:
+            args.hidden, args.layers, args.vocab, args.trials = 32, 2, 100, 3
+            args.batches, args.batch, args.seq, args.rounds = 2, 2, 8, 1
+        else:  # lora_base.py's search, unless sized otherwise
+            args.hidden = 256 if args.hidden == 768 else args.hidden
+            args.layers = 6 if args.layers == 2 else args.layers
+            args.vocab = 4000 if args.vocab == 1000 else args.vocab
+            args.batch = 4 if args.batch == 2 else args.batch
+            args.seq = 32 if args.seq == 64 else args.seq
+            args.rounds = 2 if args.rounds == 6 else args.rounds
+        return engine_main(args)
     if args.tiny:
         args.hidden, args.layers, args.vocab, args.trials, args.batch, args.seq = (
             32,

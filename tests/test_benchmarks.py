@@ -37,6 +37,9 @@ def test_lora_batched_tiny() -> None:
     out = _run("lora_batched.py", "--tiny", timeout=300)
     assert "one after another:" in out and "batched:" in out
     assert float(out.split("batched / one after another: ")[1].split("x")[0]) > 0
+    out = _run("lora_batched.py", "--engine", "--tiny", timeout=600)
+    passes = int(out.split("batch_shared=True : ")[1].split("; ")[2].split()[0])
+    assert passes > 0 and "engine batched / not: " in out  # the engine batched ops
 
 
 def test_overhead_quick() -> None:
