@@ -164,8 +164,9 @@ def deep_trial(i: int, opt: str) -> th.ModelTask:
     )
 
 
+@pytest.mark.parametrize("copy", [True, False], ids=["copying", "in-place"])
 def test_the_base_spills_once_under_a_host_budget_below_base_and_adapters(
-    tmp_path: Path,
+    tmp_path: Path, copy: bool
 ) -> None:
     """Four trials under a host budget below their shared base alone (and 4x the largest
     frozen tensor, the strict bound with 2 devices): the pool's entries go to disk (each
@@ -179,7 +180,7 @@ def test_the_base_spills_once_under_a_host_budget_below_base_and_adapters(
     with Engine(
         ["cpu", "cpu"],
         max_layers_per_shard=2,
-        copy_on_cpu=True,
+        copy_on_cpu=copy,
         policy="lrtf",
         host_memory=budget,
         spill_dir=tmp_path,

@@ -17,7 +17,8 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   (``ShardStore.share_frozen``), so it is neither counted nor spilled with them.
 - **Spilled once**: with a host budget the disk tier spills an entry as it spills a
   state (``HostMemory._victims``: as hot as the hottest store using it) when no store
-  using it is on a device, computing in place or being promoted
+  using it is on a device, computing (busy; one lent in place to a CPU device between
+  its ops may) or being promoted
   (:meth:`FrozenPool.try_spill` takes every user's lock without waiting, then writes
   the entry to a spill file of its own, once: its values never change, so later spills
   write nothing, and points every user at a view of that file; the ledger drops it). A

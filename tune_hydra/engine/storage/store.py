@@ -335,8 +335,9 @@ class ShardStore:
 
     @property
     def at_home(self) -> bool:
-        """Whether no device uses the live tensors (at home or on disk)."""
-        return self._residency.state in (Residency.HOST, Residency.DISK, Residency.RETIRED)
+        """Whether no device holds copies of the live tensors (at home, on disk, or lent
+        in place to a CPU device: not in use unless busy, see ``HostAccount.busy``)."""
+        return self._residency.state is not Residency.DEVICE
 
     def _frozen_home(self, i: int) -> None:
         ref = self._frozen[i]
@@ -583,6 +584,9 @@ class ShardStore:
             if loading and self.host is not None:
                 self.host.note_wait(self, owner, start)
             if not copy and self._residency.lends(device, owner):
+                if any(ref.entry.on_disk for ref in self._frozen.values()):
+                    # The pool spilled a shared tensor between its ops: back into RAM.
+                    self.host_frozen_pinned(self._frozen_ready(), -1)
                 return 0  # in use in place there already: the common case on a CPU device
             if self._residency.state is Residency.DISK:
                 start = time.perf_counter()
@@ -630,36 +634,38 @@ class ShardStore:
         if stream is None:
             self._synchronize()
         pinned = self._frozen_ready()  # before any tensor moves: it may raise
-        moved = 0
-        ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
-        with ctx:
-            if self._event is not None and stream is not None:
-                stream.wait_event(self._event)
-            # Read every live tensor first: _set on a parameter detaches its grad.
-            live = list(self._live())
-            grads = {key: t for key, t in live if key[0] == "g"}
-            for key, host in live:
-                if key[0] == "g":
-                    continue
-                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-                dev.copy_(host, non_blocking=self._tier.pinned)
-                moved += host.numel() * host.element_size()
-                self._set(key, dev)
-            for key, host in grads.items():
-                dev = torch.empty(host.shape, dtype=host.dtype, device=device)
-                dev.copy_(host, non_blocking=self._tier.pinned)
-                moved += host.numel() * host.element_size()
-                self._set(key, dev)
-            for i, ref in self._frozen.items():
-                # One copy per device for every task resident there (never copied back:
-                # the pool's host tensor keeps the values).
-                dev, copied, key = ref.pool.to_device(ref.entry, device, owner, stream)
-                self._frozen_dev[i] = key
-                moved += copied
-                p = self.params[i]
-                p.data = dev
-                self._frozen_live[i] = (dev, p._version)
-        self.host_frozen_pinned(pinned, -1)  # on the device now: its copy keeps it there
+        try:
+            moved = 0
+            ctx = torch.cuda.stream(stream) if stream is not None else _nullctx()
+            with ctx:
+                if self._event is not None and stream is not None:
+                    stream.wait_event(self._event)
+                # Read every live tensor first: _set on a parameter detaches its grad.
+                live = list(self._live())
+                grads = {key: t for key, t in live if key[0] == "g"}
+                for key, host in live:
+                    if key[0] == "g":
+                        continue
+                    dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+                    dev.copy_(host, non_blocking=self._tier.pinned)
+                    moved += host.numel() * host.element_size()
+                    self._set(key, dev)
+                for key, host in grads.items():
+                    dev = torch.empty(host.shape, dtype=host.dtype, device=device)
+                    dev.copy_(host, non_blocking=self._tier.pinned)
+                    moved += host.numel() * host.element_size()
+                    self._set(key, dev)
+                for i, ref in self._frozen.items():
+                    # One copy per device for every task resident there (never copied back:
+                    # the pool's host tensor keeps the values).
+                    dev, copied, key = ref.pool.to_device(ref.entry, device, owner, stream)
+                    self._frozen_dev[i] = key
+                    moved += copied
+                    p = self.params[i]
+                    p.data = dev
+                    self._frozen_live[i] = (dev, p._version)
+        finally:  # on the device now (its copy keeps it there), or failed
+            self.host_frozen_pinned(pinned, -1)
         residency.arrive(device, owner)
         self._host_copy = host_copy
         self._sig = self._signature() if host_copy or self._file_valid else None
