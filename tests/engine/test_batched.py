@@ -380,3 +380,36 @@ def test_engine_batch_shared_needs_recompute() -> None:
 
     with pytest.raises(InvalidOptionError, match="recomputing ops only"):
         Engine(["cpu"], recompute=False, batch_shared=True)
+
+
+def test_engine_group_not_batchable_runs_each_alone(tmp_path: Path) -> None:
+    """A base with dropout: the tasks' ops on a shared shard are grouped, found not
+    batchable on the device, and run one after another in their assignment, bit for
+    bit as each trained alone (no batched pass)."""
+    import tune_hydra as th
+    from tune_hydra.engine import Engine
+
+    torch.manual_seed(0)
+    transformers.AutoModelForCausalLM.from_config(config("gpt2", 0.1)).save_pretrained(tmp_path)
+    tasks = {f"t{i}": lora_task("gpt2", tmp_path, i) for i in range(3)}
+    refs = {
+        k: th.ModelTask(copy.deepcopy(t.model), None, t.optimizer, t.train_data)
+        for k, t in tasks.items()
+    }
+    with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
+        for name, task in tasks.items():
+            eng.add_task(name, task, seed=3)
+        futures = {name: eng.train(name, 1) for name in tasks}
+        results = {name: f.result(timeout=600) for name, f in futures.items()}
+        assert eng.batcher is not None and eng.batcher.passes == 0
+    for name, task in tasks.items():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads // 2))
+        try:
+            want = th.train_plain(refs[name], 1, seed=3)
+        finally:
+            torch.set_num_threads(threads)
+        assert [r["loss"] for r in results[name]] == [w["loss"] for w in want]
+        mine = dict(task.model.named_parameters())
+        for n, p in refs[name].model.named_parameters():
+            assert torch.equal(mine[n], p), n
