@@ -15,7 +15,8 @@ process, and reports:
 - RSS growth once every trial finished (left the engine), the users' models kept.
 
 Run: ``python benchmarks/lora_base.py`` (``--tiny`` for the tests; ``--hidden``,
-``--layers``, ``--trials``, ``--batches`` to size it).
+``--layers``, ``--trials``, ``--batches`` to size it; ``--host-mib`` for a host budget with
+the disk tier below it).
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def one(args: argparse.Namespace, share: bool) -> dict[str, Any]:
             ["cpu", "cpu"],
             copy_on_cpu=True,
             max_layers_per_shard=args.cut,
-            host_memory=64 * 2**30,  # never reached: the ledger counts, nothing is spilled
+            # 64 GiB is never reached: the ledger counts, nothing is spilled.
+            host_memory=int(args.host_mib * 2**20) if args.host_mib else 64 * 2**30,
             spill_dir=spill,
             share_frozen=share,
             policy="lrtf",
@@ -138,7 +140,8 @@ def one(args: argparse.Namespace, share: bool) -> dict[str, Any]:
         trained = rss()
         copied = sum(e.bytes_moved for e in eng.trace.events if e.op == "copy_in")
         spilled = sum(e.bytes_moved for e in eng.trace.events if e.op == "copy_out")
-        peak = eng.summary()["host"]["peak_held_bytes"]
+        host = eng.summary()["host"]
+        peak = host["peak_held_bytes"]
         # All trials finish (leave the engine), their models kept: shared, a finished
         # model reads the pool's base until the user writes it (no copy per trial).
         for i in range(args.trials):
@@ -157,6 +160,8 @@ def one(args: argparse.Namespace, share: bool) -> dict[str, Any]:
         "copied_per_step": copied / args.batches,
         "copied_back_per_step": spilled / args.batches,
         "samples_per_s": samples / wall,
+        "written_per_step": host["written_bytes"] / args.batches,
+        "read_per_step": host["read_bytes"] / args.batches,
         "wall_s": wall,
     }
 
@@ -175,6 +180,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batches", type=int, default=4)
     parser.add_argument("--seq", type=int, default=32)
     parser.add_argument("--cut", type=int, default=2, help="max_layers_per_shard")
+    parser.add_argument(
+        "--host-mib", type=float, help="host_memory in MiB (default: never reached)"
+    )
     parser.add_argument("--one", choices=["shared", "unshared"], help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     parser.add_argument("--base-bytes", help=argparse.SUPPRESS)
@@ -200,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
             cmd += ["--layers", str(args.layers), "--vocab", str(args.vocab)]
             cmd += ["--trials", str(args.trials), "--batches", str(args.batches)]
             cmd += ["--seq", str(args.seq), "--cut", str(args.cut)]
+            if args.host_mib:
+                cmd += ["--host-mib", str(args.host_mib)]
             env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), *sys.path]))
             proc = subprocess.run(cmd, capture_output=True, text=True, check=False, env=env)
             if proc.returncode:
@@ -212,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
         f"(hidden {args.hidden}, {args.layers} layers), 2 emulated copying devices"
     )
     print(f"target B + trials x (adapter + grads + AdamW): {mib(s['target'])}")
+    if args.host_mib:
+        print(f"host_memory: {args.host_mib} MiB (the disk tier below it)")
     print(f"{'':28}{'shared':>14}{'not shared':>14}{'ratio':>8}")
     for label, key in (
         ("host ledger, registered", "held"),
@@ -221,6 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         ("RSS growth, all finished", "rss_growth_finished"),
         ("copied to devices per step", "copied_per_step"),
         ("copied back per step", "copied_back_per_step"),
+        ("written to disk per step", "written_per_step"),
+        ("read from disk per step", "read_per_step"),
     ):
         print(f"{label:28}{mib(s[key])}{mib(u[key])}{u[key] / max(1, s[key]):7.2f}x")
     print(

@@ -4,6 +4,7 @@ task still trains exactly as alone with its own copy."""
 from __future__ import annotations
 
 import copy
+import time
 from pathlib import Path
 from typing import Any
 
@@ -309,8 +310,9 @@ def test_a_task_leaving_drops_its_references() -> None:
 
 def test_a_finished_trials_base_is_untouched_when_the_pool_spills_it(tmp_path: Path) -> None:
     """A trial leaves (its model shares the pool's tensors copy-on-write), then the pool
-    writes every entry to disk: neither side is copied for the write, the finished model
-    keeps its values, and the others read the base back and go on exactly."""
+    writes every entry to disk while the other trials' shards are still resident on the
+    devices: neither side is copied for the write, the finished model keeps its values,
+    and the others read the base back and go on exactly."""
     tasks = {f"t{i}": trial(i) for i in range(3)}
     refs = {k: alone(t) for k, t in tasks.items()}
     with engine(tmp_path) as eng:
@@ -319,10 +321,15 @@ def test_a_finished_trials_base_is_untouched_when_the_pool_spills_it(tmp_path: P
         eng.remove_task("t0")
         mine = addresses(tasks["t0"].model)
         values = {n: p.detach().clone() for n, p in tasks["t0"].model.named_parameters()}
-        for name in ("t1", "t2"):  # their states home from the devices
-            eng._dispatcher.offload(eng._registry.tasks[name])
+        # Their shards may stay resident on the devices (not in use): only the pool's
+        # host tensors go to disk; the device copies stay.
+        assert any(entry.devices for entry in pool.entries())
         for entry in pool.entries():
-            assert pool.try_spill(entry, eng.host), entry.name
+            deadline = time.monotonic() + 10
+            # A prefetch the copy threads still make may hold a store's lock a moment.
+            while not pool.try_spill(entry, eng.host):
+                assert time.monotonic() < deadline, entry.name
+                time.sleep(0.01)
             assert entry.on_disk
         assert addresses(tasks["t0"].model) == mine
         more = {n: eng.train(n, 1) for n in ("t1", "t2")}

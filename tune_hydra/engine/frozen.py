@@ -17,15 +17,17 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   (``ShardStore.share_frozen``), so it is neither counted nor spilled with them.
 - **Spilled once**: with a host budget the disk tier spills an entry as it spills a
   state (``HostMemory._victims``: as hot as the hottest store using it) when no store
-  using it is on a device, computing (busy; one lent in place to a CPU device between
-  its ops may) or being promoted
+  using it is computing (busy) or being promoted, and no CUDA copy still reads it (a
+  store resident on a device between its ops keeps its device copy: only the host
+  tensor goes)
   (:meth:`FrozenPool.try_spill` takes every user's lock without waiting, then writes
   the entry to a spill file of its own, once: its values never change, so later spills
   write nothing, and points every user at a view of that file; the ledger drops it). A
   new entry with no room even then goes to disk at once (its task is not registered
   yet). A store about to visit pins its entries and reads those on disk back once
   (:meth:`FrozenPool.load`, counted again; other users are pointed at the RAM copy as
-  they next move, reading equal values from the view until then). A task leaving while
+  they next move, reading equal values from the view until then; a store promoted
+  where the entry's device copy already is reads it back all the same). A task leaving while
   its entry is on disk gets a RAM copy (a write into the shared mapping would reach
   the file).
 - **Every kind of task**: a ``ModelTask`` at ``add_task``, and a runner that trains a
@@ -502,7 +504,7 @@ class FrozenPool:
                 and not entry.on_disk
                 and not entry.failed
                 and not entry.pins
-                and not entry.devices
+                and not _copying(entry)
             )
 
     def try_spill(self, entry: FrozenEntry, host: Any, *, fresh: bool = False) -> bool:
@@ -527,10 +529,13 @@ class FrozenPool:
                 if not store.lock.acquire(blocking=False):
                     return False
                 taken.append(store)
-            if any((not fresh and host.busy(s)) or not s.at_home for s in stores):
+            # A store resident on a device but not in use may stay there: its device copy
+            # is the pool's, never copied back, and its host tensor is read again only at
+            # its next promotion (which pins the entry and reads it back first).
+            if not fresh and any(host.busy(s) for s in stores):
                 return False
             with self._lock:  # promotions take their stores' locks first: none now
-                if not (entry.live and not entry.on_disk and not entry.pins and not entry.devices):
+                if not (entry.live and not entry.on_disk and not entry.pins) or _copying(entry):
                     return False
                 refs = list(entry.refs)
             key = ("f",)
@@ -639,6 +644,11 @@ class FrozenPool:
                 self.host.drop(entry.ledger_key, (ref.task, -1))
             if entry.file is not None and last:
                 entry.file.close()
+
+
+def _copying(entry: FrozenEntry) -> bool:
+    """Whether a CUDA copy from ``entry``'s host tensor may still be reading it."""
+    return any(slot[2] is not None and not slot[2].query() for slot in entry.devices.values())
 
 
 def shared_on_device(store: Any, worker: Any) -> int:

@@ -267,8 +267,10 @@ class ShardStore:
                 ref.pool.release(ref, p, keep=True)
                 self._tier.keep(("p", i), p.data)
             else:
-                # On a device: the entry's tensor is its host buffer, filled at demotion.
-                self._tier.keep(("p", i), ref.entry.host)
+                # On a device: the entry's tensor is its host buffer, filled at demotion
+                # (a RAM copy of one on disk: the store writes its buffer).
+                host = ref.entry.host
+                self._tier.keep(("p", i), host.clone() if ref.entry.on_disk else host)
                 self._changed()
                 ref.pool.release(ref, p, keep=True)
             self._home = None
@@ -302,6 +304,8 @@ class ShardStore:
         the caller holds its lock)."""
         ref = self._frozen[index]
         p = self.params[index]
+        if self._residency.state is Residency.DEVICE:
+            return  # its device copy stays; its demotion points it at the entry's tensor
         if p.data is not ref.entry.host:
             p.data = ref.entry.host
             self._frozen_live[index] = (ref.entry.host, p._version)
