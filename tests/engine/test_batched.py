@@ -413,3 +413,68 @@ def test_engine_group_not_batchable_runs_each_alone(tmp_path: Path) -> None:
         mine = dict(task.model.named_parameters())
         for n, p in refs[name].model.named_parameters():
             assert torch.equal(mine[n], p), n
+
+
+class AdapterBoom(RuntimeError):
+    """The error one trial's adapter raises."""
+
+
+def test_engine_one_trial_failing_leaves_the_others_exact(
+    saved: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """4 LoRA trials batched on 2 emulated copying devices; trial t1's adapter raises
+    from its 3rd forward on (inside a batched pass): t1 fails alone with its own error,
+    the other 3 train as each alone in plain PyTorch, and batched passes did run."""
+    import tune_hydra as th
+    from tune_hydra.engine import Engine, batched
+
+    raised: list[BaseException] = []
+    real_op = batched._batched_op
+
+    def watched(todo: Any, device: torch.device) -> Any:
+        try:
+            return real_op(todo, device)
+        except Exception as err:
+            raised.append(err)
+            raise
+
+    monkeypatch.setattr(batched, "_batched_op", watched)
+
+    tasks = {f"t{i}": lora_task("gpt2", saved["gpt2"], i) for i in range(4)}
+    refs = {
+        k: th.ModelTask(copy.deepcopy(t.model), None, t.optimizer, t.train_data)
+        for k, t in tasks.items()
+    }
+    calls = [0]
+
+    def boom(module: nn.Module, args: Any, out: Any) -> None:
+        calls[0] += 1
+        if calls[0] >= 3:
+            raise AdapterBoom(f"t1's adapter failed at call {calls[0]}")
+
+    lora_a = next(m for n, m in tasks["t1"].model.named_modules() if n.endswith("lora_A.default"))
+    lora_a.register_forward_hook(boom)
+    with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
+        for name, task in tasks.items():
+            eng.add_task(name, task, seed=3)
+        futures = {name: eng.train(name, 2) for name in tasks}
+        with pytest.raises(Exception, match="t1's adapter failed at call") as failed:
+            futures["t1"].result(timeout=600)
+        results = {n: f.result(timeout=600) for n, f in futures.items() if n != "t1"}
+        assert eng.batcher is not None and eng.batcher.passes > 0
+    chain = [failed.value, failed.value.__cause__]
+    assert any(isinstance(e, AdapterBoom) for e in chain), chain
+    assert any(isinstance(e, AdapterBoom) for e in raised), raised  # inside a batched pass
+    for name, got_all in results.items():
+        threads = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads // 2))
+        try:
+            want = th.train_plain(refs[name], 2, seed=3)
+        finally:
+            torch.set_num_threads(threads)
+        for got, w in zip(got_all, want, strict=True):
+            assert abs(got["loss"] - w["loss"]) <= TOL * abs(w["loss"]), (name, got, w)
+        mine = dict(tasks[name].model.named_parameters())
+        for n, p in refs[name].model.named_parameters():
+            if p.requires_grad:
+                assert rel(mine[n].detach(), p.detach()) <= TOL, (name, n)

@@ -470,6 +470,28 @@ class BatchedShard:
         """Back-propagate each trial's output gradients (structured as its outputs, None
         where none) through the batched pass at once: each trial's adapter gradients
         accumulate in its own parameters, its input gradients in its input leaves."""
+        outs, gs = BatchedShard._roots(run, grad_outputs)
+        if outs:
+            torch.autograd.backward(outs, gs)
+
+    @staticmethod
+    def gradients(
+        run: BatchedRun, grad_outputs: Sequence[Any], wrt: Sequence[torch.Tensor]
+    ) -> list[torch.Tensor | None]:
+        """As :meth:`backward`, but returns the gradients of ``wrt`` (the trials'
+        trainable parameters and input leaves; None where a tensor is not reached)
+        instead of accumulating them in ``.grad``: nothing changes until the caller,
+        once the whole pass succeeded, adds them (see :func:`accumulate_grad`)."""
+        outs, gs = BatchedShard._roots(run, grad_outputs)
+        if not outs or not wrt:
+            return [None] * len(wrt)
+        return list(torch.autograd.grad(outs, list(wrt), gs, allow_unused=True))
+
+    @staticmethod
+    def _roots(
+        run: BatchedRun, grad_outputs: Sequence[Any]
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """The outputs to back-propagate from, and their gradients."""
         grads = [tree_flatten(g)[0] for g in grad_outputs]
         outs: list[torch.Tensor] = []
         gs: list[torch.Tensor] = []
@@ -489,8 +511,20 @@ class BatchedShard:
                 if g[j] is not None and mine.requires_grad:
                     outs.append(mine)
                     gs.append(g[j])
-        if outs:
-            torch.autograd.backward(outs, gs)
+        return outs, gs
+
+
+def accumulate_grad(t: torch.Tensor, g: torch.Tensor | None) -> None:
+    """Add ``g`` into ``t.grad`` as autograd's accumulation does (the first gradient is
+    taken as it is, a later one added in place), so the result is bit for bit what a
+    ``backward`` would have left."""
+    if g is None:
+        return
+    if t.grad is None:
+        t.grad = g
+    else:
+        with torch.no_grad():
+            t.grad += g
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -591,7 +625,8 @@ class SharedBatcher:
     shards are leased on the device beside the op's, which a budget would have to make
     room for). Groups hold at most the live tasks per device. A group that turns out
     not batchable on the device (:func:`why_not_batchable`) runs its ops one after
-    another in the one assignment; an error in a batched pass fails every task of it.
+    another in the one assignment, and so does one whose batched pass raised (it
+    changed no task's state): only the task whose own op raises fails.
     """
 
     def __init__(self, max_group: int = 8) -> None:
@@ -690,6 +725,7 @@ class SharedBatcher:
         leases = []
         t0 = w.clock()
         ok = False
+        errors: dict[str, BaseException] = {}
         try:
             for e, o in extras:
                 if w.copy:
@@ -697,15 +733,17 @@ class SharedBatcher:
                 store = e.runner.store_of(o.shard)
                 leases.append(w.lease(store))
                 store.begin_op(o.kind)
-            run_together([e.runner for e, _ in group], [o for _, o in group], device, self)
+            runners = [e.runner for e, _ in group]
+            errors = run_together(runners, [o for _, o in group], device, self)
             ok = True
         finally:
+            self._errors.update(errors)
             for (e, o), lease in zip(extras, leases, strict=False):
                 store = e.runner.store_of(o.shard)
                 try:
-                    store.end_op(failed=not ok)
+                    store.end_op(failed=not ok or e.name in errors)
                 except BaseException as err:  # a shared frozen tensor it changed: its own
-                    self._errors[e.name] = err
+                    self._errors.setdefault(e.name, err)
                 lease.release()
                 if w.copy:
                     self._left[e.name] = e.runner.carry_bytes(device)
@@ -719,63 +757,88 @@ class SharedBatcher:
 
 def run_together(
     runners: list[Any], ops: list[Any], device: torch.device, stats: SharedBatcher | None = None
-) -> None:
+) -> dict[str, BaseException]:
     """Run each runner's ``op`` (a forward that is not the last shard's, or a
     recomputing backward; one micro-batch; the same shard index) as one batched pass on
     ``device``, with every ``TaskRunner.execute`` step around it per runner; one after
-    another where the group is not batchable there."""
+    another where the group is not batchable there, or where the batched pass raised.
+
+    Returns:
+        Per runner name, the error its own op raised (the op of each runner not named
+        completed). A batched pass changes no runner's state before it succeeded, so
+        after an error in it every op runs alone: only the trial whose own op raises
+        fails, the others go on exactly as alone.
+    """
     from tune_hydra.core.ops import OpKind
 
+    errors: dict[str, BaseException] = {}
     with contextlib.ExitStack() as locks:
         for r in sorted(runners, key=lambda r: r.name):
             locks.enter_context(r._carry_lock)
         todo = []
         t0 = time.perf_counter()
         for r, op in zip(runners, ops, strict=True):
-            if r._parked and r.host is not None:
-                r.host.unpark(r.name)
-            r._parked = False
-            r._ran += 1
-            shard = r.shards[op.shard]
-            r.stepper.step_pending(shard)
-            r._on_gpu = r._on_gpu or device.type == "cuda"
-            if op.kind is OpKind.FORWARD and op.shard == 0:
-                r._carries, r._targets = r.data.fetch_train(op.count)
-                if not r._carries:
-                    continue
+            try:
+                if r._parked and r.host is not None:
+                    r.host.unpark(r.name)
+                r._parked = False
+                r._ran += 1
+                shard = r.shards[op.shard]
+                r.stepper.step_pending(shard)
+                r._on_gpu = r._on_gpu or device.type == "cuda"
+                if op.kind is OpKind.FORWARD and op.shard == 0:
+                    r._carries, r._targets = r.data.fetch_train(op.count)
+                    if not r._carries:
+                        continue
+            except Exception as err:  # its own (a deferred step, its data): it fails alone
+                errors[r.name] = err
+                continue
             todo.append((r, op))
-        try:
-            if len(todo) > 1 and todo[0][1].kind is not OpKind.LAST:
-                _batched_op(todo, device)
+        if len(todo) > 1 and todo[0][1].kind is not OpKind.LAST:
+            try:
+                errors.update(_batched_op(todo, device))
+            except Exception:
+                # Not batchable here, or one trial's error (its adapter, its input): no
+                # runner's state changed; each op runs alone, and fails alone.
+                pass
+            else:
                 if stats is not None:
                     stats.passes += 1
                     stats.batched_ops += len(todo)
-            else:
-                _alone(todo, device)
-        except NotBatchableError:
-            _alone(todo, device)
+                todo = []
+        _alone(todo, device, errors)
         spent = (time.perf_counter() - t0) / max(1, len(runners))
         for r in runners:
             r.device_time += spent
+    return errors
 
 
-def _alone(todo: list[Any], device: torch.device) -> None:
+def _alone(todo: list[Any], device: torch.device, errors: dict[str, BaseException]) -> None:
+    """Each ``(runner, op)`` of ``todo`` one after another; an op's error goes to
+    ``errors`` under its runner's name and the others run on."""
     from tune_hydra.core.ops import OpKind
 
     for r, op in todo:
         shard = r.shards[op.shard]
-        if op.kind is OpKind.LAST:
-            r._losses.extend(r.stage.forward_loss(shard, device, r._carries, r._targets, op.batch))
-            r._targets = []
-        elif op.kind is OpKind.FORWARD:
-            r.stage.forward(shard, device, r._carries, op.batch)
-        else:
-            r.stage.backward(shard, device, r._carries, op.batch, op.count)
+        try:
+            if op.kind is OpKind.LAST:
+                r._losses.extend(
+                    r.stage.forward_loss(shard, device, r._carries, r._targets, op.batch)
+                )
+                r._targets = []
+            elif op.kind is OpKind.FORWARD:
+                r.stage.forward(shard, device, r._carries, op.batch)
+            else:
+                r.stage.backward(shard, device, r._carries, op.batch, op.count)
+        except Exception as err:
+            errors[r.name] = err
 
 
-def _batched_op(todo: list[Any], device: torch.device) -> None:
-    """One pass for every ``(runner, op)`` of ``todo``; raises NotBatchableError before
-    changing any runner's state when the group is not batchable."""
+def _batched_op(todo: list[Any], device: torch.device) -> dict[str, BaseException]:
+    """One pass for every ``(runner, op)`` of ``todo``. Raises (NotBatchableError when
+    the group is not batchable, or whatever the pass raised) before changing any
+    runner's state; once the pass succeeded, each runner takes its results, and an
+    error doing so (its optimizer step) is returned under its name."""
     from tune_hydra.core.ops import OpKind
     from tune_hydra.engine import rng
     from tune_hydra.engine.boundary import SavedInput, detach, grads_of, to_device
@@ -813,10 +876,8 @@ def _batched_op(todo: list[Any], device: torch.device) -> None:
             r.stage._rng_at[i] = [starts[k] if s.cpu_rng is not False else None]
             r.rng.cpu = after.get_state()
             r._carries[0] = run.outputs[k]
-        return
+        return {}
     grads = [to_device(r._carries[0], device) for r, _ in todo]
-    for (r, op), s in zip(todo, shards, strict=True):
-        r.stepper.before_backward(s, op.batch)
     inputs = [detach(r.stage._inputs[i][0].get(device), requires_grad=i > 0) for r, _ in todo]
     real = [[mod._buffers[name] for mod, name in s.store.buffer_slots] for s in shards]
     for s, bufs in zip(shards, real, strict=True):
@@ -829,18 +890,37 @@ def _batched_op(todo: list[Any], device: torch.device) -> None:
         for s, bufs in zip(shards, real, strict=True):
             for (mod, name), b in zip(s.store.buffer_slots, bufs, strict=True):
                 mod._buffers[name] = b
-    BatchedShard.backward(run, grads)
+    # The gradients of every trial's trainable parameters and input leaves, held back
+    # from ``.grad`` until the whole pass succeeded.
+    params = [[p for p in s.module.parameters() if p.requires_grad] for s in shards]
+    leaves = [
+        [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        for x in inputs
+    ]
+    wrt = [t for ps, ls in zip(params, leaves, strict=True) for t in (*ps, *ls)]
+    got = iter(BatchedShard.gradients(run, grads, wrt))
+    errors: dict[str, BaseException] = {}
     for k, ((r, op), s) in enumerate(zip(todo, shards, strict=True)):
-        r._carries[0] = grads_of(inputs[k]) if i > 0 else None
-        r.stepper.after_backward(s, op.batch)
-        for store in (r.stage._inputs, r.stage._outputs, r.stage._rng_at):
-            store.pop(i, None)
+        mine = [(t, next(got)) for t in (*params[k], *leaves[k])]
+        try:
+            r.stepper.before_backward(s, op.batch)
+            for t, grad in mine:
+                accumulate_grad(t, grad)
+            r._carries[0] = grads_of(inputs[k]) if i > 0 else None
+            r.stepper.after_backward(s, op.batch)
+        except Exception as err:
+            errors[r.name] = err
+        finally:
+            for store in (r.stage._inputs, r.stage._outputs, r.stage._rng_at):
+                store.pop(i, None)
+    return errors
 
 
 __all__ = [
     "BatchedRun",
     "BatchedShard",
     "SharedBatcher",
+    "accumulate_grad",
     "is_lora_layer",
     "run_together",
     "why_not_batchable",
