@@ -527,6 +527,9 @@ import tune_hydra as th
 import cifar10_pytorch as example  # the tune_hydra version, as written
 
 ray.init(num_cpus=2)
+# The example's own smoke run first (what `cifar10_pytorch.py --smoke-test` does after
+# its ray.init), in this Ray session: one Ray start-up for both parts of the test.
+example.main(num_samples=1, max_num_epochs=1, gpus_per_trial=0, smoke_test=True)
 
 
 class InterruptAtIteration2(tune.Callback):  # as Ctrl-C would, once
@@ -562,14 +565,14 @@ example.test_best_model(best.config, best.checkpoint, smoke_test=True)
 
 
 def test_ray_cifar10_smoke_and_restore_resumes_unfinished_trials(tmp_path: Path) -> None:
-    """cifar10_pytorch.py --smoke-test runs (its own test_best_model reloads the best
-    checkpoint); then its train_cifar in a Tuner interrupted when a trial reports its
-    2nd iteration (SIGINT, as Ctrl-C) resumes both unfinished trials with Tuner.restore
-    to the stop, that one from its checkpoint (the example's tune.get_checkpoint())."""
-    out = _run_ray_example("cifar10_pytorch.py", tmp_path / "smoke", "--smoke-test")
-    assert "Best trial final validation loss: " in out
-    assert "Best trial test set accuracy: " in out
+    """cifar10_pytorch.py's smoke run (its main() as --smoke-test calls it; its own
+    test_best_model reloads the best checkpoint); then, in the same Ray session, its
+    train_cifar in a Tuner interrupted when a trial reports its 2nd iteration (SIGINT,
+    as Ctrl-C) resumes both unfinished trials with Tuner.restore to the stop, that one
+    from its checkpoint (the example's tune.get_checkpoint())."""
     out = _run_ray_example("cifar10_pytorch.py", tmp_path, code=_CIFAR_INTERRUPT_AND_RESTORE)
+    assert "Best trial final validation loss: " in out  # the example's main()
+    assert out.count("Best trial test set accuracy: ") == 2, out[-3000:]  # main(), restored
     first = ast.literal_eval(_line(out, "FIRST "))
     assert len(first) == 2 and max(first) < 3, first  # unfinished when interrupted
     second = [line.split()[1:] for line in out.splitlines() if line.startswith("SECOND ")]
@@ -578,4 +581,3 @@ def test_ray_cifar10_smoke_and_restore_resumes_unfinished_trials(tmp_path: Path)
     # The trial at iteration 2 went on from its checkpoint (the example's own
     # tune.get_checkpoint() code), not from scratch.
     assert min(int(since_restore) for _, since_restore, _ in second) < 3, second
-    assert "Best trial test set accuracy: " in out
