@@ -481,7 +481,8 @@ class BatchedShard:
         """As :meth:`backward`, but returns the gradients of ``wrt`` (the trials'
         trainable parameters and input leaves; None where a tensor is not reached)
         instead of accumulating them in ``.grad``: nothing changes until the caller,
-        once the whole pass succeeded, adds them (see :func:`accumulate_grad`)."""
+        once the whole pass succeeded, adds them
+        (:func:`~tune_hydra.engine.stage.accumulate_grad`)."""
         outs, gs = BatchedShard._roots(run, grad_outputs)
         if not outs or not wrt:
             return [None] * len(wrt)
@@ -512,19 +513,6 @@ class BatchedShard:
                     outs.append(mine)
                     gs.append(g[j])
         return outs, gs
-
-
-def accumulate_grad(t: torch.Tensor, g: torch.Tensor | None) -> None:
-    """Add ``g`` into ``t.grad`` as autograd's accumulation does (the first gradient is
-    taken as it is, a later one added in place), so the result is bit for bit what a
-    ``backward`` would have left."""
-    if g is None:
-        return
-    if t.grad is None:
-        t.grad = g
-    else:
-        with torch.no_grad():
-            t.grad += g
 
 
 def _same_value(a: Any, b: Any) -> bool:
@@ -654,7 +642,7 @@ class SharedBatcher:
             r = e.runner
             if not isinstance(r, TaskRunner) or not r.options.recompute:
                 return None
-            if r.stage._autocast_dtype is not None:
+            if r.stage.autocasts:
                 return None
             if (o.kind is OpKind.LAST) != (o.shard == len(r.shards) - 1):
                 return None
@@ -672,10 +660,10 @@ class SharedBatcher:
             return
         # Groups no larger than the live tasks per device: every device gets a group (a
         # group finishing makes its tasks ready together, so it stays one).
-        live = sum(1 for e in dispatcher._tasks.values() if e.error is None and e.runner.current)
+        live = sum(1 for e in dispatcher.tasks_along() if e.error is None and e.runner.current)
         limit = min(self.max_group, max(2, -(-live // max(1, len(dispatcher.workers)))))
         extras = []
-        for e in dispatcher._tasks.values():
+        for e in dispatcher.tasks_along():
             o = e.runner.current
             if (
                 e is entry
@@ -695,7 +683,7 @@ class SharedBatcher:
         if not extras:
             return
         for e, _ in extras:
-            e.assigned = w
+            dispatcher.assign_along(e, w)
         group = [(entry, op), *extras]
         a.run = lambda device: self._run(dispatcher, w, group, device)
         lead_done = a.done
@@ -711,7 +699,7 @@ class SharedBatcher:
                     one.duration = a.duration / len(group)
                     failed = err or self._errors.pop(e.name, None)
                     one.left = 0 if failed else self._left.pop(e.name, 0)
-                    dispatcher._on_done(e, one, failed)
+                    dispatcher.done_along(e, one, failed)
                 lead_done(a, err or self._errors.pop(entry.name, None))
 
         a.done = done
@@ -760,7 +748,7 @@ def run_together(
 ) -> dict[str, BaseException]:
     """Run each runner's ``op`` (a forward that is not the last shard's, or a
     recomputing backward; one micro-batch; the same shard index) as one batched pass on
-    ``device``, with every ``TaskRunner.execute`` step around it per runner; one after
+    ``device``, with the steps of ``TaskRunner.execute`` around it per runner; one after
     another where the group is not batchable there, or where the batched pass raised.
 
     Returns:
@@ -774,26 +762,15 @@ def run_together(
     errors: dict[str, BaseException] = {}
     with contextlib.ExitStack() as locks:
         for r in sorted(runners, key=lambda r: r.name):
-            locks.enter_context(r._carry_lock)
+            locks.enter_context(r.op_lock)
         todo = []
         t0 = time.perf_counter()
         for r, op in zip(runners, ops, strict=True):
             try:
-                if r._parked and r.host is not None:
-                    r.host.unpark(r.name)
-                r._parked = False
-                r._ran += 1
-                shard = r.shards[op.shard]
-                r.stepper.step_pending(shard)
-                r._on_gpu = r._on_gpu or device.type == "cuda"
-                if op.kind is OpKind.FORWARD and op.shard == 0:
-                    r._carries, r._targets = r.data.fetch_train(op.count)
-                    if not r._carries:
-                        continue
+                if r.open_op(op, device):
+                    todo.append((r, op))
             except Exception as err:  # its own (a deferred step, its data): it fails alone
                 errors[r.name] = err
-                continue
-            todo.append((r, op))
         if len(todo) > 1 and todo[0][1].kind is not OpKind.LAST:
             try:
                 errors.update(_batched_op(todo, device))
@@ -806,32 +783,15 @@ def run_together(
                     stats.passes += 1
                     stats.batched_ops += len(todo)
                 todo = []
-        _alone(todo, device, errors)
+        for r, op in todo:
+            try:
+                r.run_op(op, device)
+            except Exception as err:
+                errors[r.name] = err
         spent = (time.perf_counter() - t0) / max(1, len(runners))
         for r in runners:
-            r.device_time += spent
+            r.close_op(spent)
     return errors
-
-
-def _alone(todo: list[Any], device: torch.device, errors: dict[str, BaseException]) -> None:
-    """Each ``(runner, op)`` of ``todo`` one after another; an op's error goes to
-    ``errors`` under its runner's name and the others run on."""
-    from tune_hydra.core.ops import OpKind
-
-    for r, op in todo:
-        shard = r.shards[op.shard]
-        try:
-            if op.kind is OpKind.LAST:
-                r._losses.extend(
-                    r.stage.forward_loss(shard, device, r._carries, r._targets, op.batch)
-                )
-                r._targets = []
-            elif op.kind is OpKind.FORWARD:
-                r.stage.forward(shard, device, r._carries, op.batch)
-            else:
-                r.stage.backward(shard, device, r._carries, op.batch, op.count)
-        except Exception as err:
-            errors[r.name] = err
 
 
 def _batched_op(todo: list[Any], device: torch.device) -> dict[str, BaseException]:
@@ -840,79 +800,39 @@ def _batched_op(todo: list[Any], device: torch.device) -> dict[str, BaseExceptio
     runner's state; once the pass succeeded, each runner takes its results, and an
     error doing so (its optimizer step) is returned under its name."""
     from tune_hydra.core.ops import OpKind
-    from tune_hydra.engine import rng
-    from tune_hydra.engine.boundary import SavedInput, detach, grads_of, to_device
 
-    shards = [r.shards[op.shard] for r, op in todo]
-    batched = BatchedShard([s.module for s in shards])
-    i = todo[0][1].shard
-    forward = todo[0][1].kind is OpKind.FORWARD
+    batched = BatchedShard([r.shards[op.shard].module for r, op in todo])
+    starts = [r.op_start(op, device) for r, op in todo]
     gens: list[torch.Generator | None] = []
-    starts = []
-    for r, _ in todo:
-        if forward:
-            start = rng.RngState(r.rng.cpu.clone(), r.rng.cuda)
-        else:
-            start = r.stage._rng_at[i][0]
-            if start is None:  # its forward drew nothing: nor does the recompute
-                start = rng.RngState(r.rng.cpu.clone(), r.rng.cuda)
+    for start in starts:
         g = torch.Generator()
-        g.set_state(start.cpu)
+        g.set_state(start.stream.cpu)
         gens.append(g)
-        starts.append(start)
-    if forward:
-        inputs = [detach(to_device(r._carries[0], device), False) for r, _ in todo]
-        saved = [SavedInput(x, device) for x in inputs]
+    inputs = [start.input for start in starts]
+    if todo[0][1].kind is OpKind.FORWARD:
         with torch.no_grad():
             run = batched.forward(inputs, gens)
-        for k, ((r, _), s) in enumerate(zip(todo, shards, strict=True)):
-            after = gens[k]
-            assert after is not None
-            drew = not torch.equal(after.get_state(), starts[k].cpu)
-            if s.cpu_rng is None:
-                s.cpu_rng = drew
-            r.stage._inputs[i] = [saved[k]]
-            r.stage._outputs[i] = []
-            r.stage._rng_at[i] = [starts[k] if s.cpu_rng is not False else None]
-            r.rng.cpu = after.get_state()
-            r._carries[0] = run.outputs[k]
+        for k, (r, op) in enumerate(todo):
+            gen = gens[k]
+            assert gen is not None
+            r.take_forward(op, starts[k], run.outputs[k], gen.get_state())
         return {}
-    grads = [to_device(r._carries[0], device) for r, _ in todo]
-    inputs = [detach(r.stage._inputs[i][0].get(device), requires_grad=i > 0) for r, _ in todo]
-    real = [[mod._buffers[name] for mod, name in s.store.buffer_slots] for s in shards]
-    for s, bufs in zip(shards, real, strict=True):
-        for (mod, name), b in zip(s.store.buffer_slots, bufs, strict=True):
-            mod._buffers[name] = b.clone()
-    try:
+    with contextlib.ExitStack() as scratch:
+        for r, op in todo:
+            scratch.enter_context(r.scratch_buffers(op))
         with torch.enable_grad():
             run = batched.forward(inputs, gens)
-    finally:
-        for s, bufs in zip(shards, real, strict=True):
-            for (mod, name), b in zip(s.store.buffer_slots, bufs, strict=True):
-                mod._buffers[name] = b
     # The gradients of every trial's trainable parameters and input leaves, held back
     # from ``.grad`` until the whole pass succeeded.
-    params = [[p for p in s.module.parameters() if p.requires_grad] for s in shards]
-    leaves = [
-        [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        for x in inputs
-    ]
-    wrt = [t for ps, ls in zip(params, leaves, strict=True) for t in (*ps, *ls)]
-    got = iter(BatchedShard.gradients(run, grads, wrt))
+    wrt = [t for start in starts for t in start.wrt]
+    got = iter(BatchedShard.gradients(run, [start.grad for start in starts], wrt))
     errors: dict[str, BaseException] = {}
-    for k, ((r, op), s) in enumerate(zip(todo, shards, strict=True)):
-        mine = [(t, next(got)) for t in (*params[k], *leaves[k])]
+    for (r, op), start in zip(todo, starts, strict=True):
+        mine = [next(got) for _ in start.wrt]
         try:
-            r.stepper.before_backward(s, op.batch)
-            for t, grad in mine:
-                accumulate_grad(t, grad)
-            r._carries[0] = grads_of(inputs[k]) if i > 0 else None
-            r.stepper.after_backward(s, op.batch)
+            r.take_backward(op, start, mine)
         except Exception as err:
             errors[r.name] = err
-        finally:
-            for store in (r.stage._inputs, r.stage._outputs, r.stage._rng_at):
-                store.pop(i, None)
     return errors
 
 
@@ -920,7 +840,6 @@ __all__ = [
     "BatchedRun",
     "BatchedShard",
     "SharedBatcher",
-    "accumulate_grad",
     "is_lora_layer",
     "run_together",
     "why_not_batchable",

@@ -277,6 +277,20 @@ class Dispatcher:
             if wake:  # waking the dispatcher on every op would contend for the GIL
                 self._cv.notify_all()
 
+    # -- ops run along with another task's assignment (Engine(batch_shared=True)) -------
+
+    def tasks_along(self) -> list[TaskRecord]:
+        """The tasks, for the batcher to pick ops to run along (under the engine's lock)."""
+        return list(self._tasks.values())
+
+    def assign_along(self, entry: TaskRecord, w: DeviceWorker) -> None:
+        """``entry``'s current op runs on ``w`` along with the op assigned there now."""
+        entry.assigned = w
+
+    def done_along(self, entry: TaskRecord, a: Assignment, err: BaseException | None) -> None:
+        """``entry``'s op run along ended (``err``: its own error): as one of its own."""
+        self._on_done(entry, a, err)
+
     # -- the dispatch thread and its decisions -------------------------------------------
 
     def _loop(self) -> None:

@@ -11,10 +11,11 @@ captures and restores the whole.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +33,7 @@ from tune_hydra.engine.metrics import MetricTotals, add_metrics, build_scheduler
 from tune_hydra.engine.optim import Stepper
 from tune_hydra.engine.partition import ShardPlan, build_optimizer
 from tune_hydra.engine.shared import SharedParams
-from tune_hydra.engine.stage import Stage
+from tune_hydra.engine.stage import OpStart, Stage
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.task import ModelTask, OwnedTensors, owned_tensors
 from tune_hydra.exceptions import EmptyDataError
@@ -460,38 +461,82 @@ class TaskRunner:
 
     # -- executing one operation ---------------------------------------------------------
 
+    @property
+    def op_lock(self) -> threading.Lock:
+        """Held while an op of the task runs (:meth:`execute`, or a batched pass with
+        other tasks' ops: several held at once are taken in the order of the names)."""
+        return self._carry_lock
+
     def execute(self, op: Op, device: torch.device) -> None:
         """Run ``op`` on ``device`` (the shard's state is already there)."""
         with self._carry_lock:
-            if self._parked and self.host is not None:
-                self.host.unpark(self.name)  # the op takes them to its device
-            self._parked = False  # what the op leaves behind is on its device
-            self._ran += 1
-            self._execute(op, device)
+            t0 = time.perf_counter()
+            if self.open_op(op, device):
+                self.run_op(op, device)
+                self.close_op(time.perf_counter() - t0)
 
-    def _execute(self, op: Op, device: torch.device) -> None:
-        shard = self.shards[op.shard]
-        t0 = time.perf_counter()
-        self.stepper.step_pending(shard)
+    # The steps of execute, which a batched pass (tune_hydra.engine.batched) takes too,
+    # with its own compute in between: under op_lock, open_op; then run_op, or op_start,
+    # the pass and take_forward / take_backward; then close_op.
+
+    def open_op(self, op: Op, device: torch.device) -> bool:
+        """Start ``op`` on ``device``: its boundary tensors taken back from the host
+        memory's count (the op moves them to its device), the shard's deferred optimizer
+        step, and for a training visit of shard 0 the next micro-batches. Returns False
+        when there is nothing to compute (the epoch's data ended)."""
+        if self._parked and self.host is not None:
+            self.host.unpark(self.name)
+        self._parked = False  # what the op leaves behind is on its device
+        self._ran += 1
+        self.stepper.step_pending(self.shards[op.shard])
         self._on_gpu = self._on_gpu or device.type == "cuda"
-        if op.kind is OpKind.FORWARD or op.kind is OpKind.LAST:
-            if op.shard == 0:
-                self._carries, self._targets = self.data.fetch_train(op.count)
-                if not self._carries:
-                    return
-            if op.kind is OpKind.LAST:
-                losses = self.stage.forward_loss(
-                    shard, device, self._carries, self._targets, op.batch
-                )
-                self._losses.extend(losses)
-                self._targets = []
-            else:
-                self.stage.forward(shard, device, self._carries, op.batch)
+        if (op.kind is OpKind.FORWARD or op.kind is OpKind.LAST) and op.shard == 0:
+            self._carries, self._targets = self.data.fetch_train(op.count)
+            return bool(self._carries)
+        return True
+
+    def run_op(self, op: Op, device: torch.device) -> None:
+        """Compute ``op`` (opened with :meth:`open_op`) on ``device``."""
+        shard = self.shards[op.shard]
+        if op.kind is OpKind.LAST:
+            losses = self.stage.forward_loss(shard, device, self._carries, self._targets, op.batch)
+            self._losses.extend(losses)
+            self._targets = []
+        elif op.kind is OpKind.FORWARD:
+            self.stage.forward(shard, device, self._carries, op.batch)
         elif op.kind is OpKind.BACKWARD:
             self.stage.backward(shard, device, self._carries, op.batch, op.count)
         elif op.kind is OpKind.EVAL:
             self._eval(shard, device)
-        self.device_time += time.perf_counter() - t0
+
+    def close_op(self, seconds: float) -> None:
+        """``op`` ended: it computed for ``seconds`` (this task's share of a batched
+        pass)."""
+        self.device_time += seconds
+
+    def op_start(self, op: Op, device: torch.device) -> OpStart:
+        """What ``op`` (opened; a forward that is not the last shard's, or a recomputing
+        backward; one micro-batch) starts from, to compute it outside the stage. Changes
+        nothing: a pass that fails leaves the task as it was."""
+        shard = self.shards[op.shard]
+        if op.kind is OpKind.FORWARD:
+            return self.stage.forward_start(device, self._carries[0])
+        return self.stage.backward_start(shard, device, self._carries[0])
+
+    def scratch_buffers(self, op: Op) -> contextlib.AbstractContextManager[None]:
+        """Around a recompute of ``op``'s shard: its buffers as throwaway copies."""
+        return self.stage.scratch_buffers(self.shards[op.shard])
+
+    def take_forward(self, op: Op, start: OpStart, out: Any, cpu_after: torch.Tensor) -> None:
+        """``op``'s forward, computed from ``start``, gave ``out`` and left the CPU
+        generator at ``cpu_after``: the task goes on as if it had run it."""
+        self._carries[0] = self.stage.forward_taken(self.shards[op.shard], start, out, cpu_after)
+
+    def take_backward(self, op: Op, start: OpStart, grads: Sequence[torch.Tensor | None]) -> None:
+        """``op``'s backward, computed from ``start``, gave ``grads`` (of ``start.wrt``):
+        they accumulate, the optimizer steps when due, the input's gradient is the carry."""
+        shard = self.shards[op.shard]
+        self._carries[0] = self.stage.backward_taken(shard, start, grads, op.batch)
 
     def _eval(self, shard: ShardRuntime, device: torch.device) -> None:
         if shard.index == 0:

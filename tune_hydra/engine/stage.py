@@ -18,10 +18,12 @@ is replaced in the caller's list by what the shard hands on.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.utils._pytree import tree_flatten
 
 from tune_hydra.engine import rng
 from tune_hydra.engine.boundary import (
@@ -42,6 +44,35 @@ if TYPE_CHECKING:
     from tune_hydra.engine.runner import ShardRuntime
 
 _NULL = contextlib.nullcontext()  # reusable: nullcontext keeps no state
+
+
+@dataclass
+class OpStart:
+    """What micro-batch 0's forward or recomputing backward through a shard starts from,
+    for computing it outside the stage (a batched pass: :mod:`~tune_hydra.engine.batched`)
+    and handing the result back with :meth:`Stage.forward_taken` or
+    :meth:`Stage.backward_taken`. Making it changes nothing of the task."""
+
+    input: Any  # on the device; for a backward of a shard after the first, leaves needing grad
+    stream: rng.RngState  # the task's RNG stream at the op's start (replayed by a backward)
+    saved: SavedInput | None = None  # a forward's input, kept for its recompute
+    grad: Any = None  # a backward's gradient of the shard's output, on the device
+    # A backward's: the shard's trainable parameters and input leaves, whose gradients
+    # it hands back (in this order).
+    wrt: list[torch.Tensor] = field(default_factory=list)
+
+
+def accumulate_grad(t: torch.Tensor, g: torch.Tensor | None) -> None:
+    """Add ``g`` into ``t.grad`` as autograd's accumulation does (the first gradient is
+    taken as it is, a later one added in place), so the result is bit for bit what a
+    ``backward`` would have left; None (not reached) leaves it as it is."""
+    if g is None:
+        return
+    if t.grad is None:
+        t.grad = g
+    else:
+        with torch.no_grad():
+            t.grad += g
 
 
 class Stage:
@@ -82,6 +113,11 @@ class Stage:
         self._inputs: dict[int, list[Any]] = {}
         self._rng_at: dict[int, list[rng.RngState | None]] = {}
         self._outputs: dict[int, list[Any]] = {}
+
+    @property
+    def autocasts(self) -> bool:
+        """Whether the shard ops compute under bf16 autocast."""
+        return self._autocast_dtype is not None
 
     @property
     def outputs(self) -> dict[int, list[Any]]:
@@ -229,23 +265,14 @@ class Stage:
         if self._recompute:
             inp = detach(self._inputs[i][j].get(device), requires_grad=i > 0)
             arg = clone(inp) if shard.mutates_input else inp
-            # The forward already updated buffers (BatchNorm statistics) once: recompute
-            # on throwaway copies, then put the real buffers back.
-            slots = shard.store.buffer_slots
-            real = [mod._buffers[name] for mod, name in slots]
-            for (mod, name), b in zip(slots, real, strict=True):
-                mod._buffers[name] = b.clone()  # type: ignore[union-attr]
-            try:
-                replay = self._rng_at[i][j]
-                with (
-                    self._stream(shard, device, replay=replay),
-                    torch.enable_grad(),
-                    self._autocast(device),
-                ):
-                    out = shard.module(arg)
-            finally:
-                for (mod, name), b in zip(slots, real, strict=True):
-                    mod._buffers[name] = b
+            replay = self._rng_at[i][j]
+            with (
+                self.scratch_buffers(shard),
+                self._stream(shard, device, replay=replay),
+                torch.enable_grad(),
+                self._autocast(device),
+            ):
+                out = shard.module(arg)
         else:
             inp, out = self._inputs[i][j], self._outputs[i][j]
         backward(out, grad_out)
@@ -254,6 +281,87 @@ class Stage:
         if j == len(carries) - 1:  # the group's last: free its saved tensors
             for store in (self._inputs, self._outputs, self._rng_at):
                 store.pop(i, None)
+
+    @staticmethod
+    @contextlib.contextmanager
+    def scratch_buffers(shard: ShardRuntime) -> Iterator[None]:
+        """A recompute's buffers: the forward already updated them (BatchNorm
+        statistics) once, so the recompute runs on throwaway copies and the real ones
+        are put back after."""
+        slots = shard.store.buffer_slots
+        real = [mod._buffers[name] for mod, name in slots]
+        for (mod, name), b in zip(slots, real, strict=True):
+            mod._buffers[name] = b.clone()  # type: ignore[union-attr]
+        try:
+            yield
+        finally:
+            for (mod, name), b in zip(slots, real, strict=True):
+                mod._buffers[name] = b
+
+    # -- an op computed outside the stage (engine/batched.py) ---------------------------
+
+    def _stream_copy(self) -> rng.RngState:
+        return rng.RngState(self._stream_state.cpu.clone(), self._stream_state.cuda)
+
+    def forward_start(self, device: torch.device, carry: Any) -> OpStart:
+        """What a forward of ``carry`` (micro-batch 0, not the last shard) starts from,
+        with its recompute in mind: the input detached on ``device`` and saved."""
+        inp = detach(to_device(carry, device), requires_grad=False)
+        # Issued before the forward's kernels so the copy overlaps them (as _forward).
+        return OpStart(inp, self._stream_copy(), saved=SavedInput(inp, device))
+
+    def forward_taken(
+        self, shard: ShardRuntime, start: OpStart, out: Any, cpu_after: torch.Tensor
+    ) -> Any:
+        """Take micro-batch 0's forward through ``shard`` computed from ``start``: it
+        gave ``out`` and left the CPU generator at ``cpu_after``. Keeps what its
+        recomputing backward needs and advances the task's stream, as :meth:`forward`
+        does; returns ``out`` (the carry)."""
+        i = shard.index
+        if shard.cpu_rng is None:
+            shard.cpu_rng = not torch.equal(cpu_after, start.stream.cpu)
+        self._inputs[i] = [start.saved]
+        self._outputs[i] = []
+        self._rng_at[i] = [start.stream if shard.cpu_rng is not False else None]
+        self._stream_state.cpu = cpu_after
+        return out
+
+    def backward_start(self, shard: ShardRuntime, device: torch.device, carry: Any) -> OpStart:
+        """What micro-batch 0's recomputing backward through ``shard`` starts from, with
+        ``carry`` the gradient of its output: the saved input as new leaves, the RNG
+        state its forward started from, the tensors whose gradients it hands back."""
+        i = shard.index
+        inp = detach(self._inputs[i][0].get(device), requires_grad=i > 0)
+        replay = self._rng_at[i][0]
+        # A forward that drew nothing recorded no state: its recompute draws nothing.
+        stream = replay if replay is not None else self._stream_copy()
+        params = [p for p in shard.module.parameters() if p.requires_grad]
+        leaves = [t for t in tree_flatten(inp)[0] if isinstance(t, torch.Tensor)]
+        wrt = [*params, *(t for t in leaves if t.requires_grad)]
+        return OpStart(inp, stream, grad=to_device(carry, device), wrt=wrt)
+
+    def backward_taken(
+        self,
+        shard: ShardRuntime,
+        start: OpStart,
+        grads: Sequence[torch.Tensor | None],
+        batch: int,
+    ) -> Any:
+        """Take micro-batch 0's backward through ``shard`` computed from ``start``:
+        ``grads`` are the gradients of ``start.wrt``. They accumulate as autograd's
+        backward does, between the stepper's calls, as :meth:`backward`; returns the
+        input's gradient (the carry; None for the first shard)."""
+        i = shard.index
+        try:
+            self._stepper.before_backward(shard, batch)
+            for t, g in zip(start.wrt, grads, strict=True):
+                accumulate_grad(t, g)
+            carry = grads_of(start.input) if i > 0 else None
+            self._stepper.after_backward(shard, batch)
+        finally:
+            for store in (self._inputs, self._outputs, self._rng_at):
+                store.pop(i, None)
+        return carry
 
     # -- evaluation -------------------------------------------------------------------
 
