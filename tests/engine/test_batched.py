@@ -478,3 +478,28 @@ def test_engine_one_trial_failing_leaves_the_others_exact(
         for n, p in refs[name].model.named_parameters():
             if p.requires_grad:
                 assert rel(mine[n].detach(), p.detach()) <= TOL, (name, n)
+
+
+def test_engine_one_shard_models_grouped_train_as_each_alone(saved: dict[str, Path]) -> None:
+    """Models of one shard: their LAST ops (fetch, loss, backward) are grouped in one
+    assignment, and each task fetches its own batch and trains bit for bit as alone."""
+    import tune_hydra as th
+    from tune_hydra.engine import Engine
+
+    tasks = {f"t{i}": lora_task("gpt2", saved["gpt2"], i) for i in range(3)}
+    refs = {
+        k: th.ModelTask(copy.deepcopy(t.model), None, t.optimizer, t.train_data)
+        for k, t in tasks.items()
+    }
+    with Engine(["cpu"], copy_on_cpu=True, max_layers_per_shard=100, batch_shared=True) as eng:
+        for name, task in tasks.items():
+            eng.add_task(name, task, seed=3)
+        futures = {name: eng.train(name, 1) for name in tasks}
+        results = {name: f.result(timeout=600) for name, f in futures.items()}
+    for name, task in tasks.items():
+        want = th.train_plain(refs[name], 1, seed=3)
+        assert [r["batches"] for r in results[name]] == [3]
+        assert [r["loss"] for r in results[name]] == [w["loss"] for w in want]
+        mine = dict(task.model.named_parameters())
+        for n, p in refs[name].model.named_parameters():
+            assert torch.equal(mine[n], p), n
