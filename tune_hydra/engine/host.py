@@ -254,16 +254,7 @@ class HostMemory:
 
     def note_frozen_io(self, entry: Any, op: str, nbytes: int, start: float) -> None:
         """The frozen pool moved ``entry`` (see :meth:`note_io`)."""
-        t0 = start - self._t0
-        t1 = max(t0, time.perf_counter() - self._t0)
-        with self._lock:
-            if op == "to_disk":
-                self.written_bytes += nbytes
-                self.spills += 1
-            else:
-                self.read_bytes += nbytes
-                self.loads += 1
-        self.trace.add(TraceEvent("disk", entry.ledger_key[0], -1, op, t0, t1, nbytes))
+        self._count_io(entry.ledger_key[0], -1, op, nbytes, start)
 
     def drop(self, key: object, name: tuple[str, int]) -> None:
         """The frozen pool freed ``key``'s tensor (its last user left, or it went to
@@ -352,6 +343,11 @@ class HostMemory:
     def note_io(self, store: ShardStore, op: str, nbytes: int, start: float) -> None:
         if not nbytes:
             return  # a shard without tensors (only parameter-free layers)
+        task, shard = store.name
+        self._count_io(task, shard, op, nbytes, start)
+
+    def _count_io(self, task: str, shard: int, op: str, nbytes: int, start: float) -> None:
+        """Count a disk write (``op == "to_disk"``) or read and trace it."""
         t0 = start - self._t0
         t1 = max(t0, time.perf_counter() - self._t0)  # one time base: never before t0
         with self._lock:
@@ -361,7 +357,6 @@ class HostMemory:
             else:
                 self.read_bytes += nbytes
                 self.loads += 1
-        task, shard = store.name
         self.trace.add(TraceEvent("disk", task, shard, op, t0, t1, nbytes))
 
     def note_wait(self, store: ShardStore, owner: object, start: float) -> None:
