@@ -183,8 +183,10 @@ def checksum(t: torch.Tensor) -> int:
 
 def address(t: torch.Tensor) -> int:
     """``t``'s data address, read without a write access: ``Tensor.data_ptr()`` of a
-    copy-on-write tensor (see :func:`lazy_clone`) copies it first."""
-    return int(torch._C._data_address(t))  # type: ignore[attr-defined]
+    copy-on-write tensor (see :func:`lazy_clone`) copies it first. A torch without
+    that reader has no copy-on-write either (:func:`lazy_clone` copies): ``data_ptr()``."""
+    read = getattr(torch._C, "_data_address", None)
+    return int(read(t)) if read is not None else t.data_ptr()
 
 
 def lazy_clone(t: torch.Tensor) -> torch.Tensor:
