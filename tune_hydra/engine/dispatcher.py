@@ -27,7 +27,7 @@ import logging
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tune_hydra.core.dispatch import decide, offer
 from tune_hydra.core.ops import Op
@@ -39,6 +39,9 @@ from tune_hydra.engine.records import PendingIterations, TaskRecord
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.workers import _POLL_S, Assignment, Carry, DeviceWorker
 from tune_hydra.exceptions import ScheduleError, TaskFailedError, TuneHydraError
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.batched import SharedBatcher
 
 log = logging.getLogger(__name__)
 
@@ -65,8 +68,11 @@ class Dispatcher:
         host: HostMemory,
         kept: KeptGraphs,
         clock: Callable[[], float],
+        batcher: SharedBatcher | None = None,
     ) -> None:
         self._tasks = tasks
+        # Engine(batch_shared=True): widens an assignment into one batched pass.
+        self.batcher = batcher
         self._cv = cv
         self.workers = workers
         self.policy = policy
@@ -476,9 +482,8 @@ class Dispatcher:
             carry_bytes=runner.carry_bytes if w.copy and entry.kept_on is None else None,
             start=(lambda: self.note_carry(entry, None)) if w.copy else None,
         )
-        batcher = getattr(self, "batcher", None)  # Engine(batch_shared=True)
-        if batcher is not None:  # other tasks' ops on the same shared shard run with it
-            batcher.widen(self, w, entry, op, a)
+        if self.batcher is not None:  # other tasks' ops on the same shared shard run with it
+            self.batcher.widen(self, w, entry, op, a)
         entry.assigned = w
         if self.host.active and not w.copy:
             # A device that computes in host memory uses the host tensors themselves: they

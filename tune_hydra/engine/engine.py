@@ -199,12 +199,18 @@ class Engine:
             self.host,
             kept,
         )
-        self._dispatcher = Dispatcher(
-            self._registry.tasks, self._cv, self.workers, self.policy, self.host, kept, self.clock
-        )
         # Engine(batch_shared=True): its counts (passes, ops run in them) for the figures.
         self.batcher = SharedBatcher() if batch_shared else None
-        self._dispatcher.batcher = self.batcher  # type: ignore[attr-defined]
+        self._dispatcher = Dispatcher(
+            self._registry.tasks,
+            self._cv,
+            self.workers,
+            self.policy,
+            self.host,
+            kept,
+            self.clock,
+            batcher=self.batcher,
+        )
 
     # -- options (read from the one EngineOptions) -----------------------------------------
 
