@@ -120,7 +120,12 @@ def make_task(config: dict[str, Any]) -> th.ModelTask:
 # ---------------------------------------------------------------------------- the run
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--tiny", action="store_true", help="a CPU-sized run (2x2 grid)")
+    p.add_argument(
+        "--tiny",
+        action="store_true",
+        default=os.environ.get("TUNE_HYDRA_SMOKE") == "1",
+        help="a CPU-sized run (2x2 grid; also TUNE_HYDRA_SMOKE=1)",
+    )
     p.add_argument("--layers", type=int, default=48)
     p.add_argument("--d-model", type=int, default=1600)
     p.add_argument("--heads", type=int, default=25)

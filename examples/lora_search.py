@@ -277,7 +277,12 @@ def search_with_optuna(
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--optuna", action="store_true", help="th.optimize (TPE + MedianPruner)")
-    p.add_argument("--smoke", action="store_true", help="4 trials x 2 epochs (the tests)")
+    p.add_argument(
+        "--smoke",
+        action="store_true",
+        default=os.environ.get("TUNE_HYDRA_SMOKE") == "1",
+        help="4 trials x 2 epochs (the tests; also TUNE_HYDRA_SMOKE=1)",
+    )
     p.add_argument("--trials", type=int, help="trials to run (default 12; --smoke: 4)")
     p.add_argument("--epochs", type=int, help="epochs per trial at most (default 4; --smoke: 2)")
     p.add_argument("--batches", type=int, help="batches of 8 per epoch (default 8; --smoke: 4)")

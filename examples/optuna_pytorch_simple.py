@@ -127,7 +127,12 @@ def _sizes():
     parser.add_argument("--trials", type=int, default=100)
     parser.add_argument("--epochs", type=int, default=EPOCHS)
     parser.add_argument("--batches", type=int, default=30, help="training batches per epoch")
-    parser.add_argument("--smoke", action="store_true", help="a tiny study (tests, CI)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        default=os.environ.get("TUNE_HYDRA_SMOKE") == "1",
+        help="a tiny study (tests, CI; also TUNE_HYDRA_SMOKE=1)",
+    )
     args = parser.parse_args()
     if args.smoke:
         args.trials, args.epochs, args.batches, BATCHSIZE = 6, 2, 3, 32

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 import tempfile
 from collections import Counter
@@ -110,7 +111,12 @@ def make_objective(train: list[Any], val: list[Any]) -> Any:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="a few seconds on a CPU")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        default=os.environ.get("TUNE_HYDRA_SMOKE") == "1",
+        help="a few seconds on a CPU (also TUNE_HYDRA_SMOKE=1)",
+    )
     parser.add_argument("--trials", type=int, help="trials to run (default 20; --tiny: 6)")
     parser.add_argument("--epochs", type=int, help="epochs per trial (default 10; --tiny: 3)")
     parser.add_argument("--devices", nargs="+", default=["auto"], help="default: auto")

@@ -136,7 +136,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device-memory", default="4MiB", help="per-device shard budget")
     parser.add_argument("--devices", default="auto", help="'auto', 'cpu', or 'cpu,cpu'")
     parser.add_argument("--output", default="quickstart_output", help="results folder")
-    parser.add_argument("--smoke", action="store_true", help="4 trials x 2 epochs (tests)")
+    parser.add_argument(
+        "--smoke",
+        action="store_true",
+        default=os.environ.get("TUNE_HYDRA_SMOKE") == "1",
+        help="4 trials x 2 epochs (tests; also TUNE_HYDRA_SMOKE=1)",
+    )
     args = parser.parse_args(argv)
     if importlib.util.find_spec("optuna") is None:
         parser.error('this example searches with OptunaSearch: pip install "tune_hydra[optuna]"')

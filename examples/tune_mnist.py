@@ -71,7 +71,12 @@ def make_task(config: dict) -> th.ModelTask:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tiny", action="store_true", help="4 trials, small data")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        default=os.environ.get("TUNE_HYDRA_SMOKE") == "1",
+        help="4 trials, small data (also TUNE_HYDRA_SMOKE=1)",
+    )
     parser.add_argument("--storage", default=None, help="Tune's storage_path")
     args = parser.parse_args()
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")

@@ -113,6 +113,13 @@ def shards_3(recompute: bool, budget: int = 24_000) -> dict[str, int]:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    # Under pytest-xdist (README: ``-n 2 --dist loadgroup``) the tests that use the shared
+    # local Ray session run on one worker, one after another: one Ray cluster for all of
+    # them, while the other worker takes the torch-only tests and the example scripts.
+    ray_group = pytest.mark.xdist_group("ray")
+    for item in items:
+        if item.path.name.endswith("_integration.py"):
+            item.add_marker(ray_group)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -22,8 +22,11 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
 
 
+SMOKE = {"TUNE_HYDRA_SMOKE": "1"}  # the examples' one switch to their smoke size
+
+
 def _run(script: str, *args: str, timeout: int = 420) -> str:
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), **SMOKE)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
         capture_output=True,
@@ -42,7 +45,7 @@ def _model_pt(stdout: str) -> Path:
 
 
 def test_quickstart_smoke(tmp_path: Path) -> None:
-    out = _run("quickstart.py", "--smoke", "--output", str(tmp_path))
+    out = _run("quickstart.py", "--output", str(tmp_path))
     assert "best config: {" in out
     assert _model_pt(out).is_file()
     # model.pt is the whole model's state_dict: it loads into a freshly built model
@@ -81,10 +84,10 @@ def test_quickstart_without_optuna_says_what_to_install() -> None:
     """optuna is an extra: the example stops at once with the install command."""
     code = (
         "import runpy, sys; sys.modules['optuna'] = None; "
-        f"sys.argv = ['quickstart.py', '--smoke']; "
+        f"sys.argv = ['quickstart.py']; "
         f"runpy.run_path({str(ROOT / 'examples' / 'quickstart.py')!r}, run_name='__main__')"
     )
-    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), **SMOKE)
     proc = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
     )
@@ -118,7 +121,7 @@ def test_gpt2_model_selection_tiny(tmp_path: Path) -> None:
     >= 3 shards (the tied lm_head / wte in the first and the last), and the best model.pt
     loads strictly into a fresh model, still tied, and gives the printed val_loss."""
     pytest.importorskip("transformers")
-    out = _run("gpt2_model_selection.py", "--tiny", "--output", str(tmp_path))
+    out = _run("gpt2_model_selection.py", "--output", str(tmp_path))
     assert "4 GPT-2-like models" in out
     assert "best config: lr=" in out
     assert _model_pt(out).is_file()
@@ -177,7 +180,7 @@ def test_optuna_study_tiny(tmp_path: Path) -> None:
     """th.optimize with a MedianPruner, no Ray, Ray Tune's ConvNet class as written: the
     best trial's model.pt loads strictly into a fresh ConvNet() and gives the printed
     mean_accuracy on the validation data."""
-    out = _run("optuna_study.py", "--tiny", "--output", str(tmp_path))
+    out = _run("optuna_study.py", "--output", str(tmp_path))
     assert "best params: {'lr': " in out
     path = _model_pt(out)
     assert path.parent.parent == tmp_path and path.is_file()
@@ -202,7 +205,7 @@ def test_tune_mnist_tiny(tmp_path: Path) -> None:
     """Ray Tune's getting-started search in the literal form: the tutorial's ConvNet class
     as written, mean_accuracy as the metric; its model.pt loads strictly into a fresh
     ConvNet() and gives the printed accuracy on the evaluation data."""
-    out = _run("tune_mnist.py", "--tiny", "--storage", str(tmp_path))
+    out = _run("tune_mnist.py", "--storage", str(tmp_path))
     assert "best config: {'lr': " in out
     path = _model_pt(out)
     assert path.is_file() and tmp_path in path.parents
@@ -282,7 +285,7 @@ def test_lora_search_ray_smoke(tmp_path: Path) -> None:
     perplexity in any trial's progress.csv, its model.pt and adapter reloading to it."""
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    out = _run("lora_search.py", "--smoke", "--output", str(tmp_path), timeout=300)
+    out = _run("lora_search.py", "--output", str(tmp_path), timeout=300)
     assert "4 trials: {'TERMINATED': 4}" in out
     epochs = ast.literal_eval(_line(out, "4 trials: {'TERMINATED': 4}; epochs run: "))
     assert len(epochs) == 4 and all(1 <= e <= 2 for e in epochs) and 2 in epochs, epochs
@@ -304,7 +307,7 @@ def test_lora_search_optuna_smoke(tmp_path: Path) -> None:
     trial's model.pt and adapter reload to its printed perplexity."""
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    out = _run("lora_search.py", "--smoke", "--optuna", "--output", str(tmp_path), timeout=300)
+    out = _run("lora_search.py", "--optuna", "--output", str(tmp_path), timeout=300)
     head = _line(out, "4 trials: ")
     states = ast.literal_eval(head.split("; epochs run: ")[0])
     epochs = ast.literal_eval(head.split("; epochs run: ")[1])
@@ -328,7 +331,7 @@ def test_optuna_pytorch_simple_smoke() -> None:
     assert sum("n_jobs=" in line for line in marked) == 1
     check = (
         "import gc, runpy, sys\n"
-        "sys.argv = ['optuna_pytorch_simple.py', '--smoke']\n"
+        "sys.argv = ['optuna_pytorch_simple.py']\n"
         f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
         "from tune_hydra.frontends import shard\n"
         "gc.collect()\n"
@@ -336,7 +339,7 @@ def test_optuna_pytorch_simple_smoke() -> None:
         "print('busy_s', sum(d['busy_s'] for d in s['devices'].values()))\n"
         "print('left', shard._ENGINE.tasks())\n"
     )
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **SMOKE)
     proc = subprocess.run(
         [sys.executable, "-c", check],
         capture_output=True,
@@ -482,9 +485,10 @@ import ray.tune.schedulers as schedulers
 
 class Synchronous(schedulers.PopulationBasedTraining):
     def __init__(self, **kwargs):
-        # Every trial waits (paused) at iteration 1, when each has reported its step-0
-        # checkpoint; then the bottom quantile exploits the top: within the smoke run.
-        kwargs["perturbation_interval"] = 1
+        # Every trial waits (paused) at iteration 3, when each has reported its step-0
+        # checkpoint; then the bottom quantile exploits the top: within the smoke run (one
+        # perturbation round: each round pauses and restarts every trial).
+        kwargs["perturbation_interval"] = 3
         kwargs["synch"] = True
         super().__init__(**kwargs)
 
@@ -498,7 +502,7 @@ runpy.run_path(script, run_name="__main__")
 
 def test_ray_pbt_function_example_pauses_and_exploits(tmp_path: Path) -> None:
     """The PBT function example, its PBT made synchronous with a perturbation every
-    iteration (Ray's example checkpoints at steps 0, 5, ... and perturbs every 5, so its
+    3 iterations (Ray's example checkpoints at steps 0, 5, ... and perturbs every 5, so its
     own smoke run never has a checkpoint to exploit): every trial is paused at each
     perturbation, the bottom ones are exploited, and they restart from the top trial's
     checkpoint through their own tune.get_checkpoint() + load_state_dict; its
