@@ -43,14 +43,14 @@ def _run(
 def test_copies_overlap_other_tasks_compute_and_memory_stays_in_budget() -> None:
     h = _run(prefetch=True)
     events = h.trace.events
-    compute = [e for e in events if e.op in ("F", "L", "B", "S", "E")]
     copies = [e for e in events if e.op == "copy_in"]
     assert copies and all(e.bytes_moved > 0 for e in copies)
-    overlapped = sum(
-        any(c.task != e.task and c.start < e.end and e.start < c.end for e in compute)
-        for c in copies
-    )
-    assert overlapped >= len(copies) // 2, (overlapped, len(copies))
+    # What the copy thread records, not whether the OS ran it beside the run thread: a
+    # copy made ahead of its op (another op held the device: the copy of an op queued
+    # behind another task's op, or a prefetch) is one double buffering hides. Without
+    # prefetch none is (the next test). Seen: 46-54 of 52-59 under 2 CPU hogs.
+    ahead = sum(c.ahead for c in copies)
+    assert ahead >= len(copies) // 2, (ahead, len(copies))
     h.validate()
     spilled = sum(e.bytes_moved for e in copies if e.task == "t0")
     assert h["t0"][0]["bytes_spilled"] >= spilled > 0  # copy_in traced; copy_out counted too
@@ -64,6 +64,7 @@ def test_without_prefetch_one_shard_resident_and_no_overlap() -> None:
     h = _run(prefetch=False)
     compute = [e for e in h.trace.events if e.op in ("F", "L", "B", "S", "E")]
     copies = [e for e in h.trace.events if e.op == "copy_in"]
+    assert copies and not any(c.ahead for c in copies)  # each made for the op next in line
     assert not any(c.start < e.end and e.start < c.end for c in copies for e in compute)
     biggest = max(s.state_bytes for s in h.plans["t0"].shards)
     assert h.summary["devices"]["cpu"]["peak_resident_bytes"] <= biggest
@@ -121,25 +122,14 @@ def _one_task(prefetch: bool) -> tuple[th.History, th.ModelTask, th.ModelTask]:
 def test_a_single_task_copies_its_next_shard_in_while_the_current_one_computes() -> None:
     """One task has no other task's compute to hide copies behind: the engine prefetches
     the task's own next shard (its op is not ready yet, but its shard is known)."""
-    # Whether a copy overlaps a computation is up to the OS's thread scheduling: on a
-    # loaded 2-core machine one run in several overlaps few copies (8 of 26 seen; 19-25
-    # usually). The best of 3 runs still tells prefetching from not prefetching (which
-    # overlaps none: the next test); each run is checked for budget and exactness.
-    tally = []
-    for _ in range(3):
-        h, task, ref = _one_task(prefetch=True)
-        events = h.trace.events
-        compute = [e for e in events if e.is_compute]
-        copies = [e for e in events if e.op == "copy_in" and e.bytes_moved > 0]
-        overlapped = [
-            c
-            for c in copies
-            if any(e.shard != c.shard and e.start < c.end and c.start < e.end for e in compute)
-        ]
-        tally.append((len(overlapped), len(copies)))
-        if len(overlapped) >= len(copies) // 2:
-            break
-    assert any(n >= of // 2 for n, of in tally), tally
+    # Judged on what the copy thread records (a prefetch, made ahead of its op), not on
+    # whether the OS ran it beside the run thread: wall-clock overlap on a loaded 2-core
+    # machine varied from 8 to 25 of 26 copies, while the prefetches are 25 of 26 each
+    # run, under 2 CPU hogs too (the first shard's copy has nothing to hide behind).
+    h, task, ref = _one_task(prefetch=True)
+    copies = [e for e in h.trace.events if e.op == "copy_in" and e.bytes_moved > 0]
+    ahead = [c for c in copies if c.ahead]
+    assert len(ahead) >= len(copies) // 2, (len(ahead), len(copies))
     h.validate()
     plan = h.plans["solo"]
     assert len(plan) >= 3
@@ -155,7 +145,7 @@ def test_without_prefetch_a_single_task_copies_only_when_its_op_runs() -> None:
     h, _, _ = _one_task(prefetch=False)
     compute = [e for e in h.trace.events if e.is_compute]
     copies = [e for e in h.trace.events if e.op == "copy_in"]
-    assert copies
+    assert copies and not any(c.ahead for c in copies)
     assert not any(c.start < e.end and e.start < c.end for c in copies for e in compute)
 
 

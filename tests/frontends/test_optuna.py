@@ -502,7 +502,9 @@ def test_timeout_stops_starting_trials() -> None:
     th.optimize(
         study, factory({}, sleep_s=0.3), epochs=1, devices=["cpu"], max_concurrent=2, timeout=0.8
     )
-    assert time.monotonic() - begin < 10
+    # Without the timeout the study would run for ever (no n_trials): a bound far above
+    # the 0.8 s, so that a loaded machine passes too; the trial count is the behaviour.
+    assert time.monotonic() - begin < 60
     assert 2 <= len(study.trials) <= 8
     assert set(_states(study).values()) == {"COMPLETE"}
 

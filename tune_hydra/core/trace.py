@@ -66,6 +66,10 @@ class TraceEvent:
         batch: batch index in the epoch (-1 where not applicable).
         carry_bytes: for a compute operation on a device that copies, the bytes of
             boundary tensors it left there for the task's next operation.
+        ahead: for a ``copy_in``, whether the copy thread made it ahead of its op, while
+            another op held the device: a prefetch of a task's next shard, or the copy
+            of an op queued behind another one (the copies double buffering hides
+            behind compute). ``False`` for the copy of the op next in line.
     """
 
     device: str
@@ -78,6 +82,7 @@ class TraceEvent:
     iteration: int = 0
     batch: int = -1
     carry_bytes: int = 0
+    ahead: bool = False
 
     @property
     def duration(self) -> float:

@@ -351,6 +351,8 @@ class DeviceWorker:
             prev = store.owner
             if isinstance(prev, DeviceWorker) and prev is not self:
                 prev.evict(store)  # traced there, on its copy stream
+            queued = list(self.assigned) if ahead_of is not None else []
+            ahead = bool(queued) and queued[0] is not ahead_of  # another op is first
             t0 = self.clock()
             moved = store.promote(self.device, self.copy_stream, copy=self.copy, owner=self)
             if self.copy_stream is not None:
@@ -370,6 +372,7 @@ class DeviceWorker:
                         moved,
                         op.iteration if op is not None else 0,
                         op.batch if op is not None else -1,
+                        ahead=ahead,
                     )
                 )
             lease.moved = moved
@@ -468,6 +471,7 @@ class DeviceWorker:
                             self.clock(),
                             moved,
                             p.iteration,
+                            ahead=True,  # a prefetch: its op is not even ready yet
                         )
                     )
                 self._hold(p.store)
@@ -760,6 +764,9 @@ class DeviceWorker:
                 log.warning("device %s: after op %s: %r", self.label, a.op, e, exc_info=e)
             with self._op_done:  # a copy waiting for room may go on
                 self._op_done.notify_all()
+            # Not held while waiting for the next op: a failed op's error gets its callers'
+            # frames (a th.shard loop's model) once they raise it.
+            a = err = None  # type: ignore[assignment]
 
 
 def default_clock() -> Callable[[], float]:

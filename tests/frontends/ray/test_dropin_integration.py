@@ -5,7 +5,6 @@ at the end of every trial without any checkpoint setting."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -52,15 +51,18 @@ def _tuner(ex: HydraExecutor, trainable: Any, storage: str, iterations: int, **c
 
 
 @pytest.mark.filterwarnings("ignore:`report` is meant")
-def test_a_function_trainable_fails_the_experiment_once(ray_session: Any, storage: str) -> None:
+def test_a_function_trainable_fails_the_experiment_once(
+    ray_session: Any, storage: str, tmp_path: Path
+) -> None:
     """Its ``report`` call is hidden from the check before the run, so it runs in the
     engine: the first trial's error ends the experiment, th.run raises it once."""
+    calls = tmp_path / "calls"
+    calls.mkdir()
     with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        start = time.monotonic()
         with pytest.raises(NotATaskError) as info:
             th.run(
                 tune_tasks.hidden_train_fn,
-                config={"lr": tune.grid_search([0.001, 0.01, 0.1])},
+                config={"lr": tune.grid_search([0.001, 0.01, 0.1]), "calls": str(calls)},
                 metric="loss",
                 mode="min",
                 stop={"training_iteration": 3},
@@ -69,7 +71,6 @@ def test_a_function_trainable_fails_the_experiment_once(ray_session: Any, storag
                 trial_executor=ex,
                 verbose=0,
             )
-        elapsed = time.monotonic() - start
         assert _registered(ex) == []
         assert ex.systematic_error() is info.value
     text = str(info.value)
@@ -77,7 +78,9 @@ def test_a_function_trainable_fails_the_experiment_once(ray_session: Any, storag
     assert "function trainable" in text and "drop trial_executor" in text
     assert "experiment stops at the first one" in text
     assert "Traceback" not in text  # one message, not a trial's traceback
-    assert elapsed < 30, elapsed
+    # Not retried (max_failures=2 would call it 3 times a trial): at most once a trial.
+    # (Not a timed bound: one of 30 s failed on a loaded machine.)
+    assert 1 <= len(list(calls.iterdir())) <= 3
 
 
 def test_a_factory_returning_none_fails_a_tuner_run_once(ray_session: Any, storage: str) -> None:

@@ -4,7 +4,6 @@ experiment's driver, a factory closing over a lot of data."""
 from __future__ import annotations
 
 import contextlib
-import itertools
 import json
 import os
 import shutil
@@ -33,43 +32,59 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[3]  # the repository
 
 
-def test_a_slow_factory_holds_up_no_other_trial(ray_session: Any, storage: str) -> None:
-    """One trial's factory sleeps 15 s (a dataset download) while another trains: the
-    other's ops go on, no gap longer than about one of its batches (the factory once held
-    the RNG lock every batch fetch needs: a 15 s gap)."""
+class _ReleaseAfter(tune.Callback):
+    """Creates ``release`` (which the held factory waits for) once the other trial has
+    reported ``n`` results since the held factory created ``started``."""
+
+    def __init__(self, started: Path, release: Path, n: int) -> None:
+        self.started, self.release, self.n, self.seen = started, release, n, 0
+
+    def on_trial_result(self, iteration: int, trials: Any, trial: Any, result: Any, **info: Any):
+        if "release" in trial.config["overrides"] or not self.started.exists():
+            return
+        self.seen += 1
+        if self.seen >= self.n:
+            self.release.touch()
+
+
+def test_a_slow_factory_holds_up_no_other_trial(
+    ray_session: Any, storage: str, tmp_path: Path
+) -> None:
+    """One trial's factory is held in its call (a dataset download) while another trains:
+    the other's iterations go on, and the test releases the factory only after 3 of them
+    (the factory once held the RNG lock every batch fetch needs: none would come, and the
+    held factory would time out). No sleeps: the busy trial's batches after its first
+    wait for the factory to start, so it cannot finish before."""
+    started, release = tmp_path / "started", tmp_path / "release"
+    slow = {"started": str(started), "release": str(release)}
     config = {
         "lr": 0.01,
-        "overrides": tune.grid_search([{"factory_sleep": 15.0}, {"data_delay": 0.2}]),
+        "overrides": tune.grid_search([slow, {"gate": str(started)}]),
     }
+    releaser = _ReleaseAfter(started, release, 3)
     with HydraExecutor(devices="cpu") as ex:
         analysis = th.run(
             tune_tasks.make_slow_task,
             config=config,
             stop={"training_iteration": 20},
+            callbacks=[releaser],
             storage_path=storage,
             trial_executor=ex,
             verbose=0,
         )
         events = [e for e in ex.trace().events if e.op not in COPY_OPS]
     assert all(t.status == "TERMINATED" for t in analysis.trials)
+    assert releaser.seen >= 3 and release.exists()
     first = {e.task: min(x.start for x in events if x.task == e.task) for e in events}
-    slow, busy = sorted(first, key=first.get, reverse=True)  # type: ignore[arg-type]
-    window = [e.start for e in events if e.task == busy and e.start < first[slow]]
-    assert first[slow] - first[busy] > 12  # the busy trial trained while the factory slept
-    gaps = [b - a for a, b in itertools.pairwise(sorted(window))]
-    assert len(gaps) > 20
-    # One batch: 0.2 s of data loading plus its ops and, at an iteration's end, Tune's
-    # round trip. The old behaviour shows a gap of about 15 s here.
-    print(
-        f"slow factory: {first[slow] - first[busy]:.1f} s; busy trial's longest gap "
-        f"{max(gaps):.3f} s over {len(gaps)} gaps"
-    )
-    assert max(gaps) < 1.5, f"the busy trial waited {max(gaps):.2f} s"
+    held, busy = sorted(first, key=first.get, reverse=True)  # type: ignore[arg-type]
+    # The held trial's first op came after the release; the busy trial's ops of 3
+    # iterations (all after the factory started: their batches waited for it) before.
+    before = {e.iteration for e in events if e.task == busy and e.start < first[held]}
+    assert len(before) >= 3, sorted(before)
 
 
 def test_a_hung_factory_fails_its_trial_after_the_timeout(ray_session: Any, storage: str) -> None:
     with HydraExecutor(devices="cpu", factory_timeout_s=3) as ex:
-        start = time.monotonic()
         analysis = th.run(
             tune_tasks.make_slow_task,
             config={"overrides": tune.grid_search([{"hang": True}, {}])},
@@ -79,20 +94,19 @@ def test_a_hung_factory_fails_its_trial_after_the_timeout(ray_session: Any, stor
             raise_on_failed_trial=False,
             verbose=0,
         )
-        elapsed = time.monotonic() - start
     by_case = {bool(t.config["overrides"]): t for t in analysis.trials}
     hung, fine = by_case[True], by_case[False]
     assert fine.status == "TERMINATED" and fine.last_result["training_iteration"] == 2
     assert hung.status == "ERROR"
     error = Path(hung.error_file).read_text()
     assert "TaskFactoryTimeoutError" in error and "did not return within 3 s" in error
-    assert "factory_timeout_s" in error
-    assert elapsed < 60
+    assert "factory_timeout_s" in error  # its own timeout ended it (no timed bound needed)
 
 
 def test_sigint_ends_a_run_whose_factory_hangs(tmp_path: Path) -> None:
-    """The driver's Ctrl-C ends the run within a few seconds even while a factory hangs
-    (default timeout: 10 minutes)."""
+    """The driver's Ctrl-C ends the run while a factory hangs (its default timeout: 10
+    minutes), not once the factory's timeout has passed (a few seconds on a quiet machine;
+    the bound is far below the timeout, so a loaded one passes too)."""
     started = tmp_path / "started"
     script = tmp_path / "driver.py"
     ray_dir = Path(tempfile.mkdtemp(prefix="thsig", dir="/tmp"))  # short: Ray's sockets
@@ -135,7 +149,7 @@ def test_sigint_ends_a_run_whose_factory_hangs(tmp_path: Path) -> None:
         _kill_ray_processes(ray_dir)
         shutil.rmtree(ray_dir, ignore_errors=True)
     print(f"the run ended {took:.1f} s after SIGINT")
-    assert took < 8, f"the run took {took:.1f} s to end after SIGINT"
+    assert took < 60, f"the run took {took:.1f} s to end after SIGINT"
 
 
 def _kill_ray_processes(temp_dir: Path) -> None:

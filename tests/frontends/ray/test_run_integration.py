@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -255,10 +254,9 @@ def test_a_tasks_own_metric_named_loss_ranks_the_run(ray_session: Any, storage: 
 
 
 def test_auto_devices_without_gpu_warns(ray_session: Any) -> None:
-    t0 = time.time()
+    # No wall-clock bound (< 60 s failed under load: it measured the machine, not this).
     with pytest.warns(UserWarning, match="no GPU"), HydraExecutor(devices="auto") as ex:
         assert len(ex.engines()) == 1
-    assert time.time() - t0 < 60
     assert os.environ.get("RAY_AUTH_MODE") == "disabled"
 
 

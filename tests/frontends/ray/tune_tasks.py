@@ -98,14 +98,26 @@ def make_wide_task(config: dict[str, Any]) -> th.ModelTask:
     )
 
 
-class SlowData:
-    """Re-iterable batches that each take ``delay`` seconds to load."""
+def wait_for_file(path: str, what: str, timeout_s: float = 120.0) -> None:
+    """Wait (bounded) until ``path`` exists: a test's cross-process event."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what}: {path} did not appear within {timeout_s} s")
+        time.sleep(0.01)
 
-    def __init__(self, batches: list[Any], delay: float) -> None:
-        self.batches, self.delay = batches, delay
+
+class SlowData:
+    """Re-iterable batches that each take ``delay`` seconds to load; with ``gate`` (a
+    path), those after the first (read at registration) only once that file exists."""
+
+    def __init__(self, batches: list[Any], delay: float, gate: str | None = None) -> None:
+        self.batches, self.delay, self.gate = batches, delay, gate
 
     def __iter__(self) -> Any:
-        for batch in self.batches:
+        for i, batch in enumerate(self.batches):
+            if self.gate is not None and i:
+                wait_for_file(self.gate, "the data's gate")
             time.sleep(self.delay)
             yield batch
 
@@ -115,19 +127,23 @@ def make_slow_task(config: dict[str, Any]) -> th.ModelTask:
 
     Config keys: ``factory_sleep`` (seconds the factory sleeps first), ``hang`` (the
     factory never returns), ``data_delay`` (seconds per training batch), ``started`` (a
-    path the factory creates as it starts), ``overrides`` (a dict merged into the config:
-    lets a grid search vary several keys together), plus :func:`make_task`'s keys.
+    path the factory creates as it starts), ``release`` (a path the factory waits for
+    after that: held until the test creates it), ``gate`` (a path the training batches
+    after the first wait for), ``overrides`` (a dict merged into the config: lets a grid
+    search vary several keys together), plus :func:`make_task`'s keys.
     """
     config = {**config, **config.get("overrides", {})}
     if config.get("started"):
         open(config["started"], "w").close()
     if config.get("hang"):
         threading.Event().wait()
+    if config.get("release"):
+        wait_for_file(config["release"], "the factory's release")
     time.sleep(float(config.get("factory_sleep", 0.0)))
     task = make_task(config)
     delay = float(config.get("data_delay", 0.0))
-    if delay:
-        task.train_data = SlowData(list(task.train_data), delay)
+    if delay or config.get("gate"):
+        task.train_data = SlowData(list(task.train_data), delay, config.get("gate"))
     return task
 
 
@@ -169,10 +185,22 @@ def train_fn(config: dict[str, Any]) -> None:
     del task
 
 
+def count_call(config: dict[str, Any]) -> None:
+    """One file in ``config["calls"]`` (if given) per call: how many times a run called a
+    factory, read by the test (a run that ends at its first error calls it once a trial)."""
+    folder = config.get("calls")
+    if folder:
+        import uuid
+
+        open(os.path.join(folder, uuid.uuid4().hex), "w").close()
+
+
 def hidden_train_fn(config: dict[str, Any]) -> None:
     """A function trainable whose ``report`` call its code does not name (it is looked up
     by string), so only running it tells: it returns None."""
     from ray import tune
+
+    count_call(config)
 
     report = getattr(tune, "re" + "port")
     for epoch in range(2):
@@ -229,7 +257,8 @@ def accuracy(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 def make_classifier_task(config: dict[str, Any]) -> th.ModelTask:
     """A 3-class MLP classifier with an ``accuracy`` metric and a StepLR schedule
-    (config: ``lr``; ``metrics`` False drops the metric)."""
+    (config: ``lr``; ``metrics`` False drops the metric; ``calls``: see count_call)."""
+    count_call(config)
     g = torch.Generator().manual_seed(99)
     x = torch.randn(N_BATCHES * BATCH, N_IN, generator=g)
     y = (x[:, 0] > 0).long() + (x[:, 1] > 0).long()
