@@ -621,3 +621,41 @@ class EngineConfiguredError(ShardError, RuntimeError):
 
 class ShardClosedError(ShardError, RuntimeError):
     """A sharded model was used after its loop was closed (``unshard``)."""
+
+
+class BatchTooLargeError(ShardError, MemoryError):
+    """A sharded model got a training batch larger than the one its cut was sized on (its
+    first forward's), and the cut's shards cannot hold that batch's activations within
+    ``device_memory``."""
+
+
+class SharedShardModelError(SharedModelError, ShardError):
+    """A sharded model shares trainable parameters or buffers with another model (or
+    task) the same engine trains: ``b.layer = a.layer`` and ``th.shard`` on both.
+
+    Attributes:
+        task: the loop that was refused.
+        owner: the registered loop (or task) that already trains those tensors.
+        tensors: ``(name in task's model, name in owner's model)`` of each shared tensor.
+    """
+
+    def __init__(self, task: str, owner: str, tensors: list[tuple[str, str]]) -> None:
+        self.task = task
+        self.owner = owner
+        self.tensors = list(tensors)
+        shown = ", ".join(
+            f"{mine!r}" if mine == theirs else f"{mine!r} ({theirs!r} there)"
+            for mine, theirs in self.tensors[:6]
+        )
+        more = f" and {len(self.tensors) - 6} more" if len(self.tensors) > 6 else ""
+        modules = sorted({m.rpartition(".")[0] or "<the whole model>" for m, _ in self.tensors})
+        InvalidTaskError.__init__(
+            self,
+            f"th.shard: the model of loop {task!r} shares {len(self.tensors)} tensor(s) "
+            f"with {owner!r}, which this engine trains: {shown}{more} (module(s) "
+            f"{', '.join(map(repr, modules))}). Two sharded models stepping one tensor "
+            f"corrupt each other (each applies its own steps to it at its own next op). To "
+            f"train two copies, copy.deepcopy the shared module before th.shard (b.layer = "
+            f"copy.deepcopy(a.layer)); to train one module in both, put both models in one "
+            f"nn.Module and th.shard it once, with one optimizer",
+        )

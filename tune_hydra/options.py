@@ -22,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import math
 import numbers
 import operator
@@ -36,10 +37,11 @@ from tune_hydra.exceptions import (
     InvalidOptionError,
     SpillDirError,
     UnknownDeviceError,
+    UnknownOptionError,
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Sequence
+    from collections.abc import Iterable, Sequence
 
     from tune_hydra.core.policies import BasePolicy
 
@@ -589,6 +591,38 @@ ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineOptions) if f.in
 #: The per-task options of ``Engine.add_task`` (:func:`check_task_options`), in order.
 TASK_OPTIONS = ("seed", "max_grad_norm", "accumulate_steps", "precision", "iteration_batches")
 
+
+def check_option_names(
+    given: Iterable[str], known: Sequence[str] = ENGINE_OPTIONS, *, where: str = "Engine"
+) -> None:
+    """Refuse keyword options that are not in ``known`` (a typo, an option of another
+    front end), naming the closest known one: the one check of option names that
+    ``Engine(...)`` and ``th.configure`` share.
+
+    Raises:
+        UnknownOptionError: naming each unknown option (with the closest known one) and
+            the options ``where`` takes.
+
+    Example:
+        >>> check_option_names(["devices", "device_memory"])
+        >>> try:
+        ...     check_option_names(["polcy"])
+        ... except UnknownOptionError as err:
+        ...     print(str(err).split(";")[0])
+        Engine got unknown option(s) 'polcy' (did you mean 'policy'?)
+    """
+    unknown = [k for k in given if k not in known]
+    if not unknown:
+        return
+    hints = []
+    for key in unknown:
+        close = difflib.get_close_matches(key, known, n=1)
+        hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
+    raise UnknownOptionError(
+        f"{where} got unknown option(s) {', '.join(hints)}; it takes {', '.join(known)}"
+    )
+
+
 #: The one place that says which engine and task option a front end does not offer, and
 #: why; it takes every other one, with the default of ``EngineOptions`` /
 #: ``check_task_options``, and hands it on unchanged (``tests/test_options.py`` holds each
@@ -654,6 +688,7 @@ __all__ = [
     "check_flag",
     "check_max_grad_norm",
     "check_max_layers_per_shard",
+    "check_option_names",
     "check_policy",
     "check_positive_int",
     "check_precision",

@@ -244,17 +244,17 @@ def test_eval_mode_and_dropout_in_the_base(saved: dict[str, Path], tmp_path: Pat
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config("gpt2", dropout=0.1))
     model.save_pretrained(tmp_path)
-    mods = [shards(m)[1] for m in trials("gpt2", tmp_path)]
+    models = trials("gpt2", tmp_path)  # kept: a Hugging Face stage holds its model weakly
+    mods = [shards(m)[1] for m in models]
     with pytest.raises(NotBatchableError, match="active dropout"):
         BatchedShard(mods)
     for m in mods:
         m.eval()
     assert why_not_batchable(mods) is None
+    firsts = trials("gpt2", tmp_path)
     x = [
         detach(s[0](batch(i, b)), False)
-        for i, (s, b) in enumerate(
-            zip([shards(m)[0] for m in trials("gpt2", tmp_path)], SIZES, strict=True)
-        )
+        for i, (s, b) in enumerate(zip([shards(m)[0] for m in firsts], SIZES, strict=True))
     ]
     with torch.no_grad():
         got = BatchedShard(mods).forward(x).outputs

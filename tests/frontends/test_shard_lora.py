@@ -23,7 +23,7 @@ from torch import nn
 
 import tune_hydra as th
 from tests.models.test_peft import TRIALS, config, data, lora_config
-from tune_hydra.engine.frozen import canonical_name
+from tune_hydra.engine.frozen import address, canonical_name
 from tune_hydra.exceptions import FrozenTensorModifiedError
 
 peft = pytest.importorskip("peft", reason="peft is not installed: pip install 'tune_hydra[lora]'")
@@ -140,13 +140,14 @@ def assert_same(a: nn.Module, b: nn.Module) -> None:
         assert torch.equal(sa[k], sb[k]), k
 
 
-def frozen_ptrs(m: nn.Module) -> dict[str, int]:
-    """The frozen tensors' addresses at home, by name (peft's ``.base_layer`` left out)."""
+def frozen_ptrs(m: nn.Module, *, writable: bool = False) -> dict[str, int]:
+    """The frozen tensors' addresses at home, by name (peft's ``.base_layer`` left out);
+    ``writable``: as a writer asks for them (``data_ptr()`` copies a copy-on-write alias,
+    see frozen.alias; address() does not)."""
     m.state_dict()  # a th.shard model's: every state home
+    ptr = (lambda p: p.data_ptr()) if writable else address
     return {
-        canonical_name(n): p.data_ptr()
-        for n, p in nn.Module.named_parameters(m)
-        if not p.requires_grad
+        canonical_name(n): ptr(p) for n, p in nn.Module.named_parameters(m) if not p.requires_grad
     }
 
 
@@ -230,7 +231,7 @@ def test_unshard_gives_the_user_their_own_weights_while_others_share(
             eng, [(m, o) for m, o, _, _ in trials], between={0: leave}, epochs={0: 1}
         )
         # The loop that left got a private copy of the base; the others still share one.
-        own = frozen_ptrs(trials[0][0])
+        own = frozen_ptrs(trials[0][0], writable=True)
         others = frozen_ptrs(trials[1][0])
         assert all(own[n] != others[n] for n in own) and seen["shared"] == others
         assert all(len(e.tasks) == 2 for e in pool.entries())

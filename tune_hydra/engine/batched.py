@@ -64,7 +64,7 @@ from torch import nn
 from torch.utils._pytree import TreeSpec, tree_flatten, tree_unflatten
 
 from tune_hydra.engine.factory import use_generator
-from tune_hydra.engine.frozen import canonical_name
+from tune_hydra.engine.frozen import address, canonical_name
 from tune_hydra.exceptions import NotBatchableError
 from tune_hydra.models.hf import HeadStage
 
@@ -186,8 +186,10 @@ def _check_randomness(index: int, name: str, m: nn.Module) -> None:
 
 
 def _same_tensor(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # Not data_ptr(): the tasks' parameters are copy-on-write aliases of the pool's
+    # tensor (frozen.alias), and asking for a writable pointer would copy each.
     return (
-        a.data_ptr() == b.data_ptr()
+        address(a) == address(b)
         and a.shape == b.shape
         and a.stride() == b.stride()
         and a.dtype == b.dtype

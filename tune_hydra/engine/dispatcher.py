@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import copy
 import logging
 import threading
 import traceback
@@ -120,8 +121,10 @@ class Dispatcher:
                 return fut
             if entry.error is not None or entry.cancelled:
                 fut.set_exception(
-                    entry.error
-                    or TaskFailedError(
+                    # A copy: raising it adds the caller's frames to its traceback.
+                    _frameless(entry.error)
+                    if entry.error is not None
+                    else TaskFailedError(
                         entry.name, "it was cancelled; remove it, or restore it with set_state()"
                     )
                 )
@@ -236,7 +239,11 @@ class Dispatcher:
             wrapped = TaskFailedError(entry.name, f"{type(err).__name__}: {err}", tb)
             wrapped.__cause__ = err
             err = wrapped
-        entry.error = err
+        # The callers get the error itself; the engine keeps a copy without frames (a
+        # later grant raises a copy of it): raised in a caller's thread, the error gets
+        # that thread's frames in its traceback (a th.shard loop's: the user's model),
+        # which the task's record would keep alive, and with it the task (#29).
+        entry.error = _frameless(err)
         entry.runner.stop()
         self._kept.end(entry, drop=True)
         for p in entry.pending:
@@ -501,6 +508,27 @@ class Dispatcher:
             nxt = runner.next_shard(op)
             if nxt is not None:
                 w.prefetch(runner.store_of(nxt), op.task, nxt, op.iteration)
+
+
+def _frameless(err: BaseException, depth: int = 0) -> BaseException:
+    """A copy of ``err`` without a traceback (no frames: what the engine may keep): its
+    type, arguments and attributes, its ``__cause__`` copied likewise (a
+    ``TaskFailedError`` keeps the original traceback as text). An error that does not
+    copy becomes a ``TuneHydraError`` with its type, message and traceback as text."""
+    try:
+        kept = copy.copy(err)
+    except Exception:
+        kept = None
+    if type(kept) is not type(err) or kept is err:
+        tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
+        kept = TuneHydraError(f"{type(err).__name__}: {err}\n\nOriginal traceback:\n{tb}")
+    assert kept is not None
+    kept.__traceback__ = None
+    cause = err.__cause__
+    kept.__cause__ = None if cause is None or depth > 8 else _frameless(cause, depth + 1)
+    kept.__context__ = None
+    kept.__suppress_context__ = True
+    return kept
 
 
 def _parts(store: Store) -> list[ShardStore]:

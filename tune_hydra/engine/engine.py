@@ -40,7 +40,12 @@ from tune_hydra.engine.task import ModelTask
 from tune_hydra.engine.units import device_capacity, resolve_devices
 from tune_hydra.engine.workers import DeviceWorker, default_clock
 from tune_hydra.exceptions import InvalidOptionError, InvalidTaskError, TuneHydraError
-from tune_hydra.options import DEFAULT_TRACE_WINDOW, EngineOptions, TrainOptions
+from tune_hydra.options import (
+    DEFAULT_TRACE_WINDOW,
+    EngineOptions,
+    TrainOptions,
+    check_option_names,
+)
 
 
 class Engine:
@@ -97,6 +102,8 @@ class Engine:
     Raises:
         InvalidOptionError: a bad ``prefetch``, ``recompute``, ``copy_on_cpu``,
             ``max_layers_per_shard`` or ``trace_window``, or ``options`` with keywords.
+        UnknownOptionError: a keyword the engine does not take (a typo: the message
+            names the closest option).
         SpillDirError: ``host_memory`` without ``spill_dir``, or a ``spill_dir`` that is
             missing, not writable or on a full disk.
         UnknownDeviceError, BudgetFormatError, UnknownPolicyError: a bad device, budget or
@@ -134,7 +141,13 @@ class Engine:
         batch_shared: bool = False,
         options: EngineOptions | None = None,
         clock: Callable[[], float] | None = None,
+        **unknown: Any,
     ) -> None:
+        if unknown:  # a typo: named with the closest option, not Python's bare TypeError
+            code = Engine.__init__.__code__
+            check_option_names(
+                unknown, code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+            )
         given = {
             "devices": devices,
             "device_memory": device_memory,
@@ -298,6 +311,8 @@ class Engine:
             InvalidTaskError: ``runner`` lacks a ``Runner`` member, is named otherwise,
                 its ``plan`` has no shard, a name in use, or its batch's kept graphs would
                 not fit.
+            SharedModelError: the runner's ``frozen_model`` (a ``th.shard`` loop's model)
+                shares trainable parameters or buffers with another registered task.
         """
         return self._registry.add_runner(name, runner, options)
 
@@ -350,6 +365,25 @@ class Engine:
     def plan(self, name: str) -> ShardPlan:
         """The shard plan of a registered task."""
         return self._entry(name).plan
+
+    def update_plan(self, name: str, plan: ShardPlan) -> None:
+        """Replace task ``name``'s plan by ``plan``: the same cut, sized anew (a
+        ``th.shard`` loop's batch larger than the one it was cut on needs more activation
+        bytes). The kept-graph reservations and :meth:`plan` read it from now on; the
+        runner updates its stores' footprints (what the device ledgers read) itself.
+
+        Raises:
+            InvalidTaskError: no such task, or ``plan`` cuts the model elsewhere.
+        """
+        with self._cv:
+            entry = self._entry(name)
+            cut = [(s.start, s.stop) for s in plan.shards]
+            if cut != [(s.start, s.stop) for s in entry.plan.shards]:
+                raise InvalidTaskError(
+                    f"task {name!r}: update_plan takes the same cut sized anew, not another "
+                    f"cut ({cut})"
+                )
+            entry.plan = plan
 
     def tasks(self) -> list[str]:
         with self._cv:

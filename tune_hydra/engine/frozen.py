@@ -63,6 +63,13 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   (:class:`~tune_hydra.exceptions.FrozenTensorModifiedError`); in an entry only this
   task uses, the slot goes back to the store's own state (it trains as it would have
   unshared: gradual unfreezing works) and the entry leaves the pool.
+- **Writes reach the writer only**: a live task's parameter holds a copy-on-write alias
+  (:func:`alias`) of the pool's host tensor or CPU device copy, so a write into it
+  copies the writer's side first: the pool's tensor and every other task's alias keep
+  the shared values. A write from the user's thread between ops (``w.add_(1)`` under
+  ``no_grad``, peft's ``merge_adapter()``), found at the next op, promotion or demotion,
+  makes that tensor the writer's own state, with its written values, and it goes on
+  exactly as plain PyTorch (``ShardStore._take_own``); a write by its op fails it alone.
 
 Devices: one copy per device holder (a device worker; emulated CPU devices are told apart
 by it) for every task resident there (:meth:`FrozenPool.to_device`, refcounted: the
@@ -83,10 +90,11 @@ events to list their shared parts (a ``TraceEvent`` field the workers would fill
 not done. A worker keeps at most ``depth`` (2 with prefetch) states resident, so on the
 engine the gain is in which pairs fit, not in more than two. A task that writes a shared device copy
 has it repaired from the host tensor before it fails, so the tasks resident with it
-(whose ops run after it on that device) are unaffected. A write into the host tensor
-itself (a CPU "device" without copies, ``copy_on_cpu=False``, or a module writing
-another shard's tensor while that shard is at home) is detected and fails its task,
-but the tasks sharing it have seen the write.
+(whose ops run after it on that device) are unaffected. A write into a tensor no
+alias covers (a CUDA device copy, a view of the pool's spill file, a torch without
+copy-on-write) is detected and fails its task; a CUDA device copy written from the
+user's thread between ops may be read by the tasks resident with it before the
+writer's next op finds it.
 
 Locks: ``FrozenPool._lock`` is a leaf guarding the entries and their reference counts; it
 is never held while waiting for another lock, and the host ledger is told under its own
@@ -202,6 +210,22 @@ def lazy_clone(t: torch.Tensor) -> torch.Tensor:
         return fn(t)
     except RuntimeError:  # memory torch did not allocate itself (see cow_ready)
         return t.clone()
+
+
+def alias(t: torch.Tensor) -> torch.Tensor:
+    """What a live task's parameter points at instead of shared tensor ``t``: a
+    copy-on-write clone (:func:`lazy_clone`) where torch can make one (a CPU tensor its
+    allocator made), else ``t`` itself (never a copy). Reads copy nothing; a write by the
+    task (``add_`` under ``no_grad``, ``weight.data += delta``, peft's ``merge_adapter``)
+    copies its side first, so ``t`` and every other task's alias keep the shared values
+    (``ShardStore.check_frozen`` then finds the task's tensor at another address)."""
+    fn = getattr(torch, "_lazy_clone", None)
+    if fn is None or t.device.type != "cpu" or t.is_pinned():
+        return t
+    try:
+        return fn(t)
+    except RuntimeError:  # a file mapping (the disk tier's views) or other foreign memory
+        return t
 
 
 def cow_ready(t: torch.Tensor) -> torch.Tensor:
@@ -675,6 +699,7 @@ __all__ = [
     "FrozenRef",
     "Prepared",
     "address",
+    "alias",
     "canonical_name",
     "checksum",
     "cow_ready",

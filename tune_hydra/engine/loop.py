@@ -18,19 +18,33 @@ result. Ops of one loop run one at a time, in the user's order.
   the input's gradient handed back. The graph the user's thread sees lives on the device
   of the inputs, so ``loss.backward()`` runs these backward ops from the user's thread.
   Without grad (``torch.no_grad()``, evaluation) the ops keep nothing.
+- **other backward passes** (:class:`_Reach`): ``backward(retain_graph=True)`` then
+  another ``backward()`` recomputes again (the gradients add up); a second one without
+  ``retain_graph`` raises torch's own error (the saved input was freed).
+  ``torch.autograd.grad`` (or ``backward(inputs=...)``) w.r.t. the model's inputs runs
+  backward ops that hand back the inputs' gradients alone, the parameters' ``.grad``
+  untouched; w.r.t. the parameters (whose gradients the engine accumulates on its
+  devices), and double backward (``create_graph=True``), raise
+  :class:`~tune_hydra.exceptions.UnsupportedCallError`.
 - **kept graphs**: on an engine that keeps graphs (``recompute=False``) a forward op runs
   the shard with grad instead and keeps its graph (activations) on the device until the
   shard's backward op back-propagates through it; the engine reserves the batch's
   activations on the device where its first forward ran and keeps the batch's ops there
   (``tune_hydra.engine.kept``; :attr:`LoopRunner.keeps_batch` tells it the batch is still
   open while the user's code runs between ops). A loop whose batch would not fit the
-  budget with every shard's activations kept recomputes instead.
+  budget with every shard's activations kept recomputes instead. The shard's input is
+  saved at home as well: a retained graph's second backward recomputes from it (the kept
+  graph is let go after the first, to free the device).
 - **optimizer**: the user's optimizer is split per shard (same class, same hyperparameter
   groups); ``step()`` and ``zero_grad()`` are recorded per shard and applied at the start
   of the shard's next op (the state is on a device then anyway), each step with the
   hyperparameters its groups had when ``step()`` was called (so an lr scheduler stepping
   right after works); :meth:`LoopRunner.sync` applies what is pending (as step ops) and
-  brings every state home, for the user's thread to read or write the model's tensors.
+  brings every state home, for the user's thread to read or write the model's tensors. A
+  step that raises does so at that op (the next forward, or a sync: ``state_dict()``,
+  ``th.unshard``), once. Groups added after the cut (``add_param_group``: gradual
+  unfreezing) are split the same way (:meth:`LoopRunner.follow_groups`), and
+  :meth:`LoopRunner.close` hands every shard's state back to the user's optimizer.
 - **random numbers**: an op draws from a generator of its own loop on the device's
   thread (the thread-local dispatch mode of :func:`~tune_hydra.engine.factory.use_generator`
   adds it to every CPU random op), never from torch's global generator, so no other
@@ -50,8 +64,10 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import itertools
 import logging
+import math
 import threading
 import time
 import weakref
@@ -68,12 +84,22 @@ from tune_hydra.engine import rng
 from tune_hydra.engine.boundary import backward as backward_from
 from tune_hydra.engine.factory import thread_generator, use_generator
 from tune_hydra.engine.lease import parts
-from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards
+from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards, tensor_bytes
 from tune_hydra.engine.shared import SharedParams
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.task import OwnedTensors, owned_tensors
 from tune_hydra.engine.units import device_capacity
-from tune_hydra.exceptions import ShardClosedError, format_bytes
+from tune_hydra.exceptions import (
+    BatchTooLargeError,
+    OptimizerMismatchError,
+    ShardClosedError,
+    ShardTooLargeError,
+    SharedModelError,
+    SharedShardModelError,
+    TaskFailedError,
+    UnsupportedCallError,
+    format_bytes,
+)
 from tune_hydra.options import TrainOptions
 
 if TYPE_CHECKING:
@@ -111,8 +137,8 @@ class LoopShard:
 
     Attributes:
         pending: ``("step", hyperparameters per local group)`` and ``("zero",
-            set_to_none)`` recorded by the user's ``step()`` / ``zero_grad()``, applied in
-            order at the start of the shard's next op.
+            (set_to_none, parameters))`` recorded by the user's ``step()`` /
+            ``zero_grad()``, applied in order at the start of the shard's next op.
     """
 
     index: int
@@ -129,6 +155,9 @@ class LoopShard:
     # (training, drew from the CPU generator) once seen; a shard that does not draw skips
     # installing the stream (and its lock).
     draws: dict[bool, bool] = field(default_factory=dict)
+    # Optimizer steps applied so far: a recompute checks that its forward's weights are
+    # still the shard's (a step between a forward and its backward).
+    steps: int = 0
 
 
 class LoopRunner:
@@ -158,6 +187,11 @@ class LoopRunner:
         # Weakly: the model's garbage collection removes the loop (th.shard's finalizer).
         self._model = weakref.ref(model)
         self._plan = plan
+        # The probe's layer costs and input bytes (the first forward's batch: build_loop
+        # sets them), and the largest training batch's input bytes the plan is sized for.
+        self._probe_costs = plan.layers
+        self._probe_bytes = 0
+        self._sized_bytes = 0
         self.shards = shards
         self.user_optimizer = user_optimizer
         self._wrappers = wrappers  # modules of the cut that are not the user's
@@ -187,6 +221,16 @@ class LoopRunner:
         self._ops_per_batch = 3 * len(shards)
         self._home_now = True  # every state is home (sync), nothing pending
         self.closed = False
+        # The user's optimizer's class (build_loop sets it): a shard gets one of it when a
+        # group added after the cut (add_param_group) has parameters it steps.
+        self.optimizer_class: type[torch.optim.Optimizer] | None = None
+        # How many parameters each of the user's groups had when the shards' optimizers
+        # last followed them (see follow_groups), and what its zero_grad() zeroes per shard.
+        self._group_sizes = [
+            len(g["params"]) for g in (user_optimizer.param_groups if user_optimizer else [])
+        ]
+        self._opt_zeroes: list[list[nn.Parameter]] = []
+        self._note_optimizer_params()
         self.keep = keep  # forward ops keep their graphs for the backward (no recompute)
         # The shard calls of the batch in progress that may keep a graph (weakly: the
         # user's autograd graph owns them).
@@ -198,6 +242,13 @@ class LoopRunner:
         self._op_gen = self._gen
         self._seed = torch.initial_seed()
         self.stream = rng.RngState(rng_start)  # its .cuda: the loop's stream on a GPU
+        # On an engine with one CPU device (th.shard's embedded one on a CPU machine) each
+        # op computes with the intra-op thread count the user's thread has at that op (read
+        # by run): a reduction split across threads (a conv's weight gradient) then rounds
+        # as plain PyTorch's at the user's setting, whenever either was set. Several
+        # emulated CPU devices keep their split of the threads (see the README).
+        self._follow_threads = sum(d.type == "cpu" for d in engine.devices) == 1
+        self._threads = torch.get_num_threads()
 
     @property
     def model(self) -> nn.Module:
@@ -282,6 +333,12 @@ class LoopRunner:
         assert self._request is not None and self._request[0] is op
         fn = self._request[1]
         t0 = time.perf_counter()
+        if (
+            self._follow_threads
+            and device.type == "cpu"
+            and torch.get_num_threads() != self._threads
+        ):
+            torch.set_num_threads(self._threads)  # this (the device's) thread's count
         try:
             with inside_op():
                 self._apply_pending(self.shards[op.shard])
@@ -336,10 +393,13 @@ class LoopRunner:
         return any((c := r()) is not None and c.kept is not None for r in self._open)
 
     def owned_tensors(self) -> OwnedTensors:
+        model = self._model()
+        if model is None:  # garbage-collected, its loop on its way out: it trains nothing
+            return OwnedTensors()
         host: list[tuple[Any, torch.Tensor]] = []
         for s in self.shards:
             host.extend(s.store.host_tensors())
-        return owned_tensors(self.model, host)
+        return owned_tensors(model, host)
 
     # -- ops, from the user's thread ----------------------------------------------------
 
@@ -376,6 +436,8 @@ class LoopRunner:
                 and threading.current_thread() is threading.main_thread()
             )
         self._op_gen = gen
+        if self._follow_threads:
+            self._threads = torch.get_num_threads()  # execute computes with it
         if hand_off:
             gen.set_state(torch.get_rng_state())
         try:
@@ -386,10 +448,12 @@ class LoopRunner:
             done.result()
         finally:
             self._request = None
+            # Taken here even when the engine failed the op: an error of the op's own kept
+            # on the runner would keep its frames (and a Hugging Face stage's model).
+            ok, value = self._result
+            self._result = (True, None)
         if hand_off:
             torch.set_rng_state(gen.get_state())
-        ok, value = self._result
-        self._result = (True, None)
         if not ok:
             raise value
         return value
@@ -405,19 +469,29 @@ class LoopRunner:
         self._ops_since_batch += 1
 
     def forward(self, inputs: Any) -> Any:
-        """The model's forward on ``inputs``, shard by shard (see the module docstring)."""
+        """The model's forward on ``inputs``, shard by shard (see the module docstring).
+
+        Raises:
+            BatchTooLargeError: a training batch larger than the one the cut was sized on
+                that the cut cannot hold within the budget (see :meth:`fit_batch`).
+        """
         grad = torch.is_grad_enabled() and any(
             p.requires_grad for s in self.shards for p in s.module.parameters()
         )
+        if grad:
+            self.fit_batch(inputs)
         given = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
         user_device = given[0].device if given else self.home
         carry = _to(inputs, self.home)  # differentiable: the user's graph goes on from here
         if grad:
             token = torch.empty(0, requires_grad=True)  # so that every shard's node is reached
+            graph = _Reach(token, self.shards)
+            token = graph.token
             if self.keep:  # the batches before are done (or were dropped by the user)
                 self._open = [r for r in self._open if (c := r()) is not None and c.kept]
             for shard in self.shards:
                 call = _ShardCall(self, shard)
+                call.reach = graph
                 if self.keep:
                     self._open.append(weakref.ref(call))
                 leaves, spec = tree_flatten(carry)
@@ -438,12 +512,101 @@ class LoopRunner:
                 carry = self.run(kind, shard.index, _PlainForward(self, shard, carry))
         return _to(carry, user_device)  # outputs on the device of the inputs
 
+    def fit_batch(self, inputs: Any) -> None:
+        """Size the plan for a training batch larger than any before it (the cut was sized
+        on the first forward's batch, the probe), before any of its ops: every layer's
+        probed activations scaled by the batch's input bytes over the probe's (linear in
+        the batch size and, for sequences, in their length); if each shard of the cut (and,
+        keeping graphs, a batch of them all) still fits the budget, the plan, the engine's
+        record of it and each store's footprint (what the device ledgers count) take the
+        larger figures.
+
+        Raises:
+            BatchTooLargeError: the cut does not hold that batch within the budget.
+        """
+        nbytes = tensor_bytes(inputs)
+        if nbytes <= self._sized_bytes or not self._probe_bytes:
+            return
+        scale = nbytes / self._probe_bytes
+        costs = [
+            dataclasses.replace(c, activation_bytes=math.ceil(c.activation_bytes * scale))
+            for c in self._probe_costs
+        ]
+        old = self._plan
+        cut = [(s.start, s.stop) for s in old.shards]
+        try:
+            plan: ShardPlan | None = plan_shards(
+                costs,
+                old.budget,
+                prefetch=old.prefetch,
+                max_layers_per_shard=self.engine.max_layers_per_shard,
+                prefer=[cut],
+                kept=self.keep,
+            )
+        except ShardTooLargeError:
+            plan = None
+        if (
+            plan is None
+            or [(s.start, s.stop) for s in plan.shards] != cut
+            or (self.keep and old.budget is not None and plan.kept_peak_bytes() > old.budget)
+        ):
+            raise BatchTooLargeError(self._too_large(costs, nbytes, scale))
+        self.engine.update_plan(self.name, plan)
+        for s, spec in zip(self.shards, plan.shards, strict=True):
+            own = s.store.own if isinstance(s.store, LinkedStore) else s.store
+            own.activation_bytes = spec.activation_bytes
+        self._plan = plan
+        self._sized_bytes = nbytes
+        log.info(
+            "%s: a training batch %.1fx the first one's: its activations are counted at "
+            "that size (%s)",
+            self.name,
+            scale,
+            ", ".join(format_bytes(s.activation_bytes) for s in plan.shards),
+        )
+
+    def _too_large(self, costs: list[Any], nbytes: int, scale: float) -> str:
+        """Why :meth:`fit_batch` refuses a batch, and what to do."""
+        old = self._plan
+        budget = old.budget or 0
+        states = [s.state_bytes for s in old.shards]
+        room = max(states) if old.prefetch and len(old.shards) > 1 else 0
+        acts = [sum(c.activation_bytes for c in costs[s.start : s.stop]) for s in old.shards]
+        over = [
+            i for i, (st, a) in enumerate(zip(states, acts, strict=True)) if st + a + room > budget
+        ]
+        if over:
+            i = over[0]
+            spec = old.shards[i]
+            need = format_bytes(states[i] + acts[i] + room)
+            why = (
+                f"shard {i} (layers {spec.layer_names[0]}..{spec.layer_names[-1]}) would "
+                f"need {need} ({format_bytes(states[i])} of state, {format_bytes(acts[i])} "
+                f"of activations"
+                + (f", {format_bytes(room)} of room for the prefetched shard" if room else "")
+                + ")"
+            )
+        else:
+            why = (
+                f"keeping every shard's graph (recompute=False) would need "
+                f"{format_bytes(sum(acts) + max(states) + room)} for one batch"
+            )
+        return (
+            f"{type(self.model).__name__}: this training batch ({format_bytes(nbytes)} of "
+            f"inputs) is {scale:.1f}x the one th.shard cut the model for (its first "
+            f"forward's); at this size {why}, over device_memory={format_bytes(budget)}. "
+            f"th.shard sizes the cut from the first forward: run the first forward on a "
+            f"batch of the largest size, or keep batches at most that size, or raise "
+            f"device_memory"
+        )
+
     # -- the optimizer's part -----------------------------------------------------------
 
     def step(self) -> None:
         """Record an optimizer step for every shard, with the hyperparameters the user's
         param groups have now."""
         assert self.user_optimizer is not None
+        self.follow_groups()
         groups = [
             {k: v for k, v in g.items() if k != "params"} for g in self.user_optimizer.param_groups
         ]
@@ -452,19 +615,103 @@ class LoopRunner:
                 s.pending.append(("step", [groups[i] for i in s.group_map]))
         self._home_now = False
 
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Record ``zero_grad`` for every shard (applied at its next op, or by sync)."""
-        for s in self.shards:
-            s.pending.append(("zero", set_to_none))
+    def zero_grad(self, set_to_none: bool = True, *, optimizer: bool = False) -> None:
+        """Record ``zero_grad`` for every shard (applied at its next op, or by sync): of
+        every parameter (the model's), or with ``optimizer`` of the user's optimizer's
+        parameters only (as plain ``optimizer.zero_grad()``: a trainable parameter it does
+        not step keeps accumulating its gradient)."""
+        if optimizer:
+            self.follow_groups()
+        for i, s in enumerate(self.shards):
+            params = self._opt_zeroes[i] if optimizer else s.zeroes
+            s.pending.append(("zero", (set_to_none, params)))
         self._home_now = False
 
+    def _note_optimizer_params(self) -> None:
+        """Which gradients the user's ``optimizer.zero_grad()`` zeroes, per shard."""
+        user = self.user_optimizer
+        ids = {id(p) for g in user.param_groups for p in g["params"]} if user else set()
+        self._opt_zeroes = [[p for p in s.zeroes if id(p) in ids] for s in self.shards]
+
+    def follow_groups(self) -> None:
+        """Give the shards' optimizers the param groups the user's optimizer gained since
+        they last followed it (``add_param_group`` after the cut: gradual unfreezing),
+        each parameter in the shard that steps it (a shard without an optimizer gets one
+        like the user's). The steps recorded before are applied first, with the groups
+        they were recorded with.
+
+        Raises:
+            UnsupportedCallError: a group was removed, or parameters were added to or
+                removed from a group in place (``param_groups[i]["params"]``).
+            OptimizerMismatchError: an added group has a parameter that is not the
+                model's.
+        """
+        user = self.user_optimizer
+        if user is None:
+            return
+        groups = user.param_groups
+        sizes = self._group_sizes
+        if len(groups) == len(sizes) and all(
+            len(g["params"]) == n for g, n in zip(groups, sizes, strict=True)
+        ):
+            return  # the common case: one cheap check per step
+        if len(groups) < len(sizes):
+            raise UnsupportedCallError(
+                f"{len(sizes) - len(groups)} param group(s) were removed from the optimizer "
+                f"of a sharded model: its shards' optimizers cannot follow that. Keep the "
+                f"groups and set their lr to 0 to stop stepping them, or build a new "
+                f"optimizer before th.shard"
+            )
+        edited = [i for i, n in enumerate(sizes) if len(groups[i]["params"]) != n]
+        if edited:
+            raise UnsupportedCallError(
+                f"param_groups[{edited[0]}]['params'] of a sharded model's optimizer was "
+                f"changed in place: its shards' optimizers cannot follow that. Put new "
+                f"parameters in a group of their own with optimizer.add_param_group"
+                f"({{'params': ...}})"
+            )
+        owner: dict[int, LoopShard] = {}
+        for s in self.shards:  # a shared parameter's lowest-index user steps it
+            for p in s.module.parameters():
+                owner.setdefault(id(p), s)
+        foreign = [p for g in groups[len(sizes) :] for p in g["params"] if id(p) not in owner]
+        if foreign:
+            raise OptimizerMismatchError(
+                f"an added param group has {len(foreign)} parameter(s) that are not the "
+                f"sharded model's (the first of shape {list(foreign[0].shape)}); add only "
+                f"this model's parameters"
+            )
+        self.sync()  # the steps recorded so far step the groups as they were
+        cls = self.optimizer_class or type(user)
+        for gi in range(len(sizes), len(groups)):
+            hyper = {k: v for k, v in groups[gi].items() if k != "params"}
+            for s in self.shards:
+                ps = [p for p in groups[gi]["params"] if owner[id(p)] is s]
+                if not ps:
+                    continue
+                if s.optimizer is None:
+                    s.optimizer = _like(user, cls, [{**hyper, "params": ps}])
+                    for part in parts(s.store):  # its own store, and those it steps
+                        if part.name[1] == s.index:
+                            part.optimizer = s.optimizer
+                else:
+                    s.optimizer.add_param_group({**hyper, "params": ps})
+                s.group_map.append(gi)
+        self._group_sizes = [len(g["params"]) for g in groups]
+        self._note_optimizer_params()
+
     def _apply_pending(self, shard: LoopShard) -> None:
-        for what, arg in shard.pending:
+        pending = shard.pending
+        while pending:
+            # Taken off first: a step that raises is raised once (at this op), not again
+            # at every later one, and one applied is never applied twice.
+            what, arg = pending.pop(0)
             if what == "zero":
-                for p in shard.zeroes:
+                set_to_none, params = arg
+                for p in params:
                     if p.grad is None:
                         continue
-                    if arg:
+                    if set_to_none:
                         p.grad = None
                     else:
                         p.grad.detach_()
@@ -475,17 +722,27 @@ class LoopRunner:
                 for group, hyper in zip(opt.param_groups, arg, strict=True):
                     group.update(hyper)
                 opt.step()
-        shard.pending.clear()
+                shard.steps += 1
 
     def sync(self) -> None:
         """Apply what is pending (as step ops) and bring every shard's state home, where
         it stays until the loop's next op: the user's thread may then read and write the
-        model's parameters, gradients and buffers, and the optimizers' state."""
+        model's parameters, gradients and buffers, and the optimizers' state.
+
+        Raises:
+            Exception: a deferred ``optimizer.step()`` (or ``zero_grad``) raised: its
+                error, as the next forward would raise it (once every other shard's
+                pending work is applied and every state is home).
+        """
         if self._home_now or in_op() or self.closed:
             return
+        error: Exception | None = None
         for s in self.shards:
             if s.pending:
-                self.run(OpKind.STEP, s.index, lambda dev: None)  # execute applies them
+                try:
+                    self.run(OpKind.STEP, s.index, lambda dev: None)  # execute applies them
+                except Exception as err:  # the other shards' steps still apply
+                    error = error or err
         workers = self.engine.workers
         for s in self.shards:
             store = s.store
@@ -498,7 +755,10 @@ class LoopRunner:
             for w in workers:
                 for part in parts(store):
                     w.release(part)
-        self._home_now = True
+        # What a failed step left pending (recorded after it) applies at a later sync.
+        self._home_now = not any(s.pending for s in self.shards)
+        if error is not None:
+            raise error
 
     def touched(self) -> None:
         """The user's thread wrote into the model's or the optimizer's tensors at home:
@@ -548,6 +808,7 @@ class LoopRunner:
         the shards' optimizers."""
         opt = self.user_optimizer
         assert opt is not None
+        self.follow_groups()
         for s in self.shards:
             if s.optimizer is None:
                 continue
@@ -615,16 +876,66 @@ class LoopRunner:
 
     # -- leaving ---------------------------------------------------------------------------
 
-    def close(self) -> None:
+    def close(self, *, raise_errors: bool = True) -> None:
         """Leave the engine: every state home for good, the runner removed (the model
-        keeps its weights, on the CPU). Pending steps are applied first."""
+        keeps its weights, on the CPU), and the shards' optimizers' state handed to the
+        user's optimizer (plain training goes on from it). Pending steps are applied
+        first.
+
+        Args:
+            raise_errors: raise the error of a pending step that failed (after leaving);
+                ``False`` where the caller must not raise (a front end's clean-up): it
+                is logged instead.
+
+        Raises:
+            Exception: with ``raise_errors``, a pending ``optimizer.step()`` raised (its
+                own error, as the next forward would have raised it).
+        """
         if self.closed:
             return
-        with contextlib.suppress(Exception):
+        error: Exception | None = None
+        try:
             self.sync()
+        except Exception as err:
+            error = err
         self.closed = True
-        with contextlib.suppress(Exception):
-            self.engine.remove_task(self.name)
+        try:
+            self._hand_back_optimizer_state()
+        finally:
+            try:
+                self.engine.remove_task(self.name)
+            except Exception:
+                log.warning("loop %r did not leave its engine", self.name, exc_info=True)
+        if error is None:
+            return
+        # TaskFailedError: the engine failed or cancelled the loop (closed before), which
+        # the user's thread saw already; the loop's own (the user's step) reaches it here.
+        if raise_errors and not isinstance(error, TaskFailedError):
+            raise error
+        log.warning(
+            "th.unshard: loop %r left its engine without applying its last optimizer "
+            "step(s): %s: %s",
+            self.name,
+            type(error).__name__,
+            error,
+            exc_info=error,
+        )
+
+    def _hand_back_optimizer_state(self) -> None:
+        """The shards' optimizers' state (at home) into the user's optimizer."""
+        user = self.user_optimizer
+        if user is None:
+            return
+        for s in self.shards:
+            if s.optimizer is None:
+                continue
+            # A state in the disk tier is views of its spill file, which leaving removes.
+            disk = any(part.on_disk for part in parts(s.store))
+            for p, st in s.optimizer.state.items():
+                user.state[p] = {
+                    k: v.clone() if disk and isinstance(v, torch.Tensor) else v
+                    for k, v in st.items()
+                }
 
 
 @dataclass
@@ -650,6 +961,78 @@ class _PlainForward:
         return _to(out, loop.home)
 
 
+class _ParamsProbe(torch.autograd.Function):
+    """The token every shard's node of a forward takes, made from the model's trainable
+    parameters: so that ``torch.autograd.grad(loss, params)`` (or
+    ``loss.backward(inputs=params)``) reaches the shards' nodes, which refuse it (see
+    :class:`_Reach`) instead of torch's "not used in the graph" (or ``None``, or zeros,
+    with ``allow_unused``). It hands back no gradient: ``loss.backward()`` leaves the
+    parameters' ``.grad`` to the shards' backward ops."""
+
+    @staticmethod
+    def forward(ctx: Any, token: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return (None,) * len(ctx.needs_input_grad)
+
+
+class _Reach:
+    """What the backward pass running a forward's shards' nodes asks for. The token's own
+    node runs only in a full ``backward()`` (no ``inputs=``): any other pass
+    (``torch.autograd.grad``, ``backward(inputs=...)``) wants the gradients of some
+    tensors only, and the shards' parameters must not accumulate any (inputs only); the
+    probe's node runs when such a pass wants parameters' gradients (refused).
+
+    A parameter with a hook (``register_hook``, ``register_post_accumulate_grad_hook``)
+    is left out of the probe: autograd would call its hooks on every ``backward()`` with
+    no gradient. For it torch's own "not used in the graph" error stays."""
+
+    def __init__(self, token: torch.Tensor, shards: list[LoopShard]) -> None:
+        self.full = torch.autograd.graph.get_gradient_edge(token).node
+        seen: set[int] = set()
+        params = []
+        for s in shards:
+            for p in s.module.parameters():
+                hooked = p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+                if p.requires_grad and not hooked and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self.token = _ParamsProbe.apply(token, *params) if params else token
+        self.params = self.token.grad_fn if params else None
+
+    def inputs_only(self) -> bool:
+        """Called in a shard's backward: whether this pass wants inputs' gradients only.
+
+        Raises:
+            UnsupportedCallError: it wants the parameters' gradients (``autograd.grad``
+                w.r.t. them, ``backward(inputs=params)``), or a graph of the gradients
+                (``create_graph=True``: double backward, a gradient penalty).
+        """
+        if torch.is_grad_enabled():  # the backward runs with grad: create_graph=True
+            raise UnsupportedCallError(
+                "a sharded model does not support double backward (create_graph=True, as "
+                "a gradient penalty's torch.autograd.grad(out, x, create_graph=True) "
+                "needs): its backward ops run on the engine's devices and build no graph "
+                "of the gradients. Compute such a term on a plain (unsharded) model, or "
+                "use a penalty that needs no gradient of a gradient"
+            )
+        will = getattr(torch._C, "_will_engine_execute_node", None)
+        if will is None or will(self.full):
+            return False
+        if self.params is not None and will(self.params):
+            raise UnsupportedCallError(
+                "gradients w.r.t. a sharded model's parameters are not given by "
+                "torch.autograd.grad or backward(inputs=params): the engine accumulates "
+                "them into the parameters' .grad on its devices. Call loss.backward() and "
+                "read p.grad for p in model.parameters() (zero_grad() first); "
+                "torch.autograd.grad w.r.t. the model's inputs is supported"
+            )
+        return True
+
+
 class _ShardCall:
     """One shard's part in one forward with grad: runs its forward op, keeps its input,
     and runs its backward op when autograd reaches it."""
@@ -665,8 +1048,11 @@ class _ShardCall:
         self.out_leaves: list[Any] = []
         self.out_tensor_at: list[int] = []
         self.training = True
+        self.steps = 0  # the shard's optimizer steps when the forward ran
+        self.reach: _Reach | None = None  # what a backward pass asks of the forward
         # With kept graphs: the forward's inputs (leaves on the device) and its outputs,
-        # whose graph the backward op back-propagates through.
+        # whose graph the backward op back-propagates through (once: a second backward,
+        # retain_graph=True, recomputes from the saved input).
         self.kept: tuple[list[torch.Tensor], Any] | None = None
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> Any:
@@ -691,9 +1077,11 @@ class _ShardCall:
             arg = self.inputs(
                 tuple(_clone(t) if shard.writes_input is not False else t for t in inp)
             )
-            with loop._stream(shard, device), torch.enable_grad():
+            with loop._stream(shard, device) as entry, torch.enable_grad():
                 out = shard.module(arg)
             self.kept = (inp, out)
+            self.entry = entry  # a second backward (retain_graph=True) recomputes
+            self.steps = shard.steps
             return _to(_detached(out), loop.home)
 
         def compute(device: torch.device) -> Any:
@@ -703,6 +1091,7 @@ class _ShardCall:
             with loop._stream(shard, device) as entry, torch.no_grad():
                 out = shard.module(arg)
             self.entry = entry
+            self.steps = shard.steps
             return _to(out, loop.home)
 
         out = loop.run(OpKind.FORWARD, shard.index, keep if loop.keep else compute)
@@ -712,21 +1101,25 @@ class _ShardCall:
         return [leaves[i] for i in self.out_tensor_at]
 
     def backward(
-        self, saved: tuple[torch.Tensor, ...], grads: tuple[torch.Tensor | None, ...], need: Any
+        self,
+        saved: tuple[torch.Tensor, ...],
+        grads: tuple[torch.Tensor | None, ...],
+        need: Any,
+        inputs_only: bool = False,
     ) -> list[torch.Tensor | None]:
+        """The backward op; ``inputs_only``: the inputs' gradients alone, the parameters'
+        ``.grad`` untouched (``torch.autograd.grad`` w.r.t. inputs)."""
         loop, shard = self.loop, self.shard
+        uses = ([], []) if inputs_only else (shard.first_uses, shard.last_uses)
 
         def kept(device: torch.device) -> list[torch.Tensor | None]:
-            if self.kept is None:
-                raise ShardClosedError(
-                    f"loop {loop.name!r}: the graph of this batch was dropped (the loop "
-                    f"failed or left its engine); run the forward again"
-                )
+            if self.kept is None:  # back-propagated already (retain_graph=True), or dropped
+                return compute(device)
             inp, out = self.kept
-            for store, i in shard.first_uses:
+            for store, i in uses[0]:
                 store.stash_grad(i)
-            self._back_propagate(out, grads, device)
-            for store, i in shard.last_uses:
+            self._back_propagate(out, grads, device, inp if inputs_only else None)
+            for store, i in uses[1]:
                 store.unstash_grad(i)
             self.kept = None
             return [
@@ -735,9 +1128,17 @@ class _ShardCall:
             ]
 
         def compute(device: torch.device) -> list[torch.Tensor | None]:
+            if shard.steps != self.steps:
+                raise UnsupportedCallError(
+                    "a backward through a sharded model's forward came after "
+                    "optimizer.step() changed its parameters: it would recompute that "
+                    "forward with the new weights (plain PyTorch raises that a variable "
+                    "needed for gradient computation was modified by an inplace "
+                    "operation). Call backward() before step(), or run the forward again"
+                )
             inp = _leaves(saved, need, device)
             arg = self.inputs(tuple(_clone(t) if shard.writes_input else t for t in inp))
-            for store, i in shard.first_uses:
+            for store, i in uses[0]:
                 store.stash_grad(i)
             # The forward already updated buffers (BatchNorm statistics) once: recompute on
             # throwaway copies, then put the real buffers back.
@@ -751,32 +1152,50 @@ class _ShardCall:
             finally:
                 for (m, n), b in zip(slots, real, strict=True):
                     m._buffers[n] = b
-            self._back_propagate(out, grads, device)
-            for store, i in shard.last_uses:
+            self._back_propagate(out, grads, device, inp if inputs_only else None)
+            for store, i in uses[1]:
                 store.unstash_grad(i)
             return [
                 None if t.grad is None else t.grad.to(loop.home) if n else None
                 for t, n in zip(inp, need, strict=True)
             ]
 
+        # The input pytree's other leaves (self.leaves) stay: a retained graph's second
+        # backward recomputes from them again.
         try:
             grads_in: list[torch.Tensor | None] = loop.run(
-                OpKind.BACKWARD, shard.index, kept if loop.keep else compute
+                OpKind.BACKWARD,
+                shard.index,
+                kept if loop.keep and self.kept is not None else compute,
             )
             return grads_in
         finally:
-            self.leaves, self.out_leaves = [], []  # the graph is done with them
+            self.out_leaves = []  # the graph is done with them
 
     def _back_propagate(
-        self, out: Any, grads: tuple[torch.Tensor | None, ...], device: torch.device
+        self,
+        out: Any,
+        grads: tuple[torch.Tensor | None, ...],
+        device: torch.device,
+        inputs: list[torch.Tensor] | None = None,
     ) -> None:
+        """Back-propagate ``out``'s graph from ``grads``: into the shard's parameters and
+        its input leaves, or with ``inputs`` into those alone."""
         outs, _ = tree_flatten(out)
         outs = [outs[i] for i in self.out_tensor_at]
         gs = [None if g is None else g.to(device) for g in grads]
         # On this thread, not autograd's per-device thread: with CUDA inputs the user's
         # loss.backward() runs this node there, waiting for this op (a deadlock).
         with torch.autograd.set_multithreading_enabled(False):
-            backward_from(outs, gs)
+            if inputs is None:
+                backward_from(outs, gs)
+                return
+            pairs = [
+                (o, g) for o, g in zip(outs, gs, strict=True) if o.requires_grad and g is not None
+            ]
+            wanted = [t for t in inputs if t.requires_grad]
+            if pairs and wanted:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=wanted)
 
 
 class _ShardFunction(torch.autograd.Function):
@@ -786,8 +1205,10 @@ class _ShardFunction(torch.autograd.Function):
     def forward(ctx: Any, call: _ShardCall, token: torch.Tensor, *tensors: torch.Tensor) -> Any:
         outs = call.forward(tensors, ctx.needs_input_grad[2:])
         ctx.call = call
-        if not call.loop.keep:  # a kept graph holds its inputs on the device itself
-            ctx.save_for_backward(*tensors)
+        # The token too: autograd frees what is saved after a backward without
+        # retain_graph, so that a second one raises torch's own error; with kept graphs as
+        # well: a retained graph's second backward recomputes from the inputs.
+        ctx.save_for_backward(token, *tensors)
         ctx.set_materialize_grads(False)
         frozen = [t for t in outs if not (t.is_floating_point() or t.is_complex())]
         if frozen:
@@ -797,9 +1218,12 @@ class _ShardFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
         call: _ShardCall = ctx.call
+        # Raises torch's "Trying to backward through the graph a second time" once a
+        # backward without retain_graph=True freed them.
+        saved = ctx.saved_tensors
         need = ctx.needs_input_grad[2:]
-        got = call.backward(ctx.saved_tensors, grads, need)
-        ctx.call = None
+        inputs_only = call.reach is not None and call.reach.inputs_only()
+        got = call.backward(saved[1:], grads, need, inputs_only)
         return (None, None, *got)
 
 
@@ -849,6 +1273,9 @@ def build_loop(
 
     Raises:
         ShardTooLargeError, DataMismatchError, InvalidModelError: from the cut.
+        SharedShardModelError: the model trains tensors another task of ``engine`` trains
+            (a submodule shared with another sharded model); nothing of the loop stays,
+            and the optimizer keeps its state.
     """
     name = f"loop-{type(model).__name__}-{next(_NAMES)}"
 
@@ -947,9 +1374,21 @@ def build_loop(
         hf=hf,
         keep=keep,
     )
+    runner.optimizer_class = optimizer_class
+    runner._probe_bytes = runner._sized_bytes = tensor_bytes(sample)
     # recompute=True: the engine reserves nothing for this loop's batches (and does not
     # refuse a batch too big to keep: the loop recomputes it).
-    engine.add_runner(name, runner, options=TrainOptions(recompute=not keep, where=name))
+    try:
+        engine.add_runner(name, runner, options=TrainOptions(recompute=not keep, where=name))
+    except BaseException as err:
+        # Refused: the state loaded before the cut goes back to the user's optimizer.
+        if user_optimizer is not None:
+            for opt in optimizers:
+                if opt is not None:
+                    user_optimizer.state.update(opt.state)
+        if isinstance(err, SharedModelError) and not isinstance(err, SharedShardModelError):
+            raise SharedShardModelError(err.task, err.owner, err.tensors) from None
+        raise
     return runner
 
 

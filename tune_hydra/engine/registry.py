@@ -200,7 +200,13 @@ class TaskRegistry:
 
         A runner with a ``frozen_model`` attribute (an ``nn.Module`` whose parameters its
         stores hold: a ``th.shard`` loop's model) has that model's frozen tensors shared
-        with the other tasks' through the frozen pool, as a ``ModelTask``'s are."""
+        with the other tasks' through the frozen pool, as a ``ModelTask``'s are, and is
+        refused if it trains (or holds the buffers of) another task's tensors.
+
+        Raises:
+            SharedModelError: that model's trainable parameters or buffers are another
+                registered (or registering) task's.
+        """
         check_runner(name, runner)
         own = getattr(runner, "name", name)
         if own != name:  # its ops would carry another task's name
@@ -220,21 +226,48 @@ class TaskRegistry:
                 f"runner {name!r}: options must be a tune_hydra.options.TrainOptions, not "
                 f"{type(options).__name__}"
             )
-        # A runner training a model of its own (a th.shard loop) shares its frozen tensors
-        # as a ModelTask does; digested here, outside the engine's lock.
         model = getattr(runner, "frozen_model", None)
-        prepared = self.frozen.prepare(name, model) if isinstance(model, torch.nn.Module) else None
-        with self._cv:
-            self._check_name(name)
-            if not options.recompute:  # a runner that recomputes keeps no graph
-                self._kept.check(name, plan)
-            per_iter = float(options.iteration_batches or 1)
-            self._register(
-                TaskRecord(
-                    name, None, plan, options, self._order, runner, batches_per_iter=per_iter
-                ),
-                prepared,
-            )
+        if not isinstance(model, torch.nn.Module):
+            model = None
+        claim = None
+        if model is not None:
+            # A runner training a model of its own (a th.shard loop) must not train
+            # another task's tensors (two sharded models sharing a submodule), claimed as
+            # add_task claims; its frozen ones are left out (the pool shares equal ones).
+            claim = owned_tensors(model, frozen=False)
+            with self._cv:
+                self._check_name(name)
+                others = [(n, e.runner) for n, e in self.tasks.items()]
+                claims = list(self._adding.items())
+                self._adding[name] = claim
+        try:
+            if claim is not None:
+                _check_shared(name, claim, others, claims)
+            # It shares its frozen tensors as a ModelTask does; digested here, outside the
+            # engine's lock.
+            prepared = self.frozen.prepare(name, model) if model is not None else None
+            with self._cv:
+                if claim is None:
+                    self._check_name(name)
+                elif name in self.tasks:
+                    raise InvalidTaskError(
+                        f"a task named {name!r} is already registered; "
+                        f"remove it first or pick another name"
+                    )
+                if not options.recompute:  # a runner that recomputes keeps no graph
+                    self._kept.check(name, plan)
+                per_iter = float(options.iteration_batches or 1)
+                self._register(
+                    TaskRecord(
+                        name, None, plan, options, self._order, runner, batches_per_iter=per_iter
+                    ),
+                    prepared,
+                )
+        finally:
+            if claim is not None:
+                with self._cv:
+                    if self._adding.get(name) is claim:
+                        del self._adding[name]
         return len(plan)
 
     def shared_cuts(self, model: torch.nn.Module, layers: list[str]) -> list[list[tuple[int, int]]]:

@@ -240,13 +240,18 @@ class OwnedTensors:
         return list(pairs)
 
 
-def owned_tensors(model: nn.Module, host: Iterable[tuple[Any, torch.Tensor]] = ()) -> OwnedTensors:
+def owned_tensors(
+    model: nn.Module, host: Iterable[tuple[Any, torch.Tensor]] = (), *, frozen: bool = True
+) -> OwnedTensors:
     """The parameters and buffers ``model`` holds now, keyed (see :class:`OwnedTensors`).
 
     Args:
         model: the task's model.
         host: more tensors of the model's, as ``(parameter or (module, buffer name),
             tensor)``: the host copies of shards that are on a device right now.
+        frozen: with its frozen parameters (``requires_grad=False``); ``False``: without
+            them (a ``th.shard`` loop's claim: the engine's frozen pool shares equal ones
+            between tasks on purpose, and nothing steps them).
 
     Example:
         >>> from torch import nn
@@ -261,7 +266,7 @@ def owned_tensors(model: nn.Module, host: Iterable[tuple[Any, torch.Tensor]] = (
         dot = f"{prefix}." if prefix else ""
         names.setdefault(id(module), prefix)
         for pname, p in module._parameters.items():
-            if p is None:
+            if p is None or not (frozen or p.requires_grad):
                 continue
             qual = names.setdefault(id(p), dot + pname)
             owned.add(("param", id(p)), qual, p)

@@ -766,7 +766,7 @@ class DeviceWorker:
                 self._op_done.notify_all()
             # Not held while waiting for the next op: a failed op's error gets its callers'
             # frames (a th.shard loop's model) once they raise it.
-            a = err = None  # type: ignore[assignment]
+            a = err = None
 
 
 def default_clock() -> Callable[[], float]:

@@ -37,18 +37,22 @@ generator (``th.optimize``'s objectives), the ops share the user's stream, as pl
 PyTorch does; on another thread they continue the global generator's stream from where
 ``th.shard`` found it (see :mod:`tune_hydra.engine.loop`).
 
-A loop leaves the engine when its model is garbage-collected
-(a plain ``nn.Module``; a Hugging Face model references itself from its cut, so it stays
-until) or on :func:`unshard`.
+A loop leaves the engine when its model is garbage-collected (nothing of the engine holds
+the model: the loop and a Hugging Face model's cut reference it weakly, and what the
+engine keeps of a failed loop's error has no frames), whether the loop finished or
+failed, or on :func:`unshard`.
 """
 
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import contextvars
+import copyreg
 import inspect
 import logging
+import queue
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -109,11 +113,13 @@ class EngineScope:
         for state in self.states:
             model = state.model_ref()
             if model is not None and model.__dict__.get("_th_shard") is state:
-                with contextlib.suppress(Exception):
+                try:
                     unshard(model)
+                except Exception:  # the call is over: its last step's error is logged
+                    log.warning("th.unshard of a loop of a finished call failed", exc_info=True)
             else:
                 state.finalizer.detach()
-                _close_state(state)
+                _close_state(state, raise_errors=False)
         self.states.clear()
 
 
@@ -143,8 +149,12 @@ def configure(**engine_options: Any) -> None:
     Raises:
         EngineConfiguredError: the embedded engine was started already.
         InvalidOptionError: a bad option (checked here, not at the first ``th.shard``).
+        UnknownOptionError: an option ``th.Engine`` does not take (named with the closest).
+        UnknownDeviceError: a device this machine does not have (``devices=["cuda"]``
+            without CUDA), as the engine would refuse it.
     """
-    from tune_hydra.options import EngineOptions
+    from tune_hydra.engine.units import resolve_devices
+    from tune_hydra.options import ENGINE_OPTIONS, EngineOptions, check_option_names
 
     with _LOCK:
         if _ENGINE is not None:
@@ -153,7 +163,10 @@ def configure(**engine_options: Any) -> None:
                 "is running with its options already. Call th.configure at the top of the "
                 "script, or pass engine=th.Engine(...) to th.shard"
             )
-        EngineOptions(**engine_options, where="th.configure")
+        check_option_names(engine_options, ENGINE_OPTIONS, where="th.configure")
+        options = EngineOptions(**engine_options, where="th.configure")
+        if not (isinstance(options.devices, str) and options.devices == "auto"):
+            resolve_devices(options.devices)  # the engine's check ("auto" warns there)
         _CONFIG.clear()
         _CONFIG.update(engine_options)
 
@@ -217,6 +230,23 @@ def shard(
     """Run ``model`` (and ``optimizer``) as shard ops on ``engine`` (default: the process's
     embedded engine), keeping the user's loop as it is.
 
+    Copies: ``copy.deepcopy(model)`` (an EMA or best-model snapshot), ``pickle`` and
+    ``torch.save(model)`` give the user's own class, not sharded, with the current weights
+    (brought home from the shards first) in tensors of its own, frozen ones the engine
+    shares with other loops included; ``copy.deepcopy(optimizer)`` / ``torch.save
+    (optimizer)`` give the optimizer's own class with the shards' state. The original
+    trains on, on the engine.
+
+    Sizes and hooks: the model is cut on its first forward, whose batch is the probe that
+    sizes the activations; a later training batch larger than it is counted at its size
+    (the probe's activations scaled by its input bytes) when the cut still fits
+    ``device_memory``, else refused before it runs (``BatchTooLargeError``): give the first
+    forward a batch of the largest size. The probe, and every backward that recomputes its
+    shard's forward (``recompute=True``, the default on devices that copy), run the
+    model's layers again, so forward hooks and pre-hooks on its submodules run once more
+    for the probe batch and again in each such backward, as under
+    ``torch.utils.checkpoint``: keep them free of effects that must happen once a batch.
+
     Args:
         model: the user's ``nn.Module`` (an ``nn.Sequential``, a module whose ``forward``
             torch.fx can trace, a Hugging Face ``PreTrainedModel``). One already moved to
@@ -238,6 +268,11 @@ def shard(
         OptimizerMismatchError: the optimizer steps parameters the model does not have.
         ModelOnDeviceError: a parameter or buffer is on the meta device (no data).
         InvalidModelError: not an ``nn.Module``.
+        SharedShardModelError: (a ``SharedModelError``, at the first forward) the model
+            trains a parameter, or holds a buffer, of another model the engine trains
+            (``b.layer = a.layer``, both sharded): deepcopy the shared module, or put both
+            models in one module and shard it once. Frozen tensors equal across models
+            are shared by the engine on purpose (its frozen pool), not refused.
     """
     from tune_hydra.exceptions import InvalidModelError
 
@@ -303,6 +338,7 @@ def shard(
         optimizer.__class__ = _sharded_class(opt_cls, _ShardedOptimizer)
         state.optimizer_class = opt_cls
     state.model_class = cls
+    _start_remover()
     state.finalizer = weakref.finalize(model, _forget, state)
     return model if optimizer is None else (model, optimizer)
 
@@ -311,40 +347,77 @@ def unshard(model: nn.Module) -> nn.Module:
     """Take a sharded model (and its optimizer) off the engine: pending steps applied,
     every state home for good, the classes back to the user's. Returns the model.
 
+    The optimizer keeps every shard's state (moments, step counts) and its param
+    groups: plain training goes on from where the sharded one was.
+
     Raises:
         UnsupportedCallError: the model was not sharded.
+        Exception: the last ``optimizer.step()`` (deferred to the shards' next op)
+            raised: its own error, after the model and the optimizer are unsharded (as
+            the next forward would have raised it).
     """
     state = model.__dict__.get("_th_shard")
     if state is None:
         raise UnsupportedCallError(f"this {type(model).__name__} was not given to th.shard")
     state.finalizer.detach()
-    _close_state(state)
-    model.__class__ = state.model_class
-    del model.__dict__["_th_shard"]
-    opt = state.optimizer
-    if opt is not None:
-        opt.__class__ = state.optimizer_class
-        opt.__dict__.pop("_th_shard", None)
+    try:
+        _close_state(state)
+    finally:  # unsharded whatever the pending step did
+        model.__class__ = state.model_class
+        del model.__dict__["_th_shard"]
+        opt = state.optimizer
+        if opt is not None:
+            opt.__class__ = state.optimizer_class
+            opt.__dict__.pop("_th_shard", None)
     return model
 
 
-def _close_state(state: _State) -> None:
+def _close_state(state: _State, *, raise_errors: bool = True) -> None:
     loop = state.loop
     state.closed = True
-    if loop is not None:
-        loop.close()
+    if loop is None:
+        return
+    if loop.closed:
+        # Its model was collected (_forget queued the removal for the remover thread):
+        # removed here too, so that the loop has left when the front end's call returns.
+        loop.engine.remove_task(loop.name)
+        return
+    loop.close(raise_errors=raise_errors)
 
 
 def _forget(state: _State) -> None:
-    """The model was garbage-collected: remove its loop from the engine, from a thread of
-    its own (a collection may run on any thread, the engine's included)."""
+    """The model was garbage-collected: remove its loop from the engine, on the remover
+    thread (a collection may run on any thread, the engine's included, holding any lock:
+    only a queue's ``put`` is safe there; starting a thread is not, and may fail)."""
     state.closed = True
     loop = state.loop
     if loop is not None:
         loop.closed = True
-        threading.Thread(
-            target=loop.engine.remove_task, args=(loop.name,), name="hydra-unshard", daemon=True
-        ).start()
+        _REMOVALS.put((loop.engine, loop.name))
+
+
+# The loops whose model was garbage-collected, removed from their engines by one thread
+# (started by th.shard, again after a fork).
+_REMOVALS: queue.SimpleQueue[tuple[Engine, str]] = queue.SimpleQueue()
+_REMOVER: threading.Thread | None = None
+
+
+def _start_remover() -> None:
+    global _REMOVER
+    with _LOCK:
+        if _REMOVER is None or not _REMOVER.is_alive():
+            _REMOVER = threading.Thread(target=_remove_forgotten, name="hydra-unshard", daemon=True)
+            _REMOVER.start()
+
+
+def _remove_forgotten() -> None:
+    while True:
+        engine, name = _REMOVALS.get()
+        try:
+            engine.remove_task(name)
+        except Exception:  # the next ones go on
+            log.warning("th.shard: removing loop %r from its engine failed", name, exc_info=True)
+        engine = None  # type: ignore[assignment]  # not kept alive while waiting
 
 
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -378,6 +451,29 @@ def _sharded_class(cls: type, mixin: type) -> type:
             made.__qualname__ = cls.__qualname__
             _CLASSES[key] = made
     return made
+
+
+def _plain_reduce(rv: Any, sharded: type, user: type, state: Any = None) -> Any:
+    """``rv`` (what the user's class's ``__reduce_ex__`` gave for a sharded object) made
+    to rebuild the user's plain object: its class instead of the sharded one (copyreg's
+    ``__newobj__`` / ``_reconstructor`` take it first), without ``_th_shard`` (the engine,
+    the loop) in its state; ``state``, when given, replaces the state. The pickle names
+    only the user's class and the standard library (no tune_hydra to load it)."""
+    if not isinstance(rv, tuple) or len(rv) < 2:
+        return rv
+    parts = list(rv)
+    args = parts[1]
+    if parts[0] is getattr(copyreg, "__newobj__", None) and args == (sharded,):
+        # pickle wants __newobj__'s class to be the object's: copyreg's protocol 0 form
+        # (object.__new__ of the user's class) instead.
+        parts[0], parts[1] = copyreg._reconstructor, (user, object, None)  # type: ignore[attr-defined]
+    elif isinstance(args, tuple) and args and args[0] is sharded:
+        parts[1] = (user, *args[1:])
+    if state is not None:
+        parts[2:3] = [state]
+    elif len(parts) > 2 and isinstance(parts[2], dict) and "_th_shard" in parts[2]:
+        parts[2] = {k: v for k, v in parts[2].items() if k != "_th_shard"}
+    return tuple(parts)
 
 
 class _State:
@@ -496,6 +592,17 @@ class _ShardedModule(nn.Module):
     def cpu(self) -> Any:
         return self
 
+    # -- copies: the user's plain module -------------------------------------------------
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """``copy.deepcopy(model)``, ``pickle`` / ``torch.save(model)``: the user's plain
+        module (its own class, not sharded), with the weights brought home first; a deep
+        copy's tensors are its own (``Parameter.__deepcopy__`` clones, shared frozen
+        tensors too). Neither the engine nor the loop is copied."""
+        state: _State = self.__dict__["_th_shard"]
+        self._th_sync()
+        return _plain_reduce(super().__reduce_ex__(protocol), type(self), state.model_class)
+
     # -- the user's views of the state: brought home first -----------------------------
 
     def _th_sync(self, write: bool = False) -> None:
@@ -576,7 +683,28 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         if loop is None:
             super().zero_grad(set_to_none)
         else:
-            loop.zero_grad(set_to_none)
+            loop.zero_grad(set_to_none, optimizer=True)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As the user's class's (gradual unfreezing); after the cut the shards'
+        optimizers follow at once (``LoopRunner.follow_groups``).
+
+        Raises:
+            OptimizerMismatchError: the group has parameters that are not the model's
+                (the optimizer is left as it was).
+        """
+        super().add_param_group(param_group)
+        state: _State | None = self.__dict__.get("_th_shard")
+        model = None if state is None else state.model_ref()
+        if state is None or model is None:
+            return
+        try:
+            _check_optimizer(model, self)
+            if state.loop is not None and not state.loop.closed:
+                state.loop.follow_groups()
+        except OptimizerMismatchError:
+            self.param_groups.pop()
+            raise
 
     def state_dict(self) -> dict[str, Any]:
         loop = self._th_loop()
@@ -598,6 +726,22 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         loop.sync()
         super().load_state_dict(state_dict)
         loop.load_optimizer_state()
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """``copy.deepcopy(optimizer)``, ``pickle`` / ``torch.save(optimizer)``: the
+        user's plain optimizer class with the state the shards' optimizers hold (brought
+        home first), keyed by the model's parameters (a copy of both in one call, or one
+        ``torch.save`` of both, keeps them together)."""
+        state: _State = self.__dict__["_th_shard"]
+        rv = super().__reduce_ex__(protocol)
+        own = rv[2] if isinstance(rv, tuple) and len(rv) > 2 else None
+        loop = state.loop
+        if loop is None or not isinstance(own, dict) or "state" not in own:
+            return _plain_reduce(rv, type(self), state.optimizer_class or type(self))
+        loop.sync()
+        own = {k: v for k, v in own.items() if k != "_th_shard"}
+        own["state"] = collections.defaultdict(dict, loop.optimizer_state())
+        return _plain_reduce(rv, type(self), state.optimizer_class or type(self), own)
 
 
 __all__ = ["configure", "default_engine", "shard", "unshard"]

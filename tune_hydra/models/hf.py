@@ -28,6 +28,8 @@ input embeddings (GPT-2) is a parameter of both the first and the last stage.
 from __future__ import annotations
 
 import contextlib
+import copy
+import weakref
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -146,6 +148,10 @@ class _Stage(nn.Module):
     are referenced, not registered (their parameters belong to the stages that use
     them), and follow the stage's train/eval mode.
 
+    They are referenced weakly: the stages are the engine's, the model its owner's (a
+    ``ModelTask``, or the user's, whose ``th.shard`` loop leaves the engine when the model
+    is garbage-collected, which a strong reference from its own cut would prevent).
+
     Args:
         model: the module whose ``forward`` the stage runs (the model, or its wrapper).
         shells: the modules whose ``forward`` runs around the blocks, down to the base
@@ -154,21 +160,34 @@ class _Stage(nn.Module):
 
     def __init__(self, model: nn.Module, shells: list[nn.Module]) -> None:
         super().__init__()
-        self.__dict__["_refs"] = (model, shells)  # not registered as submodules
+        # Not registered as submodules.
+        self.__dict__["_refs"] = (weakref.ref(model), [weakref.ref(s) for s in shells])
+
+    @staticmethod
+    def _alive(ref: weakref.ref[nn.Module]) -> nn.Module:
+        module = ref()
+        if module is None:
+            raise InvalidModelError(
+                "the model this Hugging Face stage runs was garbage-collected: keep the "
+                "model while its stages (or its task) are used"
+            )
+        return module
 
     @property
     def _model(self) -> nn.Module:
-        return self.__dict__["_refs"][0]
+        return self._alive(self.__dict__["_refs"][0])
 
     @property
     def _base(self) -> nn.Module:
-        return self.__dict__["_refs"][1][-1]
+        return self._alive(self.__dict__["_refs"][1][-1])
 
     def train(self, mode: bool = True) -> _Stage:
         super().train(mode)
         # The flags only (forwards read them); their submodules follow their own stages.
-        for shell in self.__dict__["_refs"][1]:
-            shell.training = mode
+        for ref in self.__dict__["_refs"][1]:
+            shell = ref()
+            if shell is not None:
+                shell.training = mode
         return self
 
 
@@ -228,8 +247,11 @@ class EmbedStage(_Stage):
             if _is_cache(v):
                 # A key/value cache the model made (use_cache in its config) fills as the
                 # blocks run, so a block re-run for its backward would see its own keys
-                # twice. Without one a block computes the same values bit for bit.
-                return None
+                # twice: each block call gets a fresh copy of it as it was before the
+                # blocks. Not None: the cache hands attention the keys and values it
+                # concatenated (contiguous), not views of the projection, and a matmul
+                # rounds by its operands' layout (plain's arithmetic needs the cache).
+                return _FreshCache(copy.deepcopy(v))
             return v
 
         recorded = tuple((ref(args), ref(kwargs)) for args, kwargs in calls)
@@ -359,10 +381,60 @@ def _is_cache(v: Any) -> bool:
     return cls.__module__.startswith("transformers") and cls.__name__.endswith("Cache")
 
 
+class _FreshCache:
+    """A recorded key/value cache: each block call gets a copy of it as the model made it
+    (a pytree leaf, not the cache: transformers may register caches as pytree nodes).
+    Two are equal (interchangeable, for the batched engine) when both are empty caches of
+    the same structure."""
+
+    __slots__ = ("cache", "structure")
+
+    def __init__(self, cache: Any) -> None:
+        self.cache = cache
+        try:
+            self.structure: Any = _structure(cache)
+        except _HoldsTensor:
+            self.structure = None  # a cache with keys in it: equal to itself only
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, _FreshCache):
+            return NotImplemented
+        if self.structure is None or other.structure is None:
+            return self is other
+        return bool(self.structure == other.structure)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"_FreshCache({type(self.cache).__name__})"
+
+
+class _HoldsTensor(Exception):
+    pass
+
+
+def _structure(obj: Any, depth: int = 0) -> Any:
+    """A comparable description of an object without tensors (an empty cache: its class,
+    its layers' classes and settings); raises :class:`_HoldsTensor` on a tensor."""
+    if isinstance(obj, torch.Tensor) or depth > 8:
+        raise _HoldsTensor
+    if obj is None or isinstance(obj, (bool, int, float, str, type)):
+        return obj
+    if isinstance(obj, (list, tuple)):
+        return (type(obj), tuple(_structure(x, depth + 1) for x in obj))
+    if isinstance(obj, dict):
+        return (dict, tuple((repr(k), _structure(v, depth + 1)) for k, v in obj.items()))
+    if hasattr(obj, "__dict__"):
+        return (type(obj), _structure(vars(obj), depth + 1))
+    raise _HoldsTensor  # unknown: compared by identity
+
+
 def _resolve(call: Any, hidden: torch.Tensor, context: tuple[torch.Tensor, ...]) -> Any:
     def get(v: Any) -> Any:
         if isinstance(v, _Ref):
             return context[v.index]
+        if isinstance(v, _FreshCache):
+            return copy.deepcopy(v.cache)
         if isinstance(v, str) and v == _HIDDEN:
             return hidden
         if isinstance(v, (tuple, list)):

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from tune_hydra.core.ops import OpKind
-from tune_hydra.engine.frozen import address, checksum
+from tune_hydra.engine.frozen import address, alias, checksum
 from tune_hydra.engine.storage.disk import SpillFile
 from tune_hydra.engine.storage.residency import Residency, ShardResidency
 from tune_hydra.engine.storage.tiers import HostTier, Key, PinnedHostTier, StorageTier
@@ -153,9 +153,14 @@ class ShardStore:
         self._loading = False  # a disk read is under way (a promotion waiting counts it)
         # Parameters whose host tensor is a frozen pool's, shared with other tasks (see
         # share_frozen): outside the store's own state (never counted, copied back or
-        # spilled with it); each with the tensor it points at now and its version then.
+        # spilled with it); each with the shared tensor it points at now (the pool's host
+        # tensor or device copy: the parameter holds a copy-on-write alias of it where
+        # torch can make one, see frozen.alias) and its version then.
         self._frozen: dict[int, FrozenRef] = {}
         self._frozen_live: dict[int, tuple[torch.Tensor, int]] = {}
+        # A change found as a slot was re-pointed (promotion, demotion) that wrote the
+        # shared tensor itself: raised at the next check.
+        self._frozen_bad: dict[int, str] = {}
         self._frozen_dev: dict[int, tuple[str, int]] = {}  # its pool device copy's key
         for key, t in list(self._live()):
             home = tier.keep(key, t)
@@ -197,7 +202,7 @@ class ShardStore:
         with self.lock:
             assert self._residency.state is Residency.HOST, "shared at registration only"
             p = self.params[index]
-            p.data = ref.entry.host
+            p.data = alias(ref.entry.host)
             self._frozen[index] = ref
             self._frozen_live[index] = (ref.entry.host, p._version)
             self._tier.drop(("p", index))
@@ -211,27 +216,78 @@ class ShardStore:
                 self._frozen_home(i)
                 del self._frozen[i]
                 self._frozen_live.pop(i, None)
+                self._frozen_bad.pop(i, None)
                 ref.pool.release(ref, self.params[i])
 
-    def check_frozen(self, when: str, *, values: bool = False) -> None:
+    def check_frozen(
+        self, when: str, *, values: bool = False, during: bool = False, settle: bool = False
+    ) -> None:
         """Whether the shared frozen parameters are as the store left them (see the
         module docstring of ``tune_hydra.engine.frozen``); ``values``: their values too
         (a checksum: one pass over each, where it is).
+
+        A slot only this task uses that changed becomes its own (:meth:`_unshare`). One
+        other tasks use too: if the write reached only this task's copy-on-write alias
+        (its tensor is at another address now: the shared tensor and the others' aliases
+        are untouched) and was made between ops (``during`` false: the user's thread,
+        ``merge_adapter()``), the task's tensor becomes its own, with its written values,
+        and it goes on as plain PyTorch does (:meth:`_take_own`; equal values, as after a
+        ``data_ptr()`` that copied it, are shared again). Otherwise the task fails alone:
+        a change by its op (``during``: a recomputed forward would repeat it), unfreezing,
+        a gradient, or a write into the shared tensor itself (no alias: a CUDA device
+        copy, a view of the disk tier; a device copy is repaired from the host tensor
+        first, so the tasks resident with it do not read the write).
+
+        Args:
+            settle: never raise (a promotion or demotion re-points the slots): a failing
+                change is kept for the next check to raise.
 
         Raises:
             FrozenTensorModifiedError: one another task also uses was changed.
         """
         for i, ref in list(self._frozen.items()):
-            what = self._frozen_change(i, values)
+            pending = self._frozen_bad.get(i)
+            what = pending or self._frozen_change(i, values)
             if what is None:
                 continue
+            p = self.params[i]
+            shared = self._frozen_live[i][0]
+            isolated = pending is None and (
+                address(p.data) != address(shared)
+                or p.data.shape != shared.shape
+                or p.data.dtype != shared.dtype
+            )
+            if (
+                isolated
+                and not p.requires_grad
+                and p.grad is None
+                and p.data.shape == shared.shape
+                and p.data.dtype == shared.dtype
+                and p._version == self._frozen_live[i][1]
+                and torch.equal(p.data, shared)
+            ):  # copied by a pointer request (data_ptr(), numpy()), not written
+                p.data = alias(shared)
+                self._frozen_live[i] = (shared, p._version)
+                continue
             others = ref.pool.others(ref)
-            if others:
-                # A device copy other resident tasks use gets its values back before their
-                # next op (a device runs one op at a time).
-                ref.pool.repair(ref.entry, self._frozen_live[i][0])
-                raise FrozenTensorModifiedError(ref.task, ref.name, f"{what} {when}", others)
-            self._unshare(i)
+            if not others:
+                self._frozen_bad.pop(i, None)
+                self._unshare(i)
+                continue
+            if isolated and not during and not p.requires_grad and p.grad is None:
+                self._take_own(i)
+                continue
+            if pending is None:
+                what = f"{what} {when}"
+                if not isolated:
+                    # A device copy other resident tasks use gets its values back before
+                    # their next op (a device runs one op at a time).
+                    ref.pool.repair(ref.entry, shared)
+            if settle:
+                self._frozen_bad[i] = what
+                continue
+            self._frozen_bad.pop(i, None)
+            raise FrozenTensorModifiedError(ref.task, ref.name, what, others)
 
     def _frozen_change(self, i: int, values: bool) -> str | None:
         p = self.params[i]
@@ -241,12 +297,14 @@ class ShardStore:
         if p.grad is not None:
             return "given a gradient"
         t = p.data
-        # Not data_ptr(): a pool tensor may be copy-on-write (a finished task's model
-        # shares it), and asking for a writable pointer would copy it.
-        if address(t) != address(live) or t.shape != live.shape or t.dtype != live.dtype:
-            return "replaced (its .data set to another tensor)"
         if p._version != version:
             return "written in place"
+        # Not data_ptr(): a pool tensor is copy-on-write (the tasks' aliases, a finished
+        # task's model share it), and asking for a writable pointer would copy it.
+        if address(t) != address(live) or t.shape != live.shape or t.dtype != live.dtype:
+            # A write through .data into the task's alias copied it (moving no version
+            # counter), or the user's thread set .data.
+            return "replaced or written through .data"
         if values and checksum(t) != self._frozen[i].entry.checksum:
             return "written in place through .data"
         return None
@@ -256,11 +314,14 @@ class ShardStore:
         store's own again (as if never shared), the entry leaves the pool."""
         with self.lock:
             ref = self._frozen.pop(i)
-            self._frozen_live.pop(i, None)
+            shared, _ = self._frozen_live.pop(i)
+            self._frozen_bad.pop(i, None)
             key = self._frozen_dev.pop(i, None)
             if key is not None:  # its device copy is the store's own now
                 ref.pool.off_device(ref.entry, key)
             p = self.params[i]
+            if address(p.data) == address(shared):  # the tensor itself, not an alias of it
+                p.data = shared
             if self._residency.state is not Residency.DEVICE:
                 # At home (or in place): its tensor is the entry's, now the store's own
                 # (released first: one the pool had on disk is read into RAM for it).
@@ -273,6 +334,25 @@ class ShardStore:
                 self._tier.keep(("p", i), host.clone() if ref.entry.on_disk else host)
                 self._changed()
                 ref.pool.release(ref, p, keep=True)
+            self._home = None
+            self._changed()
+
+    def _take_own(self, i: int) -> None:
+        """Parameter ``i`` was written between ops into the task's own copy-on-write
+        alias (now a private tensor, see :meth:`check_frozen`) while other tasks use its
+        entry: that tensor becomes the store's own state, the others keep the entry."""
+        with self.lock:
+            ref = self._frozen.pop(i)
+            self._frozen_live.pop(i, None)
+            self._frozen_bad.pop(i, None)
+            key = self._frozen_dev.pop(i, None)
+            if key is not None:  # the shared device copy stays the others'
+                ref.pool.off_device(ref.entry, key)
+            p = self.params[i]
+            ref.pool.release(ref, p)  # p.data is at another address: left as it is
+            if self._residency.state is not Residency.DEVICE:
+                self._tier.keep(("p", i), p.data)
+            # (On a device its host buffer is allocated at the demotion, which copies it.)
             self._home = None
             self._changed()
 
@@ -296,19 +376,32 @@ class ShardStore:
         moved, which the next op's check must not take for a change."""
         with self.lock:
             live, _ = self._frozen_live[index]
-            self._frozen_live[index] = (live, self.params[index]._version)
+            p = self.params[index]
+            if address(p.data) != address(live):  # the write copied its alias: share again
+                p.data = alias(live)
+            self._frozen_live[index] = (live, p._version)
 
     def frozen_moved(self, index: int) -> None:
         """The pool moved shared parameter ``index``'s entry (to a view of its spill file,
         or back into RAM): point the parameter at its tensor now (the store is at home;
         the caller holds its lock)."""
         ref = self._frozen[index]
-        p = self.params[index]
         if self._residency.state is Residency.DEVICE:
             return  # its device copy stays; its demotion points it at the entry's tensor
-        if p.data is not ref.entry.host:
-            p.data = ref.entry.host
-            self._frozen_live[index] = (ref.entry.host, p._version)
+        if self._frozen_live[index][0] is not ref.entry.host:
+            self._point_frozen(index, ref.entry.host)
+
+    def _point_frozen(self, i: int, shared: torch.Tensor) -> None:
+        """Point shared parameter ``i`` at (an alias of) ``shared``, unless the task wrote
+        its alias since the last check (the next check takes that tensor as the task's
+        own): the slot now refers to ``shared``, its version as it was."""
+        p = self.params[i]
+        live, version = self._frozen_live[i]
+        if i not in self._frozen_bad and address(p.data) != address(live):
+            self._frozen_live[i] = (shared, version)
+            return
+        p.data = alias(shared)
+        self._frozen_live[i] = (shared, version if i in self._frozen_bad else p._version)
 
     def _frozen_ready(self) -> list[Any]:
         """Before a visit: the shared entries pinned (not spilled during it) and in host
@@ -348,9 +441,7 @@ class ShardStore:
         key = self._frozen_dev.pop(i, None)
         if key is not None:
             ref.pool.off_device(ref.entry, key)
-        p = self.params[i]
-        p.data = ref.entry.host
-        self._frozen_live[i] = (ref.entry.host, p._version)
+        self._point_frozen(i, ref.entry.host)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer | None:
@@ -405,7 +496,7 @@ class ShardStore:
             self._changed()
             return
         if self._frozen:
-            self.check_frozen(f"by an op on shard {self.name[1]}", values=True)
+            self.check_frozen(f"by an op on shard {self.name[1]}", values=True, during=True)
         if self._sig is not None:
             with self.lock:
                 if self._sig is not None and self._signature() != self._sig:
@@ -621,6 +712,8 @@ class ShardStore:
             # under it would still run on the old device's current stream, unordered
             # with the promotion below. Rare (LRTF keeps tasks put), so copy back blocking.
             self._demote(stream if residency.device == device else None, to_disk=False)
+        if self._frozen:  # a write since the last op: that tensor is the task's (or pending)
+            self.check_frozen("between its ops", settle=True)
         # Whether the values it leaves behind stay valid: the host buffers (a device copy
         # that changes nothing is dropped at its demotion) or the file (not rewritten).
         # (The live tensors are the tier's buffers, unless an op in place replaced one.)
@@ -665,9 +758,7 @@ class ShardStore:
                     dev, copied, key = ref.pool.to_device(ref.entry, device, owner, stream)
                     self._frozen_dev[i] = key
                     moved += copied
-                    p = self.params[i]
-                    p.data = dev
-                    self._frozen_live[i] = (dev, p._version)
+                    self._point_frozen(i, dev)
         finally:  # on the device now (its copy keeps it there), or failed
             self.host_frozen_pinned(pinned, -1)
         residency.arrive(device, owner)
@@ -698,6 +789,7 @@ class ShardStore:
                 self._changed()
             self._residency.home()
             return 0
+        self.check_frozen("between its ops", settle=True)  # a write since the last op
         for i in self._frozen:  # the device copies are dropped, as unchanged ones are
             self._frozen_home(i)
         if not self._unchanged():
