@@ -118,11 +118,11 @@ FIRST = ("test_examples.py", "test_benchmarks.py")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    # Under pytest-xdist (README: ``-n 2 --dist loadgroup``) the tests that use the shared
-    # local Ray session run on one worker, one after another: one Ray cluster for all of
-    # them (xdist sends that group, the largest, first), while the other worker takes the
-    # example scripts (first) and the torch-only tests. (Measured: -n 3 with the Ray tests
-    # in two groups, 671 s, vs 701 s: the machine's 2 cores are the limit, not the order.)
+    # Under pytest-xdist (pyproject's addopts: ``-n 2 --dist loadgroup``) the tests that
+    # use the shared local Ray session run on one worker, one after another: one Ray
+    # cluster for all of them (xdist sends that group, the largest, first), while the
+    # other worker takes the example scripts (first) and the torch-only tests. (Measured:
+    # -n 3 with the Ray tests in two groups, 671 s, vs 701 s: the 2 cores are the limit.)
     ray_group = pytest.mark.xdist_group("ray")
     for item in items:
         if item.path.name.endswith("_integration.py"):
