@@ -11,7 +11,7 @@ python -c "import torch; print('torch', torch.__version__, 'cuda', torch.cuda.is
 status=0
 if python -c "import pytest" 2>/dev/null; then
     # -o addopts= : no doctests of the Ray front end, whatever plugins are missing
-    timeout 240 python -m pytest -q -m gpu tests/engine tests/frontends/test_shard.py -p no:cacheprovider -o addopts= \
+    timeout 240 python -m pytest -q -m gpu tests/engine tests/frontends/test_shard.py tests/frontends/test_shard_amp.py -p no:cacheprovider -o addopts= \
         2>&1 | tail -40 | tee "$OUT/gpu_tests.txt" || status=1
 else
     echo "pytest not installed: skipping the gpu-marked tests"

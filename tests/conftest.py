@@ -117,6 +117,12 @@ def shards_3(recompute: bool, budget: int = 24_000) -> dict[str, int]:
 FIRST = ("test_examples.py", "test_benchmarks.py")
 
 
+#: How long a test's subprocess (an example, a benchmark) may run before it is taken for
+#: hung: a guard far above the slowest figure beside a CPU hog (the smoke runs took up
+#: to 420 s there, 20-50 s on a quiet machine), never a speed check.
+HANG_S = 1500
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Under pytest-xdist (pyproject's addopts: ``-n 2 --dist loadgroup``) the tests that
     # use the shared local Ray session run on one worker, one after another: one Ray
@@ -128,6 +134,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if item.path.name.endswith("_integration.py"):
             item.add_marker(ray_group)
     items.sort(key=lambda item: item.path.name not in FIRST)
+    hang = pytest.mark.timeout(HANG_S + 300)  # their subprocesses time out first
+    for item in items:
+        if item.path.name in FIRST:
+            item.add_marker(hang)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")

@@ -14,11 +14,13 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import HANG_S
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
 
-def _run(script: str, *args: str, timeout: float = 60) -> str:
+def _run(script: str, *args: str, timeout: float = HANG_S) -> str:
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
         [sys.executable, str(BENCH / script), *args],
@@ -34,10 +36,10 @@ def _run(script: str, *args: str, timeout: float = 60) -> str:
 
 def test_lora_batched_tiny() -> None:
     pytest.importorskip("peft")
-    out = _run("lora_batched.py", "--tiny", timeout=300)
+    out = _run("lora_batched.py", "--tiny", timeout=HANG_S)
     assert "one after another:" in out and "batched:" in out
     assert float(out.split("batched / one after another: ")[1].split("x")[0]) > 0
-    out = _run("lora_batched.py", "--engine", "--tiny", timeout=600)
+    out = _run("lora_batched.py", "--engine", "--tiny", timeout=HANG_S)
     passes = int(out.split("batch_shared=True : ")[1].split("; ")[2].split()[0])
     assert passes > 0 and "engine batched / not: " in out  # the engine batched ops
 
@@ -120,7 +122,7 @@ def test_gpu_session_script_without_a_gpu(tmp_path: Path) -> None:
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=HANG_S,
     )
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert "skipped" in (tmp_path / "gpu_tests.txt").read_text()
@@ -129,7 +131,7 @@ def test_gpu_session_script_without_a_gpu(tmp_path: Path) -> None:
 
 @pytest.mark.integration  # starts a local Ray of its own (proxy_memory.py)
 def test_proxy_memory_quick() -> None:
-    out = _run("proxy_memory.py", "--quick", timeout=300)
+    out = _run("proxy_memory.py", "--quick", timeout=HANG_S)
     for text in ("bare Trainable", "bare Trainable + torch", "tune_hydra proxy", "engine RSS"):
         assert text in out
 
@@ -140,7 +142,7 @@ def test_hf_gpt2_quick() -> None:
     import pytest
 
     pytest.importorskip("transformers")
-    out = _run("hf_gpt2.py", "--quick", timeout=120)
+    out = _run("hf_gpt2.py", "--quick", timeout=HANG_S)
     assert "3 shards on one CPU device" in out
     for mode in ("plain", "tune_hydra", "median s/batch"):
         assert mode in out
@@ -150,13 +152,13 @@ def test_hf_gpt2_quick() -> None:
 def test_disk_tier_quick(tmp_path: Path) -> None:
     """Half-size disk tier run: exits 1 unless the weights are exact against unlimited
     host memory and the trace's host memory replays within the budget."""
-    out = _run("disk_tier.py", "--quick", "--spill-dir", str(tmp_path), timeout=180)
+    out = _run("disk_tier.py", "--quick", "--spill-dir", str(tmp_path), timeout=HANG_S)
     assert "parity: exact" in out and "trace.validate(host_budget=" in out
     assert not list(tmp_path.iterdir())  # the engines' folders are gone
 
 
 def test_loops_quick() -> None:
-    out = _run("loops.py", "--quick", timeout=180)
+    out = _run("loops.py", "--quick", timeout=HANG_S)
     for text in (
         "4 loops vs 4 task factories",
         "loops throughput / factories' (recompute)",
@@ -168,9 +170,16 @@ def test_loops_quick() -> None:
     assert "same weights: NO" not in out  # loops and factories are both exact to plain
 
 
+def test_compile_quick() -> None:
+    out = _run("compile.py", "--quick", timeout=HANG_S)  # exits 1 if a timed round recompiled
+    for text in ("compiled sharded / compiled plain:", "eager sharded / eager plain:"):
+        assert text in out
+    assert "frames compiled during the timed rounds: 0" in out
+
+
 def test_lora_base_tiny() -> None:
     pytest.importorskip("peft")
-    out = _run("lora_base.py", "--tiny", timeout=300)
+    out = _run("lora_base.py", "--tiny", timeout=HANG_S)
     for text in ("host ledger, registered", "copied to devices per step", "samples/s"):
         assert text in out
     shared = float(out.split("host ledger / target: shared ")[1].split(",")[0])
@@ -183,7 +192,7 @@ def test_search_runs_engine_and_objective(tmp_path: Path) -> None:
     out_json = tmp_path / "figures.json"
     out = _run(
         "search_runs.py", "engine", "objective", "--policies", "lrtf", "--json",
-        str(out_json), timeout=300,
+        str(out_json), timeout=HANG_S,
     )  # fmt: skip
     assert "## engine: K/2-th / last first epoch" in out and "## objective:" in out
     figures = json.loads(out_json.read_text())

@@ -16,6 +16,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import HANG_S
+
 pytest.importorskip("ray")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -25,7 +27,7 @@ pytestmark = pytest.mark.integration
 SMOKE = {"TUNE_HYDRA_SMOKE": "1"}  # the examples' one switch to their smoke size
 
 
-def _run(script: str, *args: str, timeout: int = 420) -> str:
+def _run(script: str, *args: str, timeout: float = HANG_S) -> str:
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), **SMOKE)
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
@@ -89,7 +91,7 @@ def test_quickstart_without_optuna_says_what_to_install() -> None:
     )
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), **SMOKE)
     proc = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=HANG_S, env=env
     )
     assert proc.returncode == 2, proc.stdout + proc.stderr
     assert 'pip install "tune_hydra[optuna]"' in proc.stderr, proc.stderr
@@ -285,7 +287,7 @@ def test_lora_search_ray_smoke(tmp_path: Path) -> None:
     perplexity in any trial's progress.csv, its model.pt and adapter reloading to it."""
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    out = _run("lora_search.py", "--output", str(tmp_path), timeout=300)
+    out = _run("lora_search.py", "--output", str(tmp_path), timeout=HANG_S)
     assert "4 trials: {'TERMINATED': 4}" in out
     epochs = ast.literal_eval(_line(out, "4 trials: {'TERMINATED': 4}; epochs run: "))
     assert len(epochs) == 4 and all(1 <= e <= 2 for e in epochs) and 2 in epochs, epochs
@@ -307,7 +309,7 @@ def test_lora_search_optuna_smoke(tmp_path: Path) -> None:
     trial's model.pt and adapter reload to its printed perplexity."""
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    out = _run("lora_search.py", "--optuna", "--output", str(tmp_path), timeout=300)
+    out = _run("lora_search.py", "--optuna", "--output", str(tmp_path), timeout=HANG_S)
     head = _line(out, "4 trials: ")
     states = ast.literal_eval(head.split("; epochs run: ")[0])
     epochs = ast.literal_eval(head.split("; epochs run: ")[1])
@@ -344,7 +346,7 @@ def test_optuna_pytorch_simple_smoke() -> None:
         [sys.executable, "-c", check],
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=HANG_S,
         env=env,
         cwd=ROOT,
     )
@@ -356,6 +358,50 @@ def test_optuna_pytorch_simple_smoke() -> None:
     assert "left []" in out
 
 
+def test_optuna_pytorch_lightning_simple_smoke(tmp_path: Path) -> None:
+    """optuna-examples' pytorch_lightning_simple.py with 4 tune_hydra lines: the
+    LightningModule's network sharded in __init__, HydraStrategy in its pl.Trainer, two
+    Optuna threads' Trainers on the embedded engine at once (its devices busy, each trial's
+    optimizer stepping shard by shard); every loop leaves it at the end. Lightning writes
+    its logs into the working directory (tmp_path), as the original does."""
+    pytest.importorskip("lightning")
+    pytest.importorskip("optuna_integration")
+    script = ROOT / "examples" / "optuna_pytorch_lightning_simple.py"
+    check = (
+        "import gc, runpy, sys\n"
+        "import torch\n"
+        "steps = []\n"
+        "from tune_hydra.engine.loop import LoopRunner\n"
+        "step = LoopRunner.step\n"
+        "LoopRunner.step = lambda self: (steps.append(1), step(self))[1]\n"
+        "sys.argv = ['optuna_pytorch_lightning_simple.py']\n"
+        f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+        "from tune_hydra.frontends import shard\n"
+        "gc.collect()\n"
+        "s = shard._ENGINE.summary()\n"
+        "print('busy_s', sum(d['busy_s'] for d in s['devices'].values()))\n"
+        "print('sharded steps', len(steps))\n"
+        "print('left', shard._ENGINE.tasks())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **SMOKE)
+    proc = subprocess.run(
+        [sys.executable, "-c", check],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "Number of finished trials: 4" in out and "Best trial:" in out
+    assert float(out.split("busy_s ", 1)[1].split()[0]) > 0
+    # 4 trials x 2 epochs x 3 batches, every step a sharded one (none plain).
+    assert int(out.split("sharded steps ", 1)[1].split()[0]) == 24
+    assert "left []" in out
+    assert len(list((tmp_path / "lightning_logs").glob("version_*"))) == 4
+
+
 # ---------------------------------------------------------------------------------------
 # Ray Tune's own PyTorch examples (examples/ray_tune/) and optuna-examples' pytorch_simple:
 # each *_plain.py is the original on synthetic data, its twin the tune_hydra version.
@@ -363,10 +409,12 @@ def test_optuna_pytorch_simple_smoke() -> None:
 RAY_TUNE = ROOT / "examples" / "ray_tune"
 PAIRS = {
     "mnist_pytorch": RAY_TUNE / "mnist_pytorch",
+    "mnist_pytorch_trainable": RAY_TUNE / "mnist_pytorch_trainable",
     "pbt_convnet_function_example": RAY_TUNE / "pbt_convnet_function_example",
     "cifar10_pytorch": RAY_TUNE / "cifar10_pytorch",
     "tune_getting_started": RAY_TUNE / "tune_getting_started",
     "optuna_pytorch_simple": ROOT / "examples" / "optuna_pytorch_simple",
+    "optuna_pytorch_lightning_simple": ROOT / "examples" / "optuna_pytorch_lightning_simple",
 }
 
 
@@ -400,14 +448,24 @@ def test_the_tune_hydra_version_changes_at_most_4_lines(name: str) -> None:
     assert 1 <= count <= 4, (count, added)
     assert all(line.endswith("# tune_hydra") for line in added), added
     wanted = ["import tune_hydra as th", "= th.shard("]
-    wanted += ["th.configure(", "n_jobs="] if name.startswith("optuna") else ["th.HydraExecutor("]
+    if "lightning" in name:  # the strategy instead of th.configure (Lightning's own call)
+        wanted += ["strategy=th.HydraStrategy()", "n_jobs="]
+    elif name.startswith("optuna"):
+        wanted += ["th.configure(", "n_jobs="]
+    else:
+        wanted += ["th.HydraExecutor("]
     for what in wanted:
         assert sum(what in line for line in added) == 1, (what, added)
 
 
 @pytest.mark.parametrize(
     ("name", "replaced"),
-    [("mnist_pytorch", 1), ("pbt_convnet_function_example", 3), ("cifar10_pytorch", 2)],
+    [
+        ("mnist_pytorch", 1),
+        ("mnist_pytorch_trainable", 1),
+        ("pbt_convnet_function_example", 3),
+        ("cifar10_pytorch", 2),
+    ],
 )
 def test_the_plain_version_is_rays_example(name: str, replaced: int) -> None:
     """The *_plain.py files are Ray 2.60's installed examples but for the data imports
@@ -416,7 +474,9 @@ def test_the_plain_version_is_rays_example(name: str, replaced: int) -> None:
     theirs = [
         line
         for line in (ray_examples / f"{name}.py").read_text().splitlines()
-        if line.strip() and line not in ("#!/usr/bin/env python", "# ruff: noqa", "# fmt: off")
+        # Formatting pragmas: ours are off for the whole file (Ray's file turns it on again).
+        if line.strip()
+        and line not in ("#!/usr/bin/env python", "# ruff: noqa", "# fmt: off", "# fmt: on")
     ]
     count, added = _changed_lines(theirs, _code_lines(RAY_TUNE / f"{name}_plain.py"))
     assert count == replaced, added
@@ -439,7 +499,9 @@ def _run_ray_example(script: str, home: Path, *args: str, code: str = "") -> str
     path = str(RAY_TUNE / script)
     cmd = [sys.executable, "-c", code, path, *args] if code else [sys.executable, path, *args]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420, env=env, cwd=home)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=HANG_S, env=env, cwd=home
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     out = proc.stdout + proc.stderr
@@ -464,6 +526,25 @@ def test_ray_mnist_pytorch_async_hyperband_smoke(tmp_path: Path) -> None:
     trials = _progress(tmp_path, "exp")
     assert [len(rows) for rows in trials.values()] == [5]  # stop={"training_iteration": 5}
     assert all(0 <= float(r["mean_accuracy"]) <= 1 for r in next(iter(trials.values())))
+
+
+def test_ray_mnist_pytorch_trainable_class_smoke(tmp_path: Path) -> None:
+    """mnist_pytorch_trainable.py --smoke-test: Ray's class Trainable (th.shard in its
+    setup) under ASHA, the user's ray.init(num_cpus=6), tune.with_resources around the
+    class (dropped, one warning); its 3 iterations ran in the engine and its
+    checkpoint (checkpoint_frequency=3, checkpoint_at_end) holds the class's model.pth."""
+    out = _run_ray_example("mnist_pytorch_trainable.py", tmp_path, "--smoke-test")
+    assert "Best config is: {" in out
+    assert out.count("tune.with_resources request") == 1
+    (rows,) = _progress(tmp_path, "TrainMNIST*").values()
+    assert [int(r["training_iteration"]) for r in rows] == [1, 2, 3]
+    assert all(0 <= float(r["mean_accuracy"]) <= 1 for r in rows)
+    (model,) = (tmp_path / "ray_results").glob("TrainMNIST*/*/checkpoint_*/model.pth")
+    import torch
+
+    assert set(torch.load(model, weights_only=True)) == {
+        "conv1.weight", "conv1.bias", "fc.weight", "fc.bias"
+    }  # fmt: skip
 
 
 def test_ray_tune_getting_started_asha_stops_and_best_checkpoint_reloads(

@@ -23,6 +23,7 @@ from tune_hydra.exceptions import (
     ShardTooLargeError,
     TaskFactoryError,
     format_bytes,
+    format_bytes_up,
 )
 from tune_hydra.planning import PlanReport, PlanReports, expand_configs, min_device_memory
 
@@ -140,16 +141,20 @@ def test_min_device_memory_fits_and_one_byte_less_does_not() -> None:
             costs = list(report.layers)
             assert len(plan_shards(costs, smallest, prefetch=prefetch)) == len(report.shards)
             assert report.cut_for == smallest and report.fits is None
-            with pytest.raises(ShardTooLargeError):
+            with pytest.raises(ShardTooLargeError) as info:
                 plan_shards(costs, smallest - 1, prefetch=prefetch)
+            # the error names the budget to give (issue 32): the plan's smallest one
+            assert info.value.min_device_memory == smallest
             with Engine("cpu", device_memory=smallest, prefetch=prefetch) as eng:
                 eng.add_task("t", make_task(report.config))
                 assert eng.plan("t").peak_bytes() <= smallest
             with (
                 Engine("cpu", device_memory=smallest - 1, prefetch=prefetch) as eng,
-                pytest.raises(ShardTooLargeError),
+                pytest.raises(ShardTooLargeError) as info,
             ):
                 eng.add_task("t", make_task(report.config))
+            assert info.value.min_device_memory == smallest
+            assert f"give device_memory >= {format_bytes_up(smallest)}" in str(info.value)
     # with prefetch, the largest layer state comes twice: a layer's own bytes plus that
     state, act = [(4000, 10), (100, 900)], [c for c in "ab"]
     costs = [th.engine.LayerCost(n, s, 0, 0, 0, a) for n, (s, a) in zip(act, state, strict=True)]
@@ -354,6 +359,26 @@ def test_reports_print_as_tables() -> None:
     assert table[-1].startswith(
         f"every config fits device_memory >= {format_bytes(reports.min_device_memory)}"
     )
+
+
+def test_a_model_is_planned_and_printed_by_its_class() -> None:
+    # th.plan(model, sample): one report, named by the model's class (issue 32; the cut
+    # equals th.shard's: tests/frontends/test_shard_sizing.py)
+    model, (x, y) = mlp(), batches(1)[0]
+    reports = th.plan(model, x, optimizer=OPTIMIZERS["adam"](model.parameters()))
+    (report,) = reports
+    assert report.model == "Sequential" and report.config is None and report.fits is None
+    want = plan_shards(list(report.layers), report.min_device_memory)
+    assert _spans(report.shards) == _spans(want.shards)
+    assert str(report).startswith("model Sequential:\n")
+    assert str(reports).splitlines()[1].startswith("model Sequential ")
+
+    # the same figures as a task factory's ModelTask of that model, data and optimizer
+    def factory(config: dict[str, Any]) -> th.ModelTask:
+        return th.ModelTask(mlp(), nn.CrossEntropyLoss(), OPTIMIZERS["adam"], [(x, y)])
+
+    (task,) = th.plan(factory, {})
+    assert report.layers == task.layers and report.min_device_memory == task.min_device_memory
 
 
 def test_executor_plan_uses_its_options_without_starting_ray(

@@ -22,9 +22,10 @@ if TYPE_CHECKING:
         train_models,
         train_plain,
     )
+    from tune_hydra.frontends.lightning import HydraStrategy
     from tune_hydra.frontends.optuna import optimize
     from tune_hydra.frontends.ray import HydraExecutor, patch_tune, run, unpatch_tune
-    from tune_hydra.frontends.shard import configure, shard, unshard
+    from tune_hydra.frontends.shard import configure, shard, shard_count, unshard
     from tune_hydra.planning import PlanReport, plan
 
 __version__ = "0.1.0"
@@ -41,7 +42,9 @@ _LAZY = {
     "train_models": "tune_hydra.engine",
     "train_plain": "tune_hydra.engine",
     "optimize": "tune_hydra.frontends.optuna",
+    "HydraStrategy": "tune_hydra.frontends.lightning",
     "shard": "tune_hydra.frontends.shard",
+    "shard_count": "tune_hydra.frontends.shard",
     "configure": "tune_hydra.frontends.shard",
     "unshard": "tune_hydra.frontends.shard",
     "plan": "tune_hydra.planning",
@@ -66,6 +69,7 @@ __all__ = [
     "Engine",
     "History",
     "HydraExecutor",
+    "HydraStrategy",
     "ModelTask",
     "PlanReport",
     "TuneHydraError",
@@ -78,6 +82,7 @@ __all__ = [
     "run",
     "save_trace",
     "shard",
+    "shard_count",
     "train_models",
     "train_plain",
     "unpatch_tune",

@@ -16,6 +16,7 @@ Example:
 from __future__ import annotations
 
 import errno
+import math
 from typing import Any
 
 
@@ -44,21 +45,49 @@ class UnknownDeviceError(TuneHydraError, ValueError):
 
 
 class ShardTooLargeError(TuneHydraError, MemoryError):
-    """One layer alone needs more memory than the per-device budget."""
+    """One layer alone needs more memory than the per-device budget.
 
-    def __init__(self, layer: str, nbytes: int, budget: int, detail: str = "") -> None:
+    Attributes:
+        layer: the first layer found over the budget.
+        nbytes: what that layer needs (bytes).
+        budget: the per-device budget it was cut for (bytes).
+        detail: what ``nbytes`` is made of.
+        min_device_memory: the smallest per-device budget (bytes) at which every layer of
+            the model fits, by the engine's cost model (state, activations, the prefetch
+            room); ``None`` where it was not worked out.
+    """
+
+    def __init__(
+        self,
+        layer: str,
+        nbytes: int,
+        budget: int,
+        detail: str = "",
+        min_device_memory: int | None = None,
+    ) -> None:
         self.layer = layer
         self.nbytes = nbytes
         self.budget = budget
         self.detail = detail
+        self.min_device_memory = min_device_memory
+        fix = (
+            "Raise device_memory,"
+            if min_device_memory is None
+            else f"Raise device_memory: give device_memory >= "
+            f"{format_bytes_up(min_device_memory)} ({min_device_memory} bytes), the "
+            f"smallest at which every layer fits; or"
+        )
         super().__init__(
             f"layer {layer!r} needs {format_bytes(nbytes)} ({nbytes} bytes){detail}, more than "
-            f"the per-device budget of {format_bytes(budget)} ({budget} bytes). Raise "
-            f"device_memory, lower the batch size, or split that layer into smaller modules."
+            f"the per-device budget of {format_bytes(budget)} ({budget} bytes). {fix} "
+            f"lower the batch size, or split that layer into smaller modules."
         )
 
     def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (Ray) intact
-        return (type(self), (self.layer, self.nbytes, self.budget, self.detail))
+        return (
+            type(self),
+            (self.layer, self.nbytes, self.budget, self.detail, self.min_device_memory),
+        )
 
 
 class NonFiniteLossError(TuneHydraError, FloatingPointError):
@@ -197,11 +226,7 @@ class SharedModelError(InvalidTaskError):
         self.task = task
         self.owner = owner
         self.tensors = list(tensors)
-        shown = ", ".join(
-            f"{mine!r}" if mine == theirs else f"{mine!r} ({theirs!r} there)"
-            for mine, theirs in self.tensors[:6]
-        )
-        more = f" and {len(self.tensors) - 6} more" if len(self.tensors) > 6 else ""
+        shown, more = self._shown()
         super().__init__(
             f"task {task!r}: its model shares {len(self.tensors)} tensor(s) with task "
             f"{owner!r}, which this engine is training: {shown}{more}. Two tasks training "
@@ -209,6 +234,15 @@ class SharedModelError(InvalidTaskError):
             f"{_BUILD_INSIDE} (or copy.deepcopy a template per task); or remove task "
             f"{owner!r} before reusing its model."
         )
+
+    def _shown(self) -> tuple[str, str]:
+        """The first shared tensors' names for the message, and how many more."""
+        shown = ", ".join(
+            f"{mine!r}" if mine == theirs else f"{mine!r} ({theirs!r} there)"
+            for mine, theirs in self.tensors[:6]
+        )
+        more = f" and {len(self.tensors) - 6} more" if len(self.tensors) > 6 else ""
+        return shown, more
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (type(self), (self.task, self.owner, self.tensors))
@@ -592,6 +626,21 @@ def format_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
+def format_bytes_up(n: int) -> str:
+    """:func:`format_bytes` of ``n`` rounded up to the figure shown, not to the nearest:
+    a budget to give (``device_memory="2.1 MiB"`` is then at least ``n``).
+
+    Example:
+        >>> format_bytes(2138112), format_bytes_up(2138112)
+        ('2.0 MiB', '2.1 MiB')
+    """
+    unit = 1
+    while abs(n) >= 1024 * unit and unit < 1024**4:
+        unit *= 1024
+    step = unit / 10 if unit > 1 else 1  # format_bytes shows one decimal above bytes
+    return format_bytes(math.ceil(n / step) * step)
+
+
 # -- th.shard: the user's own training loop (tune_hydra.frontends.shard) -------------------
 
 
@@ -615,12 +664,35 @@ class UnsupportedCallError(ShardError, TypeError):
     """A sharded model or optimizer was called in a way it does not support."""
 
 
+class UnsupportedCompileError(UnsupportedCallError):
+    """A ``torch.compile`` of a sharded model that ``th.shard`` cannot honour (a compiled
+    function or module that calls the sharded model, ``model.compile()`` before
+    ``th.shard``): raised rather than run uncompiled. The message names the forms that
+    compile each shard."""
+
+
+class UnsupportedPrecisionError(ShardError, RuntimeError):
+    """A precision the sharded loop cannot honour (an autocast that would not reach the
+    devices the engine runs the shards on): raised rather than computed in another
+    precision."""
+
+
 class EngineConfiguredError(ShardError, RuntimeError):
     """``th.configure`` came after the embedded engine was started."""
 
 
 class ShardClosedError(ShardError, RuntimeError):
     """A sharded model was used after its loop was closed (``unshard``)."""
+
+
+class NotShardedError(ShardError):
+    """A function for sharded models (``th.shard_count``) got a model that is not sharded:
+    never given to ``th.shard``, or given back by ``th.unshard``."""
+
+
+class ModelNotCutError(ShardError, RuntimeError):
+    """A sharded model was asked about its shards before its first forward: ``th.shard``
+    cuts it there (the first batch sizes the activations)."""
 
 
 class BatchTooLargeError(ShardError, MemoryError):
@@ -643,11 +715,7 @@ class SharedShardModelError(SharedModelError, ShardError):
         self.task = task
         self.owner = owner
         self.tensors = list(tensors)
-        shown = ", ".join(
-            f"{mine!r}" if mine == theirs else f"{mine!r} ({theirs!r} there)"
-            for mine, theirs in self.tensors[:6]
-        )
-        more = f" and {len(self.tensors) - 6} more" if len(self.tensors) > 6 else ""
+        shown, more = self._shown()
         modules = sorted({m.rpartition(".")[0] or "<the whole model>" for m, _ in self.tensors})
         InvalidTaskError.__init__(
             self,

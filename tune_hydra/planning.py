@@ -14,6 +14,10 @@ A config may be one dict, a list of dicts, or a Tune search space (values made w
 ``tune.uniform``, ``tune.choice``, ``tune.grid_search`` ...), from which ``num_samples``
 configs are drawn the way Tune draws them. Ray is imported only for a search space.
 
+A loop of one's own is planned from its model and a sample batch:
+``plan(model, x, optimizer=opt, device_memory=...)`` finds the cut ``th.shard`` makes on
+the first forward ``model(x)`` (its ``th.shard_count`` then), by the same code.
+
 This module never imports Ray at import time.
 
 Example:
@@ -56,6 +60,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
+from tune_hydra.engine import partition
 from tune_hydra.engine.boundary import split_batch
 from tune_hydra.engine.factory import call_factory
 from tune_hydra.engine.partition import (
@@ -73,6 +78,7 @@ from tune_hydra.exceptions import (
     EmptyDataError,
     InvalidModelError,
     InvalidOptimizerError,
+    InvalidOptionError,
     InvalidTaskError,
     MissingDependencyError,
     ShardTooLargeError,
@@ -106,6 +112,8 @@ class PlanReport:
         probe_device: where the batch was probed: ``"meta"`` (no weights allocated) or
             ``"cpu"`` (see ``notes`` for why).
         notes: anything to know about these figures.
+        model: the model's class name when a model was planned (``th.plan(model,
+            sample)``, ``config`` is then None); None for a task factory's config.
     """
 
     config: Any
@@ -117,6 +125,11 @@ class PlanReport:
     layers: tuple[LayerCost, ...]
     probe_device: str
     notes: tuple[str, ...] = ()
+    model: str | None = None
+
+    def label(self, limit: int = 70) -> str:
+        """What was planned, for printing: the model, or the config."""
+        return f"model {self.model}" if self.model is not None else _short_repr(self.config, limit)
 
     @property
     def fits(self) -> bool | None:
@@ -141,7 +154,7 @@ class PlanReport:
                 f"{len(self.shards)} shard(s) at the smallest that fits"
             )
         lines = [
-            f"config {_short_repr(self.config, 70)}:",
+            f"{self.label()}:" if self.model is not None else f"config {self.label()}:",
             f"  {head}",
             f"  smallest device_memory: {format_bytes(self.min_device_memory)} "
             f"({self.min_device_memory} bytes); host memory (state): "
@@ -185,7 +198,7 @@ class PlanReports(list[PlanReport]):
                 shards = str(r.num_shards) if r.fits else "too large"
             rows.append(
                 (
-                    _short_repr(r.config, 48),
+                    r.label(48),
                     shards,
                     format_bytes(r.min_device_memory),
                     format_bytes(r.state_bytes),
@@ -202,9 +215,10 @@ class PlanReports(list[PlanReport]):
 
 
 def plan(
-    make_task: Callable[[Any], ModelTask],
+    make_task: Callable[[Any], ModelTask] | nn.Module,
     configs: Any,
     *,
+    optimizer: torch.optim.Optimizer | None = None,
     device_memory: int | str | None = None,
     num_samples: int = 1,
     precision: str | None = None,
@@ -217,12 +231,23 @@ def plan(
     """How each config's model will be cut, and the smallest ``device_memory`` it fits,
     without training (one batch is probed through the layers, on the meta device).
 
+    Also ``plan(model, sample)``: how ``th.shard`` will cut a model of a loop of one's own
+    on its first forward, ``model(sample)``: the cut ``th.shard_count(model)`` then tells
+    (for a ``th.Engine`` of the same ``device_memory`` and ``prefetch`` on the CPU).
+
     Args:
         make_task: the task factory, ``make_task(config) -> ModelTask`` (the same one
-            given to ``th.run`` or ``HydraExecutor.trainable``).
+            given to ``th.run`` or ``HydraExecutor.trainable``); or the model (an
+            ``nn.Module``, before ``th.shard``) of a loop that ``th.shard`` will run.
         configs: one config (a dict), a list of configs, or a Tune search space (a dict
             holding ``tune.uniform(...)``, ``tune.choice(...)``, ``tune.grid_search(...)``
-            ... values, at any depth); a list may mix plain configs and spaces.
+            ... values, at any depth); a list may mix plain configs and spaces. With a
+            model: the input of its first forward, ``model(sample)`` (a dict of keyword
+            inputs for a Hugging Face model, ``model(**sample)``), of the largest batch
+            size the loop will train on. Probed on the CPU, as ``th.shard`` probes it, or
+            on the meta device when the model was built there (no weights).
+        optimizer: with a model only: the optimizer that will go to ``th.shard`` with it
+            (its state counts; None: none, as ``th.shard(model)``).
         device_memory: the per-device budget to cut for (bytes, or ``"8GiB"``); None
             reports the cut at each config's smallest budget.
         num_samples: configs drawn from each search space (with a grid search: that many
@@ -237,10 +262,13 @@ def plan(
             generator (None: random).
         meta: build on the meta device (True) or on the CPU with real weights (False).
         timeout_s: how long one factory call may take (None: no limit).
+            (``num_samples``, ``seed``, ``meta`` and ``timeout_s`` concern task
+            factories: a model is planned as it is.)
 
     Returns:
         One :class:`PlanReport` per config, in a :class:`PlanReports` list that prints as
-        a table and tells the budget every config fits (``min_device_memory``).
+        a table and tells the budget every config fits (``min_device_memory``); with a
+        model, one report (its ``model`` names the class).
 
     Raises:
         TaskFactoryError: the factory raised for a config (the message names it and holds
@@ -252,6 +280,8 @@ def plan(
         InvalidOptionError, BudgetFormatError: a bad option.
         InvalidTaskError: ``configs`` is not a dict or a list of dicts.
         MissingDependencyError: a search space was given and Ray Tune is not installed.
+        AlreadyShardedError: the model was given to ``th.shard`` already (its cut:
+            ``th.shard_count``).
 
     Notes:
         The meta device needs nothing but shapes. When building or probing a config
@@ -265,10 +295,29 @@ def plan(
     num_samples = int(check_positive_int(num_samples, "num_samples", where="th.plan") or 1)
     precision = check_precision(precision, where="th.plan")
     max_layers_per_shard = check_max_layers_per_shard(max_layers_per_shard, where="th.plan")
+    if isinstance(make_task, nn.Module):
+        report = _plan_model(
+            make_task,
+            configs,
+            optimizer,
+            budget=budget,
+            precision=precision,
+            prefetch=prefetch,
+            max_layers_per_shard=max_layers_per_shard,
+        )
+        return PlanReports([report])
+    if optimizer is not None:
+        raise InvalidOptionError(
+            "optimizer",
+            optimizer,
+            "th.plan takes an optimizer with a model only (th.plan(model, sample, "
+            "optimizer=opt)); a task factory's ModelTask names its own",
+            "th.plan",
+        )
     if not callable(make_task):
         raise TaskFactoryError(
-            f"th.plan needs the task factory first: make_task(config) -> th.ModelTask, not "
-            f"a {type(make_task).__name__}"
+            f"th.plan needs the task factory first, make_task(config) -> th.ModelTask (or a "
+            f"model, th.plan(model, sample)), not a {type(make_task).__name__}"
         )
     reports = PlanReports()
     for index, config in enumerate(expand_configs(configs, num_samples, seed)):
@@ -419,6 +468,85 @@ def _plan_one(
         layers=tuple(costs),
         probe_device=probe,
         notes=tuple(notes),
+    )
+
+
+def _plan_model(
+    model: nn.Module,
+    sample: Any,
+    optimizer: torch.optim.Optimizer | None,
+    *,
+    budget: int | None,
+    precision: str | None,
+    prefetch: bool,
+    max_layers_per_shard: int | None,
+) -> PlanReport:
+    """``th.plan(model, sample)``: what ``th.shard``'s first forward does to cut the model
+    (``_State.cut``, ``build_loop``: its layers, :func:`~tune_hydra.engine.loop.loop_costs`
+    on the first stage's input, ``plan_shards``), without registering it anywhere."""
+    from tune_hydra.engine.loop import loop_costs
+    from tune_hydra.exceptions import AlreadyShardedError
+    from tune_hydra.frontends.shard import first_cut
+    from tune_hydra.models import is_hf_model
+
+    kind = type(model).__name__
+    if "_th_shard" in model.__dict__:
+        raise AlreadyShardedError(
+            f"th.plan(model, sample) plans a model before th.shard; this {kind} is sharded "
+            f"already: th.shard_count(model) tells its cut (after its first forward)"
+        )
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise InvalidOptimizerError(
+            f"th.plan({kind})",
+            f"optimizer= must be the torch.optim.Optimizer that goes to th.shard with the "
+            f"model, not {type(optimizer).__name__}",
+        )
+    name = f"th.plan({kind})"
+    if is_hf_model(model) and isinstance(sample, Mapping):  # model(**sample)
+        layers, inputs = first_cut(model, (), dict(sample))
+    else:
+        layers, inputs = first_cut(model, (sample,), {})
+    tensors = [*model.parameters(), *model.buffers()]
+    on_meta = bool(tensors) and all(t.is_meta for t in tensors)
+    dtype = torch.bfloat16 if precision == "bf16" else None
+    cls = type(optimizer) if optimizer is not None else None
+    cpu = torch.device("cpu")
+    if on_meta:  # built without weights: the meta probe (activations as the CPU's)
+        inputs = tree_map(_to_meta, inputs)
+        with torch.random.fork_rng(devices=[]):
+            costs = loop_costs(layers, inputs, optimizer, cls, cpu, name)
+            probed = _probe_without_data(layers, inputs, dtype)
+        costs = [
+            dataclasses.replace(c, activation_bytes=act, writes_input=writes, passes_input=passes)
+            for c, (act, writes, passes) in zip(costs, probed, strict=True)
+        ]
+    else:
+        # The first forward's probe runs in the user's thread, under its autocast: bf16
+        # is planned under the autocast the loop will train in.
+        autocast = (
+            torch.autocast("cpu", dtype=dtype) if dtype is not None else contextlib.nullcontext()
+        )
+        with autocast:
+            costs = loop_costs(layers, inputs, optimizer, cls, cpu, name)
+    cut = None if budget is None else _cut(costs, budget, prefetch, max_layers_per_shard)
+    smallest = min_device_memory(costs, prefetch=prefetch)
+    shards = (
+        cut
+        if cut is not None
+        else plan_shards(
+            costs, smallest, prefetch=prefetch, max_layers_per_shard=max_layers_per_shard
+        )
+    )
+    return PlanReport(
+        config=None,
+        device_memory=budget,
+        num_shards=None if cut is None else len(cut),
+        shards=shards.shards,
+        min_device_memory=smallest,
+        state_bytes=sum(c.state_bytes for c in costs),
+        layers=tuple(costs),
+        probe_device="meta" if on_meta else "cpu",
+        model=kind,
     )
 
 
@@ -634,26 +762,7 @@ def min_device_memory(costs: Sequence[LayerCost], *, prefetch: bool = True) -> i
         >>> min_device_memory(costs), min_device_memory(costs, prefetch=False)
         (580, 380)
     """
-    layers = list(costs)
-    if not layers:
-        raise InvalidModelError("min_device_memory: no layers to plan")
-
-    def fits(budget: int) -> bool:
-        return _cut(layers, budget, prefetch, None) is not None
-
-    low = max(1, max(c.total_bytes for c in layers))  # no budget below a layer's own bytes
-    if fits(low):
-        return low
-    high = sum(c.total_bytes for c in layers) + max(c.state_bytes for c in layers)
-    while not fits(high):  # never more than once: one shard of everything fits
-        high *= 2
-    while high - low > 1:  # invariant: low does not fit, high does
-        mid = (low + high) // 2
-        if fits(mid):
-            high = mid
-        else:
-            low = mid
-    return high
+    return partition.min_device_memory(costs, prefetch=prefetch)  # the engine's own figure
 
 
 # ------------------------------------------------------------------------------ printing

@@ -146,6 +146,7 @@ def test_batch_that_is_not_a_pair() -> None:
     "err",
     [
         ex.ShardTooLargeError("3", 10, 5, " (state 1 B)"),
+        ex.ShardTooLargeError("3", 10, 5, " (state 1 B)", min_device_memory=12),
         ex.NonFiniteLossError("a", 1, 2, float("inf")),
         ex.TaskFailedError("a", "KeyError: 'x'"),
         ex.TrainingError({"a": ValueError("x")}, {"a": [], "b": [{"loss": 1.0}]}),
@@ -163,6 +164,8 @@ def test_errors_survive_pickling(err: Exception) -> None:
 
     back = pickle.loads(pickle.dumps(err))  # they cross Ray's process boundaries
     assert type(back) is type(err) and str(back) == str(err)
+    if isinstance(err, ex.ShardTooLargeError):  # with the budget to give (issue 32)
+        assert back.min_device_memory == err.min_device_memory
 
 
 # -- bad inputs get an error naming the task, the input and the fix (issue 10, item 6) ----

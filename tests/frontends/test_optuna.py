@@ -509,6 +509,21 @@ def test_timeout_stops_starting_trials() -> None:
     assert set(_states(study).values()) == {"COMPLETE"}
 
 
+def test_a_grid_sampler_ends_the_run_when_its_grid_is_done() -> None:
+    """GridSampler calls ``study.stop()`` once the grid is done (from ``tell``): as in
+    ``study.optimize``, no new trial is asked and the call returns (it raised Optuna's
+    "Study.stop is supposed to be invoked inside an objective" before)."""
+    grid = {"lr": [1e-3, 1e-2], "momentum": [0.0, 0.9]}
+    study = optuna.create_study(sampler=optuna.samplers.GridSampler(grid, seed=0))
+    th.optimize(study, factory({}), epochs=1, devices=["cpu"], max_concurrent=2)
+    assert set(_states(study).values()) == {"COMPLETE"}
+    # No n_trials: only the stop ends the call. Two in flight may draw one point twice
+    # (as GridSampler under study.optimize(n_jobs=2)).
+    points = {(t.params["lr"], t.params["momentum"]) for t in study.trials}
+    assert points == {(1e-3, 0.0), (1e-3, 0.9), (1e-2, 0.0), (1e-2, 0.9)}
+    assert len(study.trials) <= 5
+
+
 # ------------------------------------------------------------------------------ save_dir
 def test_save_dir_holds_each_finished_trials_model(tmp_path: Path) -> None:
     built: dict[int, th.ModelTask] = {}

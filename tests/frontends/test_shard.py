@@ -658,13 +658,84 @@ def test_model_and_optimizer_stay_the_users(engine: th.Engine) -> None:
     assert same_model is model and same_opt is opt
     assert isinstance(model, nn.Sequential) and isinstance(opt, torch.optim.SGD)
     assert model.to("cuda") is model and model.cuda() is model  # placement is the engine's
-    with pytest.raises(UnsupportedCallError, match="dtype"):
-        model.to(torch.float32)
     model(batches(1)[0][0])
+    with pytest.raises(UnsupportedCallError, match="keeps its dtype after its first forward"):
+        model.to(torch.float32)
     assert list(model.state_dict()) == keys
     restored = th.unshard(model)
     assert type(restored) is nn.Sequential and type(opt) is torch.optim.SGD
     assert engine.tasks() == []
+
+
+@pytest.mark.parametrize("how", ["double", "to", "parent"])
+def test_dtype_conversion_before_the_first_forward_exact(how: str, engine: th.Engine) -> None:
+    """``model.double()``, ``model.to(torch.float64)`` and a parent module's conversion
+    (Lightning's ``precision="64-true"`` converts the LightningModule holding the sharded
+    network; its ``model.to(device)`` too) convert a sharded float32 model before its first
+    forward, the optimizer keeping its parameters: trains as plain ``double()``; a parent's
+    move to a device is ignored (placement is the engine's)."""
+    data = batches(3, seed=4)
+    ref = mlp(torch.float32).double()
+    model = mlp(torch.float32)
+    ids = [id(p) for p in model.parameters()]
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    th.shard(model, opt, engine=engine)
+    parent = nn.ModuleDict({"net": model})
+    {"double": model.double, "to": lambda: model.to(torch.float64), "parent": parent.double}[how]()
+    parent.to("cpu")
+    assert [id(p) for p in model.parameters()] == ids
+    floats = [t for t in model.state_dict().values() if t.is_floating_point()]
+    assert all(t.dtype == torch.float64 for t in floats)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    for m, o in ((model, opt), (ref, ref_opt)):
+        torch.manual_seed(2)  # the same dropout masks
+        for x, y in data:
+            o.zero_grad()
+            F.cross_entropy(m(x), y).backward()
+            o.step()
+    for (k, a), b in zip(model.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    parent.to("cpu")  # after the cut: a no-op still
+    with pytest.raises(UnsupportedCallError, match="keeps its dtype after its first forward"):
+        parent.float()
+    th.unshard(model)
+
+
+def test_a_parent_modules_view_of_the_model_is_synced(engine: th.Engine) -> None:
+    """A module holding the sharded model (a LightningModule) reaches its tensors through
+    torch's recursion, not the model's own methods: ``parent.zero_grad()`` right after
+    ``step()`` (Lightning's before each validation) keeps the pending step, and
+    ``clip_grad_norm_(parent.parameters())`` clips the real gradients: exact as plain."""
+    data = batches(4, seed=6)
+    ref = nn.ModuleDict({"net": mlp()})
+    parent = copy.deepcopy(ref)
+    opt = torch.optim.Adam(parent.parameters(), lr=1e-2)
+    model, opt = th.shard(parent["net"], opt, engine=engine)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=1e-2)
+    norms = []
+    for p, o in ((parent, opt), (ref, ref_opt)):
+        torch.manual_seed(3)  # the same dropout masks
+        for x, y in data:
+            F.cross_entropy(p["net"](x), y).backward()
+            norms.append(float(torch.nn.utils.clip_grad_norm_(p.parameters(), 0.5)))
+            o.step()
+            p.zero_grad()
+    assert norms[:4] == norms[4:]
+    for (k, a), b in zip(parent.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    # The parent's load_state_dict (Lightning restoring a checkpoint) with a step still
+    # pending in the shards: the step applies, then the loaded weights win, as plain.
+    loaded = nn.ModuleDict({"net": mlp(seed=5)}).state_dict()
+    for p, o in ((parent, opt), (ref, ref_opt)):
+        torch.manual_seed(4)
+        for x, y in data[:2]:
+            F.cross_entropy(p["net"](x), y).backward()
+            o.step()
+            if x is data[0][0]:
+                p.load_state_dict(loaded)
+    for (k, a), b in zip(parent.state_dict().items(), ref.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    th.unshard(model)
 
 
 def test_garbage_collected_model_leaves_the_engine(engine: th.Engine) -> None:
@@ -715,8 +786,8 @@ def test_bad_input(engine: th.Engine) -> None:
         th.shard(mlp().to("meta"), engine=engine)
     with pytest.raises(UnsupportedCallError, match="one input"):
         model(torch.ones(1), torch.ones(1))
-    with pytest.raises(UnsupportedCallError, match="closure"):
-        opt.step(lambda: torch.zeros(()))
+    zero = torch.zeros(())
+    assert opt.step(lambda: zero) is zero  # step(closure): the closure's loss
     th.unshard(model)
     for err in (AlreadyShardedError, OptimizerMismatchError, ShardClosedError):
         assert issubclass(err, TuneHydraError)

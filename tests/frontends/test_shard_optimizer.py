@@ -254,3 +254,98 @@ def test_close_that_must_not_raise_logs_the_step_error(
         loop.close(raise_errors=False)
     assert "step refused" in caplog.text
     assert engine.tasks() == []
+
+
+# -- step(closure), an optimizer built after th.shard, LBFGS -----------------------------
+
+
+def closure_steps(model: nn.Module, opt: torch.optim.Optimizer, data: list[Any]) -> list[Any]:
+    """The loop as Lightning's automatic optimization runs it: everything in the closure,
+    ``step(closure)`` called without grad (torch's optimizers enable it for the closure)."""
+    out = []
+    for x, y in data:
+
+        def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+            opt.zero_grad()
+            loss = F.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+
+        with torch.no_grad():
+            out.append(opt.step(closure))
+    return out
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_step_with_closure_exact(opt: str, engine: th.Engine) -> None:
+    """``step(closure)`` runs the closure with grad, steps every shard and returns the
+    closure's loss: per-step losses, weights and optimizer state as plain, float64."""
+    data = batches(4, seed=3)
+    ref = net()
+    ref_opt = OPTIMIZERS[opt](ref.parameters())
+    model = copy.deepcopy(ref)
+    model, optimizer = th.shard(model, OPTIMIZERS[opt](model.parameters()), engine=engine)
+    want = closure_steps(ref, ref_opt, data)
+    got = closure_steps(model, optimizer, data)
+    assert len(model.__dict__["_th_shard"].loop.shards) == 3
+    assert all(isinstance(loss, torch.Tensor) for loss in got)
+    assert [loss.item() for loss in got] == [loss.item() for loss in want]
+    assert optimizer.step() is None  # without a closure: None, as plain
+    ref_opt.step()
+    assert_same(model, ref)
+    assert_same_state(optimizer.state_dict(), ref_opt.state_dict())
+    th.unshard(model)
+
+
+@pytest.mark.parametrize("cut", [False, True], ids=["before-cut", "after-cut"])
+def test_optimizer_built_after_shard_exact(cut: bool, engine: th.Engine) -> None:
+    """``th.shard(model)`` first, the optimizer built later over ``model.parameters()`` and
+    given with ``th.shard(model, optimizer)`` (Lightning's ``configure_optimizers``):
+    trains as plain; after a forward (a cut sized without optimizer state) the loop is
+    cut again at the next forward, one loop on the engine."""
+    data = batches(4, seed=5)
+    ref = net()
+    model = th.shard(copy.deepcopy(ref), engine=engine)
+    if cut:
+        with torch.no_grad():  # an evaluation first (Lightning's sanity check, validate)
+            assert torch.equal(model(data[0][0]), ref(data[0][0]))
+        assert model.__dict__["_th_shard"].loop is not None
+    optimizer = OPTIMIZERS["adam"](model.parameters())
+    assert th.shard(model, optimizer) == (model, optimizer)
+    assert model.__dict__["_th_shard"].loop is None
+    ref_opt = OPTIMIZERS["adam"](ref.parameters())
+    assert steps(model, optimizer, data) == steps(ref, ref_opt, data)
+    assert_same(model, ref)
+    assert_same_state(optimizer.state_dict(), ref_opt.state_dict())
+    assert len(engine.tasks()) == 1
+    with pytest.raises(th.exceptions.AlreadyShardedError, match="once per model"):
+        th.shard(model, OPTIMIZERS["adam"](model.parameters()))
+    th.unshard(model)
+    assert type(optimizer) is torch.optim.Adam and engine.tasks() == []
+
+
+class MyLBFGS(torch.optim.LBFGS):
+    """A user's LBFGS (another class name)."""
+
+
+class ClosureRequired(torch.optim.SGD):
+    """A user's optimizer whose step needs the closure (no default)."""
+
+    def step(self, closure: Any) -> Any:  # type: ignore[override]
+        return super().step(closure)
+
+
+@pytest.mark.parametrize("cls", [torch.optim.LBFGS, MyLBFGS, ClosureRequired])
+def test_optimizers_that_reevaluate_the_closure_are_refused(
+    cls: type[torch.optim.Optimizer], engine: th.Engine
+) -> None:
+    """LBFGS re-runs the closure (the whole model) inside one step and steps every
+    parameter together: refused with the fix, at th.shard and for one built later."""
+    model = net()
+    with pytest.raises(UnsupportedCallError, match=r"shard by shard.*per-parameter optimizer"):
+        th.shard(model, cls(model.parameters(), lr=0.1), engine=engine)
+    assert type(model) is nn.Sequential  # nothing was sharded
+    model = th.shard(model, engine=engine)
+    with pytest.raises(UnsupportedCallError, match="re-evaluates the closure"):
+        th.shard(model, cls(model.parameters(), lr=0.1))
+    th.unshard(model)

@@ -110,6 +110,15 @@ class _PrivateGenerator(TorchDispatchMode):
         self.drew = False
 
     @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        # True: torch.compile compiles under this mode (off while compiling, on while the
+        # compiled code runs, whose random ops, inductor's seeds included, it redirects).
+        # False (torch's default) makes dynamo skip every frame it meets under the mode and
+        # never compile that code again, without a word: a compiled model, or a loop's
+        # compiled shard, would run eagerly for good after one op under a private stream.
+        return True
+
+    @classmethod
     def _target(cls, func: Any) -> Any:
         try:
             return cls._targets[func]

@@ -80,11 +80,18 @@ from torch import nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tune_hydra.core.ops import Op, OpKind
-from tune_hydra.engine import rng
+from tune_hydra.engine import amp, rng
 from tune_hydra.engine.boundary import backward as backward_from
+from tune_hydra.engine.compiled import Compiler, ShardCompiler, global_cpu_stream
 from tune_hydra.engine.factory import thread_generator, use_generator
 from tune_hydra.engine.lease import parts
-from tune_hydra.engine.partition import ShardPlan, layer_costs, plan_shards, tensor_bytes
+from tune_hydra.engine.partition import (
+    LayerCost,
+    ShardPlan,
+    layer_costs,
+    plan_shards,
+    tensor_bytes,
+)
 from tune_hydra.engine.shared import SharedParams
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.task import OwnedTensors, owned_tensors
@@ -168,6 +175,8 @@ class LoopRunner:
     :meth:`sync`.
     """
 
+    _compiler: ShardCompiler | None = None  # compile(): the shards' torch.compile
+
     def __init__(
         self,
         name: str,
@@ -207,7 +216,8 @@ class LoopRunner:
         self._iteration = 0
         self._granted = 0
         self._device_time = 0.0
-        self._request: tuple[Op, Callable[[torch.device], Any]] | None = None
+        # The op asked for, its compute, and the autocast state of the thread that asked.
+        self._request: tuple[Op, Callable[[torch.device], Any], amp.Autocast | None] | None = None
         self._running = False
         self._result: tuple[bool, Any] = (True, None)
         self._batch = 0  # train forwards of shard 0 so far
@@ -331,7 +341,7 @@ class LoopRunner:
 
     def execute(self, op: Op, device: torch.device) -> None:
         assert self._request is not None and self._request[0] is op
-        fn = self._request[1]
+        _, fn, autocast = self._request
         t0 = time.perf_counter()
         if (
             self._follow_threads
@@ -346,7 +356,9 @@ class LoopRunner:
                 for m in self._wrappers:  # the cut's own modules follow the user's mode
                     if m.training is not training:  # (Module.__setattr__ is slow)
                         m.training = training
-                self._result = (True, fn(device))
+                amp.check_device(autocast, device)
+                with amp.entered(autocast):  # the asking thread's (after the pending steps)
+                    self._result = (True, fn(device))
         except BaseException as err:  # the user's code failed: raised in the user's thread
             self._result = (False, err)
         self._device_time += time.perf_counter() - t0
@@ -422,7 +434,7 @@ class LoopRunner:
         op = Op(self.name, kind, shard, self.reports, batch)  # reports: see __init__
         self._learn((kind, shard))
         self._home_now = False
-        self._request = (op, fn)
+        self._request = (op, fn, amp.current())
         gen = thread_generator()
         hand_off = False
         if gen is None:
@@ -828,6 +840,27 @@ class LoopRunner:
                 state.update(s.optimizer.state)
         return state
 
+    # -- torch.compile ----------------------------------------------------------------------
+
+    def compile(self, compiler: Compiler | None) -> None:
+        """Compile every shard's forward with ``compiler`` (the user's ``torch.compile``
+        settings; ``None``: eager again), from the next op on: what an op calls,
+        ``shard.module(arg)``, runs compiled code, the engine's own steps around it stay
+        eager (see :mod:`tune_hydra.engine.compiled`)."""
+        if self._compiler is not None:
+            self._compiler.uninstall()
+        self._compiler = None if compiler is None else ShardCompiler(compiler, self.name)
+        if self._compiler is None:
+            return
+        blocks = sum(self._compiler.install(s.module, s.index) for s in self.shards)
+        if self._hf:
+            log.info(
+                "%s: torch.compile compiles each of the model's %d blocks (its embed and "
+                "head stages run its own forward eagerly; see tune_hydra.engine.compiled)",
+                self.name,
+                blocks,
+            )
+
     # -- the RNG stream -------------------------------------------------------------------
 
     def _stream(
@@ -849,7 +882,13 @@ class LoopRunner:
         gen = self._op_gen
         with contextlib.ExitStack() as stack:
             entry = _Entry(gen.get_state() if cpu else None)
-            mode = stack.enter_context(use_generator(gen)) if cpu else None
+            mode: Any = None
+            if cpu and self._compiler is not None and device.type == "cpu":
+                # Compiled code draws from the global generator, which no dispatch mode
+                # redirects: the stream goes there (see tune_hydra.engine.compiled).
+                mode = stack.enter_context(global_cpu_stream(gen))
+            elif cpu:
+                mode = stack.enter_context(use_generator(gen))
             if device.type == "cuda":
                 scope = stack.enter_context(
                     rng.task_stream(self.stream, device, self._seed, cpu=False)
@@ -867,7 +906,10 @@ class LoopRunner:
             if entry is not None and entry.cpu is not None:
                 gen = torch.Generator()
                 gen.set_state(entry.cpu)
-                stack.enter_context(use_generator(gen))
+                if self._compiler is not None and device.type == "cpu":
+                    stack.enter_context(global_cpu_stream(gen))  # as _drawing
+                else:
+                    stack.enter_context(use_generator(gen))
             if entry is not None and entry.cuda is not None:
                 stack.enter_context(
                     rng.task_stream(self.stream, device, self._seed, replay=entry.cuda, cpu=False)
@@ -899,6 +941,8 @@ class LoopRunner:
         except Exception as err:
             error = err
         self.closed = True
+        if self._compiler is not None:  # the user's modules (blocks) called eagerly again
+            self.compile(None)
         try:
             self._hand_back_optimizer_state()
         finally:
@@ -1044,6 +1088,7 @@ class _ShardCall:
         self.spec: Any = None
         self.tensor_at: list[int] = []
         self.entry: _Entry | None = None  # the RNG state the forward started from
+        self.autocast: amp.Autocast | None = None  # the forward's (a recompute's too)
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
         self.out_tensor_at: list[int] = []
@@ -1070,6 +1115,7 @@ class _ShardCall:
     def forward(self, tensors: tuple[torch.Tensor, ...], need: Any) -> list[torch.Tensor]:
         loop, shard = self.loop, self.shard
         self.training = loop.model.training
+        self.autocast = amp.current()
         x = self.inputs(tensors)
 
         def keep(device: torch.device) -> Any:
@@ -1147,7 +1193,11 @@ class _ShardCall:
             for (m, n), b in zip(slots, real, strict=True):
                 m._buffers[n] = b.clone()  # type: ignore[union-attr]
             try:
-                with loop._replay(self.entry, device), torch.enable_grad():
+                with (
+                    loop._replay(self.entry, device),
+                    amp.entered(self.autocast),
+                    torch.enable_grad(),
+                ):
                     out = shard.module(arg)
             finally:
                 for (m, n), b in zip(slots, real, strict=True):
@@ -1256,28 +1306,21 @@ def _clone(obj: Any) -> Any:
     return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
 
-def build_loop(
-    engine: Engine,
-    model: nn.Module,
-    user_optimizer: torch.optim.Optimizer | None,
-    optimizer_class: type[torch.optim.Optimizer] | None,
+def loop_costs(
     layers: list[tuple[str, nn.Module]],
     sample: Any,
-    *,
-    hf: bool,
-    rng_start: torch.Tensor,
-) -> LoopRunner:
-    """Cut ``model`` (its ``layers``, sized by a probe on ``sample``, the first batch) for
-    ``engine``'s budget, build one optimizer per shard like the user's, and register the
-    loop with the engine.
+    user_optimizer: torch.optim.Optimizer | None,
+    optimizer_class: type[torch.optim.Optimizer] | None,
+    device: torch.device,
+    name: str,
+) -> list[LayerCost]:
+    """The layers' costs a loop's cut is made from (:func:`build_loop`, and
+    ``th.plan(model, sample)``, which must find the same cut): probed on ``sample``,
+    optimizer state counted with an optimizer like the user's (none: SGD, no state).
 
     Raises:
-        ShardTooLargeError, DataMismatchError, InvalidModelError: from the cut.
-        SharedShardModelError: the model trains tensors another task of ``engine`` trains
-            (a submodule shared with another sharded model); nothing of the loop stays,
-            and the optimizer keeps its state.
+        DataMismatchError: a layer raises on ``sample``.
     """
-    name = f"loop-{type(model).__name__}-{next(_NAMES)}"
 
     def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         return (
@@ -1289,7 +1332,34 @@ def build_loop(
     # The probe's draws come from a throwaway generator: no stream (nor torch's global
     # generator, which other threads draw from) sees them.
     with use_generator(torch.Generator()), inside_op():
-        costs = layer_costs(layers, factory, sample, None, device=engine.devices[0], task=name)
+        return layer_costs(layers, factory, sample, None, device=device, task=name)
+
+
+def build_loop(
+    engine: Engine,
+    model: nn.Module,
+    user_optimizer: torch.optim.Optimizer | None,
+    optimizer_class: type[torch.optim.Optimizer] | None,
+    layers: list[tuple[str, nn.Module]],
+    sample: Any,
+    *,
+    hf: bool,
+    rng_start: torch.Tensor,
+    compiler: Compiler | None = None,
+) -> LoopRunner:
+    """Cut ``model`` (its ``layers``, sized by a probe on ``sample``, the first batch) for
+    ``engine``'s budget, build one optimizer per shard like the user's, and register the
+    loop with the engine; with ``compiler`` (the user's ``torch.compile`` settings) each
+    shard's forward is compiled (:meth:`LoopRunner.compile`).
+
+    Raises:
+        ShardTooLargeError, DataMismatchError, InvalidModelError: from the cut.
+        SharedShardModelError: the model trains tensors another task of ``engine`` trains
+            (a submodule shared with another sharded model); nothing of the loop stays,
+            and the optimizer keeps its state.
+    """
+    name = f"loop-{type(model).__name__}-{next(_NAMES)}"
+    costs = loop_costs(layers, sample, user_optimizer, optimizer_class, engine.devices[0], name)
     device = engine.devices[0]
     budget = engine.budget
     if budget is None and device.type == "cuda":  # as the engine budgets a whole GPU
@@ -1375,6 +1445,8 @@ def build_loop(
         keep=keep,
     )
     runner.optimizer_class = optimizer_class
+    if compiler is not None:
+        runner.compile(compiler)
     runner._probe_bytes = runner._sized_bytes = tensor_bytes(sample)
     # recompute=True: the engine reserves nothing for this loop's batches (and does not
     # refuse a batch too big to keep: the loop recomputes it).
@@ -1430,4 +1502,12 @@ def _like(
     return opt
 
 
-__all__ = ["LoopRunner", "LoopShard", "build_loop", "in_op", "inside_op", "keeps_graphs"]
+__all__ = [
+    "LoopRunner",
+    "LoopShard",
+    "build_loop",
+    "in_op",
+    "inside_op",
+    "keeps_graphs",
+    "loop_costs",
+]

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from tune_hydra.engine.task import OptimizerFactory, describe, mismatch_hint
 from tune_hydra.exceptions import (
     DataMismatchError,
+    InvalidModelError,
     InvalidOptimizerError,
     ShardTooLargeError,
     TuneHydraError,
@@ -538,9 +539,83 @@ def plan_shards(
             is not refused, or made to recompute, where its own cut would not be.
 
     Raises:
-        ShardTooLargeError: one layer alone does not fit.
+        ShardTooLargeError: one layer alone does not fit; its ``min_device_memory`` is the
+            smallest budget at which every layer does (:func:`min_device_memory`).
         InvalidOptionError: ``max_layers_per_shard`` is not None or an int >= 1.
     """
+    try:
+        return _cut_shards(
+            costs,
+            budget,
+            prefetch=prefetch,
+            max_layers_per_shard=max_layers_per_shard,
+            prefer=prefer,
+            kept=kept,
+        )
+    except ShardTooLargeError as err:
+        # Every path that cuts (Engine.add_task, a th.shard loop's first forward, th.plan)
+        # comes through here: the error tells the budget to give, not just the first layer
+        # over this one (which users otherwise find by bisecting with failing runs).
+        smallest = min_device_memory(costs, prefetch=prefetch)
+        raise ShardTooLargeError(err.layer, err.nbytes, err.budget, err.detail, smallest) from None
+
+
+def min_device_memory(costs: Sequence[LayerCost], *, prefetch: bool = True) -> int:
+    """The smallest per-device budget (bytes) for which :func:`plan_shards` cuts these
+    layers: one byte less and some layer does not fit (beside the largest layer's state,
+    with ``prefetch``). Found by bisection on :func:`plan_shards`' own test, so it is the
+    engine's figure whatever its cost model charges; ``max_layers_per_shard``, preferred
+    cuts and ``kept`` do not change whether a layer fits.
+
+    Args:
+        costs: the layers' costs (:func:`layer_costs`).
+        prefetch: as the engine will run (its default: True).
+
+    Raises:
+        InvalidModelError: no layers.
+
+    Example:
+        >>> costs = [LayerCost("a", 100, 100, 0, 0, 50), LayerCost("b", 40, 40, 0, 0, 300)]
+        >>> min_device_memory(costs), min_device_memory(costs, prefetch=False)
+        (580, 380)
+    """
+    layers = list(costs)
+    if not layers:
+        raise InvalidModelError("min_device_memory: no layers to plan")
+
+    def fits(budget: int) -> bool:
+        try:
+            _cut_shards(layers, budget, prefetch=prefetch)
+        except ShardTooLargeError:
+            return False
+        return True
+
+    low = max(1, max(c.total_bytes for c in layers))  # no budget below a layer's own bytes
+    if fits(low):
+        return low
+    high = sum(c.total_bytes for c in layers) + max(c.state_bytes for c in layers)
+    while not fits(high):  # never more than once: one shard of everything fits
+        high *= 2
+    while high - low > 1:  # invariant: low does not fit, high does
+        mid = (low + high) // 2
+        if fits(mid):
+            high = mid
+        else:
+            low = mid
+    return high
+
+
+def _cut_shards(
+    costs: list[LayerCost],
+    budget: int | None,
+    *,
+    prefetch: bool = True,
+    max_layers_per_shard: int | None = None,
+    prefer: Sequence[Sequence[tuple[int, int]]] = (),
+    kept: bool = False,
+) -> ShardPlan:
+    """:func:`plan_shards`, whose :class:`ShardTooLargeError` does not yet hold the
+    smallest budget (what :func:`min_device_memory` bisects with)."""
     max_layers_per_shard = check_max_layers_per_shard(max_layers_per_shard)
     if budget is None:
         step = max_layers_per_shard or len(costs)

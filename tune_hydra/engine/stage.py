@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.utils._pytree import tree_flatten
 
-from tune_hydra.engine import rng
+from tune_hydra.engine import amp, rng
 from tune_hydra.engine.boundary import (
     SavedInput,
     backward,
@@ -435,4 +435,5 @@ class Stage:
     def _autocast(self, device: torch.device) -> contextlib.AbstractContextManager[Any]:
         if self._autocast_dtype is None:
             return _NULL
-        return torch.autocast(device.type, dtype=self._autocast_dtype)
+        # The loops' code (a th.shard loop enters its user's autocast the same way).
+        return amp.entered(amp.Autocast(((device.type, self._autocast_dtype),)))

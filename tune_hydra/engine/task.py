@@ -144,7 +144,9 @@ class ModelTask:
         return loss
 
 
-def model_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, nn.Module]]:
+def model_layers(
+    model: nn.Module, task: str | None = None, *, call: Any = None
+) -> list[tuple[str, nn.Module]]:
     """The model's layers in execution order, as ``(name, module)``.
 
     An ``nn.Sequential`` is cut as written (:func:`~tune_hydra.models.sequential_layers`:
@@ -160,6 +162,8 @@ def model_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, n
     Args:
         model: the task's model.
         task: the task's name, for errors.
+        call: for a traced model, the call to trace (a ``TracedCall``: ``th.shard``'s
+            first forward, with its arguments as the model takes them).
 
     Raises:
         InvalidModelError: not an ``nn.Module``, no layers, or a ``forward`` that cannot
@@ -186,7 +190,7 @@ def model_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, n
             f"{of}model must be an nn.Module (or a list of modules executed in order), not "
             f"{type(model).__name__}"
         )
-    return trace_layers(model, task)
+    return trace_layers(model, task, call=call)
 
 
 # -- which tensors a model holds (to refuse two tasks training the same ones) -------------

@@ -475,6 +475,22 @@ class _Driver:
     # -- the loop ---------------------------------------------------------------------
 
     def run(self, n_trials: int | None, max_concurrent: int, timeout: float | None) -> None:
+        # As inside study.optimize: study.stop() from a sampler's after_trial (GridSampler,
+        # its grid done) or a callback on this thread asks no new trials; the running end.
+        local = getattr(self.study, "_thread_local", None)
+        if local is None or not hasattr(self.study, "_stop_flag"):
+            self._run(n_trials, max_concurrent, timeout)
+            return
+        outer = getattr(local, "in_optimize_loop", False)
+        local.in_optimize_loop = True
+        self.study._stop_flag = False
+        try:
+            self._run(n_trials, max_concurrent, timeout)
+        finally:
+            local.in_optimize_loop = outer
+            self.study._stop_flag = False
+
+    def _run(self, n_trials: int | None, max_concurrent: int, timeout: float | None) -> None:
         deadline = None if timeout is None else time.monotonic() + timeout
         asked = 0
         while True:
@@ -482,6 +498,7 @@ class _Driver:
                 len(self.live) < max_concurrent
                 and (n_trials is None or asked < n_trials)
                 and (deadline is None or time.monotonic() < deadline)
+                and not getattr(self.study, "_stop_flag", False)
             ):
                 self._fail_stale()
                 self._start(self.study.ask())

@@ -22,8 +22,14 @@ optimizer's own methods: ``parameters()``, ``named_parameters()``, ``buffers()``
 ``state_dict()``, ``load_state_dict()`` (and the optimizer's ``state_dict()`` /
 ``load_state_dict()``) first bring every shard's state home (host memory), where it stays
 until the next forward or step: so ``clip_grad_norm_(model.parameters(), c)`` between
-backward and step sees and clips the real gradients. A list of parameters taken *before*
-a forward is not synchronised that way: call ``model.parameters()`` where it is used.
+backward and step sees and clips the real gradients. A module holding the sharded model
+(a LightningModule) reaches them the same way: its ``parameters()``, ``zero_grad()``,
+``modules()`` and ``load_state_dict()`` recurse through the sharded model's. A list of
+parameters taken *before* a forward is not synchronised that way: call
+``model.parameters()`` where it is used. ``model.double()`` / ``model.to(dtype)`` (or a
+parent's) convert the model before its first forward, and raise after it; placement
+(``model.to(device)``) is the engine's. ``optimizer.step(closure)`` runs the closure, then
+steps every shard (Lightning's automatic optimization).
 
 Outside any trial the loops of one process share one embedded engine, created on the
 first ``th.shard`` (``devices="auto"``), configured by :func:`configure` before that;
@@ -53,6 +59,7 @@ import copyreg
 import inspect
 import logging
 import queue
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator, Mapping
@@ -64,15 +71,20 @@ from torch import nn
 from tune_hydra.exceptions import (
     AlreadyShardedError,
     EngineConfiguredError,
+    ModelNotCutError,
     ModelOnDeviceError,
+    NotShardedError,
     OptimizerMismatchError,
     ShardClosedError,
+    ShardError,
     UnsupportedCallError,
 )
 
 if TYPE_CHECKING:
+    from tune_hydra.engine.compiled import Compiler
     from tune_hydra.engine.engine import Engine
     from tune_hydra.engine.loop import LoopRunner
+    from tune_hydra.models.traced import TracedCall
 
 log = logging.getLogger(__name__)
 
@@ -133,7 +145,13 @@ _SCOPE: contextvars.ContextVar[EngineScope | None] = contextvars.ContextVar(
 def engine_scope(engine: Engine) -> Iterator[EngineScope]:
     """Inside, ``th.shard`` without ``engine=`` uses ``engine`` (not the embedded one);
     the scope lists the loops made. Used by ``th.optimize`` around each objective call;
-    the caller decides when to :meth:`EngineScope.close` it."""
+    the caller decides when to :meth:`EngineScope.close` it.
+
+    The scope's thread is one trial of several in the process: libraries' process-wide
+    training state is made per thread first (:mod:`tune_hydra.frontends.threads`)."""
+    from tune_hydra.frontends.threads import isolate_library_state
+
+    isolate_library_state()
     scope = EngineScope(engine)
     token = _SCOPE.set(scope)
     try:
@@ -254,7 +272,10 @@ def shard(
             is brought back to host memory first, with one warning: the engine places
             its shards.
         optimizer: the user's optimizer over (some of) the model's parameters, of a
-            per-parameter kind (SGD, Adam, AdamW, RMSprop, Adagrad ...).
+            per-parameter kind (SGD, Adam, AdamW, RMSprop, Adagrad ...); its
+            ``step(closure)`` runs the closure, then steps. An optimizer built after
+            ``th.shard(model)`` (Lightning's ``configure_optimizers``) is given by
+            calling ``th.shard(model, optimizer)`` again (see :func:`attach_optimizer`).
         engine: the engine to run on. ``None``: the one of the enclosing front end
             (an objective run by ``th.optimize`` trains on its engine), else the
             process's embedded one.
@@ -264,7 +285,10 @@ def shard(
         optimizer.
 
     Raises:
-        AlreadyShardedError: the model (or the optimizer) was sharded already.
+        AlreadyShardedError: the model (or the optimizer) was sharded already (the
+            model: with an optimizer, or without one given now).
+        UnsupportedCallError: an optimizer whose step re-evaluates its closure (LBFGS
+            and its subclasses) cannot step shard by shard.
         OptimizerMismatchError: the optimizer steps parameters the model does not have.
         ModelOnDeviceError: a parameter or buffer is on the meta device (no data).
         InvalidModelError: not an ``nn.Module``.
@@ -280,23 +304,41 @@ def shard(
         raise InvalidModelError(
             f"th.shard takes the model (an nn.Module) first, not {type(model).__name__}"
         )
-    if isinstance(model, _ShardedModule):
-        raise AlreadyShardedError(
-            f"this {type(model).__name__} was given to th.shard already; call th.shard once "
-            f"per model and keep using what it returned"
+    if _is_compiled(model):  # th.shard(torch.compile(model)): the original is sharded
+        from tune_hydra.frontends.shard_compile import adopt
+
+        inner = model._orig_mod
+        done = shard(inner, optimizer, engine=engine)
+        adopt(model, inner.__dict__["_th_shard"])  # the user keeps their OptimizedModule
+        return model if isinstance(done, nn.Module) else (model, done[1])
+    if model.__dict__.get("_compiled_call_impl") is not None and not isinstance(
+        model, _ShardedModule
+    ):
+        from tune_hydra.exceptions import UnsupportedCompileError
+
+        raise UnsupportedCompileError(
+            f"model.compile() was called on this {type(model).__name__} before th.shard: "
+            f"its compiled call would trace the engine. Call model.compile(...) on the model "
+            f"th.shard returns (each shard's forward is compiled with those settings), or "
+            f"give th.shard(torch.compile(model, ...), optimizer)"
         )
-    if optimizer is not None:
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise UnsupportedCallError(
-                f"th.shard's optimizer must be a torch.optim.Optimizer, not "
-                f"{type(optimizer).__name__}"
-            )
-        if isinstance(optimizer, _ShardedOptimizer):
+    if isinstance(model, _ShardedModule):
+        state = model.__dict__["_th_shard"]
+        if optimizer is None or state.optimizer is not None:
             raise AlreadyShardedError(
-                "this optimizer was given to th.shard already (with another model?); build "
-                "one optimizer per model"
+                f"this {type(model).__name__} was given to th.shard already; call th.shard "
+                f"once per model and keep using what it returned (th.shard(model, optimizer) "
+                f"again only gives an optimizer built later to a model sharded without one)"
             )
-        _check_optimizer(model, optimizer)
+        if engine is not None and engine is not state.engine:
+            raise AlreadyShardedError(
+                "this model was given to th.shard already, on another engine: give its "
+                "optimizer without engine= (it trains where the model does)"
+            )
+        attach_optimizer(model, optimizer)
+        return model, optimizer
+    if optimizer is not None:
+        _check_new_optimizer(model, optimizer)
     on = sorted(
         {str(t.device) for t in [*model.parameters(), *model.buffers()] if t.device.type != "cpu"}
     )
@@ -308,10 +350,6 @@ def shard(
         )
     if on:
         _bring_home(model, optimizer, on)
-    if optimizer is not None and "step" in optimizer.__dict__:
-        # An lr scheduler made before th.shard wrapped the class's step on the instance,
-        # which would bypass the sharded step: drop the wrapper (the class's step counts).
-        del optimizer.__dict__["step"]
     scope = _SCOPE.get() if engine is None else None
     if scope is not None:
         if scope.stopped:
@@ -325,6 +363,12 @@ def shard(
     from tune_hydra.engine.factory import patch_rng_functions
 
     patch_rng_functions()
+    from tune_hydra.engine.amp import patch_grad_scaler
+
+    patch_grad_scaler()  # a GradScaler reads the shards' gradients at home
+    from tune_hydra.frontends.threads import isolate_library_state
+
+    isolate_library_state()  # loops in threads: a Trainer's Accelerate state per thread
     state = _State(model, optimizer, engine)
     if scope is not None:
         scope.states.append(state)
@@ -333,14 +377,91 @@ def shard(
     model.__dict__["_th_shard"] = state
     model.__class__ = _sharded_class(cls, _ShardedModule)
     if optimizer is not None:
-        opt_cls = type(optimizer)
-        optimizer.__dict__["_th_shard"] = state
-        optimizer.__class__ = _sharded_class(opt_cls, _ShardedOptimizer)
-        state.optimizer_class = opt_cls
+        _install_optimizer(state, optimizer)
+    else:
+        _watch_for_optimizer(state, model)
     state.model_class = cls
     _start_remover()
     state.finalizer = weakref.finalize(model, _forget, state)
     return model if optimizer is None else (model, optimizer)
+
+
+# A model sharded without an optimizer, by its parameters' ids: an optimizer built over
+# them afterwards and never given to th.shard (Hugging Face Trainer's, made in its
+# create_optimizer) is adopted at its first step. torch's global step hooks see every
+# plain optimizer's step (a sharded optimizer's step is its class's own, unhooked): one
+# dict lookup a step for the others.
+_UNOWNED: weakref.WeakValueDictionary[int, _State] = weakref.WeakValueDictionary()
+_STEP_HOOKS: list[Any] = []
+
+
+def _watch_for_optimizer(state: _State, model: nn.Module) -> None:
+    for p in nn.Module.parameters(model):
+        _UNOWNED[id(p)] = state
+    with _LOCK:
+        if not _STEP_HOOKS:
+            from torch.optim.optimizer import (
+                register_optimizer_step_post_hook,
+                register_optimizer_step_pre_hook,
+            )
+
+            _STEP_HOOKS.append(register_optimizer_step_pre_hook(_before_plain_step))
+            _STEP_HOOKS.append(register_optimizer_step_post_hook(_after_plain_step))
+
+
+def _adoptable(optimizer: torch.optim.Optimizer) -> _State | None:
+    """The state of the sharded model (without an optimizer) whose parameters this plain
+    optimizer steps, if any."""
+    from tune_hydra.engine.loop import in_op
+
+    if "_th_shard" in optimizer.__dict__ or "_th_plain" in optimizer.__dict__ or in_op():
+        return None
+    first = next((p for g in optimizer.param_groups for p in g["params"]), None)
+    state = None if first is None else _UNOWNED.get(id(first))
+    if state is None or state.optimizer is not None or state.closed:
+        return None
+    model = state.model_ref()
+    if model is None or not any(p is first for p in nn.Module.parameters(model)):
+        return None  # an id reused by another tensor
+    return state
+
+
+def _before_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    state = _adoptable(optimizer)
+    if state is not None and state.loop is not None:
+        state.loop.sync()  # this first step runs plain, on the state brought home
+
+
+def _after_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """After the first plain step of an optimizer over a sharded model's parameters:
+    shard it (:func:`attach_optimizer`), so its state is the engine's and its next steps
+    are the shards'; where it cannot be, it stays plain, stepping at home, with a warning."""
+    state = _adoptable(optimizer)
+    if state is None:
+        return
+    model = state.model_ref()
+    assert model is not None
+    if state.loop is not None:
+        state.loop.touched()  # the step wrote the weights at home
+    try:
+        attach_optimizer(model, optimizer)
+    except ShardError as err:
+        optimizer.__dict__["_th_plain"] = True
+        log.warning(
+            "the %s built after th.shard over a sharded %s stays a plain optimizer (its "
+            "state is not the engine's): %s. Give it to th.shard(model, optimizer) to "
+            "see why, or build one over this model's parameters only",
+            type(optimizer).__name__,
+            type(model).__name__,
+            err,
+        )
+
+
+def _is_compiled(model: nn.Module) -> bool:
+    """Whether ``model`` is a ``torch.compile``'d module (an ``OptimizedModule``, which
+    exists only once ``torch._dynamo`` is loaded: not imported here for nothing)."""
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    return eval_frame is not None and isinstance(model, eval_frame.OptimizedModule)
 
 
 def unshard(model: nn.Module) -> nn.Module:
@@ -348,7 +469,9 @@ def unshard(model: nn.Module) -> nn.Module:
     every state home for good, the classes back to the user's. Returns the model.
 
     The optimizer keeps every shard's state (moments, step counts) and its param
-    groups: plain training goes on from where the sharded one was.
+    groups: plain training goes on from where the sharded one was. A ``torch.compile``
+    of the model (``th.shard(torch.compile(model))``, given here or not) compiles the
+    plain model again.
 
     Raises:
         UnsupportedCallError: the model was not sharded.
@@ -356,6 +479,9 @@ def unshard(model: nn.Module) -> nn.Module:
             raised: its own error, after the model and the optimizer are unsharded (as
             the next forward would have raised it).
     """
+    given = model
+    if _is_compiled(model) and "_th_shard" in model._orig_mod.__dict__:
+        model = model._orig_mod
     state = model.__dict__.get("_th_shard")
     if state is None:
         raise UnsupportedCallError(f"this {type(model).__name__} was not given to th.shard")
@@ -365,11 +491,89 @@ def unshard(model: nn.Module) -> nn.Module:
     finally:  # unsharded whatever the pending step did
         model.__class__ = state.model_class
         del model.__dict__["_th_shard"]
+        if state.wrappers:  # after the class: torch.compile's wrapper looks at it
+            from tune_hydra.frontends.shard_compile import release
+
+            release(state)
         opt = state.optimizer
         if opt is not None:
             opt.__class__ = state.optimizer_class
             opt.__dict__.pop("_th_shard", None)
-    return model
+    return given
+
+
+def shard_count(model: nn.Module) -> int:
+    """The number of shards ``th.shard`` cut ``model`` into (on its first forward).
+
+    Args:
+        model: a model given to ``th.shard`` (a ``torch.compile`` of one is looked
+            through), after its first forward.
+
+    Returns:
+        How many shards the engine runs the model as: what ``th.plan(model, sample)``
+        foretells for the same budget.
+
+    Raises:
+        NotShardedError: the model was not given to ``th.shard`` (or was given back by
+            ``th.unshard``).
+        ModelNotCutError: the model is sharded but has not run its first forward yet.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import tune_hydra as th
+        >>> model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(4)))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> x = torch.randn(8, 64)
+        >>> th.plan(model, x, optimizer=opt, device_memory="150KiB")[0].num_shards  # foretold
+        2
+        >>> engine = th.Engine("cpu", device_memory="150KiB")
+        >>> model, opt = th.shard(model, opt, engine=engine)
+        >>> loss = model(x).square().mean()  # the first forward cuts it
+        >>> th.shard_count(model)
+        2
+        >>> engine.close()
+    """
+    inner = getattr(model, "_orig_mod", None)  # torch.compile's OptimizedModule
+    if isinstance(inner, nn.Module) and "_th_shard" not in model.__dict__:
+        model = inner
+    state = model.__dict__.get("_th_shard") if isinstance(model, nn.Module) else None
+    if state is None:
+        raise NotShardedError(
+            f"this {type(model).__name__} is not sharded (never given to th.shard, or given "
+            f"back by th.unshard): call th.shard(model, optimizer) first, then run its "
+            f"first forward, which cuts it"
+        )
+    loop = state.loop
+    if loop is None:
+        raise ModelNotCutError(
+            f"this {type(model).__name__} is sharded but not cut yet: the model is cut on "
+            f"its first forward (its batch sizes the activations); call "
+            f"th.shard_count after one, or th.plan(model, sample, device_memory=...) before "
+            f"th.shard to know the cut in advance"
+        )
+    return len(loop.shards)
+
+
+def first_cut(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> tuple[list[tuple[str, nn.Module]], Any]:
+    """The layers and the first stage's input that ``th.shard``'s first forward
+    ``model(*args, **kwargs)`` would cut ``model`` from (:meth:`_State.cut`), for a model
+    not sharded: what ``th.plan(model, sample)`` probes. Nothing is registered.
+
+    Raises:
+        InvalidModelError: a model that cannot be cut.
+        TypeError, UnsupportedCallError: arguments the sharded model would refuse.
+    """
+    from tune_hydra.engine.loop import inside_op
+    from tune_hydra.engine.task import model_layers
+
+    state = _State(model, None, None)
+    inputs = _ShardedModule._th_inputs(model, state, args, kwargs)  # type: ignore[arg-type]
+    with inside_op():
+        layers = model_layers(model, call=state.call)
+    return layers, inputs
 
 
 def _close_state(state: _State, *, raise_errors: bool = True) -> None:
@@ -420,6 +624,121 @@ def _remove_forgotten() -> None:
         engine = None  # type: ignore[assignment]  # not kept alive while waiting
 
 
+def attach_optimizer(
+    model: nn.Module, optimizer: torch.optim.Optimizer, *, replace: bool = False
+) -> None:
+    """Give a model sharded without an optimizer (``th.shard(model)``) the optimizer built
+    afterwards over its parameters (Lightning's ``configure_optimizers``): it is sharded
+    as ``th.shard(model, optimizer)`` would have. ``th.shard(model, optimizer)`` on such a
+    model calls this.
+
+    A model already cut (it ran a forward: Lightning's ``validate`` before ``fit``) was
+    sized without this optimizer's state: its loop leaves the engine (every state home,
+    the previous optimizer's state handed back to it) and the next forward cuts it again,
+    sized with the optimizer; the numbers trained are the same.
+
+    Args:
+        model: a model given to ``th.shard``.
+        optimizer: a per-parameter optimizer over (some of) its parameters.
+        replace: whether a model that has an optimizer already takes this one instead (a
+            second ``trainer.fit``: the previous optimizer goes back to its own class,
+            with its state); else that raises.
+
+    Raises:
+        NotShardedError: the model is not sharded.
+        AlreadyShardedError: the model has another optimizer (without ``replace``), or
+            this one was given to ``th.shard`` with another model.
+        OptimizerMismatchError: the optimizer steps parameters the model does not have.
+        UnsupportedCallError: an optimizer that cannot step shard by shard (LBFGS).
+        ShardClosedError: the model's loop was closed (``th.unshard``).
+    """
+    state: _State | None = model.__dict__.get("_th_shard")
+    if state is None:
+        raise NotShardedError(
+            f"this {type(model).__name__} is not sharded: th.shard(model, optimizer) shards "
+            f"both at once"
+        )
+    state.check()
+    if optimizer is state.optimizer:
+        return
+    if state.optimizer is not None and not replace:
+        raise AlreadyShardedError(
+            "this sharded model has an optimizer already: build one optimizer per model"
+        )
+    _check_new_optimizer(model, optimizer)
+    loop = state.loop
+    if loop is not None:
+        # The loop's own random stream goes on where it was in the loop cut next.
+        state.rng_start = loop._gen.get_state()
+        _close_state(state)
+        state.loop = None
+        state.closed = False
+    old = state.optimizer
+    if old is not None and state.optimizer_class is not None:
+        old.__class__ = state.optimizer_class
+        old.__dict__.pop("_th_shard", None)
+    on = sorted(
+        {
+            str(v.device)
+            for st in optimizer.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor) and v.device.type != "cpu"
+        }
+    )
+    if on:
+        _bring_home(model, optimizer, on)
+    _install_optimizer(state, optimizer)
+
+
+def _check_new_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse what ``th.shard`` cannot take as the model's optimizer."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise UnsupportedCallError(
+            f"th.shard's optimizer must be a torch.optim.Optimizer, not {type(optimizer).__name__}"
+        )
+    if isinstance(optimizer, _ShardedOptimizer):
+        raise AlreadyShardedError(
+            "this optimizer was given to th.shard already (with another model?); build "
+            "one optimizer per model"
+        )
+    if _reevaluates_closure(type(optimizer)):
+        raise UnsupportedCallError(
+            f"{type(optimizer).__name__} cannot be stepped shard by shard: its step "
+            f"re-evaluates the closure (the whole model's forward and backward) several "
+            f"times and updates all parameters together (LBFGS's line search), while a "
+            f"sharded model steps each shard on its own. Use a per-parameter optimizer "
+            f"(Adam, AdamW, SGD, RMSprop ...) with th.shard, or train this one without "
+            f"th.shard"
+        )
+    _check_optimizer(model, optimizer)
+
+
+def _reevaluates_closure(cls: type) -> bool:
+    """Whether ``cls.step`` needs its closure to step (LBFGS, any subclass of it, or a
+    ``step(self, closure)`` without a default): such an optimizer calls the closure
+    inside the step, more than once, between updates of every parameter."""
+    if issubclass(cls, torch.optim.LBFGS):
+        return True
+    try:
+        closure = inspect.signature(cls.step).parameters.get("closure")  # type: ignore[attr-defined]
+    except (TypeError, ValueError):  # a step without a signature: nothing to read
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
+
+
+def _install_optimizer(state: _State, optimizer: torch.optim.Optimizer) -> None:
+    """Make ``optimizer`` the sharded model's (its class swapped for the sharded one)."""
+    if "step" in optimizer.__dict__:
+        # An lr scheduler made before th.shard wrapped the class's step on the instance,
+        # which would bypass the sharded step: drop the wrapper (the class's step counts).
+        del optimizer.__dict__["step"]
+    opt_cls = type(optimizer)
+    optimizer.__dict__["_th_shard"] = state
+    optimizer.__class__ = _sharded_class(opt_cls, _ShardedOptimizer)
+    state.optimizer = optimizer
+    state.optimizer_class = opt_cls
+
+
 def _check_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     mine = {id(p) for p in model.parameters()}
     foreign = [
@@ -442,15 +761,37 @@ _CLASSES: dict[tuple[type, type], type] = {}
 
 
 def _sharded_class(cls: type, mixin: type) -> type:
-    """``cls`` with ``mixin``'s methods first (one class per pair, made once)."""
+    """``cls`` with ``mixin``'s methods first (one class per pair, made once). A sharded
+    model's class has a ``forward`` of its own that shows the user's signature
+    (``inspect.signature``), as libraries reading it expect (Trainer's
+    ``remove_unused_columns`` drops the batch's columns ``forward`` does not name)."""
     key = (cls, mixin)
     with _LOCK:
         made = _CLASSES.get(key)
         if made is None:
-            made = type(cls.__name__, (mixin, cls), {"__module__": cls.__module__})
+            namespace: dict[str, Any] = {"__module__": cls.__module__}
+            if mixin is _ShardedModule:
+                namespace["forward"] = _forward_like(cls)
+            made = type(cls.__name__, (mixin, cls), namespace)
             made.__qualname__ = cls.__qualname__
             _CLASSES[key] = made
     return made
+
+
+def _forward_like(cls: type) -> Callable[..., Any]:
+    """``_ShardedModule.forward`` as a function with ``cls.forward``'s signature and
+    docstring (not ``__wrapped__``: what unwraps a forward, such as Accelerate's, would
+    then call the user's and bypass the engine)."""
+
+    def forward(self: _ShardedModule, *args: Any, **kwargs: Any) -> Any:
+        return _ShardedModule.forward(self, *args, **kwargs)
+
+    user = cls.forward  # type: ignore[attr-defined]
+    forward.__qualname__ = f"{cls.__qualname__}.forward"
+    forward.__doc__ = getattr(user, "__doc__", None)
+    with contextlib.suppress(TypeError, ValueError):  # a builtin: the generic one stays
+        forward.__signature__ = inspect.signature(user)  # type: ignore[attr-defined]
+    return forward
 
 
 def _plain_reduce(rv: Any, sharded: type, user: type, state: Any = None) -> Any:
@@ -491,10 +832,25 @@ class _State:
         self.optimizer_class: type[torch.optim.Optimizer] | None = None
         self.finalizer: Any = None
         self.hf = False
+        # A traced model's call as its first forward gave it (what the cut traces), and
+        # its forward's signature without self (bound on every call).
+        self.call: TracedCall | None = None
+        self.signature: inspect.Signature | None = None
         self.on_loop: Callable[[LoopRunner], None] | None = None  # its scope's hook
         # Where the loop's own stream starts (used by loops in threads that draw from the
         # global generator; see tune_hydra.engine.loop): the generator's state now.
         self.rng_start = torch.get_rng_state()
+        # torch.compile: the settings each shard's forward is compiled with, and the
+        # OptimizedModules of the model that call it (tune_hydra.frontends.shard_compile).
+        self.compiler: Compiler | None = None
+        self.wrappers: list[tuple[weakref.ref[nn.Module], type]] = []
+
+    def set_compiler(self, compiler: Compiler | None) -> None:
+        """Compile each shard's forward with ``compiler`` (the user's ``torch.compile``
+        settings), from the cut on, or from the next op when it is cut already."""
+        self.compiler = compiler
+        if self.loop is not None:
+            self.loop.compile(compiler)
 
     def check(self) -> None:
         if self.closed:
@@ -508,12 +864,15 @@ class _State:
         from tune_hydra.engine.loop import build_loop, inside_op
         from tune_hydra.engine.task import model_layers
 
+        if torch.is_inference_mode_enabled():
+            return self._cut_outside_inference_mode(model, inputs)
+
         engine = self.engine if self.engine is not None else default_engine()
         sharded = type(model)
         model.__class__ = self.model_class  # the cut traces the user's own forward
         try:
             with inside_op():
-                layers = model_layers(model)
+                layers = model_layers(model, call=self.call)
         finally:
             model.__class__ = sharded
         self.loop = build_loop(
@@ -525,10 +884,25 @@ class _State:
             inputs,
             hf=self.hf,
             rng_start=self.rng_start,
+            compiler=self.compiler,
         )
         if self.on_loop is not None:
             self.on_loop(self.loop)
         return self.loop
+
+    def _cut_outside_inference_mode(self, model: nn.Module, inputs: Any) -> LoopRunner:
+        """A first forward in inference mode (Lightning's ``validate``, ``test``): the
+        probe reads its inputs' version counters, which inference tensors do not have,
+        so the cut probes normal copies of them outside inference mode (the forward
+        itself then runs as asked, in inference mode)."""
+        from torch.utils._pytree import tree_map
+
+        with torch.inference_mode(False):
+            copies = tree_map(
+                lambda t: t.clone() if isinstance(t, torch.Tensor) and t.is_inference() else t,
+                inputs,
+            )
+            return self.cut(model, copies)
 
 
 class _ShardedModule(nn.Module):
@@ -537,6 +911,13 @@ class _ShardedModule(nn.Module):
     _th_shard: _State
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if torch.compiler.is_dynamo_compiling():  # dynamo traces this call: it cannot
+            # trace the engine; a graph break into this (a torch.compile of the model
+            # compiles each shard instead; anything else raises). Not is_compiling(): a
+            # process-wide flag, True in an eager call while another thread compiles.
+            from tune_hydra.frontends.shard_compile import traced_call
+
+            return traced_call(self, args, kwargs)
         from tune_hydra.engine.loop import in_op
 
         state: _State = self.__dict__["_th_shard"]
@@ -551,9 +932,21 @@ class _ShardedModule(nn.Module):
         return loop.forward(inputs)
 
     def _th_inputs(self, state: _State, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """The first stage's input: the one argument, or a Hugging Face model's keyword
-        arguments as one dict (positional ones bound to their names)."""
-        from tune_hydra.models import is_hf_model
+        """The first stage's input, from the arguments as the model's ``forward`` takes
+        them: a Hugging Face model's keyword arguments as one dict (positional ones bound
+        to their names; its stages call its ``forward`` with them); an ``nn.Sequential``'s
+        (or a peft wrapper's of another module) one argument; a traced model's tensors in
+        ``forward``'s order (see :func:`~tune_hydra.models.traced.bind_call`), whose other
+        arguments are constants of the cut and must be the same on every call.
+
+        Raises:
+            TypeError: the arguments do not fit a traced model's ``forward`` (as calling
+                it would).
+            UnsupportedCallError: a later call's non-tensor arguments (None, scalars)
+                differ from those the cut was traced with; an argument is neither a
+                tensor nor a constant; an ``nn.Sequential`` got more than one input.
+        """
+        from tune_hydra.models import is_hf_model, is_peft_model
 
         if is_hf_model(self):
             state.hf = True
@@ -562,6 +955,18 @@ class _ShardedModule(nn.Module):
                 bound = sig.bind_partial(self, *args, **kwargs)
                 kwargs = {k: v for k, v in bound.arguments.items() if k != "self"}
             return dict(kwargs)
+        if not isinstance(self, nn.Sequential) and not is_peft_model(self):
+            from tune_hydra.models.traced import bind_call
+
+            if state.signature is None:
+                sig = inspect.signature(state.model_class.forward)
+                state.signature = sig.replace(parameters=list(sig.parameters.values())[1:])
+            call, inputs = bind_call(state.signature, args, kwargs, state.model_class.__name__)
+            if state.loop is None:
+                state.call = call  # what the cut traces
+            elif state.call is not None:
+                state.call.check_same(call)
+            return inputs
         if len(args) == 1 and not kwargs:
             return args[0]
         if not args and len(kwargs) == 1:
@@ -575,15 +980,53 @@ class _ShardedModule(nn.Module):
     # -- placement is the engine's ---------------------------------------------------------
 
     def to(self, *args: Any, **kwargs: Any) -> Any:
-        if any(isinstance(a, torch.dtype) for a in [*args, *kwargs.values()]) or any(
-            isinstance(a, torch.Tensor) for a in args
-        ):
-            raise UnsupportedCallError(
-                "a sharded model keeps its dtype: convert it (model.to(dtype)) before "
-                "th.shard; the engine places it on devices itself"
-            )
-        log.debug("%s.to(%s): placement is the engine's; ignored", type(self).__name__, args)
+        """``model.to(dtype)`` converts (before the first forward, see :meth:`_apply`);
+        ``model.to(device)`` is ignored: the engine places the shards on its devices and
+        the outputs come back on the device of the inputs."""
+        device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
+        if dtype is not None:
+            if not (dtype.is_floating_point or dtype.is_complex):
+                raise TypeError(
+                    f"nn.Module.to only accepts floating point or complex dtypes, but got "
+                    f"desired dtype={dtype}"
+                )
+            self._apply(lambda t: t.to(dtype) if t.is_floating_point() or t.is_complex() else t)
+        if device is not None:
+            log.debug("%s.to(%s): placement is the engine's; ignored", type(self).__name__, device)
         return self
+
+    def _apply(self, fn: Callable[[torch.Tensor], Any], recurse: bool = True) -> Any:
+        """What ``double()``, ``half()``, ``to(...)`` and a parent module's ``to(device)``
+        (Lightning's ``model.to(device)``, its ``precision="64-true"``) do to the model:
+        a dtype conversion applies to the tensors at home before the first forward (the
+        cut then sizes the shards in the new dtype) and raises after it; a move to a
+        device is ignored (placement is the engine's), so a model too large for one
+        device is never copied onto it whole."""
+        from tune_hydra.engine.loop import in_op
+
+        state: _State | None = self.__dict__.get("_th_shard")
+        if state is None or in_op():
+            return super()._apply(fn, recurse)
+        # What fn does to each dtype, read on an empty tensor (nothing is copied).
+        changes: dict[torch.dtype, torch.dtype] = {}
+        for dtype in {t.dtype for t in [*nn.Module.parameters(self), *nn.Module.buffers(self)]}:
+            out = fn(torch.empty(0, dtype=dtype))
+            if isinstance(out, torch.Tensor) and out.dtype != dtype:
+                changes[dtype] = out.dtype
+        if not changes:
+            log.debug("%s: placement is the engine's; ignored", type(self).__name__)
+            return self
+        if state.loop is not None:
+            change = ", ".join(f"{a} -> {b}" for a, b in changes.items())
+            raise UnsupportedCallError(
+                f"a sharded {state.model_class.__name__} keeps its dtype after its first "
+                f"forward ({change} asked): its shards and their optimizers' state were "
+                f"sized and placed in it. Convert the model (model.double(), model.to(dtype), "
+                f"Lightning's precision=...) before its first forward"
+            )
+        return super()._apply(
+            lambda t: t.to(changes[t.dtype]) if t.dtype in changes else t, recurse
+        )
 
     def cuda(self, device: Any = None) -> Any:
         log.debug("%s.cuda(): placement is the engine's; ignored", type(self).__name__)
@@ -591,6 +1034,14 @@ class _ShardedModule(nn.Module):
 
     def cpu(self) -> Any:
         return self
+
+    def compile(self, *args: Any, **kwargs: Any) -> None:
+        """``nn.Module.compile``, in place: each shard's forward is compiled with these
+        ``torch.compile`` keywords (the engine's steps around the shards stay outside the
+        compiled code; see :mod:`tune_hydra.frontends.shard_compile`)."""
+        torch.compile(lambda: None, *args, **kwargs)  # bad keywords raise here, not later
+        state: _State = self.__dict__["_th_shard"]
+        state.set_compiler(lambda fn: torch.compile(fn, *args, **kwargs))
 
     # -- copies: the user's plain module -------------------------------------------------
 
@@ -631,6 +1082,19 @@ class _ShardedModule(nn.Module):
         self._th_sync(write=True)
         return super().named_buffers(*args, **kwargs)
 
+    def named_modules(
+        self, memo: set[nn.Module] | None = None, prefix: str = "", remove_duplicate: bool = True
+    ) -> Any:
+        # A parent module reaches this model's tensors through here (its parameters(),
+        # buffers(), zero_grad(), modules(): torch's recursion calls each child's
+        # named_modules with its memo): Lightning zeroes the LightningModule's gradients
+        # before each validation, which must not drop a step still pending in the shards.
+        # A direct call (memo None: the engine's own look at a model, from any thread)
+        # syncs nothing.
+        if memo is not None:
+            self._th_sync(write=True)
+        return super().named_modules(memo, prefix, remove_duplicate)
+
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         self._th_sync()
         return super().state_dict(*args, **kwargs)
@@ -650,6 +1114,14 @@ class _ShardedModule(nn.Module):
         finally:
             loop.after_load(same)
 
+    def _load_from_state_dict(self, *args: Any, **kwargs: Any) -> None:
+        # A parent module's load_state_dict (Lightning restoring the LightningModule that
+        # holds this model) comes here, not through load_state_dict: the state comes home
+        # first, and the shards take what is written there (before this module's own
+        # submodules load: torch loads a module before its children).
+        self._th_sync(write=True)
+        super()._load_from_state_dict(*args, **kwargs)
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         state: _State = self.__dict__["_th_shard"]
         if state.loop is None:
@@ -662,21 +1134,46 @@ class _ShardedOptimizer(torch.optim.Optimizer):
     """The methods a sharded optimizer overrides (the user's class comes after it)."""
 
     def _th_loop(self) -> LoopRunner | None:
-        state: _State = self.__dict__["_th_shard"]
+        # An attribute, not __dict__: a wrapper whose class derives from this one and
+        # forwards attributes (Lightning's LightningOptimizer) reaches the optimizer's.
+        state: _State = self._th_shard  # type: ignore[attr-defined]
         state.check()
         return state.loop
 
+    @property
+    def _step_supports_amp_scaling(self) -> bool:
+        """False: ``GradScaler`` unscales the gradients at home (``_th_sync_grads``), never
+        hands a fused step its scale (the shards' optimizers step without it)."""
+        return False
+
+    @_step_supports_amp_scaling.setter
+    def _step_supports_amp_scaling(self, value: bool) -> None:
+        pass  # a fused optimizer's __init__ sets it; the shards' own optimizers keep it
+
+    def _th_sync_grads(self) -> None:
+        """Bring the gradients home for ``torch.amp.GradScaler``, which reads and unscales
+        them in place (see ``tune_hydra.engine.amp.patch_grad_scaler``)."""
+        loop = self._th_loop()
+        if loop is not None and not loop.closed:
+            loop.sync()
+            loop.touched()
+
     def step(self, closure: Any = None) -> Any:
+        """As torch's per-parameter optimizers: ``closure`` (when given) runs first, with
+        grad enabled (its forward and backward are the shards' ops), then every shard
+        steps; the closure's loss is returned (``Optimizer.step(closure)``'s contract,
+        which Lightning's automatic optimization relies on). Optimizers that re-evaluate
+        the closure inside the step (LBFGS) were refused by ``th.shard``."""
+        loss = None
         if closure is not None:
-            raise UnsupportedCallError(
-                "a sharded optimizer steps without a closure (LBFGS-style step(closure) "
-                "re-runs the whole model inside the step); use a per-parameter optimizer"
-            )
+            with torch.enable_grad():
+                loss = closure()
         loop = self._th_loop()
         if loop is None:  # no forward yet: nothing to step but what plain would
-            return super().step()
+            super().step()
+            return loss
         loop.step()
-        return None
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         loop = self._th_loop()
@@ -744,4 +1241,4 @@ class _ShardedOptimizer(torch.optim.Optimizer):
         return _plain_reduce(rv, type(self), state.optimizer_class or type(self), own)
 
 
-__all__ = ["configure", "default_engine", "shard", "unshard"]
+__all__ = ["attach_optimizer", "configure", "default_engine", "shard", "shard_count", "unshard"]

@@ -18,9 +18,18 @@ that reads it: parameters stay the same objects; such buffers are read-only inpu
 A ``forward`` that reads ``self.training`` (``F.dropout(x, p, training=self.training)``)
 is traced in both modes, and each stage runs the graph of its current mode.
 
-Limits: ``forward`` must be traceable (no control flow on tensor values), must call the
-same submodules in train and eval mode, and gets the batch's inputs as its one argument
-(others keep their defaults). A module with parameters called in two
+Traced for a call (``trace_layers(model, call=TracedCall...)``, what ``th.shard`` does
+on the model's first forward): ``forward`` gets that call's arguments, positional and
+keyword, defaults applied, nested tuples/lists/dicts as they are; each tensor in them is
+an input of the graph (the first stage takes them in order: bare when one, else a
+tuple), everything else (``None``, Python scalars, strings) is a constant of the graph,
+so ``if mask is not None`` and ``if return_dict`` follow the call traced. The output may
+be any pytree (tuple, list, dict, namedtuple, ``None`` leaves, a registered dataclass).
+Without a call (a task factory's model), ``forward`` gets the batch's inputs as its one
+argument and its other arguments keep their defaults.
+
+Limits: ``forward`` must be traceable (no control flow on tensor values) and must call
+the same submodules in train and eval mode. A module with parameters called in two
 stages shares them between the stages (see :mod:`tune_hydra.engine.shared`).
 
 ``torch.fx.passes.split_module`` is not used: it wires every value straight from the
@@ -30,10 +39,13 @@ line, one boundary at a time, so values have to be carried through the stages be
 
 from __future__ import annotations
 
+import enum
 import inspect
 import linecache
+import math
 import operator
 import os
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -42,20 +54,27 @@ from typing import Any
 import torch
 import torch.fx as fx
 from torch import nn
+from torch.utils._pytree import keystr, tree_flatten_with_path, tree_unflatten
 
-from tune_hydra.exceptions import InvalidModelError
+from tune_hydra.exceptions import InvalidModelError, UnsupportedCallError
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _CONTROL_FLOW = "symbolically traced variables cannot be used as inputs to control flow"
 
 
-def trace_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, nn.Module]]:
+def trace_layers(
+    model: nn.Module, task: str | None = None, *, call: TracedCall | None = None
+) -> list[tuple[str, nn.Module]]:
     """Cut ``model`` into stages by tracing its ``forward``; see the module docstring.
 
     Args:
         model: any ``nn.Module`` whose ``forward`` takes the batch's inputs as its one
-            argument (more arguments need defaults; they keep them).
+            argument (more arguments need defaults; they keep them), or, with ``call``,
+            the arguments of that call.
         task: the task's name, for errors.
+        call: the call to trace (:func:`bind_call`): the first stage then takes that
+            call's tensors (``bind_call``'s inputs) and the last returns ``forward``'s
+            output as it is.
 
     Returns:
         ``(name, stage)`` in execution order. A stage's name is the submodule it calls
@@ -89,15 +108,17 @@ def trace_layers(model: nn.Module, task: str | None = None) -> list[tuple[str, n
     """
     of = f"task {task!r}: " if task is not None else ""
     with _mode(model, True):
-        train = _trace(model, of)
+        train, train_spec = _trace(model, of, call)
     with _mode(model, False):
-        evaluate = _trace(model, of)
-    stages = _cut(model, train, of)
-    if train.python_code("self").src == evaluate.python_code("self").src:
+        evaluate, eval_spec = _trace(model, of, call)
+    stages = _cut(model, train, of, train_spec)
+    if train.python_code("self").src == evaluate.python_code("self").src and (
+        train_spec == eval_spec
+    ):
         return stages
     # forward reads self.training (F.dropout(x, p, training=self.training)): a traced
     # graph fixes the mode, so each stage runs the graph traced in its current mode.
-    others = _cut(model, evaluate, of)
+    others = _cut(model, evaluate, of, eval_spec)
     if [n for n, _ in others] != [n for n, _ in stages]:
         raise InvalidModelError(
             f"{of}{type(model).__name__}.forward reads self.training and calls other "
@@ -136,6 +157,182 @@ def _calls(stages: list[tuple[str, nn.Module]]) -> str:
     return ", ".join(names[:6]) + (", ..." if len(names) > 6 else "")
 
 
+# -- calls -----------------------------------------------------------------------------------
+
+_CONSTANTS: tuple[type, ...] = (
+    type(None),
+    bool,
+    int,
+    float,
+    complex,
+    str,
+    bytes,
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+    enum.Enum,
+    slice,
+    range,
+    type(Ellipsis),
+)
+"""What a traced call may hold besides tensors: values a graph can keep as constants.
+Anything else (an object holding tensors) would be baked into the graph as the first
+call's, so it is refused."""
+
+
+class TracedCall:
+    """One call of a model's ``forward`` as a trace sees it (made by :func:`bind_call`):
+    the arguments bound to ``forward``'s signature with its defaults applied, flattened
+    as a pytree; its tensors are the graph's inputs (placeholders), the other leaves its
+    constants.
+
+    Attributes:
+        owner: the model's class name, for messages.
+        placeholders: the graph inputs' names, one per tensor, in order.
+    """
+
+    def __init__(
+        self,
+        signature: inspect.Signature,
+        names: list[str],
+        leaves: list[Any],
+        spec: Any,
+        tensor_at: list[int],
+        owner: str,
+    ) -> None:
+        self.signature = signature
+        self.owner = owner
+        self._names = names  # each leaf's place in the call (``mask``, ``pair['a'][0]``)
+        self._leaves = leaves  # the constants; None where a tensor goes
+        self._spec = spec
+        self._tensor_at = tensor_at
+        taken: set[str] = set()
+        self.placeholders = []
+        for i in tensor_at:
+            base = re.sub(r"\W+", "_", names[i]).strip("_") or "arg"
+            if base[0].isdigit() or base in taken:
+                base = f"{base}_{i}"
+            taken.add(base)
+            self.placeholders.append(base)
+
+    def arguments(self, tensors: list[Any]) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """``(args, kwargs)`` for ``forward`` (without ``self``): the call with
+        ``tensors`` (the trace's proxies) where its tensors were."""
+        leaves = list(self._leaves)
+        for i, t in zip(self._tensor_at, tensors, strict=True):
+            leaves[i] = t
+        bound = inspect.BoundArguments(self.signature, tree_unflatten(leaves, self._spec))
+        return bound.args, bound.kwargs
+
+    def describe(self) -> str:
+        """``x=<tensor>, mask=None, scale=0.5``: the call, as the trace sees it."""
+        at = set(self._tensor_at)
+        shown = [
+            f"{n}=<tensor>" if i in at else f"{n}={v!r}"
+            for i, (n, v) in enumerate(zip(self._names, self._leaves, strict=True))
+        ]
+        return ", ".join(shown) or "no arguments"
+
+    def check_same(self, other: TracedCall) -> None:
+        """Refuse ``other`` (a later call) unless its non-tensor arguments, and where its
+        tensors are, equal this call's (the one traced): the graph holds them as its
+        constants, so another value would silently compute with this call's.
+
+        Raises:
+            UnsupportedCallError: they differ (the message shows both calls).
+        """
+        if (
+            other._spec == self._spec
+            and other._tensor_at == self._tensor_at
+            and all(_same_constant(a, b) for a, b in zip(self._leaves, other._leaves, strict=True))
+        ):
+            return
+        if other._spec == self._spec:  # name what changed
+            at, later = set(self._tensor_at), set(other._tensor_at)
+            changed = [
+                f"{n}={'<tensor>' if i in later else repr(b)} where the first call had "
+                f"{'<tensor>' if i in at else repr(a)}"
+                for i, (n, a, b) in enumerate(
+                    zip(self._names, self._leaves, other._leaves, strict=True)
+                )
+                if (i in at) != (i in later) or not _same_constant(a, b)
+            ]
+            what = "this call gives " + ", ".join(changed)
+        else:
+            what = f"this call is forward({other.describe()})"
+        raise UnsupportedCallError(
+            f"a sharded {self.owner} was cut by tracing its first call, forward("
+            f"{self.describe()}); {what}. The trace "
+            f"holds the first call's arguments that are not tensors (None, Python scalars, "
+            f"strings, and which arguments are tensors) as constants, so this call would "
+            f"compute with them: call the model with the same non-tensor arguments every "
+            f"time (a value that changes can be passed as a tensor, e.g. "
+            f"torch.tensor(0.5), where forward does not branch on it), or shard one model "
+            f"per kind of call"
+        )
+
+
+def bind_call(
+    signature: inspect.Signature, args: tuple[Any, ...], kwargs: dict[str, Any], owner: str
+) -> tuple[TracedCall, Any]:
+    """``forward``'s arguments (``signature`` without ``self``) as a traced call, and the
+    first stage's input: the call's tensors in order, bare when one, else a tuple.
+
+    Raises:
+        TypeError: the arguments do not fit the signature (as calling ``forward``
+            would: a missing or unexpected argument).
+        UnsupportedCallError: an argument holds something that is neither a tensor nor
+            a constant (:data:`_CONSTANTS`): an object of another class (a batch class
+            holding tensors) that the trace would keep as the first call's.
+    """
+    bound = signature.bind(*args, **kwargs)
+    bound.apply_defaults()
+    flat, spec = tree_flatten_with_path(dict(bound.arguments))
+    names = [_place(path) for path, _ in flat]
+    tensor_at = [i for i, (_, v) in enumerate(flat) if isinstance(v, torch.Tensor)]
+    for n, (_, v) in zip(names, flat, strict=True):
+        if not isinstance(v, (torch.Tensor, *_CONSTANTS)):
+            raise UnsupportedCallError(
+                f"a sharded {owner} got {n}={type(v).__name__}(...): th.shard passes a "
+                f"traced model tensors (in tuples, lists and dicts) and constants (None, "
+                f"numbers, strings), and cannot see the tensors inside a "
+                f"{type(v).__name__}. Pass its tensors as arguments, or register the class "
+                f"as a pytree (torch.export.register_dataclass for a dataclass, "
+                f"torch.utils._pytree.register_pytree_node otherwise)"
+            )
+    leaves = [None if isinstance(v, torch.Tensor) else v for _, v in flat]
+    call = TracedCall(signature, names, leaves, spec, tensor_at, owner)
+    tensors = [flat[i][1] for i in tensor_at]
+    return call, tensors[0] if len(tensors) == 1 else tuple(tensors)
+
+
+def _place(path: tuple[Any, ...]) -> str:
+    """``pair['a'][0]`` for the leaf at ``path`` in the bound arguments' dict."""
+    head = getattr(path[0], "key", path[0]) if path else "?"
+    return f"{head}{keystr(path[1:])}"
+
+
+def _same_constant(a: Any, b: Any) -> bool:
+    if type(a) is not type(b):  # True == 1, but a trace of True may branch differently
+        return False
+    if isinstance(a, float) and math.isnan(a) and math.isnan(b):
+        return True
+    return a is b or bool(a == b)
+
+
+def _unknown_output(owner: str, path: tuple[Any, ...], leaf: Any) -> str:
+    where = keystr(path) or "itself"
+    cls = type(leaf).__name__
+    return (
+        f"{owner}.forward returns a {cls} (its output's {where}), which torch's pytree does "
+        f"not know, so th.shard cannot hand its tensors from the last shard to the "
+        f"backward. Return a tuple, list or dict (or a namedtuple), or register {cls} as "
+        f"a pytree (torch.export.register_dataclass({cls}) for a dataclass, "
+        f"torch.utils._pytree.register_pytree_node otherwise)"
+    )
+
+
 # -- tracing -------------------------------------------------------------------------------
 
 
@@ -151,27 +348,33 @@ def _mode(model: nn.Module, training: bool) -> Iterator[None]:
             m.training = flag
 
 
-def _trace(model: nn.Module, of: str) -> fx.Graph:
-    """``torch.fx`` tracing of ``model.forward``, arguments with defaults fixed to them."""
+def _trace(model: nn.Module, of: str, call: TracedCall | None = None) -> tuple[fx.Graph, Any]:
+    """``torch.fx`` tracing of ``model.forward``: of ``call``, or with the arguments that
+    have defaults fixed to them. Returns the graph and, for a call, the output's
+    ``TreeSpec`` (the graph returns the output's leaves), else ``None``."""
     name = type(model).__name__
-    try:
-        params = list(inspect.signature(model.forward).parameters.values())
-    except (TypeError, ValueError):  # a builtin forward: let fx find out
-        params = []
-    positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
-    concrete = {
-        p.name: p.default
-        for p in params[1:]
-        if p.kind in (*positional, inspect.Parameter.KEYWORD_ONLY)
-        and p.default is not inspect.Parameter.empty
-    }
-    tracer = _OwnThreadTracer()
+    concrete: dict[str, Any] = {}
+    if call is None:
+        try:
+            params = list(inspect.signature(model.forward).parameters.values())
+        except (TypeError, ValueError):  # a builtin forward: let fx find out
+            params = []
+        positional = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+        concrete = {
+            p.name: p.default
+            for p in params[1:]
+            if p.kind in (*positional, inspect.Parameter.KEYWORD_ONLY)
+            and p.default is not inspect.Parameter.empty
+        }
+    tracer = _OwnThreadTracer(call)
     # Buffers as graph values too (``self.mask[:t, :t]`` with ``t`` from the input's
     # shape), not constants that Python-level indexing by a traced value fails on.
     tracer.proxy_buffer_attributes = True
     try:
         with _TRACE_LOCK:
-            return tracer.trace(model, concrete_args=concrete or None)
+            return tracer.trace(model, concrete_args=concrete or None), tracer.out_spec
+    except InvalidModelError:  # ours, about the call or the output: already explained
+        raise
     except Exception as err:
         raise InvalidModelError(f"{of}{_untraceable(name, err)}") from err
 
@@ -191,9 +394,33 @@ class _OwnThreadTracer(fx.Tracer):
     installed as a submodule").
     """
 
-    def __init__(self) -> None:
+    def __init__(self, call: TracedCall | None = None) -> None:
         super().__init__()
         self._owner = threading.get_ident()
+        self.call = call
+        self.out_spec: Any = None  # the output's TreeSpec, when tracing a call
+
+    def create_args_for_root(
+        self, root_fn: Any, is_module: bool, concrete_args: Any = None
+    ) -> tuple[Any, list[Any]]:
+        call = self.call
+        if call is None or not is_module:
+            return super().create_args_for_root(root_fn, is_module, concrete_args)
+        # One placeholder per tensor of the call; forward gets the call's own containers
+        # and constants (so len(), iteration, `is None` and branches on flags are plain
+        # Python), and returns its output's leaves, whose structure is kept aside.
+        proxies = [self.create_proxy("placeholder", n, (), {}) for n in call.placeholders]
+
+        def traced(root: nn.Module) -> list[Any]:
+            args, kwargs = call.arguments(proxies)
+            out = root_fn(root, *args, **kwargs)
+            flat, self.out_spec = tree_flatten_with_path(out)
+            for path, leaf in flat:
+                if not isinstance(leaf, (fx.Proxy, torch.Tensor, *_CONSTANTS)):
+                    raise InvalidModelError(_unknown_output(call.owner, path, leaf))
+            return [leaf for _, leaf in flat]
+
+        return traced, [self.root]
 
     def call_module(
         self, m: nn.Module, forward: Any, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -268,22 +495,32 @@ def _is_assert(node: fx.Node) -> bool:
     )
 
 
-def _cut(model: nn.Module, graph: fx.Graph, of: str) -> list[tuple[str, nn.Module]]:
+def _cut(
+    model: nn.Module, graph: fx.Graph, of: str, out_spec: Any = None
+) -> list[tuple[str, nn.Module]]:
+    """The stages of ``graph``; ``out_spec``: it was traced for a call (every placeholder
+    is one of the call's tensors, the output node lists the output's leaves)."""
     name = type(model).__name__
     nodes = list(graph.nodes)
     placeholders = [n for n in nodes if n.op == "placeholder"]
     output = next(n for n in nodes if n.op == "output")
+    if out_spec is not None and not placeholders:
+        raise InvalidModelError(
+            f"{of}{name} was called without a tensor argument (only None, Python scalars "
+            f"or strings): th.shard runs the model's layers on the call's tensors. Pass "
+            f"the batch's tensors to forward"
+        )
     if not placeholders:
         raise InvalidModelError(
             f"{of}{name}.forward takes no input; the engine calls model(inputs) with each "
             f"batch's inputs: give forward one argument"
         )
-    source = placeholders[0]
-    # Arguments after the first: fixed to their defaults (None, by concrete_args, with
-    # an assertion node that is dropped here); one that forward uses without a default
-    # cannot be given, since the engine passes the batch's inputs alone.
+    sources = placeholders if out_spec is not None else placeholders[:1]
+    # Without a call, the arguments after the first: fixed to their defaults (None, by
+    # concrete_args, with an assertion node that is dropped here); one that forward uses
+    # without a default cannot be given, since the engine passes the batch's inputs alone.
     constants: dict[fx.Node, Any] = {}
-    for ph in placeholders[1:]:
+    for ph in placeholders[len(sources) :]:
         users = [u for u in ph.users if not _is_assert(u)]
         if not users:
             continue
@@ -323,7 +560,7 @@ def _cut(model: nn.Module, graph: fx.Graph, of: str) -> list[tuple[str, nn.Modul
     stage_names = _unique([nm or "forward" for nm in names])
 
     last = len(groups) - 1
-    stage_of: dict[fx.Node, int] = {source: -1}
+    stage_of: dict[fx.Node, int] = dict.fromkeys(sources, -1)
     for k, group in enumerate(groups):
         for n in group:
             stage_of[n] = k
@@ -332,10 +569,10 @@ def _cut(model: nn.Module, graph: fx.Graph, of: str) -> list[tuple[str, nn.Modul
         uses = [last if u is output else stage_of.get(u, -1) for u in n.users]
         return max(uses, default=-1)
 
-    carried = [source, *body]
+    carried = [*sources, *body]
     ends = {n: last_use(n) for n in carried}
     # The values each stage gets: made before it, used at or after it.
-    live_in: list[list[fx.Node]] = [[source]] + [
+    live_in: list[list[fx.Node]] = [list(sources)] + [
         [n for n in carried if stage_of[n] < k <= ends[n]] for k in range(1, len(groups))
     ]
 
@@ -343,7 +580,10 @@ def _cut(model: nn.Module, graph: fx.Graph, of: str) -> list[tuple[str, nn.Modul
     for k, group in enumerate(groups):
         outs: Any = None if k == last else live_in[k + 1]
         stages.append(
-            (stage_names[k], _stage(model, group, live_in[k], outs, output, constants, k == 0))
+            (
+                stage_names[k],
+                _stage(model, group, live_in[k], outs, output, constants, k == 0, out_spec),
+            )
         )
     return stages
 
@@ -366,10 +606,11 @@ def _stage(
     output: fx.Node,
     constants: dict[fx.Node, Any],
     first: bool,
+    out_spec: Any = None,
 ) -> fx.GraphModule:
     """One stage: a ``GraphModule`` of ``group``'s nodes over the user's own modules and
     tensors, taking ``inputs`` (bare when one) and returning ``outputs`` (bare when one;
-    ``None``: the model's output)."""
+    ``None``: the model's output, rebuilt from its leaves by ``out_spec`` when given)."""
     g = fx.Graph()
     env: dict[fx.Node, Any] = dict(constants)
     root: dict[str, Any] = {}
@@ -394,7 +635,11 @@ def _stage(
             value(a)
         env[n] = g.node_copy(n, value)
     if outputs is None:
-        g.output(fx.graph.map_arg(output.args[0], value))
+        result = fx.graph.map_arg(output.args[0], value)
+        if out_spec is not None:  # the output's structure, as forward returned it
+            root["_th_out_spec"] = out_spec
+            result = g.call_function(tree_unflatten, (result, g.get_attr("_th_out_spec")))
+        g.output(result)
     elif len(outputs) == 1:
         g.output(value(outputs[0]))
     else:

@@ -564,6 +564,9 @@ def test_systematic_mistakes_are_marked_and_config_ones_are_not() -> None:
                 _call(a.register("t4", "tok", "make_task", config, secret=SECRET))
             assert not isinstance(other.value, SystematicTaskError)
         assert isinstance(other.value, ShardTooLargeError)
+        # with the budget to give (issue 32), as it reaches the trial
+        assert other.value.min_device_memory is not None
+        assert "give device_memory >=" in str(other.value)
         # what tune.with_parameters around the trainable sends: keyword arguments
         data = tune_tasks.dataset(n_batches=2)
         factories["with"] = cloudpickle.dumps(tune_tasks.make_task_with)  # the store

@@ -225,6 +225,9 @@ class EngineActor:
         # Function trainables running here, by trial id (tune_hydra.frontends.ray.function).
         self._functions: dict[str, Any] = {}
         self._function_threads: list[Any] = []  # every run started, until its thread ends
+        # Class trainables' runs by their proxy's token (a proxy keeps its instance when
+        # Tune resets it for another trial: see tune_hydra.frontends.ray.classes).
+        self._classes: dict[str, Any] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hydra-ctl")
 
     # ---------------------------------------------------------------- helpers
@@ -394,22 +397,31 @@ class EngineActor:
             context=context,
             seed=self._task_options.get("seed"),
         )
+        self._launch(key, run)
+
+    def _launch(self, key: str, run: Any) -> None:
+        """Make ``run`` (a ``FunctionRun``) trial ``key``'s, stopping an older run of the
+        trial (a class trainable's is only displaced: its proxy, which Tune may have
+        cached, ends it), give it the hints that came first, and start its thread."""
         with self._lock:
             old = self._functions.get(key)
             self._functions[key] = run
-        if old is not None:
+        if old is not None and not old.proxy_owned:
             old.stop()
-        with self._lock:  # hints that came before the function (see set_remaining)
+        self._give_hints(key, run)
+        run.start()
+        with self._lock:
+            self._function_threads = [r for r in self._function_threads if r.thread.is_alive()]
+            self._function_threads.append(run)
+
+    def _give_hints(self, key: str, run: Any) -> None:
+        with self._lock:  # hints that came before the run (see set_remaining)
             hint = self._hints.get(key)
             milestone = self._milestones.get(key, _NO_HINT)
         if milestone is not _NO_HINT:
             run.hint(milestone=milestone)
         if hint is not None:
             run.hint(remaining=hint)
-        run.start()
-        with self._lock:
-            self._function_threads = [r for r in self._function_threads if r.thread.is_alive()]
-            self._function_threads.append(run)
 
     def _function(self, key: str, token: str) -> Any:
         with self._lock:
@@ -436,11 +448,13 @@ class EngineActor:
         forward or report and its loops leave the engine. False if it was not running."""
         return self._stop_function(key, token)
 
-    def _stop_function(self, key: str, token: str) -> bool:
+    def _stop_function(self, key: str, token: str, completed: bool = False) -> bool:
         with self._lock:
             run = self._functions.get(key)
             if run is None or not (run.token == token or self._is_driver(token)):
                 return False
+            if completed and run.proxy_owned:
+                return False  # its proxy ends it (or Tune resets it for another trial)
             del self._functions[key]
         run.stop()
         return True
@@ -455,10 +469,131 @@ class EngineActor:
 
     def _stop_functions(self) -> None:
         with self._lock:
-            runs = list(self._functions.values())
+            runs = [*self._functions.values(), *self._classes.values()]
             self._functions.clear()
+            self._classes.clear()
         for run in runs:
             run.stop()
+
+    # -------------------------------------------------------- class trainables
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def cls_start(
+        self,
+        key: str,
+        token: str,
+        factory_id: str,
+        config: dict[str, Any],
+        params: dict[str, Any] | None,
+        secret: str,
+        context: dict[str, Any],
+    ) -> None:
+        """Build trial ``key``'s instance of the experiment's stored class trainable
+        ``factory_id`` (its ``setup`` runs) on a thread of its own in this process, on
+        this engine; it belongs to ``token`` and replaces (stops) an older run of the
+        trial. ``context``: the proxy's trial info, storage and working directory (see
+        :class:`~tune_hydra.frontends.ray.classes.ClassRun`).
+
+        Raises:
+            NotOwnerError: ``secret`` is not the experiment's.
+            TrialFunctionError: the class's ``__init__`` / ``setup`` raised.
+        """
+        from tune_hydra.frontends.ray.classes import ClassRun, class_and_parameters
+
+        self._driver(secret)
+        bound = await self._offload(self._factories.bind, factory_id, params or {})
+        cls, values = await self._offload(class_and_parameters, bound)
+        engine = await self._offload(self._ensure_engine)
+        run = ClassRun(
+            cls,
+            dict(config),
+            key=key,
+            token=token,
+            engine=engine,
+            context=context,
+            seed=self._task_options.get("seed"),
+            params=values,
+        )
+        with self._lock:
+            old = self._classes.get(token)
+            self._classes = {t: r for t, r in self._classes.items() if not r.stopped}
+            self._classes[token] = run
+        if old is not None:
+            old.stop()
+        self._launch(key, run)
+        await self._class_result(run.call("setup"))
+
+    def _class_run(self, token: str) -> Any:
+        with self._lock:
+            run = self._classes.get(token)
+        if run is None or run.stopped:
+            raise TrialNotRegisteredError(
+                f"this trial's class trainable does not run in this engine (the engine "
+                f"actor restarted, or the trial was stopped or replaced). {RETRY}"
+            )
+        return run
+
+    async def _class_result(self, future: Any) -> Any:
+        try:
+            return await asyncio.wrap_future(future)
+        except TuneHydraError as err:
+            raise portable(err) from None
+
+    async def cls_call(
+        self, token: str, method: str, args: tuple[Any, ...], counters: dict[str, Any]
+    ) -> Any:
+        """Call ``method`` (``step``, ``save_checkpoint`` or ``load_checkpoint``) of the
+        class-trainable instance of the proxy ``token``, on its thread, after setting its
+        iteration counters to the proxy's (``counters``); returns what it returns."""
+        run = self._class_run(token)
+        return await self._class_result(run.call(method, tuple(args), counters))
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def cls_reset(
+        self,
+        token: str,
+        new_key: str,
+        config: dict[str, Any],
+        context: dict[str, Any],
+        counters: dict[str, Any],
+    ) -> bool:
+        """Tune reset the proxy ``token`` for trial ``new_key`` (``reuse_actors``): reset
+        its instance likewise (Tune's ``Trainable.reset``: the new config, trial info,
+        storage and working directory, then the class's ``reset_config``); on success
+        the run serves ``new_key`` from now on. Returns what ``reset_config`` returned."""
+        run = self._class_run(token)
+        old_key = run.key
+        ok = bool(await self._class_result(run.call("reset", (dict(config), context), counters)))
+        if ok and new_key != old_key:
+            with self._lock:
+                if self._functions.get(old_key) is run:
+                    del self._functions[old_key]
+                # A run displaced here (the new trial's own earlier proxy, cached by
+                # Tune) keeps running for its proxy, which addresses it by token.
+                self._functions[new_key] = run
+                run.key = new_key
+            self._give_hints(new_key, run)
+        return ok
+
+    @ray.method(concurrency_group=CONTROL_GROUP)
+    async def cls_end(self, token: str) -> bool:
+        """The proxy ``token``'s cleanup: its instance's ``cleanup()`` runs, then its
+        thread ends and its loops leave the engine. False if it was not running."""
+        with self._lock:
+            found = self._classes.get(token)
+        if found is None:
+            return False
+        run: Any = found
+        try:
+            await self._class_result(run.call("stop"))
+        finally:
+            key = run.key
+            with self._lock:
+                if self._classes.get(token) is run:
+                    del self._classes[token]
+                if self._functions.get(key) is run:
+                    del self._functions[key]
+            run.stop()
+        return True
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def task_metrics(self, key: str, token: str) -> list[str]:
@@ -575,10 +710,12 @@ class EngineActor:
                 self._engine.cancel(reg.name)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def deregister(self, key: str, token: str) -> bool:
+    async def deregister(self, key: str, token: str, completed: bool = False) -> bool:
         """Forget trial ``key`` if ``token`` owns it (or is the executor's secret). True if
-        removed; False for a trial that is not registered or belongs to someone else."""
-        stopped = self._stop_function(key, token)
+        removed; False for a trial that is not registered or belongs to someone else.
+        ``completed``: the trial completed (the driver's callback), which leaves a class
+        trainable's instance to its proxy (Tune may reset it for another trial)."""
+        stopped = self._stop_function(key, token, completed)
         if stopped:
             with self._lock:  # the function trial ended: its hints go with it
                 self._hints.pop(key, None)

@@ -55,6 +55,18 @@ _WATCHED: set[str] = set()
 _LOCK = threading.Lock()
 
 
+def _class_trial(trial: Any) -> bool:
+    """Whether ``trial`` runs a class trainable (its checkpoints are the user's, as Tune
+    asks for them: ``HydraExecutor(checkpoint=...)`` adds none)."""
+    from tune_hydra.frontends.ray.classes import HydraClassTrainable
+
+    try:
+        cls = trial.get_trainable_cls()
+    except Exception:  # not registered in this process: not ours
+        return False
+    return isinstance(cls, type) and issubclass(cls, HydraClassTrainable)
+
+
 def check_checkpoint(checkpoint: Any) -> str | None:
     """``HydraExecutor(checkpoint=...)`` checked: ``"every"``, ``"end"`` or None (False
     means None).
@@ -214,7 +226,7 @@ class HydraCallback(Callback):
         # checkpoint_at_end only adds the last checkpoint, which "every" saves anyway; it
         # is no setting of the user's to yield to: tune.Tuner turns it on for every class
         # trainable (and thereby once dropped every per-iteration save).
-        elif self.checkpoint == "end" and result.get(DONE):
+        elif self.checkpoint == "end" and result.get(DONE) and not _class_trial(trial):
             result[SHOULD_CHECKPOINT] = True  # the trial's last result: save it
 
     def _note_error(self, trial: Any) -> None:
@@ -251,4 +263,4 @@ class HydraCallback(Callback):
         registry.broadcast("deregister", trial.trial_id)
 
     def on_trial_complete(self, iteration: int, trials: list[Any], trial: Any, **info: Any) -> None:
-        registry.broadcast("deregister", trial.trial_id)
+        registry.broadcast("deregister", trial.trial_id, True)  # completed

@@ -36,6 +36,7 @@ from tune_hydra.frontends.ray.errors import (
 from tune_hydra.frontends.ray.factories import (
     FactoryStore,
     RunFactories,
+    closure,
     unwrap_with_parameters,
 )
 from tune_hydra.options import (
@@ -48,26 +49,51 @@ logger = logging.getLogger(__name__)
 
 
 def check_task_factory(make_task: Any) -> bool:
-    """Raise unless ``make_task`` looks like ``make_task(config) -> ModelTask`` or a
-    function trainable ``train(config)`` that calls ``tune.report``; True for a function
-    trainable (read from its code, see :func:`~tune_hydra.frontends.ray.actor.
-    tune_report_call`).
+    """Raise unless ``make_task`` looks like ``make_task(config) -> ModelTask``, a
+    function trainable ``train(config)`` that calls ``tune.report``, or a ``tune.Trainable``
+    subclass; True for what reports its own results: a function trainable (read from its
+    code, see :func:`~tune_hydra.frontends.ray.actor.tune_report_call`) or a class.
 
     ``tune.with_parameters(make_task, data=...)`` is called as ``make_task(config,
     data=...)``.
 
     Raises:
-        NotATaskFactoryError: not callable with a config, a class, or a string.
+        NotATaskFactoryError: not callable with a config, a class that is no
+            ``tune.Trainable`` (or is one of Tune's function wrappers, or a trainable
+            ``HydraExecutor.trainable`` made), or a string.
 
     A ``tune.with_resources`` request on it is no mistake: :meth:`HydraExecutor.trainable`
     drops it with one warning (see :func:`warn_resources_dropped`).
     """
     fix = (
         "HydraExecutor needs a task factory (a function make_task(config) -> th.ModelTask "
-        "that builds the model, loss, optimizer and data for one config) or a function "
-        "trainable train(config) that calls th.shard(model, optimizer) and tune.report. To "
-        "run another Tune trainable, drop trial_executor (th.run then forwards to tune.run)."
+        "that builds the model, loss, optimizer and data for one config), a function "
+        "trainable train(config) that calls th.shard(model, optimizer) and tune.report, or "
+        "a tune.Trainable subclass whose setup() calls th.shard. To run another Tune "
+        "trainable, drop trial_executor (th.run then forwards to tune.run)."
     )
+    if inspect.isclass(make_task) and issubclass(make_task, tune.Trainable):
+        from ray.tune.trainable import FunctionTrainable
+
+        from tune_hydra.frontends.ray.trainable import EngineClient
+
+        if make_task is tune.Trainable:
+            raise NotATaskFactoryError(
+                f"got the class Trainable, Tune's base class itself: subclass it (setup, "
+                f"step, save_checkpoint, load_checkpoint). {fix}"
+            )
+        if issubclass(make_task, EngineClient):
+            raise NotATaskFactoryError(
+                f"the class {make_task.__name__} was made by HydraExecutor.trainable() "
+                f"already: pass it to tune.Tuner / tune.run as it is, or give trainable() "
+                f"the function or class it was made from"
+            )
+        if issubclass(make_task, FunctionTrainable):
+            raise NotATaskFactoryError(
+                f"the class {make_task.__name__} is Tune's wrapper of a function trainable "
+                f"(tune.Trainable of a function): pass the function itself. {fix}"
+            )
+        return True
     if isinstance(make_task, str) or inspect.isclass(make_task) or not callable(make_task):
         kind = (
             f"the string {make_task!r}"
@@ -76,6 +102,8 @@ def check_task_factory(make_task: Any) -> bool:
             if inspect.isclass(make_task)
             else f"a {type(make_task).__name__}"
         )
+        if inspect.isclass(make_task):
+            kind += ", which is not a ray.tune.Trainable subclass"
         raise NotATaskFactoryError(f"got {kind}. {fix}")
     name = getattr(make_task, "__name__", make_task)
     unwrapped = unwrap_with_parameters(make_task)
@@ -90,6 +118,27 @@ def check_task_factory(make_task: Any) -> bool:
     except ValueError:
         pass  # no signature (a builtin): let the engine actor find out
     return tune_report_call(fn) is not None
+
+
+def class_resources(cls: Any) -> Any:
+    """The resource request a ``tune.Trainable`` class makes of its own (the subclass
+    ``tune.with_resources`` makes of it, or a ``default_resource_request`` of the user's):
+    a ``PlacementGroupFactory``, a function of the config, or None."""
+    for klass in cls.__mro__:
+        if klass is tune.Trainable:
+            return None
+        own = klass.__dict__.get("default_resource_request")
+        if own is None:
+            continue
+        func = getattr(own, "__func__", own)
+        cells = closure(func)
+        if "pgf" in cells:  # tune.with_resources: the request it closes over
+            return cells["pgf"]
+        try:
+            return func(cls, {})
+        except Exception:  # a request per config: it cannot be read without one
+            return own
+    return None
 
 
 def warn_resources_dropped(resources: Any, where: str) -> None:
@@ -225,7 +274,9 @@ class HydraExecutor:
             run sets a checkpoint frequency, that setting rules; ``checkpoint_at_end``
             only adds the last checkpoint (``tune.Tuner`` turns it on by itself).
             Every checkpoint holds the whole model: bound their number with
-            ``CheckpointConfig(num_to_keep=...)`` for large models.
+            ``CheckpointConfig(num_to_keep=...)`` for large models. A class trainable's
+            checkpoints are its own (``save_checkpoint``), when Tune asks for them as for
+            the plain class: this option adds none.
 
     Every option is checked here, when the executor is built (before Ray starts, and
     without loading torch), by the one validator of :mod:`tune_hydra.options` that
@@ -409,6 +460,14 @@ class HydraExecutor:
         restores them (PBT, pauses, ``Tuner.restore``) as for any function trainable
         (see :mod:`tune_hydra.frontends.ray.function`).
 
+        ``make_task`` may also be a ``tune.Trainable`` subclass whose ``setup`` calls
+        ``th.shard``: each trial's instance then lives in its node's engine process, its
+        calls on a thread of its own (working directory and random generator as above),
+        and Tune drives a proxy ``Trainable`` that forwards ``step``,
+        ``save_checkpoint``, ``load_checkpoint``, ``reset_config`` and ``cleanup`` to it,
+        so checkpoints, PBT, pauses, ``reuse_actors`` and ``Tuner.restore`` are Tune's own
+        (see :mod:`tune_hydra.frontends.ray.classes`).
+
         Tune's wrappers: ``trainable(tune.with_parameters(make_task, data=...))`` and
         ``tune.with_parameters(trainable(make_task), data=...)`` both call
         ``make_task(config, data=...)`` in the engine; the data stays in Ray's object
@@ -425,7 +484,10 @@ class HydraExecutor:
         :func:`~tune_hydra.frontends.ray.patch.hook_tuner`).
         """
         is_function = check_task_factory(make_task)
-        requested = getattr(make_task, "_resources", None)
+        is_class = inspect.isclass(make_task)
+        requested = (
+            class_resources(make_task) if is_class else getattr(make_task, "_resources", None)
+        )
         if requested is not None:  # tune.with_resources(fn, ...) inside: the slot rules
             warn_resources_dropped(requested, "inside executor.trainable(...)")
         self.start()
@@ -433,7 +495,17 @@ class HydraExecutor:
         name = getattr(make_task, "__name__", "make_task")
         slot_resource = "" if self._engines.fallback else self.slot_resource
         cls: Any
-        if is_function:  # it trains and reports itself, in the engine process
+        if is_class:  # a tune.Trainable: its instance lives in the engine process
+            from tune_hydra.frontends.ray.classes import HydraClassTrainable
+
+            cls = HydraClassTrainable.for_class(
+                make_task,
+                factory_id=factory_id,
+                run_id=self.run_id,
+                secret=self._secret,
+                slot_resource=slot_resource,
+            )
+        elif is_function:  # it trains and reports itself, in the engine process
             from tune_hydra.frontends.ray.function import HydraFunctionTrainable
 
             cls = HydraFunctionTrainable.for_function(

@@ -65,7 +65,6 @@ from tune_hydra.frontends.ray.errors import (
     ReportThreadError,
     TrialFunctionError,
 )
-from tune_hydra.frontends.ray.factories import FactoryStore
 from tune_hydra.frontends.ray.trainable import EngineClient
 
 logger = logging.getLogger(__name__)
@@ -206,6 +205,10 @@ class FunctionRun:
     metadata = None
     accelerator = None
     synchronous_result_reporting = True
+    # Whether the run ends only when its proxy (or the driver, for a failed trial) ends
+    # it: a class trainable's instance, which Tune may keep (reuse_actors) after its
+    # trial completed or moved to another proxy.
+    proxy_owned = False
 
     def __init__(
         self,
@@ -432,8 +435,7 @@ class FunctionRun:
                     self._call_function()
                 finally:
                     scope.close()  # nothing of it stays queued or resident
-            # As Tune's function wrapper: the last result again, marked as such.
-            self.report({RESULT_DUPLICATE: True})
+            self._finish()
         except _Stopped:
             pass
         except BaseException as err:  # the proxy reports it, whatever it is
@@ -448,6 +450,11 @@ class FunctionRun:
         finally:
             router.unbind()
             self._put(item)
+
+    def _finish(self) -> None:
+        """After the function returned: as Tune's function wrapper, the last result
+        again, marked as such."""
+        self.report({RESULT_DUPLICATE: True})
 
     def _call_function(self) -> None:
         """Call the function as Tune's ``wrap_function`` does: a returned or yielded dict
@@ -552,13 +559,6 @@ class HydraFunctionTrainable(EngineClient, FunctionTrainable):
                 raise TrialFunctionError(payload)
             session.report(payload, checkpoint=extra)  # waits here for Tune's next step
             persisted = session.loaded_checkpoint if extra is not None else None
-
-    def _record(self, err: SystematicTaskError) -> None:
-        # For the driver, which then ends the experiment once (see HydraTrainable).
-        try:
-            FactoryStore(self._run_id, self._secret).record_error(self.trial_id, err)
-        except Exception:
-            logger.warning("tune_hydra: could not record %s", err, exc_info=True)
 
     def _stop_function(self) -> None:
         key, self._started = self._started, None

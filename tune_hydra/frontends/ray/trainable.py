@@ -203,6 +203,14 @@ class EngineClient:
                     )
                 ) from None
 
+    def _record(self, err: SystematicTaskError) -> None:
+        """Record ``err`` for the driver, which then ends the experiment once (plain
+        JSON in the cluster store: it never unpickles what a trial process wrote)."""
+        try:
+            FactoryStore(self._run_id, self._secret).record_error(self.trial_id, err)
+        except Exception:
+            logger.warning("tune_hydra: could not record %s", err, exc_info=True)
+
     def _check_slot(self) -> None:
         """Refuse to run without an engine slot: the trainable's resource request was
         replaced (``tune.with_resources``, ``resources_per_trial``), so the trials hold
