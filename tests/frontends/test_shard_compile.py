@@ -13,6 +13,7 @@ compiled forward).
 from __future__ import annotations
 
 import copy
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -298,3 +299,38 @@ def test_compiled_sharded_model_under_a_private_stream(engine: th.Engine) -> Non
     assert want_backend.calls == len(data) + 1
     per_batch = 2 if engine.copy_on_cpu else 1
     assert got_backend.calls == len(shards_of(sharded)) * (len(data) * per_batch + 1)
+
+
+def test_loops_in_threads_compiling_at_once_exact(engine: th.Engine) -> None:
+    # Three loops in threads (th.optimize's n_jobs: each on a private stream), each
+    # compiling its shards on the engine's device threads while the others run: torch's
+    # compile-time flags are process-wide (an Adam step elsewhere rounds otherwise, a
+    # compiled call elsewhere raises), so a call that compiles runs alone. Each equals
+    # its loop run alone in a fresh process (the global stream seeded as the private one).
+    from tune_hydra.engine.factory import private_rng
+
+    data = batches(3)
+    models = [mlp(seed=i) for i in range(3)]
+    refs = [copy.deepcopy(m) for m in models]
+    got: dict[int, list[float]] = {}
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            with private_rng(i):
+                model, opt = th.shard(
+                    torch.compile(models[i], backend="aot_eager"), adam(models[i]), engine=engine
+                )
+                got[i] = train(model, opt, data)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i, ref in enumerate(refs):
+        torch.manual_seed(i)
+        assert got[i] == train(torch.compile(ref, backend="aot_eager"), adam(ref), data), i

@@ -28,13 +28,18 @@ CPU device therefore runs with its stream installed in the global generator inst
 parts of it too, so that its draws come from one stream in the order plain compiled code
 makes them, and a recompute replays them. A thread that draws from the global generator
 without a private stream while such an op runs shares it, as with task factories.
+
+Threads: torch's compile-time flags are process-wide, so a call that may compile runs
+alone (:data:`GATE`): loops of one process that compile at once stay exact.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import threading
+import time
 import types
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -44,6 +49,8 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from tune_hydra.engine.rng import CPU_RNG_LOCK
+
+log = logging.getLogger(__name__)
 
 Compiler = Callable[[Callable[..., Any]], Callable[..., Any]]
 """Compiles a function with the user's settings: a ``torch.compile``'d module's own
@@ -84,7 +91,9 @@ class Gate:
     compiled function raises "Detected that you are using FX to symbolically trace a
     dynamo-optimized function". So a compiled call that may compile (:meth:`alone`)
     waits until no other thread is inside :meth:`running` (every other compiled call,
-    and every op that enters it), and holds them off until it is done.
+    and every shard optimizer's step: ``LoopRunner._apply_pending``), and holds them off
+    until it is done. Only the first calls in each mode compile (the warm-up): the others
+    pay two lock round trips.
     """
 
     def __init__(self) -> None:
@@ -94,7 +103,7 @@ class Gate:
 
     @contextlib.contextmanager
     def running(self) -> Iterator[None]:
-        """Around an op or a compiled call that does not compile."""
+        """Around an optimizer step or a compiled call that does not compile."""
         me = threading.get_ident()
         with self._cond:
             depth = self._active.get(me, 0)
@@ -114,7 +123,11 @@ class Gate:
 
     @contextlib.contextmanager
     def alone(self) -> Iterator[None]:
-        """Around a compiled call that may compile: no other thread runs meanwhile."""
+        """Around a compiled call that may compile: no other thread runs meanwhile.
+
+        It takes ``CPU_RNG_LOCK`` first (dynamo's compile saves and restores the global
+        generator's state through it, and a drawing op holds it while it runs): the one
+        order of the two, so that a thread holding the lock never waits for the gate."""
         me = threading.get_ident()
         if self._compiling == me:  # nested (only this thread sets it to itself)
             yield
@@ -124,19 +137,34 @@ class Gate:
             # hold off the one compiling.
             mine = self._active.pop(me, 0)
             self._cond.notify_all()
-            while self._compiling is not None:
-                self._cond.wait()
-            self._compiling = me
-            while self._active:
-                self._cond.wait()
-        try:
-            yield
-        finally:
+        with CPU_RNG_LOCK:
             with self._cond:
-                self._compiling = None
-                if mine:
-                    self._active[me] = mine
-                self._cond.notify_all()
+                while self._compiling is not None:
+                    self._cond.wait()
+                self._compiling = me
+                deadline = time.monotonic() + _DRAIN_S
+                while self._active and self._cond.wait(max(0.0, deadline - time.monotonic())):
+                    pass
+                if self._active:
+                    # A thread inside running() waiting for something this one holds
+                    # (a recompile dynamo makes in a mode _mode did not tell apart): go on.
+                    log.warning(
+                        "torch.compile under th.shard: compiling while %d other thread(s) "
+                        "run compiled code; an eager optimizer step there may round as "
+                        "under compilation",
+                        len(self._active),
+                    )
+            try:
+                yield
+            finally:
+                with self._cond:
+                    self._compiling = None
+                    if mine:
+                        self._active[me] = mine
+                    self._cond.notify_all()
+
+
+_DRAIN_S = 30.0  # how long a compile waits for the other threads' compiled calls
 
 
 GATE = Gate()
@@ -211,7 +239,9 @@ class ShardCompiler:
         targets = compile_targets(shard)
         for i, target in enumerate(targets):
             name = f"{self._name}_shard_{index}" + (f"_block_{i}" if len(targets) > 1 else "")
-            code = _call_shard.__code__.replace(co_name=name, co_qualname=name)
+            code = _call_shard.__code__.replace(co_name=name)
+            if hasattr(code, "co_qualname"):  # Python >= 3.11
+                code = code.replace(co_qualname=name)
             compiled = self.compiler(types.FunctionType(code, _call_shard.__globals__, name))
             self._installed.append((target, target.__dict__.get("_compiled_call_impl")))
             target._compiled_call_impl = _CompiledCall(target, compiled)

@@ -82,6 +82,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.engine import amp, rng
 from tune_hydra.engine.boundary import backward as backward_from
+from tune_hydra.engine.compiled import GATE as COMPILE_GATE
 from tune_hydra.engine.compiled import Compiler, ShardCompiler, global_cpu_stream
 from tune_hydra.engine.factory import thread_generator, use_generator
 from tune_hydra.engine.lease import parts
@@ -733,7 +734,10 @@ class LoopRunner:
                 assert opt is not None
                 for group, hyper in zip(opt.param_groups, arg, strict=True):
                     group.update(hyper)
-                opt.step()
+                # Not while another thread compiles: torch.optim reads the process-wide
+                # torch.compiler.is_compiling() and rounds otherwise then (see GATE).
+                with COMPILE_GATE.running():
+                    opt.step()
                 shard.steps += 1
 
     def sync(self) -> None:

@@ -270,7 +270,10 @@ def shard(
             torch.fx can trace, a Hugging Face ``PreTrainedModel``). One already moved to
             an accelerator (``model.to(device)`` before this line, as Ray's examples do)
             is brought back to host memory first, with one warning: the engine places
-            its shards.
+            its shards. A ``torch.compile(model, ...)``: its original module is sharded,
+            each shard's forward compiled with that call's settings, and the user's
+            ``OptimizedModule`` is returned (see :mod:`tune_hydra.frontends.shard_compile`;
+            ``torch.compile`` of the returned model and its ``compile()`` do the same).
         optimizer: the user's optimizer over (some of) the model's parameters, of a
             per-parameter kind (SGD, Adam, AdamW, RMSprop, Adagrad ...); its
             ``step(closure)`` runs the closure, then steps. An optimizer built after
@@ -292,6 +295,8 @@ def shard(
         OptimizerMismatchError: the optimizer steps parameters the model does not have.
         ModelOnDeviceError: a parameter or buffer is on the meta device (no data).
         InvalidModelError: not an ``nn.Module``.
+        UnsupportedCompileError: ``model.compile()`` was called before ``th.shard``
+            (call it on the sharded model instead).
         SharedShardModelError: (a ``SharedModelError``, at the first forward) the model
             trains a parameter, or holds a buffer, of another model the engine trains
             (``b.layer = a.layer``, both sharded): deepcopy the shared module, or put both
@@ -307,7 +312,7 @@ def shard(
     if _is_compiled(model):  # th.shard(torch.compile(model)): the original is sharded
         from tune_hydra.frontends.shard_compile import adopt
 
-        inner = model._orig_mod
+        inner = model.get_submodule("_orig_mod")
         done = shard(inner, optimizer, engine=engine)
         adopt(model, inner.__dict__["_th_shard"])  # the user keeps their OptimizedModule
         return model if isinstance(done, nn.Module) else (model, done[1])
@@ -480,8 +485,8 @@ def unshard(model: nn.Module) -> nn.Module:
             the next forward would have raised it).
     """
     given = model
-    if _is_compiled(model) and "_th_shard" in model._orig_mod.__dict__:
-        model = model._orig_mod
+    if _is_compiled(model) and "_th_shard" in model.get_submodule("_orig_mod").__dict__:
+        model = model.get_submodule("_orig_mod")
     state = model.__dict__.get("_th_shard")
     if state is None:
         raise UnsupportedCallError(f"this {type(model).__name__} was not given to th.shard")

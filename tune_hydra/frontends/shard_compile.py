@@ -29,7 +29,8 @@ from __future__ import annotations
 import sys
 import weakref
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from types import FrameType
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch._dynamo
@@ -51,10 +52,10 @@ SUPPORTED = (
 def compiler_of(wrapper: OptimizedModule) -> Compiler:
     """The settings of the ``torch.compile`` that made ``wrapper``: its dynamo context,
     which compiles a function as that call would have."""
-    return wrapper.dynamo_ctx  # type: ignore[no-any-return]
+    return wrapper.dynamo_ctx
 
 
-def adopt(wrapper: OptimizedModule, state: _State) -> None:
+def adopt(wrapper: nn.Module, state: _State) -> None:
     """Make ``wrapper`` (a ``torch.compile`` of the sharded model ``state`` is of) call the
     sharded model, and compile the model's shards with its settings."""
     if not isinstance(wrapper, _ShardedCompiled):
@@ -62,8 +63,8 @@ def adopt(wrapper: OptimizedModule, state: _State) -> None:
         from tune_hydra.frontends.shard import _sharded_class
 
         wrapper.__class__ = _sharded_class(type(wrapper), _ShardedCompiled)
-        wrapper._initialize()
-    compiler = compiler_of(wrapper)
+        cast(OptimizedModule, wrapper)._initialize()
+    compiler = compiler_of(cast(OptimizedModule, wrapper))
     if state.compiler is not compiler:  # (compiling again would recompile every shard)
         state.set_compiler(compiler)
 
@@ -75,14 +76,14 @@ def release(state: _State) -> None:
         wrapper = ref()
         if wrapper is not None:
             wrapper.__class__ = cls
-            wrapper._initialize()
+            cast(OptimizedModule, wrapper)._initialize()
     state.wrappers.clear()
 
 
 def _calling_wrapper(model: nn.Module) -> OptimizedModule | None:
     """The ``OptimizedModule`` of ``model`` whose call this is, found on the stack (its
     ``__call__`` frame: dynamo hands no reference to it)."""
-    frame = sys._getframe(1)
+    frame: FrameType | None = sys._getframe(1)
     for _ in range(64):
         if frame is None:
             return None
