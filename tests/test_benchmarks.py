@@ -177,6 +177,13 @@ def test_compile_quick() -> None:
     assert "frames compiled during the timed rounds: 0" in out
 
 
+def test_hf_loops_quick() -> None:
+    pytest.importorskip("transformers")
+    out = _run("hf_loops.py", "--quick")  # exits 1 if Trainer's losses differ sharded
+    assert "Trainer sharded / plain:" in out and "same losses: yes" in out
+    assert "bf16 time / fp32 time:" in out
+
+
 def test_lora_base_tiny() -> None:
     pytest.importorskip("peft")
     out = _run("lora_base.py", "--tiny", timeout=HANG_S)

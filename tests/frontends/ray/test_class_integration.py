@@ -215,8 +215,9 @@ def test_class_trainables_equal_the_plain_class_multiplexed_on_one_engine(
         (engine,) = ex.engines().values()
         engine_pid = __import__("ray").get(engine.start.remote())["pid"]
         trace = ex.trace()
-        registered = ex.registered_trials()
+        # A stopped one ends at its next forward or report: wait for that first.
         assert _live_runs(ex) == []
+        registered = ex.registered_trials()
     want = {r.config["seed"]: r.metrics_dataframe for r in plain}
     assert all(r.error is None for r in results), [r.error for r in results]
     cwds = set()
@@ -270,8 +271,9 @@ def test_pbt_exploits_restore_the_source_checkpoint(
                 storage_path=storage, stop={"training_iteration": 2}, verbose=0
             ),
         ).fit()
-        registered = ex.registered_trials()
+        # A stopped one ends at its next forward or report: wait for that first.
         assert _live_runs(ex) == []
+        registered = ex.registered_trials()
     assert all(r.error is None for r in results), [r.error for r in results]
     saved = {}  # (trial id, iteration) -> the weights it saved then
     for line in (tmp_path / "saves.txt").read_text().splitlines():

@@ -189,8 +189,9 @@ def test_function_trainables_are_exact_and_tune_works(ray_session: Any, storage:
                 verbose=0,
                 trial_executor=ex,
             )
-            registered = ex.registered_trials()
+            # A stopped one ends at its next forward or report: wait for that first.
             assert _live_functions(ex) == []
+            registered = ex.registered_trials()
     finally:
         th.unpatch_tune()
     trials = sorted(analysis.trials, key=lambda t: t.config["seed"])
@@ -278,8 +279,9 @@ def test_asha_context_cwd_failures_and_threads(ray_session: Any, storage: str) -
             run_config=tune.RunConfig(storage_path=storage, verbose=0),
         )
         results = tuner.fit()
-        registered = ex.registered_trials()
+        # A stopped one ends at its next forward or report: wait for that first.
         assert _live_functions(ex) == []
+        registered = ex.registered_trials()
     by_q = {r.config["q"]: r for r in results}
     failed = by_q[0.5]
     assert failed.error is not None
@@ -407,8 +409,9 @@ def test_pbt_exploits_restore_weights_and_optimizer(ray_session: Any, storage: s
             storage_path=storage,
             verbose=0,
         )
-        registered = ex.registered_trials()
+        # A stopped one ends at its next forward or report: wait for that first.
         assert _live_functions(ex) == []
+        registered = ex.registered_trials()
     assert all(t.status == "TERMINATED" for t in analysis.trials)
     restored = _check_restarts(analysis, iters=4)
     assert restored >= 1  # PBT exploited at least once
