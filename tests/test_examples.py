@@ -322,6 +322,38 @@ def test_lora_search_optuna_smoke(tmp_path: Path) -> None:
     _check_lora_best(out, tmp_path)
 
 
+def test_hf_trainer_optuna_smoke() -> None:
+    """An Optuna search of Hugging Face Trainer fine-tunings (Trainer's defaults, a tiny
+    from_config GPT-2), 2 trials at once: each trial's model was cut into shards on the
+    embedded engine (Trainer's optimizer adopted), and every loop left it at the end."""
+    pytest.importorskip("transformers")
+    script = ROOT / "examples" / "hf_trainer_optuna.py"
+    check = (
+        "import gc, runpy, sys\n"
+        "sys.argv = ['hf_trainer_optuna.py']\n"
+        f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
+        "from tune_hydra.frontends import shard\n"
+        "gc.collect()\n"
+        "s = shard._ENGINE.summary()\n"
+        "print('busy_s', sum(d['busy_s'] for d in s['devices'].values()))\n"
+        "print('left', shard._ENGINE.tasks())\n"
+    )
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **SMOKE)
+    proc = subprocess.run(
+        [sys.executable, "-c", check],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        env=env,
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    out = proc.stdout
+    assert "best params: {'learning_rate'" in out and "best eval_loss:" in out
+    assert float(out.split("busy_s ", 1)[1].split()[0]) > 0  # trained on the engine
+    assert "left []" in out
+
+
 def test_optuna_pytorch_simple_smoke() -> None:
     # optuna-examples' pytorch_simple.py with 4 tune_hydra lines: Optuna's n_jobs threads
     # train on the embedded engine (its devices busy), every loop leaves it at the end.
@@ -415,6 +447,7 @@ PAIRS = {
     "tune_getting_started": RAY_TUNE / "tune_getting_started",
     "optuna_pytorch_simple": ROOT / "examples" / "optuna_pytorch_simple",
     "optuna_pytorch_lightning_simple": ROOT / "examples" / "optuna_pytorch_lightning_simple",
+    "hf_trainer_optuna": ROOT / "examples" / "hf_trainer_optuna",
 }
 
 
@@ -450,7 +483,7 @@ def test_the_tune_hydra_version_changes_at_most_4_lines(name: str) -> None:
     wanted = ["import tune_hydra as th", "= th.shard("]
     if "lightning" in name:  # the strategy instead of th.configure (Lightning's own call)
         wanted += ["strategy=th.HydraStrategy()", "n_jobs="]
-    elif name.startswith("optuna"):
+    elif "optuna" in name:
         wanted += ["th.configure(", "n_jobs="]
     else:
         wanted += ["th.HydraExecutor("]
