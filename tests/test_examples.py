@@ -322,6 +322,31 @@ def test_lora_search_optuna_smoke(tmp_path: Path) -> None:
     _check_lora_best(out, tmp_path)
 
 
+def test_hf_bf16_loop_ray_smoke(tmp_path: Path) -> None:
+    """A user's own Hugging Face loop (warmup schedule, accumulation, clipping) under bf16
+    autocast, a Tune grid search under HydraExecutor: every trial reports."""
+    pytest.importorskip("transformers")
+    home = tmp_path / "home"
+    home.mkdir()
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), HOME=str(home), **SMOKE)
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "hf_bf16_loop.py")],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        env=env,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "best config: {'lr'" in proc.stdout and "best val_loss:" in proc.stdout
+    rows = [
+        row
+        for progress in (home / "ray_results").glob("train_lm_*/*/progress.csv")
+        for row in csv.DictReader(progress.open())
+    ]
+    assert len(rows) == 4  # 2 trials x 2 epochs
+
+
 def test_hf_trainer_optuna_smoke() -> None:
     """An Optuna search of Hugging Face Trainer fine-tunings (Trainer's defaults, a tiny
     from_config GPT-2), 2 trials at once: each trial's model was cut into shards on the
@@ -448,6 +473,7 @@ PAIRS = {
     "optuna_pytorch_simple": ROOT / "examples" / "optuna_pytorch_simple",
     "optuna_pytorch_lightning_simple": ROOT / "examples" / "optuna_pytorch_lightning_simple",
     "hf_trainer_optuna": ROOT / "examples" / "hf_trainer_optuna",
+    "hf_bf16_loop": ROOT / "examples" / "hf_bf16_loop",
 }
 
 
