@@ -12,7 +12,10 @@ Accelerate ships a per-thread form of that dict for its multithreaded TPU mode
 (``accelerate.state.ThreadLocalSharedDict``); :func:`isolate_library_state` installs it on
 those classes, so each thread has its own states. The thread that installs it keeps the
 dict it had (objects already made there, an ``Accelerator`` among them, still share state
-with new ones); other threads start empty, as a fresh process would.
+with new ones); other threads start empty, as a fresh process would. So a ``Trainer``
+built in one thread and trained in another (its dataloaders made there) no longer shares
+its accumulation state with itself: build and train each ``Trainer`` in one thread, as
+a trial (an objective, a function trainable) does.
 
 Still process-wide, and so the same for every trial of one process: environment variables
 (``TrainingArguments`` writes ``ACCELERATE_MIXED_PRECISION`` when ``bf16``/``fp16`` is
