@@ -347,15 +347,12 @@ def test_hf_bf16_loop_ray_smoke(tmp_path: Path) -> None:
     assert len(rows) == 4  # 2 trials x 2 epochs
 
 
-def test_hf_trainer_optuna_smoke() -> None:
-    """An Optuna search of Hugging Face Trainer fine-tunings (Trainer's defaults, a tiny
-    from_config GPT-2), 2 trials at once: each trial's model was cut into shards on the
-    embedded engine (Trainer's optimizer adopted), and every loop left it at the end."""
-    pytest.importorskip("transformers")
-    script = ROOT / "examples" / "hf_trainer_optuna.py"
+def _run_on_embedded_engine(script: Path) -> str:
+    """Run ``script`` at its smoke size as ``python script`` would, then print its embedded
+    engine's device busy time (``busy_s``) and the tasks left on it (``left``)."""
     check = (
         "import gc, runpy, sys\n"
-        "sys.argv = ['hf_trainer_optuna.py']\n"
+        f"sys.argv = [{script.name!r}]\n"
         f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
         "from tune_hydra.frontends import shard\n"
         "gc.collect()\n"
@@ -373,7 +370,16 @@ def test_hf_trainer_optuna_smoke() -> None:
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    out = proc.stdout
+    return proc.stdout
+
+
+def test_hf_trainer_optuna_smoke() -> None:
+    """An Optuna search of Hugging Face Trainer fine-tunings (Trainer's defaults, a tiny
+    from_config GPT-2), 2 trials at once: each trial's model was cut into shards on the
+    embedded engine (Trainer's optimizer adopted), and every loop left it at the end."""
+    pytest.importorskip("transformers")
+    script = ROOT / "examples" / "hf_trainer_optuna.py"
+    out = _run_on_embedded_engine(script)
     assert "best params: {'learning_rate'" in out and "best eval_loss:" in out
     assert float(out.split("busy_s ", 1)[1].split()[0]) > 0  # trained on the engine
     assert "left []" in out
@@ -388,27 +394,7 @@ def test_optuna_pytorch_simple_smoke() -> None:
     for what in ("import tune_hydra as th", "th.configure(", "= th.shard(model, optimizer)"):
         assert sum(what in line for line in marked) == 1, what
     assert sum("n_jobs=" in line for line in marked) == 1
-    check = (
-        "import gc, runpy, sys\n"
-        "sys.argv = ['optuna_pytorch_simple.py']\n"
-        f"runpy.run_path({str(script)!r}, run_name='__main__')\n"
-        "from tune_hydra.frontends import shard\n"
-        "gc.collect()\n"
-        "s = shard._ENGINE.summary()\n"
-        "print('busy_s', sum(d['busy_s'] for d in s['devices'].values()))\n"
-        "print('left', shard._ENGINE.tasks())\n"
-    )
-    env = dict(os.environ, PYTHONPATH=str(ROOT), **SMOKE)
-    proc = subprocess.run(
-        [sys.executable, "-c", check],
-        capture_output=True,
-        text=True,
-        timeout=HANG_S,
-        env=env,
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    out = proc.stdout
+    out = _run_on_embedded_engine(script)
     assert "Number of finished trials:  6" in out and "Best trial:" in out
     busy = float(out.split("busy_s ", 1)[1].split()[0])
     assert busy > 0  # the trials' ops ran on the engine's devices
