@@ -19,6 +19,9 @@ search: a Llama of hidden 256, 6 layers, vocab 4000 saved and loaded with
 CPU devices, ``max_layers_per_shard=2``), ``Engine(batch_shared=True)`` vs ``False``,
 each run in a fresh process, the two interleaved: samples/s and the batched passes.
 
+``--loops``: the same engine search, each trial a user's loop under ``th.shard`` (one
+thread each, the model's own loss, AdamW; ``zero_grad``, ``backward``, ``step``).
+
 Run: ``python benchmarks/lora_batched.py`` (``--tiny`` for the tests; ``--hidden``,
 ``--layers``, ``--trials``, ``--batch``, ``--seq``, ``--rounds`` to size it;
 ``--engine`` for the engine's figures).
@@ -145,7 +148,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def engine_run(args: argparse.Namespace, batched: bool) -> dict[str, Any]:
-    """One engine search (in this process): the trials of ``args.folder``, one epoch."""
+    """One engine search (in this process): the trials of ``args.folder``, one epoch, as
+    task factories, or with ``--loops`` as users' ``th.shard`` loops (one thread each,
+    as ``study.optimize(n_jobs=...)`` runs them)."""
     import peft
     import torch
     import transformers
@@ -179,13 +184,16 @@ def engine_run(args: argparse.Namespace, batched: bool) -> dict[str, Any]:
         policy="lrtf",
         batch_shared=batched,
     ) as eng:
-        for i, task in enumerate(tasks):
-            eng.add_task(f"t{i}", task, seed=i)
-        t0 = time.perf_counter()
-        futures = [eng.train(f"t{i}", 1) for i in range(args.trials)]
-        for f in futures:
-            f.result(timeout=3600)
-        wall = time.perf_counter() - t0
+        if args.loops:
+            wall = _run_loops(eng, tasks)
+        else:
+            for i, task in enumerate(tasks):
+                eng.add_task(f"t{i}", task, seed=i)
+            t0 = time.perf_counter()
+            futures = [eng.train(f"t{i}", 1) for i in range(args.trials)]
+            for f in futures:
+                f.result(timeout=3600)
+            wall = time.perf_counter() - t0
         copied = sum(e.bytes_moved for e in eng.trace.events if e.op == "copy_in")
         passes = eng.batcher.passes if eng.batcher is not None else 0
         ops = eng.batcher.batched_ops if eng.batcher is not None else 0
@@ -196,6 +204,46 @@ def engine_run(args: argparse.Namespace, batched: bool) -> dict[str, Any]:
         "passes": passes,
         "batched_ops": ops,
     }
+
+
+def _run_loops(eng: Any, tasks: list[Any]) -> float:
+    """Each task's model trained by a user's loop under ``th.shard`` on ``eng``, one
+    thread each; the seconds from the first ``th.shard`` to the last loop's end."""
+    import threading
+
+    import torch
+
+    import tune_hydra as th
+
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(tasks) + 1)
+
+    def loop(i: int) -> None:
+        task = tasks[i]
+        model = task.model
+        opt = task.optimizer([p for p in model.parameters() if p.requires_grad])
+        torch.manual_seed(i)
+        model, opt = th.shard(model, opt, engine=eng)
+        start.wait()
+        try:
+            for batch in task.train_data:
+                opt.zero_grad()
+                model(**batch).loss.backward()
+                opt.step()
+            th.unshard(model)
+        except BaseException as err:
+            errors.append(err)
+
+    threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(tasks))]
+    for t in threads:
+        t.start()
+    start.wait()
+    t0 = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - t0
 
 
 def engine_main(args: argparse.Namespace) -> int:
@@ -222,11 +270,12 @@ def engine_main(args: argparse.Namespace) -> int:
                 cmd += ["--folder", folder, "--trials", str(args.trials)]
                 cmd += ["--batches", str(args.batches), "--batch", str(args.batch)]
                 cmd += ["--seq", str(args.seq), "--vocab", str(args.vocab)]
-                cmd += ["--cut", str(args.cut)]
+                cmd += ["--cut", str(args.cut)] + ["--loops"] * args.loops
                 out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
                 runs[batched].append(json.loads(out.strip().splitlines()[-1]))
+    kind = "th.shard loops (a thread each)" if args.loops else "task factories"
     print(
-        f"engine: {args.trials} LoRA trials, Llama hidden {args.hidden}, {args.layers} "
+        f"engine, {kind}: {args.trials} LoRA trials, Llama hidden {args.hidden}, {args.layers} "
         f"layers, {args.batches} batches of {args.batch} x {args.seq} tokens, 2 emulated "
         f"copying CPU devices, max_layers_per_shard={args.cut}, float32"
     )
@@ -258,13 +307,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--engine", action="store_true", help="the engine's figures")
     parser.add_argument("--batches", type=int, default=4, help="--engine: batches per trial")
     parser.add_argument("--cut", type=int, default=2, help="--engine: max_layers_per_shard")
+    parser.add_argument(
+        "--loops", action="store_true", help="--engine: the trials as th.shard loops"
+    )
     parser.add_argument("--one-engine", help=argparse.SUPPRESS)
     parser.add_argument("--folder", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.one_engine is not None:
         print(json.dumps(engine_run(args, args.one_engine == "1")))
         return 0
-    if args.engine:
+    if args.engine or args.loops:
         if args.tiny:
             args.hidden, args.layers, args.vocab, args.trials = 32, 2, 100, 3
             args.batches, args.batch, args.seq, args.rounds = 2, 2, 8, 1

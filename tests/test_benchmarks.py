@@ -42,6 +42,8 @@ def test_lora_batched_tiny() -> None:
     out = _run("lora_batched.py", "--engine", "--tiny", timeout=HANG_S)
     passes = int(out.split("batch_shared=True : ")[1].split("; ")[2].split()[0])
     assert passes > 0 and "engine batched / not: " in out  # the engine batched ops
+    out = _run("lora_batched.py", "--loops", "--tiny", timeout=HANG_S)
+    assert "th.shard loops" in out and "engine batched / not: " in out
 
 
 def test_overhead_quick() -> None:

@@ -90,6 +90,7 @@ def test_engine_options() -> None:
         "spill_dir",
         "trace_window",
         "share_frozen",
+        "batch_shared",
     }
     with pytest.raises(InvalidOptionError) as info:
         EngineOptions(max_layers_per_shard=0, where="train_models")

@@ -528,6 +528,9 @@ class EngineOptions:
         share_frozen: hold frozen tensors equal across tasks once (a LoRA search's base;
             ``tune_hydra.engine.frozen``); ``False``: every task keeps its own copy
             (:func:`check_flag`).
+        batch_shared: run ops of several tasks on the same shared frozen shard (LoRA
+            trials over one base, task factories and ``th.shard`` loops alike) as one
+            batched pass (``tune_hydra.engine.batched``; :func:`check_flag`).
         where: who got them, for the messages (``"Engine"``, ``"train_models"``); not
             stored.
 
@@ -555,6 +558,7 @@ class EngineOptions:
     spill_dir: str | os.PathLike[str] | None = None
     trace_window: int | None = DEFAULT_TRACE_WINDOW
     share_frozen: bool = True
+    batch_shared: bool = False
     where: InitVar[str] = "Engine"
     #: ``device_memory`` in bytes (``None``: the whole device).
     device_bytes: int | None = field(init=False, repr=False, compare=False, default=None)
@@ -575,6 +579,7 @@ class EngineOptions:
             "host_bytes": parse_bytes(self.host_memory, option="host_memory"),
             "trace_window": check_trace_window(self.trace_window, where=where),
             "share_frozen": check_flag(self.share_frozen, "share_frozen", where=where),
+            "batch_shared": check_flag(self.batch_shared, "batch_shared", where=where),
         }
         check_spill(self.host_memory, self.spill_dir, where=where)
         for name, value in checked.items():

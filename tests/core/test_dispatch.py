@@ -239,6 +239,7 @@ class EngineStub:
         self._op_sum, self._op_n = 0.0, 0
         self._kept = kept or Flag()
         self.host = Flag()
+        self.batcher = None  # Engine(batch_shared=False)
         self.assigned: list[Op] = []
 
     def _assign(self, w: Worker, entry: Entry, op: Op) -> None:

@@ -5,6 +5,7 @@ outputs, input gradients and adapter gradients equal each trial's shard run alon
 from __future__ import annotations
 
 import copy
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -503,3 +504,189 @@ def test_engine_one_shard_models_grouped_train_as_each_alone(saved: dict[str, Pa
         mine = dict(task.model.named_parameters())
         for n, p in refs[name].model.named_parameters():
             assert torch.equal(mine[n], p), n
+
+
+# -- th.shard loops (Engine(batch_shared=True)) --------------------------------------------
+
+
+def _loop_trial(kind: str, folder: Path, i: int) -> tuple[nn.Module, torch.optim.Optimizer]:
+    task = lora_task(kind, folder, i)
+    model = task.model
+    return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+
+
+def _train_loop(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> list[float]:
+    """A user's LoRA loop: 2 epochs of 3 batches, then an evaluation."""
+    losses = []
+    for _ in range(2):
+        model.train()
+        for j in range(3):
+            opt.zero_grad()
+            loss = model(**batch(100 * i + j, SIZES[i])).loss
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+    model.eval()
+    with torch.no_grad():
+        losses.append(model(**batch(999, 2)).loss.item())
+    return losses
+
+
+@pytest.mark.parametrize(("kind", "budget"), [("llama", None), ("gpt2", None), ("llama", 200_000)])
+def test_shard_loops_batch_shared_train_as_each_alone(
+    kind: str, budget: int | None, saved: dict[str, Path], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4 LoRA loops of users' code under th.shard, each in its thread, on 2 emulated
+    copying devices with batch_shared=True: the engine ran batched passes (counted in
+    summary()["batched_passes"]), each loop's losses and adapters equal the same loop on
+    a deepcopy in plain PyTorch within 1e-12 relative (float64), and the loops left the
+    engine. Under a device budget too (the ops run along are counted on the device:
+    their states as queued, their activations beside the pass's), below what the four
+    loops' shards need at once: the trace replays within it."""
+    import threading
+
+    import tune_hydra as th
+    from tune_hydra.engine import Engine
+
+    trials = [_loop_trial(kind, saved[kind], i) for i in range(4)]
+    refs = [copy.deepcopy(m) for m, _ in trials]
+    results: dict[int, Any] = {}
+    lock = threading.Lock()
+    acts: dict[tuple[str, int], int] = {}
+    with Engine(
+        ["cpu", "cpu"],
+        copy_on_cpu=True,
+        max_layers_per_shard=2,
+        device_memory=budget,
+        batch_shared=True,
+    ) as eng:
+
+        def loop(i: int) -> None:
+            try:
+                with lock:  # the loop's stream (adapter dropout) starts from this seed
+                    torch.manual_seed(100 + i)
+                    m, o = th.shard(*trials[i], engine=eng)
+                results[i] = _train_loop(m, o, i)
+                name = m.__dict__["_th_shard"].loop.name
+                for spec in eng.plan(name).shards:
+                    acts[(name, spec.index)] = spec.activation_bytes
+                th.unshard(m)
+            except BaseException as err:
+                results[i] = err
+
+        threads = [threading.Thread(target=loop, args=(i,)) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        passes = eng.summary()["batched_passes"]
+        assert eng.batcher is not None
+        ops = eng.batcher.batched_ops
+        assert not eng.tasks()
+        if budget is not None:
+            # The loops' shards did not fit at once: states went back to host memory.
+            assert any(e.op == "copy_out" for e in eng.trace.events)
+            eng.trace.validate(state_budget=budget, activation_bytes=acts)
+    assert passes > 0 and ops > passes, (passes, ops)
+    worst = 0.0
+    for i, ref in enumerate(refs):
+        assert not isinstance(results[i], BaseException), results[i]
+        opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+        torch.manual_seed(100 + i)
+        want = _train_loop(ref, opt, i)
+        for got, w in zip(results[i], want, strict=True):
+            worst = max(worst, abs(got - w) / abs(w))
+        assert worst <= TOL, (i, results[i], want)
+        mine = dict(trials[i][0].named_parameters())
+        for n, p in ref.named_parameters():
+            if p.requires_grad:
+                worst = max(worst, rel(mine[n].detach(), p.detach()))
+                assert rel(mine[n].detach(), p.detach()) <= TOL, n
+    with capsys.disabled():
+        print(
+            f"\n{kind} th.shard loops batch_shared: {passes} batched passes of {ops} ops; vs "
+            f"alone: {'exact' if worst == 0 else f'max rel {worst:.2e}'}"
+        )
+
+
+def test_shard_loops_batched_forward_gives_each_loop_its_own_outputs(
+    saved: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two Llama LoRA loops whose first shard's forward ops run as one batched pass (held
+    back until both are ready, then dispatched together): the pass computes the rotary
+    cos/sin once for both, and each loop still gets tensor objects of its own (one
+    returned by both loops' autograd nodes gets the grad_fn of the last: one loop's
+    backward would run the other's ops, a race seen in benchmarks/lora_batched.py), and
+    both train exactly as alone."""
+    import threading
+
+    import tune_hydra as th
+    from tune_hydra.engine import Engine
+    from tune_hydra.engine.loop import LoopRunner
+
+    taken: list[tuple[str, list[torch.Tensor]]] = []  # held: their ids stay theirs
+    take = LoopRunner.take_forward
+
+    def recording(self: Any, op: Any, start: Any, out: Any, cpu_after: Any) -> None:
+        take(self, op, start, out, cpu_after)
+        leaves = [t for t in tree_flatten(self._result[1])[0] if isinstance(t, torch.Tensor)]
+        taken.append((self.name, leaves))
+
+    monkeypatch.setattr(LoopRunner, "take_forward", recording)
+
+    trials = [_loop_trial("llama", saved["llama"], i) for i in (0, 2)]
+    refs = [copy.deepcopy(m) for m, _ in trials]
+    x = [batch(7, 3), batch(8, 2)]
+    with Engine(["cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
+        sharded = [th.shard(m, o, engine=eng) for m, o in trials]
+        for (m, o), b in zip(sharded, x, strict=True):  # the cut, each alone
+            o.zero_grad()
+            m(**b).loss.backward()
+            o.step()
+        losses: dict[int, Any] = {}
+
+        def step(i: int) -> None:
+            m, o = sharded[i]
+            try:
+                o.zero_grad()
+                loss = m(**x[i]).loss
+                loss.backward()
+                o.step()
+                losses[i] = loss.item()
+            except BaseException as err:
+                losses[i] = err
+
+        with eng.hold_dispatch():  # both first forward ops ready before any decision
+            threads = [threading.Thread(target=step, args=(i,)) for i in range(2)]
+            for t in threads:
+                t.start()
+            names = [m.__dict__["_th_shard"].loop.name for m, _ in sharded]
+            deadline = time.monotonic() + 60
+            while not all(eng._registry.tasks[n].runner.current for n in names):
+                assert time.monotonic() < deadline
+                time.sleep(0.001)
+        for t in threads:
+            t.join(120)
+        assert eng.batcher is not None and eng.batcher.passes > 0
+        for m, _ in sharded:
+            th.unshard(m)
+    assert taken  # ops' outputs taken from batched passes: no tensor in two loops' results
+    owner: dict[int, str] = {}
+    for name, leaves in taken:
+        for t in leaves:
+            assert owner.setdefault(id(t), name) == name, (name, tuple(t.shape))
+    for i, ref in enumerate(refs):
+        assert not isinstance(losses[i], BaseException), losses[i]
+        opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
+        want = []
+        for _ in range(2):
+            opt.zero_grad()
+            loss = ref(**x[i]).loss
+            loss.backward()
+            opt.step()
+            want.append(loss.item())
+        assert abs(losses[i] - want[1]) <= TOL * abs(want[1]), (i, losses[i], want)
+        mine = dict(trials[i][0].named_parameters())
+        for n, p in ref.named_parameters():
+            if p.requires_grad:
+                assert rel(mine[n].detach(), p.detach()) <= TOL, n

@@ -147,6 +147,9 @@ class DeviceLedger(Generic[S, C]):
         self.resident: collections.OrderedDict[int, S] = collections.OrderedDict()
         self._measured: dict[int, int] = {}  # bytes found on the device as each arrived
         self.reserved: dict[str, int] = {}  # task -> its batch's kept graphs
+        # A batched pass -> the activations of the ops run along with its own (held from
+        # the first one queued along to its end; tune_hydra.engine.batched).
+        self.along: dict[object, int] = {}
         self.carries: dict[str, C] = {}  # task -> what it left waiting for its next op
         self.peak_resident_bytes = 0  # measured shard state held at once, at most
         # Host side: bytes sent to host memory from this device (totals, see the module).
@@ -188,6 +191,14 @@ class DeviceLedger(Generic[S, C]):
         else:
             self.reserved[task] = nbytes
 
+    def hold_along(self, key: object, nbytes: int | None) -> None:
+        """Hold ``nbytes`` for the activations of the ops run along in batched pass
+        ``key`` (``None``: release them)."""
+        if nbytes is None:
+            self.along.pop(key, None)
+        else:
+            self.along[key] = nbytes
+
     def set_carry(self, task: str, carry: C | None) -> None:
         """Record (or, with ``None``, forget) what ``task`` left waiting here."""
         if carry is None:
@@ -216,13 +227,14 @@ class DeviceLedger(Generic[S, C]):
         the other tasks' waiting boundary tensors."""
         return max(self._usage(0, s.name[0], s.activation_bytes, carries).total for s in shards)
 
-    def need(self, keep: Sequence[S], carries: bool = False) -> int | None:
+    def need(self, keep: Sequence[S], carries: bool = False, extra: int = 0) -> int | None:
         """Bytes over budget if ``keep`` were resident while each of them runs (plus the
-        boundary tensors other tasks left waiting, with ``carries``); None if they fit."""
+        boundary tensors other tasks left waiting, with ``carries``, and ``extra`` bytes);
+        None if they fit."""
         if self.budget is None:
             return None
         unique = {id(s): s for s in keep}.values()
-        need = state_of(unique) + self.peak(unique, carries)
+        need = state_of(unique) + self.peak(unique, carries) + extra
         return None if need <= self.budget else need - self.budget
 
     def admits(self, nbytes: int, room: int, queued: Sequence[S]) -> bool:
@@ -231,7 +243,7 @@ class DeviceLedger(Generic[S, C]):
         reservation) and ``room`` bytes of shard state. Always on an idle device."""
         if self.budget is None:
             return True
-        held = sum(self.reserved.values())
+        held = sum(self.reserved.values()) + sum(self.along.values())
         held += sum(s.activation_bytes for s in queued if s.name[0] not in self.reserved)
         return (not held and not queued) or held + nbytes + room <= self.budget
 
@@ -307,7 +319,7 @@ class DeviceLedger(Generic[S, C]):
         return Usage(
             state,
             0 if task is not None and task in reserved else activations,
-            sum(reserved.values()),
+            sum(reserved.values()) + sum(self.along.values()),
             carried,
         )
 

@@ -70,6 +70,10 @@ class TraceEvent:
             another op held the device: a prefetch of a task's next shard, or the copy
             of an op queued behind another one (the copies double buffering hides
             behind compute). ``False`` for the copy of the op next in line.
+        along: for a compute operation, whether it ran along with the one that started
+            on its device just before it, as one batched pass (``Engine(batch_shared=
+            True)``): part of that op, not a second op at once; its activations add to
+            that op's.
     """
 
     device: str
@@ -83,6 +87,7 @@ class TraceEvent:
     batch: int = -1
     carry_bytes: int = 0
     ahead: bool = False
+    along: bool = False
 
     @property
     def duration(self) -> float:
@@ -240,7 +245,7 @@ class _Folded:
             latest = latest_device.get(e.device)
             if latest is None or end > latest.end:
                 latest_device[e.device] = e
-            if latest is not None and latest.end > start:
+            if latest is not None and latest.end > start and not e.along:
                 self._overlap("device", e.device, latest, e)
             latest = latest_task.get(e.task)
             if latest is None or end > latest.end:
@@ -596,7 +601,8 @@ class Trace:
                 f"{kept}:\n" + _rows([a, b])
             )
         compute = [e for e in events if e.is_compute]
-        _check_sequential(compute, lambda e: e.device, "device", tolerance, folded.latest_device)
+        alone = [e for e in compute if not e.along]  # an op run along is part of another
+        _check_sequential(alone, lambda e: e.device, "device", tolerance, folded.latest_device)
         _check_sequential(compute, lambda e: e.task, "task", tolerance, folded.latest_task)
         if state_budget is not None:
             # Waiting boundary tensors count in full unless batches kept their graphs.
@@ -789,7 +795,12 @@ def _check_memory(
         if what == "reserve":
             ledger.reserve(e.task, kept[e.task])
         elif what == "run":
-            running[e.device] = _Held(key, 0, acts.get(key, 0), e)
+            op = running.get(e.device)
+            if e.along and op is not None:  # one batched pass: the activations of both
+                both = op.activation_bytes + acts.get(key, 0)
+                running[e.device] = _Held(op.name, 0, both, op.event)
+            else:
+                running[e.device] = _Held(key, 0, acts.get(key, 0), e)
             for other in ledgers.values():  # its input moves to the op: its activations
                 other.set_carry(e.task, None)
         else:

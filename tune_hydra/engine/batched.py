@@ -599,73 +599,106 @@ class _Answer:
 # -- the engine's batched ops (Engine(batch_shared=True)) ------------------------------------
 
 
-class SharedBatcher:
-    """Widens an op the dispatcher assigns into one batched op (``Engine(batch_shared=
-    True)``): the other tasks whose current op is ready, of the same kind (a forward
-    that is not the last shard's, or a recomputing backward), on the same shard index
-    whose store holds the same shared frozen tensors, run with it as one pass of
-    :class:`BatchedShard` on the same device, and each advances as if it had run alone.
-    The last shard's ops (the loss) of such a group run in one assignment too, one
-    after another (never over the concatenation): the group stays together for the
-    backward that follows, instead of drifting apart over the devices.
+@dataclass(eq=False)  # by identity (a ledger key)
+class _Group:
+    """The ops of one assignment: its own (the lead's, first) and those run along with
+    it; open to more until it starts."""
 
-    Limits (each op outside them runs alone, as without batching): recompute mode only
-    (``Engine(recompute=True)``, the default on copying devices); one micro-batch per op
-    (no grouped visits), no bf16 autocast; no device budget and no disk tier (the extra
-    shards are leased on the device beside the op's, which a budget would have to make
-    room for). Groups hold at most the live tasks per device. A group that turns out
-    not batchable on the device (:func:`why_not_batchable`) runs its ops one after
-    another in the one assignment, and so does one whose batched pass raised (it
-    changed no task's state): only the task whose own op raises fails.
+    w: Any  # the device worker it is queued on
+    a: Any  # the lead's Assignment
+    kind: Any  # OpKind
+    shard: int
+    key: frozenset[int]
+    members: list[tuple[Any, Any]]  # (task record, op)
+    started: bool = False
+    # Under a device budget: the activations of the ops run along, held on the device
+    # from the first join to the group's end (one batched pass holds them all at once).
+    reserved: int = 0
+
+
+class SharedBatcher:
+    """Runs ops of several tasks on the same shared frozen shard as one batched op
+    (``Engine(batch_shared=True)``): ops of the same kind (a forward, or a recomputing
+    backward), on the same shard index, whose stores hold the same shared frozen
+    tensors (:func:`shared_key`), run as one pass of :class:`BatchedShard` on one
+    device, and each task advances as if it had run alone. The last shard's ops of a
+    task factory (the loss) are grouped the same way but run one after another (never
+    over the concatenation): the group stays together for the backward that follows.
+
+    A group forms in two ways, both under the engine's lock: as an op is assigned, the
+    matching ops ready then go along (:meth:`open`: task factories, whose next ops are
+    ready together as a group ends); and a matching op that becomes ready while the
+    group waits in its device's queue joins it while no device is idle (:meth:`join`:
+    ``th.shard`` loops, whose user threads ask for their ops one by one). A group
+    closes as it starts. Its other stores are counted as queued on the device
+    (``Assignment.along``), so a device budget holds: an op joins only if its state
+    fits there beside what is queued and leased (``DeviceWorker.fits``), and is leased
+    as the group starts.
+
+    Works for every runner that implements the batch steps (``batch_key``, ``op_lock``,
+    ``open_op``, ``run_op``, ``close_op``, ``op_start``, ``take_forward``,
+    ``take_backward``, ``scratch_buffers``; optionally ``op_scope``). Limits (each op
+    outside them runs alone, as without batching): recompute mode only; one micro-batch
+    per op (no grouped visits); no autocast; no disk tier. Groups hold at most the live
+    tasks per device. A group that turns out not batchable on the device
+    (:func:`why_not_batchable`) runs its ops one after another in the one assignment,
+    and so does one whose batched pass raised (it changed no task's state): only the
+    task whose own op raises fails.
     """
 
     def __init__(self, max_group: int = 8) -> None:
         self.max_group = max_group
         self.batched_ops = 0  # ops run inside a batched pass (the lead's included)
         self.passes = 0  # batched passes run
+        self._open: list[_Group] = []  # queued groups not started (under the engine's lock)
         # Per extra task of a group run now: an error of its own, and the bytes of the
         # boundary tensors its op left on the device.
         self._errors: dict[str, BaseException] = {}
         self._left: dict[str, int] = {}
 
-    def widen(self, dispatcher: Any, w: Any, entry: Any, op: Any, a: Any) -> None:
-        """Called by the dispatcher as it assigns ``op`` of ``entry`` to worker ``w``
-        (under the engine's lock): take the matching ready ops along in ``a``."""
+    @staticmethod
+    def _key(e: Any, o: Any) -> frozenset[int] | None:
+        key = getattr(e.runner, "batch_key", None)  # runners that batch have one
+        return None if key is None else key(o)
+
+    def _limit(self, dispatcher: Any) -> int:
+        # Groups no larger than the live tasks per device: every device gets a group.
+        live = sum(1 for e in dispatcher.tasks_along() if e.error is None and e.runner.current)
+        return min(self.max_group, max(2, -(-live // max(1, len(dispatcher.workers)))))
+
+    def _add(self, dispatcher: Any, g: _Group, e: Any, o: Any) -> bool:
+        """Put ``e``'s op ``o`` in ``g`` if its state fits on ``g``'s device beside what
+        is queued and leased there."""
+        store = e.runner.store_of(o.shard)
+        w = g.w
+        if w.budget is not None:
+            acts = store.activation_bytes
+            if not w.fits(store, extra=acts):
+                return False
+            g.reserved += acts
+            w.hold_along(g, g.reserved)
+        dispatcher.assign_along(e, w)
+        g.a.along.append(store)
+        g.members.append((e, o))
+        return True
+
+    def open(self, dispatcher: Any, w: Any, entry: Any, op: Any, a: Any) -> None:
+        """Called as the dispatcher assigns ``op`` of ``entry`` to worker ``w`` (under the
+        engine's lock): ``a`` runs as a group, with the matching ops ready now."""
         from tune_hydra.core.ops import OpKind
-        from tune_hydra.engine.runner import TaskRunner
-        from tune_hydra.engine.storage import LinkedStore, ShardStore
 
         if op.kind not in (OpKind.FORWARD, OpKind.BACKWARD, OpKind.LAST) or op.count != 1:
             return
-        if w.budget is not None or dispatcher.host.active:
+        if dispatcher.host.active:
             return
-
-        def fits(e: Any, o: Any) -> frozenset[int] | None:
-            r = e.runner
-            if not isinstance(r, TaskRunner) or not r.options.recompute:
-                return None
-            if r.stage.autocasts:
-                return None
-            if (o.kind is OpKind.LAST) != (o.shard == len(r.shards) - 1):
-                return None
-            store = r.store_of(o.shard)
-            parts = [store.own, *store.shared] if isinstance(store, LinkedStore) else [store]
-            if any(type(p) is not ShardStore for p in parts):
-                return None
-            if o.kind is not OpKind.LAST and r.shards[o.shard].mutates_input is not False:
-                return None
-            entries = frozenset(id(ref.entry) for p in parts for ref in p.frozen.values())
-            return entries or None
-
-        mine = fits(entry, op)
-        if mine is None:
+        key = self._key(entry, op)
+        if key is None:
             return
-        # Groups no larger than the live tasks per device: every device gets a group (a
-        # group finishing makes its tasks ready together, so it stays one).
-        live = sum(1 for e in dispatcher.tasks_along() if e.error is None and e.runner.current)
-        limit = min(self.max_group, max(2, -(-live // max(1, len(dispatcher.workers)))))
-        extras = []
+        g = _Group(w, a, op.kind, op.shard, key, [(entry, op)])
+        limit = self._limit(dispatcher)
         for e in dispatcher.tasks_along():
+            if len(g.members) >= limit:
+                break
             o = e.runner.current
             if (
                 e is entry
@@ -676,42 +709,51 @@ class SharedBatcher:
                 or o.kind is not op.kind
                 or o.shard != op.shard
                 or o.count != 1
-                or fits(e, o) != mine
+                or self._key(e, o) != key
             ):
                 continue
-            extras.append((e, o))
-            if len(extras) + 1 >= limit:
-                break
-        if not extras:
-            return
-        for e, _ in extras:
-            dispatcher.assign_along(e, w)
-        group = [(entry, op), *extras]
-        a.run = lambda device: self._run(dispatcher, w, group, device)
+            self._add(dispatcher, g, e, o)
         lead_done = a.done
+        a.run = lambda device: self._run(dispatcher, g, device)
+        a.done = lambda a, err: self._done(dispatcher, g, lead_done, a, err)
+        self._open.append(g)
 
-        def done(a: Any, err: BaseException | None) -> None:
-            from tune_hydra.engine.workers import Assignment
+    def join(self, dispatcher: Any, entry: Any, op: Any) -> bool:
+        """Called for ``entry``'s ready ``op`` before the dispatcher offers it (under the
+        engine's lock): run it along with a queued group of the same kind, shard and
+        shared base that has room. True: it joined (it is assigned there)."""
+        if not self._open or op.count != 1 or dispatcher.host.active:
+            return False
+        key: frozenset[int] | None = None
+        limit = 0
+        for g in self._open:
+            if g.started or g.kind is not op.kind or g.shard != op.shard:
+                continue
+            if key is None:
+                key = self._key(entry, op)
+                if key is None:
+                    return False
+                limit = self._limit(dispatcher)
+            if g.key == key and len(g.members) < limit and self._add(dispatcher, g, entry, op):
+                return True
+        return False
 
-            # Every task of the group advanced before the next decision: their next ops
-            # are ready together, and run together again.
-            with dispatcher.hold():
-                for e, o in extras:
-                    one = Assignment(o, e.runner.store_of(o.shard), run=a.run, done=a.done)
-                    one.duration = a.duration / len(group)
-                    failed = err or self._errors.pop(e.name, None)
-                    one.left = 0 if failed else self._left.pop(e.name, 0)
-                    dispatcher.done_along(e, one, failed)
-                lead_done(a, err or self._errors.pop(entry.name, None))
-
-        a.done = done
-
-    def _run(self, dispatcher: Any, w: Any, group: list[Any], device: torch.device) -> None:
-        """The group's op on ``device``: the extra shards leased there, each runner's
-        prologue (as ``TaskRunner.execute``), one batched pass, each runner's epilogue."""
+    def _run(self, dispatcher: Any, g: _Group, device: torch.device) -> None:
+        """The group's op on ``device`` (on its worker's run thread): closed to joins;
+        alone, the lead's op as ever; else the extra shards leased there, each runner's
+        prologue, one batched pass, each runner's epilogue."""
         from tune_hydra.core.trace import TraceEvent
 
-        extras = group[1:]
+        with dispatcher.locked():
+            g.started = True
+            if g in self._open:
+                self._open.remove(g)
+        if len(g.members) == 1:
+            entry, op = g.members[0]
+            entry.runner.execute(op, device)
+            return
+        w = g.w
+        extras = g.members[1:]
         leases = []
         t0 = w.clock()
         ok = False
@@ -723,8 +765,8 @@ class SharedBatcher:
                 store = e.runner.store_of(o.shard)
                 leases.append(w.lease(store))
                 store.begin_op(o.kind)
-            runners = [e.runner for e, _ in group]
-            errors = run_together(runners, [o for _, o in group], device, self)
+            runners = [e.runner for e, _ in g.members]
+            errors = run_together(runners, [o for _, o in g.members], device, self)
             ok = True
         finally:
             self._errors.update(errors)
@@ -740,9 +782,49 @@ class SharedBatcher:
                 w.trace.add(
                     TraceEvent(
                         w.label, o.task, o.shard, o.kind.value, t0, w.clock(), lease.moved,
-                        o.iteration, o.batch, self._left.get(e.name, 0),
+                        o.iteration, o.batch, self._left.get(e.name, 0), along=True,
                     )
                 )  # fmt: skip
+
+    def _done(
+        self, dispatcher: Any, g: _Group, lead_done: Any, a: Any, err: BaseException | None
+    ) -> None:
+        """The group's op ended: every task of it advances before the next decision (its
+        next ops are ready together: a task factory's group runs together again)."""
+        from tune_hydra.engine.workers import Assignment
+
+        with dispatcher.locked():
+            g.started = True  # it failed before starting (its lease): closed all the same
+            if g in self._open:
+                self._open.remove(g)
+            if g.reserved:
+                g.w.hold_along(g, None)
+        entry = g.members[0][0]
+        extras = g.members[1:]
+        if not extras:
+            lead_done(a, err)
+            return
+        with dispatcher.hold():
+            for e, o in extras:
+                one = Assignment(o, e.runner.store_of(o.shard), run=a.run, done=a.done)
+                one.duration = a.duration / len(g.members)
+                failed = err or self._errors.pop(e.name, None)
+                one.left = 0 if failed else self._left.pop(e.name, 0)
+                dispatcher.done_along(e, one, failed)
+            lead_done(a, err or self._errors.pop(entry.name, None))
+
+
+def shared_key(store: Any) -> frozenset[int] | None:
+    """What a shard's ops batch on: the pool entries of the shared frozen tensors its
+    store holds (ops with the same key run over the same base). ``None``: it holds none,
+    or a store a batched pass cannot lease beside another (a disk tier's)."""
+    from tune_hydra.engine.storage import LinkedStore, ShardStore
+
+    parts = [store.own, *store.shared] if isinstance(store, LinkedStore) else [store]
+    if any(type(p) is not ShardStore for p in parts):
+        return None
+    entries = frozenset(id(ref.entry) for p in parts for ref in p.frozen.values())
+    return entries or None
 
 
 def run_together(
@@ -750,8 +832,10 @@ def run_together(
 ) -> dict[str, BaseException]:
     """Run each runner's ``op`` (a forward that is not the last shard's, or a
     recomputing backward; one micro-batch; the same shard index) as one batched pass on
-    ``device``, with the steps of ``TaskRunner.execute`` around it per runner; one after
-    another where the group is not batchable there, or where the batched pass raised.
+    ``device``, with the steps of its ``execute`` around it per runner (``open_op``,
+    ``run_op`` or ``op_start`` / ``take_forward`` / ``take_backward``, ``close_op``); one
+    after another where the group is not batchable there, or where the batched pass
+    raised.
 
     Returns:
         Per runner name, the error its own op raised (the op of each runner not named
@@ -765,6 +849,8 @@ def run_together(
     with contextlib.ExitStack() as locks:
         for r in sorted(runners, key=lambda r: r.name):
             locks.enter_context(r.op_lock)
+        for r in runners:  # what the runner's ops compute inside (a loop's inside_op)
+            locks.enter_context(getattr(r, "op_scope", contextlib.nullcontext)())
         todo = []
         t0 = time.perf_counter()
         for r, op in zip(runners, ops, strict=True):

@@ -72,7 +72,7 @@ class Dispatcher:
         batcher: SharedBatcher | None = None,
     ) -> None:
         self._tasks = tasks
-        # Engine(batch_shared=True): widens an assignment into one batched pass.
+        # Engine(batch_shared=True): groups ops of one shared shard into one batched pass.
         self.batcher = batcher
         self._cv = cv
         self.workers = workers
@@ -300,6 +300,12 @@ class Dispatcher:
         """``entry``'s current op runs on ``w`` along with the op assigned there now."""
         entry.assigned = w
 
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """The engine's lock, for a worker's thread (a group closing as its op starts)."""
+        with self._cv:
+            yield
+
     def done_along(self, entry: TaskRecord, a: Assignment, err: BaseException | None) -> None:
         """``entry``'s op run along ended (``err``: its own error): as one of its own."""
         self._on_done(entry, a, err)
@@ -391,9 +397,17 @@ class Dispatcher:
         last = w.last_task
         cands = []
         entries = []
+        # Engine(batch_shared=True): with every device busy, an op of a shared shard runs
+        # along with the same op of another task queued already (on an idle device it
+        # runs now instead: the ops ready with it go along there).
+        batcher = self.batcher
+        if batcher is not None and not all(x.assigned for x in self.workers):
+            batcher = None
         for e in self._tasks.values():
             op = e.runner.current
             if e.assigned is not None or e.error is not None or e.cancelled or op is None:
+                continue
+            if batcher is not None and batcher.join(self, e, op):
                 continue
             c = e.candidate
             if not (
@@ -490,7 +504,7 @@ class Dispatcher:
             start=(lambda: self.note_carry(entry, None)) if w.copy else None,
         )
         if self.batcher is not None:  # other tasks' ops on the same shared shard run with it
-            self.batcher.widen(self, w, entry, op, a)
+            self.batcher.open(self, w, entry, op, a)
         entry.assigned = w
         if self.host.active and not w.copy:
             # A device that computes in host memory uses the host tensors themselves: they

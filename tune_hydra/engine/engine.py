@@ -83,12 +83,14 @@ class Engine:
         share_frozen: hold frozen tensors equal across tasks (a fine-tuning search's base)
             once in host memory (see ``tune_hydra.engine.frozen``); ``False``: each task
             keeps its own.
-        batch_shared: run the ops of several tasks that are ready together on the same
-            shared frozen shard (LoRA trials over one base) as one batched pass on one
-            device: the frozen layers once over their concatenated batches, each task's
-            adapters on its own rows (see ``tune_hydra.engine.batched``; off by default:
-            within 1e-12 relative of running them alone in float64, not always bitwise;
-            recompute mode only, no device budget or disk tier).
+        batch_shared: run the ops of several tasks on the same shared frozen shard
+            (LoRA trials over one base: task factories and ``th.shard`` loops) as one
+            batched pass on one device: the frozen layers once over their concatenated
+            batches, each task's adapters on its own rows (see
+            ``tune_hydra.engine.batched``; off by default: within 1e-12 relative of
+            running them alone in float64, not always bitwise; recompute mode only, no
+            autocast, no disk tier; within ``device_memory``). ``summary()`` counts the
+            batched passes.
         options: the same options as one checked :class:`~tune_hydra.options.EngineOptions`
             (what the front ends build where the user gives them, and hand down as it is),
             instead of the keywords above (``Engine(options=opts)``; giving both is
@@ -160,6 +162,7 @@ class Engine:
             "spill_dir": spill_dir,
             "trace_window": trace_window,
             "share_frozen": share_frozen,
+            "batch_shared": batch_shared,
         }
         options = _engine_options(options, given)
         self.options = options
@@ -167,10 +170,10 @@ class Engine:
         self.policy = get_policy(options.policy)
         gpu, recompute = any(d.type == "cuda" for d in self.devices), options.recompute
         self.recompute = (gpu or options.copy_on_cpu) if recompute is None else recompute
-        if batch_shared and not self.recompute:
+        if options.batch_shared and not self.recompute:
             raise InvalidOptionError(
                 "batch_shared",
-                batch_shared,
+                options.batch_shared,
                 "the batched base runs recomputing ops only: give recompute=True (the "
                 "default on GPUs and with copy_on_cpu=True), or leave batch_shared off",
                 "Engine",
@@ -213,7 +216,7 @@ class Engine:
             kept,
         )
         # Engine(batch_shared=True): its counts (passes, ops run in them) for the figures.
-        self.batcher = SharedBatcher() if batch_shared else None
+        self.batcher = SharedBatcher() if options.batch_shared else None
         self._dispatcher = Dispatcher(
             self._registry.tasks,
             self._cv,
@@ -513,9 +516,10 @@ class Engine:
         )
 
     def summary(self) -> dict[str, Any]:
-        """Per-device busy time and utilization, bytes moved, per-task figures, and host
-        memory (``"host"``: ``budget``, ``held_bytes``, ``peak_held_bytes``, ``over_bytes``,
-        disk ``written_bytes`` / ``read_bytes``, ``spills``, ``loads``, ``disk_wait_s``,
+        """Per-device busy time and utilization, bytes moved, per-task figures, the
+        batched passes (``"batched_passes"``, 0 without ``batch_shared``), and host memory
+        (``"host"``: ``budget``, ``held_bytes``, ``peak_held_bytes``, ``over_bytes``, disk
+        ``written_bytes`` / ``read_bytes``, ``spills``, ``loads``, ``disk_wait_s``,
         ``spill_dir``; see ``tune_hydra.engine.host``)."""
         wall = self.clock()
         out: dict[str, Any] = {"wall_s": wall, "devices": {}, "tasks": {}}
@@ -534,6 +538,8 @@ class Engine:
                     "num_shards": len(e.plan),
                     "iterations": e.runner.iteration,
                 }
+        # Engine(batch_shared=True): passes that ran several tasks' ops as one.
+        out["batched_passes"] = 0 if self.batcher is None else self.batcher.passes
         return out
 
     def close(self) -> None:

@@ -71,7 +71,7 @@ import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,6 +81,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.engine import amp, rng
+from tune_hydra.engine.batched import shared_key
 from tune_hydra.engine.boundary import backward as backward_from
 from tune_hydra.engine.compiled import GATE as COMPILE_GATE
 from tune_hydra.engine.compiled import Compiler, ShardCompiler, global_cpu_stream
@@ -94,6 +95,7 @@ from tune_hydra.engine.partition import (
     tensor_bytes,
 )
 from tune_hydra.engine.shared import SharedParams
+from tune_hydra.engine.stage import OpStart, accumulate_grad
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.task import OwnedTensors, owned_tensors
 from tune_hydra.engine.units import device_capacity
@@ -108,6 +110,7 @@ from tune_hydra.exceptions import (
     UnsupportedCallError,
     format_bytes,
 )
+from tune_hydra.models.hf import HeadStage
 from tune_hydra.options import TrainOptions
 
 if TYPE_CHECKING:
@@ -221,6 +224,8 @@ class LoopRunner:
         self._request: tuple[Op, Callable[[torch.device], Any], amp.Autocast | None] | None = None
         self._running = False
         self._result: tuple[bool, Any] = (True, None)
+        self._op_lock = threading.Lock()
+        self._headless: dict[int, bool] = {}  # shard -> holds no model head (batch_key)
         self._batch = 0  # train forwards of shard 0 so far
         # Its ops' iteration: the results its front end has seen (th.optimize counts the
         # trial.report calls), which the milestone policy reads as the loop's progress.
@@ -341,9 +346,31 @@ class LoopRunner:
         return self.current
 
     def execute(self, op: Op, device: torch.device) -> None:
-        assert self._request is not None and self._request[0] is op
-        _, fn, autocast = self._request
         t0 = time.perf_counter()
+        if self.open_op(op, device):
+            self.run_op(op, device)
+        self.close_op(time.perf_counter() - t0)
+
+    # The steps of execute, which a batched pass (tune_hydra.engine.batched) takes too,
+    # with its own compute in between: under op_lock, open_op; then run_op, or op_start,
+    # the pass and take_forward / take_backward; then close_op. The user's errors (a
+    # pending step's, the model's) are the op's result, raised in the user's thread.
+
+    @property
+    def op_lock(self) -> threading.Lock:
+        """Held while an op of the loop runs in a batched pass."""
+        return self._op_lock
+
+    def op_scope(self) -> contextlib.AbstractContextManager[None]:
+        """What a batched pass computes the loop's op inside (:func:`inside_op`: a
+        Hugging Face stage runs the model's own ``forward``)."""
+        return inside_op()
+
+    def open_op(self, op: Op, device: torch.device) -> bool:
+        """Start ``op`` on ``device``: the thread count, the shard's pending optimizer
+        steps, the cut's modules in the user's mode. False: that failed (the error is the
+        op's result), nothing to compute."""
+        assert self._request is not None and self._request[0] is op
         if (
             self._follow_threads
             and device.type == "cpu"
@@ -357,12 +384,77 @@ class LoopRunner:
                 for m in self._wrappers:  # the cut's own modules follow the user's mode
                     if m.training is not training:  # (Module.__setattr__ is slow)
                         m.training = training
-                amp.check_device(autocast, device)
-                with amp.entered(autocast):  # the asking thread's (after the pending steps)
-                    self._result = (True, fn(device))
+                amp.check_device(self._request[2], device)
         except BaseException as err:  # the user's code failed: raised in the user's thread
             self._result = (False, err)
-        self._device_time += time.perf_counter() - t0
+            return False
+        return True
+
+    def run_op(self, op: Op, device: torch.device) -> None:
+        """Compute ``op`` (opened) on ``device``: its result, or the user's error."""
+        assert self._request is not None
+        _, fn, autocast = self._request
+        try:
+            with inside_op(), amp.entered(autocast):  # the asking thread's state
+                self._result = (True, fn(device))
+        except BaseException as err:  # the user's code failed: raised in the user's thread
+            self._result = (False, err)
+
+    def close_op(self, seconds: float) -> None:
+        """The op ended: it computed for ``seconds`` (its share of a batched pass)."""
+        self._device_time += seconds
+
+    def batch_key(self, op: Op) -> frozenset[int] | None:
+        """What ``op`` may be batched on with other tasks' ops (the shared frozen
+        tensors of its shard, see :func:`~tune_hydra.engine.batched.shared_key`), or
+        ``None``: it runs alone. Only a recomputing forward or backward without autocast
+        or compile, of a shard that does not write its input, shares no parameter with
+        another shard and holds no model head."""
+        req = self._request
+        if req is None or req[0] is not op or req[2] is not None or self._compiler:
+            return None
+        fn = req[1]
+        if not isinstance(fn, (_Forward, _Backward)) or fn.call.autocast is not None:
+            return None
+        if isinstance(fn, _Backward) and fn.inputs_only:
+            return None
+        shard = self.shards[op.shard]
+        if shard.writes_input is not False or shard.first_uses or shard.last_uses:
+            return None
+        if shard.index not in self._headless:
+            self._headless[shard.index] = not any(
+                isinstance(m, HeadStage) for m in shard.module.modules()
+            )
+        return shared_key(shard.store) if self._headless[shard.index] else None
+
+    def op_start(self, op: Op, device: torch.device) -> OpStart:
+        """What ``op`` (opened, :meth:`batch_key` not None) starts from, to compute it in
+        a batched pass. Changes nothing."""
+        assert self._request is not None
+        fn = self._request[1]
+        assert isinstance(fn, (_Forward, _Backward))
+        return fn.start(device)
+
+    def take_forward(self, op: Op, start: OpStart, out: Any, cpu_after: torch.Tensor) -> None:
+        """``op``'s forward, computed in a batched pass from ``start``, gave ``out`` and
+        left the CPU generator at ``cpu_after``: the loop goes on as if it had run it."""
+        assert self._request is not None
+        fn = self._request[1]
+        assert isinstance(fn, _Forward)
+        self._result = (True, fn.take(start, out, cpu_after))
+
+    def take_backward(self, op: Op, start: OpStart, grads: Sequence[torch.Tensor | None]) -> None:
+        """``op``'s backward, computed in a batched pass from ``start``, gave ``grads``
+        (of ``start.wrt``): they accumulate as autograd's would, the inputs' are the
+        result."""
+        assert self._request is not None
+        fn = self._request[1]
+        assert isinstance(fn, _Backward)
+        self._result = (True, fn.take(start, grads))
+
+    def scratch_buffers(self, op: Op) -> contextlib.AbstractContextManager[None]:
+        """Around a recompute of ``op``'s shard: its buffers as throwaway copies."""
+        return _scratch_buffers(self.shards[op.shard])
 
     def store_of(self, shard: int) -> Store:
         return self.shards[shard].store
@@ -1134,17 +1226,7 @@ class _ShardCall:
             self.steps = shard.steps
             return _to(_detached(out), loop.home)
 
-        def compute(device: torch.device) -> Any:
-            arg = _to(x, device)
-            if shard.writes_input is not False:  # the saved input must stay as it was
-                arg = _clone(arg)
-            with loop._stream(shard, device) as entry, torch.no_grad():
-                out = shard.module(arg)
-            self.entry = entry
-            self.steps = shard.steps
-            return _to(out, loop.home)
-
-        out = loop.run(OpKind.FORWARD, shard.index, keep if loop.keep else compute)
+        out = loop.run(OpKind.FORWARD, shard.index, keep if loop.keep else _Forward(self, x))
         leaves, self.out_spec = tree_flatten(out)
         self.out_tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         self.out_leaves = leaves
@@ -1177,42 +1259,7 @@ class _ShardCall:
                 for t, n in zip(inp, need, strict=True)
             ]
 
-        def compute(device: torch.device) -> list[torch.Tensor | None]:
-            if shard.steps != self.steps:
-                raise UnsupportedCallError(
-                    "a backward through a sharded model's forward came after "
-                    "optimizer.step() changed its parameters: it would recompute that "
-                    "forward with the new weights (plain PyTorch raises that a variable "
-                    "needed for gradient computation was modified by an inplace "
-                    "operation). Call backward() before step(), or run the forward again"
-                )
-            inp = _leaves(saved, need, device)
-            arg = self.inputs(tuple(_clone(t) if shard.writes_input else t for t in inp))
-            for store, i in uses[0]:
-                store.stash_grad(i)
-            # The forward already updated buffers (BatchNorm statistics) once: recompute on
-            # throwaway copies, then put the real buffers back.
-            slots = [(m, n) for part in parts(shard.store) for m, n in part.buffer_slots]
-            real = [m._buffers[n] for m, n in slots]
-            for (m, n), b in zip(slots, real, strict=True):
-                m._buffers[n] = b.clone()  # type: ignore[union-attr]
-            try:
-                with (
-                    loop._replay(self.entry, device),
-                    amp.entered(self.autocast),
-                    torch.enable_grad(),
-                ):
-                    out = shard.module(arg)
-            finally:
-                for (m, n), b in zip(slots, real, strict=True):
-                    m._buffers[n] = b
-            self._back_propagate(out, grads, device, inp if inputs_only else None)
-            for store, i in uses[1]:
-                store.unstash_grad(i)
-            return [
-                None if t.grad is None else t.grad.to(loop.home) if n else None
-                for t, n in zip(inp, need, strict=True)
-            ]
+        compute = _Backward(self, saved, grads, need, inputs_only)
 
         # The input pytree's other leaves (self.leaves) stay: a retained graph's second
         # backward recomputes from them again.
@@ -1250,6 +1297,142 @@ class _ShardCall:
             wanted = [t for t in inputs if t.requires_grad]
             if pairs and wanted:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=wanted)
+
+
+class _Forward:
+    """A recomputing forward op's compute: the shard without grad (its input is kept by
+    the autograd node for the recompute). A batched pass may compute it with other
+    loops' ops instead (:meth:`start`, then :meth:`take`)."""
+
+    def __init__(self, call: _ShardCall, x: Any) -> None:
+        self.call = call
+        self.x = x
+
+    def __call__(self, device: torch.device) -> Any:
+        call = self.call
+        loop, shard = call.loop, call.shard
+        arg = _to(self.x, device)
+        if shard.writes_input is not False:  # the saved input must stay as it was
+            arg = _clone(arg)
+        with loop._stream(shard, device) as entry, torch.no_grad():
+            out = shard.module(arg)
+        call.entry = entry
+        call.steps = shard.steps
+        return _to(out, loop.home)
+
+    def start(self, device: torch.device) -> OpStart:
+        gen = self.call.loop._op_gen
+        return OpStart(_detached(_to(self.x, device)), rng.RngState(gen.get_state()))
+
+    def take(self, start: OpStart, out: Any, cpu_after: torch.Tensor) -> Any:
+        call = self.call
+        call.loop._op_gen.set_state(cpu_after)  # the stream went on as in the pass
+        call.entry = _Entry(start.stream.cpu)
+        call.steps = call.shard.steps
+        # Tensor objects of its own: an output the pass computed from what the trials
+        # share (rotary cos/sin) is one tensor for all of them, and a tensor returned by
+        # this loop's autograd node must not be another loop's node's output too (its
+        # grad_fn would be the last one's: one loop's backward would run another's op).
+        return _to(_detached(out), call.loop.home)
+
+
+class _Backward:
+    """A recomputing backward op's compute: the shard's forward again, with grad, on the
+    random numbers and under the autocast of its forward, back-propagated from the
+    output's gradient. A batched pass may compute it with other loops' ops instead
+    (:meth:`start`, then :meth:`take`)."""
+
+    def __init__(
+        self,
+        call: _ShardCall,
+        saved: tuple[torch.Tensor, ...],
+        grads: tuple[torch.Tensor | None, ...],
+        need: Any,
+        inputs_only: bool,
+    ) -> None:
+        self.call = call
+        self.saved = saved
+        self.grads = grads
+        self.need = need
+        self.inputs_only = inputs_only
+        self._inp: list[torch.Tensor] = []  # start's input leaves (take reads them)
+
+    def _check_steps(self) -> None:
+        if self.call.shard.steps != self.call.steps:
+            raise UnsupportedCallError(
+                "a backward through a sharded model's forward came after "
+                "optimizer.step() changed its parameters: it would recompute that "
+                "forward with the new weights (plain PyTorch raises that a variable "
+                "needed for gradient computation was modified by an inplace "
+                "operation). Call backward() before step(), or run the forward again"
+            )
+
+    def __call__(self, device: torch.device) -> list[torch.Tensor | None]:
+        call = self.call
+        loop, shard = call.loop, call.shard
+        uses = ([], []) if self.inputs_only else (shard.first_uses, shard.last_uses)
+        self._check_steps()
+        inp = _leaves(self.saved, self.need, device)
+        arg = call.inputs(tuple(_clone(t) if shard.writes_input else t for t in inp))
+        for store, i in uses[0]:
+            store.stash_grad(i)
+        with (
+            _scratch_buffers(shard),
+            loop._replay(call.entry, device),
+            amp.entered(call.autocast),
+            torch.enable_grad(),
+        ):
+            out = shard.module(arg)
+        call._back_propagate(out, self.grads, device, inp if self.inputs_only else None)
+        for store, i in uses[1]:
+            store.unstash_grad(i)
+        return [
+            None if t.grad is None else t.grad.to(loop.home) if n else None
+            for t, n in zip(inp, self.need, strict=True)
+        ]
+
+    def start(self, device: torch.device) -> OpStart:
+        call = self.call
+        self._check_steps()
+        inp = self._inp = _leaves(self.saved, self.need, device)
+        entry = call.entry
+        # A forward that drew nothing recorded no state: its recompute draws nothing.
+        cpu = entry.cpu if entry is not None and entry.cpu is not None else None
+        stream = rng.RngState(torch.Generator().get_state() if cpu is None else cpu)
+        # The output's gradient, leaf for leaf as the output flattens.
+        grad: list[Any] = [None] * len(call.out_leaves)
+        for i, g in zip(call.out_tensor_at, self.grads, strict=True):
+            grad[i] = None if g is None else g.to(device)
+        params = [p for p in call.shard.module.parameters() if p.requires_grad]
+        wrt = [*params, *(t for t in inp if t.requires_grad)]
+        return OpStart(call.inputs(tuple(inp)), stream, grad=grad, wrt=wrt)
+
+    def take(self, start: OpStart, grads: Sequence[torch.Tensor | None]) -> list[Any]:
+        home = self.call.loop.home
+        n_params = len(start.wrt) - sum(t.requires_grad for t in self._inp)
+        for t, g in zip(start.wrt[:n_params], grads[:n_params], strict=True):
+            accumulate_grad(t, g)
+        mine = iter(grads[n_params:])
+        out: list[Any] = []
+        for t, n in zip(self._inp, self.need, strict=True):
+            g = next(mine) if t.requires_grad else None
+            out.append(None if g is None or not n else g.to(home))
+        return out
+
+
+@contextlib.contextmanager
+def _scratch_buffers(shard: LoopShard) -> Iterator[None]:
+    """A recompute's buffers: the forward already updated them (BatchNorm statistics)
+    once, so the recompute runs on throwaway copies and the real ones are put back."""
+    slots = [(m, n) for part in parts(shard.store) for m, n in part.buffer_slots]
+    real = [m._buffers[n] for m, n in slots]
+    for (m, n), b in zip(slots, real, strict=True):
+        m._buffers[n] = b.clone()  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        for (m, n), b in zip(slots, real, strict=True):
+            m._buffers[n] = b
 
 
 class _ShardFunction(torch.autograd.Function):

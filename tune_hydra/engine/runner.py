@@ -25,6 +25,7 @@ from torch import nn
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.core.program import Mark, Program
 from tune_hydra.engine import resume, rng
+from tune_hydra.engine.batched import shared_key
 from tune_hydra.engine.boundary import leaves, park, to_device
 from tune_hydra.engine.checks import BatchChecks
 from tune_hydra.engine.data import DataCursor
@@ -513,6 +514,19 @@ class TaskRunner:
         """``op`` ended: it computed for ``seconds`` (this task's share of a batched
         pass)."""
         self.device_time += seconds
+
+    def batch_key(self, op: Op) -> frozenset[int] | None:
+        """What ``op`` may be batched on with other tasks' ops (see
+        :func:`~tune_hydra.engine.batched.shared_key`), or ``None``: it runs alone. Only
+        recomputing ops without autocast; a forward of a shard that does not write its
+        input; the last shard's ops (the loss) only grouped, never batched."""
+        if not self.options.recompute or self.stage.autocasts:
+            return None
+        if (op.kind is OpKind.LAST) != (op.shard == len(self.shards) - 1):
+            return None
+        if op.kind is not OpKind.LAST and self.shards[op.shard].mutates_input is not False:
+            return None
+        return shared_key(self.store_of(op.shard))
 
     def op_start(self, op: Op, device: torch.device) -> OpStart:
         """What ``op`` (opened; a forward that is not the last shard's, or a recomputing

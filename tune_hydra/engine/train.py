@@ -68,6 +68,7 @@ def train_models(
     max_layers_per_shard: int | None = None,
     host_memory: int | str | None = None,
     spill_dir: str | os.PathLike[str] | None = None,
+    batch_shared: bool = False,
 ) -> History:
     """Train many models at once, shard by shard, each exactly as plain PyTorch would.
 
@@ -102,6 +103,8 @@ def train_models(
         spill_dir: a folder, on a local disk (NVMe; a RAM file system such as a tmpfs is
             refused), where the engine makes its own scratch subfolder, removed when
             training ends. Unused without ``host_memory``.
+        batch_shared: run the ops of LoRA tasks over one base that are ready together on
+            the same shard as one batched pass (see ``tune_hydra.engine.Engine``).
 
     The engine options are forwarded as one checked
     :class:`~tune_hydra.options.EngineOptions` (``Engine(options=...)``); those not taken
@@ -175,6 +178,7 @@ def train_models(
         max_layers_per_shard=max_layers_per_shard,
         host_memory=host_memory,
         spill_dir=spill_dir,
+        batch_shared=batch_shared,
         where=where,
     )
     history = History({name: [] for name in tasks})  # in the order of ``tasks``

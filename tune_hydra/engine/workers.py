@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -64,6 +64,13 @@ class Assignment:
     # on another device holds it).
     lend: bool = False
     lease: Lease | None = None  # the shard held on the device from copy-in to the op's end
+    # The stores of other tasks' ops run along with this one (one batched pass of a
+    # shared shard, tune_hydra.engine.batched), leased as it starts: counted as queued.
+    along: list[Store] = field(default_factory=list)
+
+    def stores(self) -> list[Store]:
+        """Every store the assignment's op(s) use here."""
+        return [self.store, *self.along] if self.along else [self.store]
 
 
 @dataclass
@@ -501,14 +508,14 @@ class DeviceWorker:
         out += [s for s in self._granted.values() if s is not store]
         return out
 
-    def fits(self, store: Store) -> bool:
+    def fits(self, store: Store, extra: int = 0) -> bool:
         """Whether ``store`` can be resident beside the ops already assigned here and the
-        leases held (the dispatcher asks before queueing a second op behind a running
-        one)."""
-        queued = [x.store for x in list(self.assigned)]
+        leases held, with ``extra`` bytes more (the dispatcher asks before queueing a
+        second op behind a running one; the batcher before running an op along)."""
+        queued = [s for x in list(self.assigned) for s in x.stores()]
         with self._lock:
             keep = queued + [le._store for le in self._leases.values()] + [store]
-            return self.ledger.need(keep, True) is None
+            return self.ledger.need(keep, True, extra) is None
 
     def _need(self, keep: list[Store], carries: bool = False) -> int | None:
         """Bytes over budget if ``keep`` were resident while each of them runs (plus the
@@ -522,13 +529,20 @@ class DeviceWorker:
         with self._lock:
             self.ledger.reserve(task, nbytes)
 
+    def hold_along(self, key: object, nbytes: int | None) -> None:
+        """Hold ``nbytes`` for the activations of the ops run along in batched pass
+        ``key`` (``None``: release them; see ``DeviceLedger.hold_along``)."""
+        with self._lock:
+            self.ledger.hold_along(key, nbytes)
+
     def admits(self, nbytes: int, room: int) -> bool:
         """Whether a task may start a batch (or run an op outside one) needing ``nbytes``
         here beside the batches in flight, the activations of the other ops assigned here
         and ``room`` bytes of shard state. Always on an idle device: each plan fits the
         budget on its own."""
         with self._lock:
-            return self.ledger.admits(nbytes, room, [a.store for a in list(self.assigned)])
+            queued = [s for a in list(self.assigned) for s in a.stores()]
+            return self.ledger.admits(nbytes, room, queued)
 
     def set_carry(self, task: str, carry: Carry | None) -> None:
         """Record (or, with ``None``, forget) what ``task`` left waiting here."""
@@ -583,7 +597,7 @@ class DeviceWorker:
             # (Copies granted room for a caller's lease count as the next op, if none is
             # queued: its holder computes on it then.)
             incoming = self._incoming
-            coming = [x.store for x in queued]
+            coming = [s for x in queued for s in x.stores()]
             coming += [s for s in self._granted.values() if s is not incoming]
             over = self.ledger.settle_over(coming, incoming)
         nxt = queued[0].op.task if queued else None
@@ -614,7 +628,7 @@ class DeviceWorker:
             queued = list(self.assigned)
             if op is not None and any(x is op for x in queued):
                 queued = queued[: next(i for i, x in enumerate(queued) if x is op)]
-            ahead = [x.store for x in queued] + [incoming]
+            ahead = [s for x in queued for s in x.stores()] + [incoming]
             with self._lock:  # checked and granted at once: callers on other threads
                 beside = self._beside(incoming)
                 keep = ahead[:-1] + beside + [incoming]

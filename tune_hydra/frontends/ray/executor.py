@@ -248,6 +248,8 @@ class HydraExecutor:
         max_layers_per_shard: cut every model finer than ``device_memory`` requires: at
             most this many layers in one shard (an int >= 1; None: as many as the budget
             allows). :meth:`plan` shows the cut it gives.
+        batch_shared: run the ops of LoRA trials over one base that are ready together
+            on the same shard as one batched pass (see ``tune_hydra.engine.Engine``).
         recompute: re-run each shard's forward in its backward instead of keeping its
             graph; default ``True`` on GPUs, ``False`` on CPU devices. Without it each
             trial's batch reserves its kept activations in ``device_memory``, so fewer
@@ -309,6 +311,7 @@ class HydraExecutor:
         prefetch: bool = True,
         recompute: bool | None = None,
         max_layers_per_shard: int | None = None,
+        batch_shared: bool = False,
         iteration_batches: int | None = None,
         seed: int | None = None,
         max_grad_norm: float | None = None,
@@ -349,6 +352,7 @@ class HydraExecutor:
             max_layers_per_shard=max_layers_per_shard,
             host_memory=host_memory,
             spill_dir=spill_dir,
+            batch_shared=batch_shared,
             where=where,
         )
         self.factory_timeout_s = check_factory_timeout(factory_timeout_s, where=where)
