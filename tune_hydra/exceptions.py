@@ -2,10 +2,18 @@
 
 Every error derives from :class:`TuneHydraError`, and also from the built-in exception a
 caller would naturally catch (``ValueError``, ``TypeError``, ...), so both
-``except TuneHydraError`` and ``except ValueError`` work.
+``except TuneHydraError`` and ``except ValueError`` work. Errors that share a meaning
+share a base too: :class:`ConfigurationError` (an option of the engine or a front end),
+:class:`InvalidTaskError` (a task's inputs), :class:`MemoryBudgetError` (something does
+not fit a memory budget), :class:`SpillError` (the disk tier), :class:`CheckpointError`,
+:class:`LeaseError`, :class:`ShardError` (``th.shard``), :class:`SystematicTaskError`.
+
+Every error pickles intact (Ray ships it between processes): :class:`_Picklable` restores
+its ``args`` and attributes without calling its constructor again.
 
 Example:
     >>> import tune_hydra as th
+    >>> import tune_hydra.engine  # th.engine, also where nothing imported it yet
     >>> try:
     ...     th.engine.parse_bytes("lots")
     ... except th.TuneHydraError as err:
@@ -17,11 +25,65 @@ from __future__ import annotations
 
 import errno
 import math
-from typing import Any
+from typing import Any, ClassVar
+
+_HEAPTYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
 
 
-class TuneHydraError(Exception):
+def _restore(cls: type[BaseException], args: tuple[Any, ...]) -> BaseException:
+    """A ``cls`` holding ``args``, made without running ``cls.__init__`` (whose parameters
+    are not the message that ``args`` holds); ``pickle`` then sets its attributes."""
+    # The built-in type whose __new__ lays out cls: its first built-in base along
+    # __base__, not along the MRO (MemoryError.__new__ refuses a TuneHydraError first).
+    base: type = cls
+    while base.__flags__ & _HEAPTYPE:
+        base = base.__base__  # type: ignore[assignment]  # only object has None
+    err = base.__new__(cls)  # type: ignore[call-overload]
+    err.args = args
+    return err
+
+
+class _Picklable:
+    """Mixin: an exception that pickles with its ``args`` and attributes, whatever its
+    ``__init__`` takes.
+
+    ``BaseException.__reduce__`` rebuilds an error as ``cls(*err.args)``, which fails (or
+    makes another message) for an ``__init__`` that takes fields and builds the message
+    from them. This rebuilds it from its state instead: same type, ``args``, ``str()`` and
+    attributes. Attributes named in ``_reprs`` are pickled as their ``repr`` (a value the
+    user gave that may not pickle, such as a lambda).
+
+    Example:
+        >>> import pickle
+        >>> err = InvalidOptionError("seed", lambda: 0, "give an int")
+        >>> back = pickle.loads(pickle.dumps(err))
+        >>> type(back).__name__, str(back) == str(err), back.option
+        ('InvalidOptionError', True, 'seed')
+    """
+
+    _reprs: ClassVar[tuple[str, ...]] = ()
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        state = {k: _Shown(repr(v)) if k in self._reprs else v for k, v in vars(self).items()}
+        return (_restore, (type(self), self.args), state)  # type: ignore[attr-defined]
+
+
+class TuneHydraError(_Picklable, Exception):
     """Root of every error raised by tune_hydra."""
+
+
+class ConfigurationError(TuneHydraError):
+    """An option of the engine or of a front end (a budget, a device, a policy, a keyword,
+    a training option) is not valid; the message says what it takes."""
+
+
+class MemoryBudgetError(TuneHydraError, MemoryError):
+    """Something does not fit a memory budget (``device_memory``, ``host_memory``): raise
+    the budget, or make that thing smaller (the message says which and by how much)."""
+
+
+class SpillError(TuneHydraError, OSError):
+    """The disk tier (``spill_dir``) cannot be used, written or read back."""
 
 
 class InvalidModelError(TuneHydraError, TypeError):
@@ -36,15 +98,15 @@ class EmptyDataError(InvalidTaskError):
     """``train_data`` yielded no batch."""
 
 
-class BudgetFormatError(TuneHydraError, ValueError):
+class BudgetFormatError(ConfigurationError, ValueError):
     """A memory budget string or number could not be parsed."""
 
 
-class UnknownDeviceError(TuneHydraError, ValueError):
+class UnknownDeviceError(ConfigurationError, ValueError):
     """A device name is not valid or not available on this machine."""
 
 
-class ShardTooLargeError(TuneHydraError, MemoryError):
+class ShardTooLargeError(MemoryBudgetError):
     """One layer alone needs more memory than the per-device budget.
 
     Attributes:
@@ -83,12 +145,6 @@ class ShardTooLargeError(TuneHydraError, MemoryError):
             f"lower the batch size, or split that layer into smaller modules."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:  # crosses process boundaries (Ray) intact
-        return (
-            type(self),
-            (self.layer, self.nbytes, self.budget, self.detail, self.min_device_memory),
-        )
-
 
 class NonFiniteLossError(TuneHydraError, FloatingPointError):
     """A task's training loss became NaN or infinite."""
@@ -102,9 +158,6 @@ class NonFiniteLossError(TuneHydraError, FloatingPointError):
             f"task {task!r}: loss became {value} at epoch {epoch}, batch {batch}. Lower the "
             f"learning rate, set max_grad_norm, or check the data; the other tasks go on."
         )
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task, self.epoch, self.batch, self.value))
 
 
 class TaskFailedError(TuneHydraError, RuntimeError):
@@ -122,9 +175,6 @@ class TaskFailedError(TuneHydraError, RuntimeError):
         if original_traceback:
             text += f"\n\nOriginal traceback:\n{original_traceback}"
         super().__init__(text)
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task, self.message, self.original_traceback))
 
 
 class TrainingError(TuneHydraError, RuntimeError):
@@ -146,15 +196,12 @@ class TrainingError(TuneHydraError, RuntimeError):
             f"are trained."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.errors, self.history))
-
 
 class MissingDependencyError(TuneHydraError, ImportError):
     """An optional package (e.g. matplotlib for plots) is not installed."""
 
 
-class UnknownPolicyError(TuneHydraError, ValueError):
+class UnknownPolicyError(ConfigurationError, ValueError):
     """A scheduling policy name is not known."""
 
 
@@ -202,9 +249,6 @@ class TaskFactoryTimeoutError(TaskFactoryError, TimeoutError):
             f" The call keeps running in the background; its result will be dropped."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.what, self.timeout_s))
-
 
 _BUILD_INSIDE = (
     "a module-level MODEL = Net() is shared by every trial in the engine's process, so "
@@ -243,9 +287,6 @@ class SharedModelError(InvalidTaskError):
         )
         more = f" and {len(self.tensors) - 6} more" if len(self.tensors) > 6 else ""
         return shown, more
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task, self.owner, self.tensors))
 
 
 class ReusedModelError(SharedModelError):
@@ -298,9 +339,6 @@ class FrozenTensorModifiedError(TuneHydraError, RuntimeError):
             f"base that differs."
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task, self.tensor, self.what, self.others))
-
 
 class NotBatchableError(TuneHydraError, ValueError):
     """Several trials' ops on one shared shard cannot run as one batched pass
@@ -315,7 +353,7 @@ class _Shown(str):
         return str(self)
 
 
-class InvalidOptionError(InvalidTaskError):
+class InvalidOptionError(InvalidTaskError, ConfigurationError):
     """A training option (``seed``, ``max_grad_norm``, ``accumulate_steps``,
     ``precision``, ``iteration_batches``, ``max_layers_per_shard`` ...) has a bad value.
 
@@ -326,6 +364,8 @@ class InvalidOptionError(InvalidTaskError):
         where: who got it (``"task 'a'"``, ``"HydraExecutor"``, ``"train_models"``), or ``""``.
     """
 
+    _reprs = ("value",)
+
     def __init__(self, option: str, value: Any, expected: str, where: str = "") -> None:
         self.option = option
         self.value = value
@@ -334,16 +374,13 @@ class InvalidOptionError(InvalidTaskError):
         prefix = f"{where}: " if where else ""
         super().__init__(f"{prefix}{option}={value!r} is not valid: {expected}")
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.option, _Shown(repr(self.value)), self.expected, self.where))
 
-
-class SpillDirError(TuneHydraError, OSError):
+class SpillDirError(SpillError):
     """``spill_dir`` cannot hold the disk tier: it is missing, not a folder, not writable,
     on a full disk, or ``host_memory`` was given without it."""
 
 
-class HostBudgetError(TuneHydraError, MemoryError):
+class HostBudgetError(MemoryBudgetError):
     """``host_memory`` is smaller than one shard's state: that shard could never be in
     host memory to run or to come back from a device."""
 
@@ -359,11 +396,8 @@ class HostBudgetError(TuneHydraError, MemoryError):
             f"devices busy), or lower device_memory so that shards are smaller"
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task, self.shard, self.nbytes, self.budget))
 
-
-class SpillWriteError(TuneHydraError, OSError):
+class SpillWriteError(SpillError):
     """A shard's state could not be written to ``spill_dir`` mid-run (the folder became
     unwritable or read-only, was removed, an I/O error; a full disk is the subclass
     :class:`SpillDiskFullError`): its task fails, the others go on, and the state stays in
@@ -403,12 +437,6 @@ class SpillWriteError(TuneHydraError, OSError):
             )
         return "Check the disk under spill_dir, or point spill_dir at another local disk"
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (
-            type(self),
-            (self.task, self.shard, self.nbytes, self.path, self.detail, self.code),
-        )
-
 
 class SpillDiskFullError(SpillWriteError):
     """A shard's state could not be written to ``spill_dir`` because the disk (or the
@@ -430,7 +458,7 @@ class SpillDiskFullError(SpillWriteError):
         return "Free space there, point spill_dir at a larger disk, or raise host_memory"
 
 
-class SpillReadError(TuneHydraError, OSError):
+class SpillReadError(SpillError):
     """A shard's state in ``spill_dir`` could not be read back (an I/O error, a file
     changed under the engine): its task fails, the others go on."""
 
@@ -445,9 +473,6 @@ class SpillReadError(TuneHydraError, OSError):
             f"programs out of it; restore the task from its last checkpoint"
         )
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task, self.shard, self.path, self.detail))
-
 
 class _TaskInputError(InvalidTaskError):
     """A task's input is unusable; the message names the task, the input and the fix."""
@@ -456,9 +481,6 @@ class _TaskInputError(InvalidTaskError):
         self.task = task
         self.detail = detail
         super().__init__(f"task {task!r}: {detail}")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.task, self.detail))
 
 
 class InvalidOptimizerError(_TaskInputError, TypeError):
@@ -520,9 +542,6 @@ class CheckpointError(TuneHydraError, ValueError):
         what = file if file is not None else "the directory"
         super().__init__(f"checkpoint {checkpoint}: {what} {problem}. {fix}.")
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.checkpoint, self.file, self.problem, self.fix))
-
 
 class ForeignCheckpointFileError(CheckpointError):
     """A checkpoint folder holds a file or folder that tune_hydra never writes (it writes
@@ -547,7 +566,7 @@ class InvalidStudyError(TuneHydraError, TypeError):
     task factory that is not callable."""
 
 
-class UnknownOptionError(TuneHydraError, TypeError):
+class UnknownOptionError(ConfigurationError, TypeError):
     """A keyword option that the function does not take (a typo, or an option of another
     front end); the message lists the options it takes."""
 
@@ -579,9 +598,6 @@ class SystematicTaskError(TuneHydraError, RuntimeError):
             )
         super().__init__(text)
 
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.trial, self.problem, self.fix))
-
 
 class NotATaskError(SystematicTaskError, TaskFactoryError, TypeError):
     """The task factory returned something that is not a :class:`~tune_hydra.ModelTask`
@@ -607,9 +623,6 @@ class UncuttableModelError(InvalidModelError):
         self.problem = problem
         self.fix = fix
         super().__init__(f"trial {trial}: {problem}. {fix}.")
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (type(self), (self.trial, self.problem, self.fix))
 
 
 class UndeclaredMetricError(SystematicTaskError, UnknownMetricError):
@@ -695,7 +708,7 @@ class ModelNotCutError(ShardError, RuntimeError):
     cuts it there (the first batch sizes the activations)."""
 
 
-class BatchTooLargeError(ShardError, MemoryError):
+class BatchTooLargeError(ShardError, MemoryBudgetError):
     """A sharded model got a training batch larger than the one its cut was sized on (its
     first forward's), and the cut's shards cannot hold that batch's activations within
     ``device_memory``."""

@@ -25,12 +25,12 @@ import torch
 from tune_hydra.core.ops import Op
 from tune_hydra.core.policies import BasePolicy, get_policy
 from tune_hydra.core.trace import Trace
+from tune_hydra.engine.acquire import acquire as acquire_lease
 from tune_hydra.engine.batched import SharedBatcher
 from tune_hydra.engine.dispatcher import Dispatcher
 from tune_hydra.engine.host import HostMemory
 from tune_hydra.engine.kept import KeptGraphs
 from tune_hydra.engine.lease import Lease
-from tune_hydra.engine.lease import acquire as acquire_lease
 from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.engine.protocol import Runner
 from tune_hydra.engine.records import TaskRecord

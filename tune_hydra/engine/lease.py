@@ -13,7 +13,8 @@ There is one implementation of "make this shard resident here and keep it while
 computing": :meth:`DeviceWorker.lease <tune_hydra.engine.workers.DeviceWorker.lease>`. The
 engine's own ops take it too: a device's copy thread leases the shard of each assigned op
 (while the op before it computes: prefetching is unchanged), its run thread computes and
-releases it. :func:`acquire` (``Engine.acquire``) leases for a caller's own thread.
+releases it. :func:`~tune_hydra.engine.acquire.acquire` (``Engine.acquire``) leases for
+a caller's own thread.
 
 Rules:
 
@@ -41,30 +42,20 @@ Locks: the claim registry's condition is a leaf (nothing else is taken under it)
 
 from __future__ import annotations
 
-import math
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import AbstractContextManager, contextmanager
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
 from tune_hydra.core.ops import OpKind
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
-from tune_hydra.exceptions import (
-    InvalidOptionError,
-    InvalidTaskError,
-    LeaseConflictError,
-    LeaseEndedError,
-    LeaseTimeoutError,
-    UnknownDeviceError,
-)
+from tune_hydra.exceptions import LeaseEndedError, LeaseTimeoutError
 
 if TYPE_CHECKING:
     from tune_hydra.engine.host import HostMemory
-    from tune_hydra.engine.records import TaskRecord
-    from tune_hydra.engine.workers import DeviceWorker
 
 _POLL_S = 0.2  # a wait for a claim wakes up this often to notice a close
 
@@ -74,6 +65,26 @@ def parts(store: Store) -> list[ShardStore]:
     if isinstance(store, LinkedStore):
         return [store.own, *store.shared]
     return [store]
+
+
+class LeaseWorker(Protocol):
+    """What a lease and the claim registry use of the device worker that made them
+    (:class:`~tune_hydra.engine.workers.DeviceWorker`, which imports this module)."""
+
+    @property
+    def closing(self) -> bool: ...
+
+    @property
+    def label(self) -> str: ...
+
+    @property
+    def device(self) -> torch.device: ...
+
+    def what(self, store: Store) -> str: ...
+
+    def fence(self) -> None: ...
+
+    def unpin(self, lease: Lease, *, revoke: bool = False) -> None: ...
 
 
 class _Claims:
@@ -107,7 +118,7 @@ class _Claims:
             self._take(store, worker)
             return True
 
-    def claim(self, store: Store, worker: DeviceWorker, deadline: float | None) -> None:
+    def claim(self, store: Store, worker: LeaseWorker, deadline: float | None) -> None:
         """Claim ``store`` for a lease on ``worker``, waiting until it is free.
 
         Raises:
@@ -186,7 +197,7 @@ class Lease:
 
     __slots__ = ("_ended", "_fence", "_host", "_store", "_worker", "event", "moved")
 
-    def __init__(self, worker: DeviceWorker, store: Store, host: HostMemory | None) -> None:
+    def __init__(self, worker: LeaseWorker, store: Store, host: HostMemory | None) -> None:
         self._worker = worker
         self._store = store
         self._host = host  # marked its state busy there (a device computing in place)
@@ -307,119 +318,4 @@ class Lease:
         self.release()
 
 
-def acquire(
-    task: str,
-    shard: int,
-    device: int | str | torch.device,
-    *,
-    timeout: float | None = None,
-    workers: Sequence[DeviceWorker],
-    host: HostMemory,
-    lock: AbstractContextManager[Any],
-    lookup: Callable[[str], TaskRecord | None],
-) -> Lease:
-    """Lease shard ``shard`` of ``task`` on ``device`` (see ``Engine.acquire``).
-
-    Args:
-        task: the task's name.
-        shard: the shard's index.
-        device: the device's index, its label, or a device only one worker has.
-        timeout: seconds to wait for room and for the claim; ``None``: no limit.
-        workers: the engine's device workers.
-        host: the engine's host memory manager.
-        lock: the engine's lock, held while the task's record is read.
-        lookup: the task's record, called under ``lock`` (raises for an unknown task);
-            ``None`` once the engine is closed.
-    """
-    if timeout is not None and (
-        isinstance(timeout, bool)
-        or not isinstance(timeout, (int, float))
-        or math.isnan(timeout)
-        or timeout < 0
-    ):
-        raise InvalidOptionError(
-            "timeout",
-            timeout,
-            "a number of seconds >= 0, or None (wait as long as needed)",
-            "Engine.acquire",
-        )
-    worker = _worker(workers, device)
-    with lock:
-        entry = lookup(task)
-        if entry is None:
-            raise LeaseEndedError(f"shard {shard} of task {task!r}: the engine is closed")
-        runner = entry.runner
-        n = len(runner.plan.shards)
-        if isinstance(shard, bool) or not isinstance(shard, int) or not 0 <= shard < n:
-            raise InvalidTaskError(
-                f"task {task!r} has {n} shard(s), numbered 0 to {n - 1}; there is no shard "
-                f"{shard!r} (see engine.plan({task!r}).shards)"
-            )
-        if entry.assigned is not None or runner.granted:
-            where = f" (an op of it is on device {entry.assigned.label})" if entry.assigned else ""
-            raise LeaseConflictError(
-                f"task {task!r} is being trained by the engine{where}: its shards cannot be "
-                f"leased until its train() futures are done; wait for them (or cancel it)"
-            )
-        for w in workers:
-            if w is not worker and any(le.task == task for le in w.leases()):
-                raise LeaseConflictError(
-                    f"task {task!r} has a shard leased on device {w.label}; all leases held "
-                    f"on one task at once are on one device: release them first, or lease "
-                    f"on {w.label}"
-                )
-        store = runner.store_of(shard)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    # A device computing in host memory uses the host tensors themselves: busy with the
-    # disk tier for the lease's life (a copying device computes on its own copies).
-    in_place = host if host.active and not worker.copy else None
-    lease = worker.lease(store, deadline=deadline, host=in_place)
-    assert lease is not None  # a blocking lease is taken, or raises
-    if lease.event is not None:  # the caller computes on its stream: after the copy-in
-        torch.cuda.current_stream(worker.device).wait_event(lease.event)
-    lease._fence = worker.copy_stream is not None
-    return lease
-
-
-def _worker(workers: Sequence[DeviceWorker], device: Any) -> DeviceWorker:
-    """The worker of ``device``: its index, its label (``"cpu#1"``) or a device that only
-    one worker has.
-
-    Raises:
-        UnknownDeviceError: no such device, or several (emulated CPU devices: use the
-            index or the label).
-    """
-    labels = ", ".join(f"{i} ({w.label})" for i, w in enumerate(workers))
-    if isinstance(device, int) and not isinstance(device, bool):
-        if 0 <= device < len(workers):
-            return workers[device]
-        raise UnknownDeviceError(f"no device {device} in this engine; its devices: {labels}")
-    if isinstance(device, str):
-        for w in workers:
-            if w.label == device:
-                return w
-        try:
-            device = torch.device(device)
-        except RuntimeError:
-            raise UnknownDeviceError(
-                f"no device {device!r} in this engine; its devices: {labels}"
-            ) from None
-    if not isinstance(device, torch.device):
-        raise UnknownDeviceError(
-            f"a device is an index, a label or a torch.device, not {type(device).__name__}; "
-            f"this engine's devices: {labels}"
-        )
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", 0)
-    found = [w for w in workers if w.device == device]
-    if len(found) == 1:
-        return found[0]
-    if found:
-        raise UnknownDeviceError(
-            f"device {str(device)!r} is several emulated devices of this engine; give its "
-            f"index or label: {labels}"
-        )
-    raise UnknownDeviceError(f"no device {str(device)!r} in this engine; its devices: {labels}")
-
-
-__all__ = ["CLAIMS", "Lease", "acquire", "parts"]
+__all__ = ["CLAIMS", "Lease", "LeaseWorker", "parts"]

@@ -458,6 +458,53 @@ def test_a_function_trainable_is_recognised_before_any_trial() -> None:
     assert check_task_factory(tune_tasks.make_task) is False
 
 
+class _ReportingCallback:
+    """A Trainer callback's shape: the report is in a method, the function only names
+    the class."""
+
+    def on_log(self, logs: dict[str, float]) -> None:
+        from ray import tune
+
+        tune.report(dict(logs))
+
+
+def _train_with_reporting_callback(config: dict[str, Any]) -> None:
+    _ReportingCallback().on_log({"loss": 1.0})
+
+
+def _hf_style_trainable() -> Any:
+    """What transformers' ``run_hp_search_ray`` hands ``ray.tune.run``: an ``_objective``
+    using the enclosing function's ``import ray.tune``, bound by ``tune.with_parameters``
+    and wrapped by ``functools.wraps``."""
+    import functools
+
+    import ray.tune
+
+    def _objective(trial: dict[str, Any], local_trainer: Any) -> None:
+        ray.tune.report({"objective": 1.0})
+
+    trainable = ray.tune.with_parameters(_objective, local_trainer=1)
+
+    @functools.wraps(trainable)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        return trainable(*args, **kwargs)
+
+    return wrapper
+
+
+def test_reports_in_a_callback_class_or_behind_wrappers_are_recognised() -> None:
+    """#32: a function whose tune.report is in a method of a class of its module (a
+    Hugging Face TrainerCallback's on_log), and Hugging Face's Ray-backend trainable, are
+    function trainables, not task factories."""
+    from tune_hydra.frontends.ray.actor import tune_report_call
+
+    assert tune_report_call(_train_with_reporting_callback) == "ray.tune.report"
+    hf_style = _hf_style_trainable()
+    assert tune_report_call(hf_style) == "ray.tune.report"
+    assert check_task_factory(_train_with_reporting_callback) is True
+    assert check_task_factory(hf_style) is True
+
+
 def test_a_metric_nobody_reports_is_refused_before_any_trial() -> None:
     import tune_hydra as th
     from tune_hydra.frontends.ray.errors import UnreportedMetricError

@@ -99,9 +99,11 @@ def tune_report_call(fn: Any, depth: int = 2) -> str | None:
     task factory belongs would run its whole training loop inside the engine's process,
     with no Tune session to report to. The check reads the names the function's code
     (and its nested functions) uses: ``report`` reached through one of Ray's modules or
-    imported from one. Functions of the same module that it calls, and functions it
-    closes over (``tune.with_parameters`` keeps the wrapped function in a closure), are
-    read too, ``depth`` calls deep. Cheap: nothing is run or imported.
+    imported from one. Functions of the same module that it calls, the methods of classes
+    of that module that it names (a Hugging Face ``TrainerCallback`` whose ``on_log``
+    reports), and functions it closes over (``tune.with_parameters`` keeps the wrapped
+    function in a closure), are read too, ``depth`` calls deep. Cheap: nothing is run or
+    imported.
 
     Example:
         >>> from ray import tune
@@ -134,7 +136,9 @@ def tune_report_call(fn: Any, depth: int = 2) -> str | None:
         for code in _code_objects(func.__code__):
             names = code.co_names
             if "report" in names:
-                for name in names:
+                # co_freevars: a module imported in an enclosing function (`import
+                # ray.tune` in transformers' run_hp_search_ray, used by its _objective)
+                for name in names + code.co_freevars:
                     module = lookup(name)
                     if not isinstance(module, types.ModuleType) or not _ray_object(module):
                         continue
@@ -149,12 +153,21 @@ def tune_report_call(fn: Any, depth: int = 2) -> str | None:
                 found = lookup("report")
                 if callable(found) and _ray_object(found):
                     return "report"
-            callees.extend(
-                found
-                for found in map(lookup, names + code.co_freevars)
-                if isinstance(found, types.FunctionType) and found.__module__ == func.__module__
-            )
+            for found in map(lookup, names + code.co_freevars):
+                if getattr(found, "__module__", None) != func.__module__:
+                    continue
+                if isinstance(found, types.FunctionType):
+                    callees.append(found)
+                elif isinstance(found, type):  # e.g. a TrainerCallback that reports
+                    callees.extend(
+                        v for v in vars(found).values() if isinstance(v, types.FunctionType)
+                    )
         callees.extend(v for v in closed.values() if callable(v) and not _ray_object(v))
+        # A functools.wraps wrapper (Hugging Face's Ray backend wraps Tune's
+        # with_parameters function this way): read what it wraps, even Ray's.
+        wrapped = getattr(func, "__wrapped__", None)
+        if callable(wrapped):
+            callees.append(wrapped)
         if level > 0:
             for callee in callees:
                 hit = visit(callee, level - 1)

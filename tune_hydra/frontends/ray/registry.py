@@ -10,21 +10,38 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from tune_hydra.frontends.ray.errors import no_slot
 
 if TYPE_CHECKING:
-    from tune_hydra.frontends.ray.executor import HydraExecutor
+    from tune_hydra.frontends.ray.engines import EngineFleet
 
 logger = logging.getLogger(__name__)
 
-_ACTIVE: dict[str, HydraExecutor] = {}
+
+class Registered(Protocol):
+    """What this registry reads of a started
+    :class:`~tune_hydra.frontends.ray.executor.HydraExecutor` (a protocol, so that this
+    module needs no import of the executor, not even for type checking)."""
+
+    run_id: str
+    _engines: EngineFleet
+    _secret: str
+
+    @property
+    def slot_resource(self) -> str: ...
+
+    @property
+    def trial_resources(self) -> dict[str, float]: ...
+
+
+_ACTIVE: dict[str, Registered] = {}
 _ACTIVE_LOCK = threading.Lock()
 _WARNED_CPU: set[str] = set()  # run ids already warned about trials reserving CPUs
 
 
-def register(executor: HydraExecutor) -> None:
+def register(executor: Registered) -> None:
     """Make ``executor`` (started) reachable by its ``run_id``."""
     with _ACTIVE_LOCK:
         _ACTIVE[executor.run_id] = executor
@@ -36,13 +53,13 @@ def unregister(run_id: str) -> None:
         _ACTIVE.pop(run_id, None)
 
 
-def active(run_id: str) -> HydraExecutor | None:
+def active(run_id: str) -> Registered | None:
     """The started executor of ``run_id``, or None."""
     with _ACTIVE_LOCK:
         return _ACTIVE.get(run_id)
 
 
-def _executors() -> list[HydraExecutor]:
+def _executors() -> list[Registered]:
     with _ACTIVE_LOCK:
         return list(_ACTIVE.values())
 

@@ -265,7 +265,8 @@ def executor_of(trainable: Any) -> HydraExecutor | None:
     from tune_hydra.frontends.ray import registry
 
     run_id = getattr(trainable, "_run_id", None) if isinstance(trainable, type) else None
-    return registry.active(run_id) if isinstance(run_id, str) and run_id else None
+    found = registry.active(run_id) if isinstance(run_id, str) and run_id else None
+    return found if isinstance(found, HydraExecutor) else None  # only executors register
 
 
 def tuner_configs(ex: HydraExecutor, tune_config: Any, run_config: Any) -> tuple[Any, Any]:
