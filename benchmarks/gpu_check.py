@@ -77,6 +77,9 @@ import tune_hydra as th
 from tune_hydra.engine.partition import layer_costs
 from tune_hydra.engine.task import model_layers
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpu_check_loops
+
 
 @dataclass
 class Config:
@@ -279,6 +282,14 @@ class Check:
             self.errors[name] = f"{type(err).__name__}: {err}"
             traceback.print_exc()
         print(f"[{name}] {time.perf_counter() - t0:.1f} s", flush=True)
+
+    def loop_part(self, key: str, fn: Callable[[str, dict[str, Any]], Any]) -> Callable[[], None]:
+        """A part of :mod:`gpu_check_loops`, its figures recorded under ``key``."""
+
+        def run() -> None:
+            self.results[key] = fn(self.device, dict(self.engine_kw))
+
+        return run
 
     # -- the measurements ----------------------------------------------------------------
 
@@ -859,6 +870,7 @@ def table(r: dict[str, Any], errors: dict[str, str]) -> str:
         ]
     rows += _shared_base_rows(r.get("shared_base", {}))
     rows += _disk_rows(r.get("disk_tier", {}))
+    rows += gpu_check_loops.rows(r)
     lines = [head, f"{'figure':<32} {'value':>10}  note"]
     lines += [f"{a:<32} {b:>10}  {c}" for a, b, c in rows]
     lines += [f"ERROR {k}: {v}" for k, v in errors.items()]
@@ -982,6 +994,8 @@ def main(argv: list[str] | None = None) -> int:
         ("shard loops", check.shard_loops),
         ("shared base", check.shared_base),
     ]
+    for part, (key, loop_part) in gpu_check_loops.PARTS.items():
+        parts.append((part, check.loop_part(key, loop_part)))
     for name, fn in parts:
         if args.only is None or name in args.only:
             check.guarded(name, fn)

@@ -95,6 +95,10 @@ def test_gpu_check_tiny(tmp_path: Path) -> None:
         figures["multitask_recompute"]["budget_bytes"] == figures["multitask_kept"]["budget_bytes"]
     )
     assert figures["spilled_shards"] >= 2 and figures["resident_shards"] == 1
+    # #32's loop parts: bf16 autocast, fp16 + GradScaler, a compiled loop, a Trainer
+    for key in ("shard_bf16", "shard_fp16", "shard_compile"):
+        assert figures[key]["ok"] is True, figures[key]
+    assert figures["shard_trainer"].get("ok", "skipped" in figures["shard_trainer"])
 
 
 def test_gpu_session_script_without_a_gpu(tmp_path: Path) -> None:
