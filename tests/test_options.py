@@ -366,6 +366,27 @@ def test_front_ends_forward_every_option_or_say_why_not(front_end: str) -> None:
             assert params[name].default == default, (front_end, name)
 
 
+@pytest.mark.parametrize("front_end", [*FRONT_ENDS, "configure"])
+def test_every_entry_point_names_the_closest_option_for_a_typo(front_end: str) -> None:
+    """#30: a misspelt option raises UnknownOptionError naming the closest valid one at
+    every entry point (not Python's bare TypeError), before anything trains or starts;
+    an engine option the entry point does not take says why (NOT_OFFERED)."""
+    from tune_hydra.exceptions import UnknownOptionError
+
+    if front_end == "configure":
+        import tune_hydra as th
+
+        with pytest.raises(UnknownOptionError, match=r"'polcy' \(did you mean 'policy'\?\)"):
+            th.configure(polcy="fifo")
+        return
+    with pytest.raises(UnknownOptionError, match=r"'polcy' \(did you mean 'policy'\?\)"):
+        _call(front_end, {"polcy": "fifo"})
+    for name, reason in NOT_OFFERED.get(front_end, {}).items():
+        with pytest.raises(UnknownOptionError, match="does not take") as info:
+            _call(front_end, {name: None})
+        assert reason in str(info.value)
+
+
 def test_engine_takes_its_options_whole() -> None:
     """Engine(options=EngineOptions(...)): the front ends hand their checked options down
     as they are; the keywords build the same; both at once are refused."""

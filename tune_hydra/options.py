@@ -41,7 +41,7 @@ from tune_hydra.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from collections.abc import Iterable, Sequence
+    from collections.abc import Iterable, Mapping, Sequence
 
     from tune_hydra.core.policies import BasePolicy
 
@@ -598,11 +598,17 @@ TASK_OPTIONS = ("seed", "max_grad_norm", "accumulate_steps", "precision", "itera
 
 
 def check_option_names(
-    given: Iterable[str], known: Sequence[str] = ENGINE_OPTIONS, *, where: str = "Engine"
+    given: Iterable[str],
+    known: Sequence[str] = ENGINE_OPTIONS,
+    *,
+    where: str = "Engine",
+    not_offered: Mapping[str, str] | None = None,
 ) -> None:
     """Refuse keyword options that are not in ``known`` (a typo, an option of another
-    front end), naming the closest known one: the one check of option names that
-    ``Engine(...)`` and ``th.configure`` share.
+    front end), naming the closest known one: the one check of option names that every
+    entry point shares (``Engine(...)``, ``th.configure``, ``train_models``,
+    ``HydraExecutor``, ``th.optimize``). An option in ``not_offered`` (an engine option
+    this entry point does not take, see :data:`NOT_OFFERED`) is refused with the reason.
 
     Raises:
         UnknownOptionError: naming each unknown option (with the closest known one) and
@@ -619,6 +625,9 @@ def check_option_names(
     unknown = [k for k in given if k not in known]
     if not unknown:
         return
+    for key in unknown:
+        if not_offered and key in not_offered:
+            raise UnknownOptionError(f"{where} does not take {key}: {not_offered[key]}")
     hints = []
     for key in unknown:
         close = difflib.get_close_matches(key, known, n=1)

@@ -37,7 +37,7 @@ from tune_hydra.engine.records import TaskRecord
 from tune_hydra.engine.registry import TaskRegistry, task_runner
 from tune_hydra.engine.storage.disk import SpillFolder
 from tune_hydra.engine.task import ModelTask
-from tune_hydra.engine.units import device_capacity, resolve_devices
+from tune_hydra.engine.units import device_budget, resolve_devices
 from tune_hydra.engine.workers import DeviceWorker, default_clock
 from tune_hydra.exceptions import InvalidOptionError, InvalidTaskError, TuneHydraError
 from tune_hydra.options import (
@@ -200,7 +200,7 @@ class Engine:
                 prefetch=options.prefetch,
                 copy=options.copy_on_cpu,
                 intra_threads=threads,
-                budget=_device_budget(d, options.device_bytes),
+                budget=device_budget(d, options.device_bytes),
             )
             for i, d in enumerate(self.devices)
         ]
@@ -210,7 +210,7 @@ class Engine:
             self._cv,
             options,
             self.devices,
-            _device_budget(self.devices[0], options.device_bytes),
+            device_budget(self.devices[0], options.device_bytes),
             self.recompute,
             self.host,
             kept,
@@ -577,13 +577,6 @@ class Engine:
         """Task ``name``'s record for :meth:`acquire` (under ``_cv``); ``None`` once the
         engine is closed."""
         return None if self._dispatcher.closed else self._entry(name)
-
-
-def _device_budget(device: torch.device, budget: int | None) -> int | None:
-    """A device's budget: ``device_memory`` (``budget``), else 90% of a GPU."""
-    if budget is None and device.type == "cuda":
-        return int(device_capacity(device) * 0.9)
-    return budget
 
 
 def _engine_options(options: Any, given: dict[str, Any]) -> EngineOptions:

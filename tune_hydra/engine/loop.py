@@ -98,7 +98,7 @@ from tune_hydra.engine.shared import SharedParams
 from tune_hydra.engine.stage import OpStart, accumulate_grad
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.task import OwnedTensors, owned_tensors
-from tune_hydra.engine.units import device_capacity
+from tune_hydra.engine.units import device_budget
 from tune_hydra.exceptions import (
     BatchTooLargeError,
     OptimizerMismatchError,
@@ -1548,9 +1548,7 @@ def build_loop(
     name = f"loop-{type(model).__name__}-{next(_NAMES)}"
     costs = loop_costs(layers, sample, user_optimizer, optimizer_class, engine.devices[0], name)
     device = engine.devices[0]
-    budget = engine.budget
-    if budget is None and device.type == "cuda":  # as the engine budgets a whole GPU
-        budget = int(device_capacity(device) * 0.9)
+    budget = device_budget(device, engine.budget)  # as the engine's workers budget
     plan = plan_shards(
         costs,
         budget,

@@ -17,7 +17,13 @@ from tune_hydra.engine.kept import kept_bytes
 from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.engine.task import ModelTask
 from tune_hydra.exceptions import InvalidTaskError, TaskFailedError, TrainingError, TuneHydraError
-from tune_hydra.options import EngineOptions, check_positive_int, check_task_options
+from tune_hydra.options import (
+    NOT_OFFERED,
+    EngineOptions,
+    check_option_names,
+    check_positive_int,
+    check_task_options,
+)
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +75,7 @@ def train_models(
     host_memory: int | str | None = None,
     spill_dir: str | os.PathLike[str] | None = None,
     batch_shared: bool = False,
+    **unknown: Any,
 ) -> History:
     """Train many models at once, shard by shard, each exactly as plain PyTorch would.
 
@@ -142,6 +149,8 @@ def train_models(
             not a writable folder, on a RAM file system, or on a full disk: no task is
             trained.
         InvalidTaskError: ``tasks`` is not a non-empty dict.
+        UnknownOptionError: a keyword this function does not take (a typo: the message
+            names the closest option; an engine option not taken here says why).
 
     Example:
         >>> import torch
@@ -154,9 +163,13 @@ def train_models(
         >>> len(h["a"]), h["a"][0]["num_shards"]
         (2, 1)
     """
+    where = "train_models"
+    if unknown:  # a typo: named with the closest option, not Python's bare TypeError
+        code = train_models.__code__
+        takes = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+        check_option_names(unknown, takes, where=where, not_offered=NOT_OFFERED[where])
     if not isinstance(tasks, Mapping) or not tasks:
         raise InvalidTaskError("tasks must be a non-empty dict {name: ModelTask}")
-    where = "train_models"
     check_positive_int(epochs, "epochs", meaning="epochs to train every task", where=where)
     # Checked once here (no task is trained if one is bad), then given to every task.
     task_options = check_task_options(

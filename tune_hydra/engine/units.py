@@ -63,3 +63,17 @@ def device_capacity(device: torch.device) -> int:
         return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return 1 << 40
+
+
+#: The share of a GPU's memory the engine budgets when no ``device_memory`` is given
+#: (the rest: the CUDA context, the allocator's fragmentation, other processes).
+GPU_SHARE = 0.9
+
+
+def device_budget(device: torch.device, budget: int | None) -> int | None:
+    """A device's budget: ``device_memory`` (``budget``), else :data:`GPU_SHARE` of a GPU
+    (``None`` on the CPU: no limit). The one place of that default: the engine's workers
+    and a ``th.shard`` loop's cut use it."""
+    if budget is None and device.type == "cuda":
+        return int(device_capacity(device) * GPU_SHARE)
+    return budget

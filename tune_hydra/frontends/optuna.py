@@ -40,7 +40,6 @@ from tune_hydra.exceptions import (
     MissingDependencyError,
     TuneHydraError,
     UnknownMetricError,
-    UnknownOptionError,
 )
 from tune_hydra.frontends.build import TrialSet, check_task
 from tune_hydra.frontends.checkpoint import save_model
@@ -53,6 +52,7 @@ from tune_hydra.options import (
     TRAIN_LOSS,
     EngineOptions,
     check_factory_timeout,
+    check_option_names,
     check_positive_int,
     check_seconds,
     check_task_options,
@@ -888,18 +888,8 @@ def _import_optuna() -> Any:
 
 
 def _split_options(train_opts: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    known = (*ENGINE_OPTIONS, *TASK_OPTIONS, *OTHER_OPTIONS)
-    unknown = [k for k in train_opts if k not in known]
-    if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, known, n=1)
-            hints.append(f"{key!r} (did you mean {close[0]!r}?)" if close else repr(key))
-        raise UnknownOptionError(
-            f"th.optimize got unknown option(s) {', '.join(hints)}. It takes the engine "
-            f"options {', '.join(ENGINE_OPTIONS)}, the task options {', '.join(TASK_OPTIONS)} "
-            f"and {', '.join(OTHER_OPTIONS)}"
-        )
+    known = ("devices", "device_memory", *ENGINE_OPTIONS, *TASK_OPTIONS, *OTHER_OPTIONS)
+    check_option_names(train_opts, known, where="th.optimize", not_offered=NOT_OFFERED["optimize"])
     return {
         "engine": {k: v for k, v in train_opts.items() if k in ENGINE_OPTIONS},
         "task": {k: v for k, v in train_opts.items() if k in TASK_OPTIONS},

@@ -40,8 +40,10 @@ from tune_hydra.frontends.ray.factories import (
     unwrap_with_parameters,
 )
 from tune_hydra.options import (
+    NOT_OFFERED,
     EngineOptions,
     check_factory_timeout,
+    check_option_names,
     check_task_options,
 )
 
@@ -283,7 +285,8 @@ class HydraExecutor:
     Every option is checked here, when the executor is built (before Ray starts, and
     without loading torch), by the one validator of :mod:`tune_hydra.options` that
     ``Engine``, ``train_models`` and ``th.optimize`` use too; the engine options it does
-    not take, and why, are in ``tune_hydra.options.NOT_OFFERED``.
+    not take, and why, are in ``tune_hydra.options.NOT_OFFERED``. A keyword it does not
+    take raises ``UnknownOptionError`` naming the closest option (or why it is not taken).
 
     Mistakes that every trial would repeat (a task factory that returns no ``ModelTask``
     or is a function trainable, a model type that cannot be cut, trials that lost their
@@ -324,10 +327,20 @@ class HydraExecutor:
         factory_timeout_s: float | None = DEFAULT_FACTORY_TIMEOUT_S,
         checkpoint: str | bool | None = "every",
         _engine_class: str = DEFAULT_ENGINE_CLASS,
+        **unknown: Any,
     ) -> None:
         from tune_hydra.frontends.ray.callback import check_checkpoint
 
         where = "HydraExecutor"
+        if unknown:  # a typo: named with the closest option, not Python's bare TypeError
+            code = HydraExecutor.__init__.__code__
+            takes = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+            check_option_names(
+                unknown,
+                [k for k in takes if not k.startswith("_")],
+                where=where,
+                not_offered=NOT_OFFERED[where],
+            )
         # Every option is judged here by the one validator of tune_hydra.options that the
         # other front ends use (torch-free: nothing of the engine is imported into the
         # driver), rather than in every trial later.
