@@ -698,6 +698,14 @@ class ShardClosedError(ShardError, RuntimeError):
     """A sharded model was used after its loop was closed (``unshard``)."""
 
 
+class ModelChangedError(ShardError, RuntimeError):
+    """A submodule of a sharded model was replaced or removed after its cut (``model[2] =
+    other``, ``b.block = a.block``, ``del model.head``): the engine trains the modules it
+    cut, so the model would silently train something else than the user's code says.
+    Change the model before its first forward, or ``th.unshard`` it, change it and
+    ``th.shard`` it again."""
+
+
 class NotShardedError(ShardError):
     """A function for sharded models (``th.shard_count``) got a model that is not sharded:
     never given to ``th.shard``, or given back by ``th.unshard``."""

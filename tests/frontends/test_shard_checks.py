@@ -22,6 +22,7 @@ from tune_hydra.engine.partition import layer_costs
 from tune_hydra.engine.task import model_layers
 from tune_hydra.exceptions import (
     BatchTooLargeError,
+    ModelChangedError,
     ShardError,
     SharedModelError,
     UnknownDeviceError,
@@ -86,6 +87,41 @@ def test_the_fix_deepcopy_of_the_shared_module_trains_as_plain(engine: th.Engine
     torch.manual_seed(0)
     want = [step(m, o, x, y) for x, y in data for m, o in zip(refs, ref_opts, strict=True)]
     assert got == want
+
+
+@pytest.mark.parametrize("change", ["share", "replace", "delete", "nested"])
+def test_a_submodule_replaced_after_the_cut_is_refused(engine: th.Engine, change: str) -> None:
+    """#29: sharing a submodule after both models were cut (``b[4] = a[4]``), or replacing
+    or removing one, was accepted and trained the modules of the cut: the model silently
+    trained something else than the user's code said. Now the next forward raises, naming
+    the submodule; nothing of it reaches the engine, and th.unshard gives the model back
+    (with the change) to train plainly or shard again."""
+    a, b = mlp(), mlp(seed=1)
+    if change == "nested":
+        b = nn.Sequential(nn.Identity(), b)
+    oa = torch.optim.SGD(a.parameters(), lr=0.1)
+    ob = torch.optim.SGD(b.parameters(), lr=0.1)
+    a, oa = th.shard(a, oa, engine=engine)
+    b, ob = th.shard(b, ob, engine=engine)
+    x, y = batches(1)[0]
+    step(a, oa, x, y)
+    step(b, ob, x, y)
+    ops = engine.runner(engine.tasks()[1]).iteration
+    inner = b[1] if change == "nested" else b
+    if change == "share":
+        inner[4] = a[4]
+    elif change in ("replace", "nested"):
+        inner[4] = nn.Linear(16, 10)
+    else:  # the last one (a Sequential renumbers the ones after a deleted one)
+        del inner[len(inner) - 1]
+    path = {"nested": "1.4", "delete": str(len(inner))}.get(change, "4")
+    what = "removed" if change == "delete" else "replaced by a Linear"
+    with pytest.raises(ModelChangedError, match=rf"submodule '{path}' \(Linear\) .* {what}"):
+        b(x)
+    assert engine.runner(engine.tasks()[1]).iteration == ops  # nothing ran
+    step(a, oa, x, y)  # a trains on
+    plain = th.unshard(b)
+    assert (plain[1] if change == "nested" else plain) is inner
 
 
 def frozen_base(seed: int = 0) -> nn.Sequential:

@@ -71,6 +71,7 @@ from torch import nn
 from tune_hydra.exceptions import (
     AlreadyShardedError,
     EngineConfiguredError,
+    ModelChangedError,
     ModelNotCutError,
     ModelOnDeviceError,
     NotShardedError,
@@ -849,6 +850,9 @@ class _State:
         # OptimizedModules of the model that call it (tune_hydra.frontends.shard_compile).
         self.compiler: Compiler | None = None
         self.wrappers: list[tuple[weakref.ref[nn.Module], type]] = []
+        # The model's module tree at the cut, edge by edge (path, parent, name, child):
+        # the loop runs the modules it cut, so a later replacement must not pass unseen.
+        self.tree: list[tuple[str, nn.Module, str, nn.Module]] = []
 
     def set_compiler(self, compiler: Compiler | None) -> None:
         """Compile each shard's forward with ``compiler`` (the user's ``torch.compile``
@@ -863,6 +867,22 @@ class _State:
                 "this model's loop was closed (th.unshard, or its engine closed); call "
                 "th.shard on it again to train it on an engine"
             )
+
+    def check_tree(self) -> None:
+        """Raise if a submodule was replaced or removed since the cut (a dict lookup per
+        module, once per forward)."""
+        for path, parent, name, child in self.tree:
+            now = parent._modules.get(name)
+            if now is not child:
+                what = "removed" if now is None else f"replaced by a {type(now).__name__}"
+                raise ModelChangedError(
+                    f"submodule {path!r} ({type(child).__name__}) of this sharded "
+                    f"{self.model_class.__name__} was {what} after th.shard cut the model "
+                    f"at its first forward: the engine trains the modules it cut, so the "
+                    f"new one would never be used. Change the model before its first "
+                    f"forward, or call th.unshard(model) (the model comes back with its "
+                    f"weights and the optimizer's state), change it, and th.shard it again"
+                )
 
     def cut(self, model: nn.Module, inputs: Any) -> LoopRunner:
         """Cut the model on its first batch and register its loop."""
@@ -891,6 +911,13 @@ class _State:
             rng_start=self.rng_start,
             compiler=self.compiler,
         )
+        self.tree = [
+            (f"{path}.{name}" if path else name, parent, name, child)
+            # nn.Module's own walk: the sharded class's named_modules syncs the shards first
+            for path, parent in nn.Module.named_modules(model, remove_duplicate=False)
+            for name, child in parent._modules.items()
+            if child is not None
+        ]
         if self.on_loop is not None:
             self.on_loop(self.loop)
         return self.loop
@@ -934,6 +961,8 @@ class _ShardedModule(nn.Module):
         loop = state.loop
         if loop is None:
             loop = state.cut(self, inputs)
+        else:
+            state.check_tree()
         return loop.forward(inputs)
 
     def _th_inputs(self, state: _State, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
