@@ -818,9 +818,9 @@ def shared_key(store: Any) -> frozenset[int] | None:
     """What a shard's ops batch on: the pool entries of the shared frozen tensors its
     store holds (ops with the same key run over the same base). ``None``: it holds none,
     or a store a batched pass cannot lease beside another (a disk tier's)."""
-    from tune_hydra.engine.storage import LinkedStore, ShardStore
+    from tune_hydra.engine.storage import ShardStore
 
-    parts = [store.own, *store.shared] if isinstance(store, LinkedStore) else [store]
+    parts = store.parts()
     if any(type(p) is not ShardStore for p in parts):
         return None
     entries = frozenset(id(ref.entry) for p in parts for ref in p.frozen.values())

@@ -37,7 +37,7 @@ from tune_hydra.engine.frozen import shared_on_device
 from tune_hydra.engine.host import HostMemory
 from tune_hydra.engine.kept import KeptGraphs
 from tune_hydra.engine.records import PendingIterations, TaskRecord
-from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
+from tune_hydra.engine.storage import Store
 from tune_hydra.engine.workers import _POLL_S, Assignment, Carry, DeviceWorker
 from tune_hydra.exceptions import ScheduleError, TaskFailedError, TuneHydraError
 
@@ -258,7 +258,7 @@ class Dispatcher:
         release: Store | None = None,
     ) -> None:
         if release is not None:
-            self.host.use(_parts(release), -1)
+            self.host.use(release.parts(), -1)
         with self._cv:
             worker = entry.assigned
             if worker is not None:
@@ -367,7 +367,7 @@ class Dispatcher:
             base = (i // per_slot) * runner.ops_per_batch
             for shard in range(len(e.plan)):
                 h = base + runner.ops_until(op, shard)
-                for s in _parts(runner.store_of(shard)):
+                for s in runner.store_of(shard).parts():
                     heat[id(s)] = min(h, heat.get(id(s), h))
         self.host.set_outlook(heat)
 
@@ -510,7 +510,7 @@ class Dispatcher:
             # A device that computes in host memory uses the host tensors themselves: they
             # must not go to disk from now until the op ends (a copying device computes on
             # its copies; its promotion reads a state back from disk if need be).
-            self.host.use(_parts(store), 1)
+            self.host.use(store.parts(), 1)
             a.done = lambda a, err: self._on_done(entry, a, err, release=store)
         if log.isEnabledFor(logging.DEBUG):  # a decision per op: format only when asked
             resident = w.holds(store) if w.copy else w.last_task == entry.name
@@ -543,13 +543,6 @@ def _frameless(err: BaseException, depth: int = 0) -> BaseException:
     kept.__context__ = None
     kept.__suppress_context__ = True
     return kept
-
-
-def _parts(store: Store) -> list[ShardStore]:
-    """The shard stores a store moves together (its own, and shared ones)."""
-    if isinstance(store, LinkedStore):
-        return [store.own, *store.shared]
-    return [store]
 
 
 __all__ = ["Dispatcher"]

@@ -14,7 +14,7 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   shares all the others and keeps its own copy of that one.
 - **Counted once**: each entry is held in the engine's host ledger under a key of its own
   (``("frozen", n)``); its stores leave it out of their own state
-  (``ShardStore.share_frozen``), so it is neither counted nor spilled with them.
+  (:meth:`FrozenSlots.share`), so it is neither counted nor spilled with them.
 - **Spilled once**: with a host budget the disk tier spills an entry as it spills a
   state (``HostMemory._victims``: as hot as the hottest store using it) when no store
   using it is computing (busy) or being promoted, and no CUDA copy still reads it (a
@@ -34,8 +34,8 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   model of its own (a ``th.shard`` loop: ``LoopRunner.frozen_model``) at ``add_runner``,
   once its loop is cut; one pool for both. A ``th.shard`` model's ``load_state_dict``
   (resuming a trial) writes only its own copy: a shared tensor given other values leaves
-  the pool for that loop first (``ShardStore.own_frozen``), one given its own values
-  stays shared (``ShardStore.frozen_rewritten``). Other writes by the user's thread into
+  the pool for that loop first (:meth:`FrozenSlots.own`), one given its own values
+  stays shared (:meth:`FrozenSlots.rewritten`). Other writes by the user's thread into
   a tensor of ``parameters()`` are caught at the loop's next op, as below.
 - **Aligned cuts**: a task is cut where a registered task likely to share frozen
   tensors with it was (:meth:`FrozenPool.peers`: entries named, shaped and typed as its
@@ -44,7 +44,7 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   (``plan_shards(prefer=...)``); else its own. Shard k of both then holds the same
   frozen tensors, so their device copies are shared while both are resident.
 - **Refcounted**: every store slot using an entry holds a reference; a task leaving the
-  engine drops its references (``ShardStore.leave_frozen``, from
+  engine drops its references (:meth:`FrozenSlots.leave`, from
   ``HostMemory.discard``). While other tasks still use the entry, its parameters get a
   copy-on-write clone of the pool's tensor (:func:`lazy_clone`, ``torch._lazy_clone``):
   no bytes are copied when a trial finishes; a write by the user into that model (it is
@@ -56,10 +56,10 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   engine that asks a live task's shared tensor for ``data_ptr()`` copies the pool's side
   once, costing one extra host copy, never correctness.)
 - **Never modified in place**: each store checks its shared slots at every visit
-  (``ShardStore.begin_op`` / ``end_op``: the parameter's version counter, its data
-  pointer, ``requires_grad`` and its gradient; after each op also a :func:`checksum` of
-  its values, as ``weight.data += delta`` moves no version counter). A change in a slot
-  another task also uses fails that task alone
+  (:meth:`FrozenSlots.check`, from ``ShardStore.begin_op`` / ``end_op``: the parameter's
+  version counter, its data pointer, ``requires_grad`` and its gradient; after each op
+  also a :func:`checksum` of its values, as ``weight.data += delta`` moves no version
+  counter). A change in a slot another task also uses fails that task alone
   (:class:`~tune_hydra.exceptions.FrozenTensorModifiedError`); in an entry only this
   task uses, the slot goes back to the store's own state (it trains as it would have
   unshared: gradual unfreezing works) and the entry leaves the pool.
@@ -69,7 +69,7 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   the shared values. A write from the user's thread between ops (``w.add_(1)`` under
   ``no_grad``, peft's ``merge_adapter()``), found at the next op, promotion or demotion,
   makes that tensor the writer's own state, with its written values, and it goes on
-  exactly as plain PyTorch (``ShardStore._take_own``); a write by its op fails it alone.
+  exactly as plain PyTorch (``FrozenSlots._take_own``); a write by its op fails it alone.
 
 Devices: one copy per device holder (a device worker; emulated CPU devices are told apart
 by it) for every task resident there (:meth:`FrozenPool.to_device`, refcounted: the
@@ -111,13 +111,14 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import ItemsView, Iterable, Iterator, KeysView, Mapping, ValuesView
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import nn
 
-from tune_hydra.exceptions import SpillReadError, SpillWriteError
+from tune_hydra.exceptions import FrozenTensorModifiedError, SpillReadError, SpillWriteError
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ def alias(t: torch.Tensor) -> torch.Tensor:
     allocator made), else ``t`` itself (never a copy). Reads copy nothing; a write by the
     task (``add_`` under ``no_grad``, ``weight.data += delta``, peft's ``merge_adapter``)
     copies its side first, so ``t`` and every other task's alias keep the shared values
-    (``ShardStore.check_frozen`` then finds the task's tensor at another address)."""
+    (:meth:`FrozenSlots.check` then finds the task's tensor at another address)."""
     fn = getattr(torch, "_lazy_clone", None)
     if fn is None or t.device.type != "cpu" or t.is_pinned():
         return t
@@ -297,7 +298,7 @@ class FrozenEntry:
 
 @dataclass(eq=False)
 class FrozenRef:
-    """A store slot's reference to its entry (see ``ShardStore.share_frozen``)."""
+    """A store slot's reference to its entry (see :meth:`FrozenSlots.share`)."""
 
     pool: FrozenPool
     entry: FrozenEntry
@@ -440,7 +441,7 @@ class FrozenPool:
                     entry.tasks[task] = entry.tasks.get(task, 0) + 1
                     ref = FrozenRef(self, entry, task, name, store, i)
                     entry.refs.append(ref)
-                store.share_frozen(i, ref)
+                store.frozen.share(i, ref)
         if self.host is not None:
             for entry in new:
                 # No room without going over: this entry goes to disk right away (its
@@ -584,7 +585,7 @@ class FrozenPool:
                 entry.host = view
                 entry.on_disk = True
             for ref in refs:
-                ref.store.frozen_moved(ref.index)
+                ref.store.frozen.moved(ref.index)
             host.drop(entry.ledger_key, (refs[0].task if refs else "", -1))
             return True
         finally:
@@ -672,6 +673,357 @@ class FrozenPool:
                 entry.file.close()
 
 
+class SlotOwner(Protocol):
+    """What :class:`FrozenSlots` uses of the store whose slots it keeps (``ShardStore``)."""
+
+    lock: Any  # re-entrant: the store's, held by every promotion and demotion
+
+    @property
+    def at_home(self) -> bool:
+        """Whether no device holds copies of the store's live tensors."""
+        ...
+
+    def param_shared(self, index: int) -> None:
+        """Parameter ``index`` now points at a pool tensor: out of the store's own state."""
+        ...
+
+    def param_owned(self, index: int, host: torch.Tensor | None) -> None:
+        """Parameter ``index`` is the store's own state again, its host tensor ``host``
+        (``None``: on a device, its host buffer comes at the demotion); it changed."""
+        ...
+
+
+class FrozenSlots(Mapping[int, FrozenRef]):
+    """A store's parameters whose host tensor is a frozen pool's, shared with other tasks:
+    parameter index -> its reference into the pool (a read-only mapping).
+
+    They are outside the store's own state (never counted, copied back or spilled with
+    it). Each slot points at the shared tensor it refers to now (the pool's host tensor or
+    device copy: the parameter holds a copy-on-write alias of it where torch can make
+    one, see :func:`alias`); its version then tells a write (see :meth:`check`). Changes
+    of the store's own state go through its :class:`SlotOwner` methods; the store's lock
+    is taken as the store would take it.
+
+    Args:
+        params: the store's parameters (indexed as the store's slots are).
+        owner: the store.
+    """
+
+    def __init__(self, params: list[nn.Parameter], owner: SlotOwner) -> None:
+        self._params = params
+        self._owner = owner
+        self._refs: dict[int, FrozenRef] = {}
+        # Each slot's shared tensor now, and the parameter's version when pointed at it.
+        self._live: dict[int, tuple[torch.Tensor, int]] = {}
+        # A change found as a slot was re-pointed (promotion, demotion) that wrote the
+        # shared tensor itself: raised at the next check.
+        self._bad: dict[int, str] = {}
+        self._dev: dict[int, DeviceKey] = {}  # its pool device copy's key
+
+    def __getitem__(self, index: int) -> FrozenRef:
+        return self._refs[index]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._refs)
+
+    def __len__(self) -> int:
+        return len(self._refs)
+
+    def __contains__(self, index: object) -> bool:
+        return index in self._refs
+
+    # The dict's own views: ``list(slots.values())`` is one atomic read, as the device
+    # ledger's (``shared_parts``) is made without the store's lock.
+    def keys(self) -> KeysView[int]:
+        return self._refs.keys()
+
+    def values(self) -> ValuesView[FrozenRef]:
+        return self._refs.values()
+
+    def items(self) -> ItemsView[int, FrozenRef]:
+        return self._refs.items()
+
+    def nbytes(self) -> int:
+        """Bytes of the parameters whose host tensor is a pool's."""
+        return sum(r.entry.nbytes for r in self._refs.values())
+
+    @property
+    def on_disk(self) -> bool:
+        """Whether an entry of a slot is in the pool's disk tier."""
+        return any(ref.entry.on_disk for ref in self._refs.values())
+
+    # -- joining and leaving the pool -----------------------------------------------------
+
+    def share(self, index: int, ref: FrozenRef) -> None:
+        """Point parameter ``index`` (frozen, at home) at the pool's tensor ``ref.entry.host``
+        and leave it out of the store's own state from now on."""
+        with self._owner.lock:
+            p = self._params[index]
+            p.data = alias(ref.entry.host)
+            self._refs[index] = ref
+            self._live[index] = (ref.entry.host, p._version)
+            self._owner.param_shared(index)
+
+    def leave(self) -> None:
+        """The task leaves: drop every reference into the pool (see
+        :meth:`FrozenPool.release`; the state is at home)."""
+        with self._owner.lock:
+            for i, ref in list(self._refs.items()):
+                self._home(i)
+                del self._refs[i]
+                self._live.pop(i, None)
+                self._bad.pop(i, None)
+                ref.pool.release(ref, self._params[i])
+
+    def own(self, index: int) -> None:
+        """Shared parameter ``index`` (at home) leaves the pool for the store's own state,
+        before the user's thread writes other values into it (``load_state_dict`` on a
+        ``th.shard`` model): with a private copy while other tasks use its entry."""
+        with self._owner.lock:
+            assert self._owner.at_home, "at home only"
+            ref = self._refs.pop(index)
+            self._live.pop(index, None)
+            p = self._params[index]
+            ref.pool.release(ref, p, keep=not ref.pool.others(ref))
+            self._owner.param_owned(index, p.data)
+
+    def rewritten(self, index: int) -> None:
+        """The user's thread wrote shared parameter ``index`` (at home) with the values it
+        had (``load_state_dict`` of a checkpoint of the same base): only its version counter
+        moved, which the next op's check must not take for a change."""
+        with self._owner.lock:
+            live, _ = self._live[index]
+            p = self._params[index]
+            if address(p.data) != address(live):  # the write copied its alias: share again
+                p.data = alias(live)
+            self._live[index] = (live, p._version)
+
+    # -- checks ---------------------------------------------------------------------------
+
+    def check(
+        self, when: str, *, values: bool = False, during: bool = False, settle: bool = False
+    ) -> None:
+        """Whether the shared parameters are as the store left them (see the module
+        docstring); ``values``: their values too (a checksum: one pass over each, where it
+        is).
+
+        A slot only this task uses that changed becomes its own (:meth:`_unshare`). One
+        other tasks use too: if the write reached only this task's copy-on-write alias
+        (its tensor is at another address now: the shared tensor and the others' aliases
+        are untouched) and was made between ops (``during`` false: the user's thread,
+        ``merge_adapter()``), the task's tensor becomes its own, with its written values,
+        and it goes on as plain PyTorch does (:meth:`_take_own`; equal values, as after a
+        ``data_ptr()`` that copied it, are shared again). Otherwise the task fails alone:
+        a change by its op (``during``: a recomputed forward would repeat it), unfreezing,
+        a gradient, or a write into the shared tensor itself (no alias: a CUDA device
+        copy, a view of the disk tier; a device copy is repaired from the host tensor
+        first, so the tasks resident with it do not read the write).
+
+        Args:
+            when: how the error's message says when the change was found.
+            values: compare checksums too.
+            during: the change may be the op's own.
+            settle: never raise (a promotion or demotion re-points the slots): a failing
+                change is kept for the next check to raise.
+
+        Raises:
+            FrozenTensorModifiedError: one another task also uses was changed.
+        """
+        for i, ref in list(self._refs.items()):
+            pending = self._bad.get(i)
+            what = pending or self._change(i, values)
+            if what is None:
+                continue
+            p = self._params[i]
+            shared = self._live[i][0]
+            isolated = pending is None and (
+                address(p.data) != address(shared)
+                or p.data.shape != shared.shape
+                or p.data.dtype != shared.dtype
+            )
+            if (
+                isolated
+                and not p.requires_grad
+                and p.grad is None
+                and p.data.shape == shared.shape
+                and p.data.dtype == shared.dtype
+                and p._version == self._live[i][1]
+                and torch.equal(p.data, shared)
+            ):  # copied by a pointer request (data_ptr(), numpy()), not written
+                p.data = alias(shared)
+                self._live[i] = (shared, p._version)
+                continue
+            others = ref.pool.others(ref)
+            if not others:
+                self._bad.pop(i, None)
+                self._unshare(i)
+                continue
+            if isolated and not during and not p.requires_grad and p.grad is None:
+                self._take_own(i)
+                continue
+            if pending is None:
+                what = f"{what} {when}"
+                if not isolated:
+                    # A device copy other resident tasks use gets its values back before
+                    # their next op (a device runs one op at a time).
+                    ref.pool.repair(ref.entry, shared)
+            if settle:
+                self._bad[i] = what
+                continue
+            self._bad.pop(i, None)
+            raise FrozenTensorModifiedError(ref.task, ref.name, what, others)
+
+    def _change(self, i: int, values: bool) -> str | None:
+        p = self._params[i]
+        live, version = self._live[i]
+        if p.requires_grad:
+            return "unfrozen (requires_grad=True)"
+        if p.grad is not None:
+            return "given a gradient"
+        t = p.data
+        if p._version != version:
+            return "written in place"
+        # Not data_ptr(): a pool tensor is copy-on-write (the tasks' aliases, a finished
+        # task's model share it), and asking for a writable pointer would copy it.
+        if address(t) != address(live) or t.shape != live.shape or t.dtype != live.dtype:
+            # A write through .data into the task's alias copied it (moving no version
+            # counter), or the user's thread set .data.
+            return "replaced or written through .data"
+        if values and checksum(t) != self._refs[i].entry.checksum:
+            return "written in place through .data"
+        return None
+
+    def _unshare(self, i: int) -> None:
+        """Parameter ``i`` changed, and no other task uses its entry: it becomes the
+        store's own again (as if never shared), the entry leaves the pool."""
+        with self._owner.lock:
+            ref = self._refs.pop(i)
+            shared, _ = self._live.pop(i)
+            self._bad.pop(i, None)
+            key = self._dev.pop(i, None)
+            if key is not None:  # its device copy is the store's own now
+                ref.pool.off_device(ref.entry, key)
+            p = self._params[i]
+            if address(p.data) == address(shared):  # the tensor itself, not an alias of it
+                p.data = shared
+            if self._owner.at_home:
+                # At home (or in place): its tensor is the entry's, now the store's own
+                # (released first: one the pool had on disk is read into RAM for it).
+                ref.pool.release(ref, p, keep=True)
+                host = p.data
+            else:
+                # On a device: the entry's tensor is its host buffer, filled at demotion
+                # (a RAM copy of one on disk: the store writes its buffer).
+                host = ref.entry.host.clone() if ref.entry.on_disk else ref.entry.host
+                ref.pool.release(ref, p, keep=True)
+            self._owner.param_owned(i, host)
+
+    def _take_own(self, i: int) -> None:
+        """Parameter ``i`` was written between ops into the task's own copy-on-write
+        alias (now a private tensor, see :meth:`check`) while other tasks use its entry:
+        that tensor becomes the store's own state, the others keep the entry."""
+        with self._owner.lock:
+            ref = self._refs.pop(i)
+            self._live.pop(i, None)
+            self._bad.pop(i, None)
+            key = self._dev.pop(i, None)
+            if key is not None:  # the shared device copy stays the others'
+                ref.pool.off_device(ref.entry, key)
+            p = self._params[i]
+            ref.pool.release(ref, p)  # p.data is at another address: left as it is
+            # (On a device its host buffer is allocated at the demotion, which copies it.)
+            self._owner.param_owned(i, p.data if self._owner.at_home else None)
+
+    # -- moving with the store ------------------------------------------------------------
+
+    def moved(self, index: int) -> None:
+        """The pool moved shared parameter ``index``'s entry (to a view of its spill file,
+        or back into RAM): point the parameter at its tensor now (the store is at home;
+        the caller holds its lock)."""
+        ref = self._refs[index]
+        if not self._owner.at_home:
+            return  # its device copy stays; its demotion points it at the entry's tensor
+        if self._live[index][0] is not ref.entry.host:
+            self._point(index, ref.entry.host)
+
+    def ready(self) -> list[FrozenEntry]:
+        """Before a visit: the shared entries pinned (not spilled during it) and in host
+        memory (read back once from the pool's spill file if they were on disk), the
+        parameters pointed at them. Returns the entries, to :meth:`unpin` after the
+        promotion.
+
+        Raises:
+            SpillReadError: an entry cannot be read back (unpinned again)."""
+        entries = [ref.entry for ref in self._refs.values()]
+        if not entries:
+            return entries
+        pool = next(iter(self._refs.values())).pool
+        pool.pin(entries, 1)
+        try:
+            for i, ref in self._refs.items():
+                if ref.entry.on_disk:
+                    pool.load(ref.entry, self._owner)
+                self.moved(i)
+        except BaseException:
+            pool.pin(entries, -1)
+            raise
+        return entries
+
+    def unpin(self, entries: list[FrozenEntry]) -> None:
+        """Unpin ``entries`` (see :meth:`ready`)."""
+        if entries:
+            next(iter(self._refs.values())).pool.pin(entries, -1)
+
+    def to_device(self, device: torch.device, owner: object, stream: Any) -> int:
+        """Point every slot at its entry's copy on ``device`` held by ``owner`` (one copy
+        per device for every task resident there, never copied back: the pool's host
+        tensor keeps the values); returns the bytes copied."""
+        moved = 0
+        for i, ref in self._refs.items():
+            dev, copied, key = ref.pool.to_device(ref.entry, device, owner, stream)
+            self._dev[i] = key
+            moved += copied
+            self._point(i, dev)
+        return moved
+
+    def home(self) -> None:
+        """The store left its device: every slot's device copy is given back (dropped as
+        an unchanged one is), the slot pointed at its entry's host tensor."""
+        for i in self._refs:
+            self._home(i)
+
+    def _home(self, i: int) -> None:
+        ref = self._refs[i]
+        key = self._dev.pop(i, None)
+        if key is not None:
+            ref.pool.off_device(ref.entry, key)
+        self._point(i, ref.entry.host)
+
+    def _point(self, i: int, shared: torch.Tensor) -> None:
+        """Point shared parameter ``i`` at (an alias of) ``shared``, unless the task wrote
+        its alias since the last check (the next check takes that tensor as the task's
+        own): the slot now refers to ``shared``, its version as it was."""
+        p = self._params[i]
+        live, version = self._live[i]
+        if i not in self._bad and address(p.data) != address(live):
+            self._live[i] = (shared, version)
+            return
+        p.data = alias(shared)
+        self._live[i] = (shared, version if i in self._bad else p._version)
+
+
+def shared_parts(slots: Iterable[FrozenSlots], state_bytes: int) -> tuple[tuple[object, int], ...]:
+    """The pool entries ``slots`` (stores' shared slots) use, each once, as ``(ledger
+    key, bytes)``; empty if they add up to more than ``state_bytes``."""
+    parts: dict[object, int] = {}
+    for one in slots:
+        for ref in list(one.values()):
+            parts[ref.entry.ledger_key] = ref.entry.nbytes
+    if sum(parts.values()) > state_bytes:
+        return ()
+    return tuple(parts.items())
+
+
 def _copying(entry: FrozenEntry) -> bool:
     """Whether a CUDA copy from ``entry``'s host tensor may still be reading it."""
     return any(slot[2] is not None and not slot[2].query() for slot in entry.devices.values())
@@ -697,7 +1049,9 @@ __all__ = [
     "FrozenEntry",
     "FrozenPool",
     "FrozenRef",
+    "FrozenSlots",
     "Prepared",
+    "SlotOwner",
     "address",
     "alias",
     "canonical_name",
@@ -706,4 +1060,5 @@ __all__ = [
     "digest",
     "lazy_clone",
     "shared_on_device",
+    "shared_parts",
 ]

@@ -51,20 +51,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 
 from tune_hydra.core.ops import OpKind
-from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
+from tune_hydra.engine.storage import ShardStore, Store
 from tune_hydra.exceptions import LeaseEndedError, LeaseTimeoutError
 
 if TYPE_CHECKING:
     from tune_hydra.engine.host import HostMemory
 
 _POLL_S = 0.2  # a wait for a claim wakes up this often to notice a close
-
-
-def parts(store: Store) -> list[ShardStore]:
-    """The shard stores a store moves together (its own first, then shared ones)."""
-    if isinstance(store, LinkedStore):
-        return [store.own, *store.shared]
-    return [store]
 
 
 class LeaseWorker(Protocol):
@@ -99,14 +92,14 @@ class _Claims:
 
     def _free(self, store: Store, worker: object) -> bool:
         held = self._held
-        own, *shared = parts(store)
+        own, *shared = store.parts()
         if id(own) in held:
             return False
         return all(id(s) not in held or held[id(s)][1] is worker for s in shared)
 
     def _take(self, store: Store, worker: object) -> None:
         held = self._held
-        for s in parts(store):
+        for s in store.parts():
             _, _, n = held.get(id(s), (s, worker, 0))
             held[id(s)] = (s, worker, n + 1)
 
@@ -152,7 +145,7 @@ class _Claims:
     def unclaim(self, store: Store) -> None:
         with self._cv:
             held = self._held
-            for s in parts(store):
+            for s in store.parts():
                 entry = held.get(id(s))
                 if entry is None:
                     continue
@@ -167,7 +160,7 @@ class _Claims:
         """Whether a lease on another worker holds ``store`` (or a part of it)."""
         with self._cv:
             held = self._held
-            return any(id(s) in held and held[id(s)][1] is not worker for s in parts(store))
+            return any(id(s) in held and held[id(s)][1] is not worker for s in store.parts())
 
 
 CLAIMS = _Claims()
@@ -251,7 +244,7 @@ class Lease:
             LeaseEndedError: the lease ended.
         """
         self.check()
-        return parts(self._store)[0].optimizer
+        return self._store.parts()[0].optimizer
 
     @property
     def nbytes(self) -> int:
@@ -309,7 +302,7 @@ class Lease:
         self._worker.unpin(self, revoke=revoke)
         CLAIMS.unclaim(self._store)
         if self._host is not None:
-            self._host.use(parts(self._store), -1)
+            self._host.use(self._store.parts(), -1)
 
     def __enter__(self) -> Lease:
         return self
@@ -318,4 +311,4 @@ class Lease:
         self.release()
 
 
-__all__ = ["CLAIMS", "Lease", "LeaseWorker", "parts"]
+__all__ = ["CLAIMS", "Lease", "LeaseWorker"]

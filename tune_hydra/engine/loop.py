@@ -81,12 +81,11 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.engine import amp, rng
-from tune_hydra.engine.batched import shared_key
+from tune_hydra.engine.batched import is_lora_layer, shared_key
 from tune_hydra.engine.boundary import backward as backward_from
 from tune_hydra.engine.compiled import GATE as COMPILE_GATE
 from tune_hydra.engine.compiled import Compiler, ShardCompiler, global_cpu_stream
 from tune_hydra.engine.factory import thread_generator, use_generator
-from tune_hydra.engine.lease import parts
 from tune_hydra.engine.partition import (
     LayerCost,
     ShardPlan,
@@ -306,7 +305,7 @@ class LoopRunner:
     def stores(self) -> list[ShardStore]:
         out: dict[int, ShardStore] = {}
         for s in self.shards:
-            for one in parts(s.store):
+            for one in s.store.parts():
                 out[id(one)] = one
         return list(out.values())
 
@@ -425,7 +424,19 @@ class LoopRunner:
             self._headless[shard.index] = not any(
                 isinstance(m, HeadStage) for m in shard.module.modules()
             )
-        return shared_key(shard.store) if self._headless[shard.index] else None
+        if not self._headless[shard.index]:
+            return None
+        # A forward hook on an adapted layer is this loop's own code, which a pass would
+        # call for every trial's rows or not at all (the pass refuses it, and its members
+        # then run one after another before the frozen checks: a hook writing the base
+        # would be read by the next): its ops run alone, checked at once. Looked up each
+        # time: a hook may come at any step.
+        for m in shard.module.modules():
+            if is_lora_layer(m) and any(
+                h._forward_hooks or h._forward_pre_hooks for h in (m, m.base_layer)
+            ):
+                return None
+        return shared_key(shard.store)
 
     def op_start(self, op: Op, device: torch.device) -> OpStart:
         """What ``op`` (opened, :meth:`batch_key` not None) starts from, to compute it in
@@ -796,7 +807,7 @@ class LoopRunner:
                     continue
                 if s.optimizer is None:
                     s.optimizer = _like(user, cls, [{**hyper, "params": ps}])
-                    for part in parts(s.store):  # its own store, and those it steps
+                    for part in s.store.parts():  # its own store, and those it steps
                         if part.name[1] == s.index:
                             part.optimizer = s.optimizer
                 else:
@@ -854,14 +865,14 @@ class LoopRunner:
         workers = self.engine.workers
         for s in self.shards:
             store = s.store
-            for part in parts(store):
+            for part in store.parts():
                 with part.lock:  # a prefetch may be bringing it in right now: after it
                     owner = part.owner
                     if owner in workers:
                         owner.evict(part)
                     part.retire()
             for w in workers:
-                for part in parts(store):
+                for part in store.parts():
                     w.release(part)
         # What a failed step left pending (recorded after it) applies at a later sync.
         self._home_now = not any(s.pending for s in self.shards)
@@ -872,7 +883,7 @@ class LoopRunner:
         """The user's thread wrote into the model's or the optimizer's tensors at home:
         their host copies and spill files are stale (see ``ShardStore.begin_op``)."""
         for s in self.shards:
-            for part in parts(s.store):
+            for part in s.store.parts():
                 part.begin_op(OpKind.STEP)  # a step "changes" the state
                 part.end_op()
 
@@ -1070,7 +1081,7 @@ class LoopRunner:
             if s.optimizer is None:
                 continue
             # A state in the disk tier is views of its spill file, which leaving removes.
-            disk = any(part.on_disk for part in parts(s.store))
+            disk = any(part.on_disk for part in s.store.parts())
             for p, st in s.optimizer.state.items():
                 user.state[p] = {
                     k: v.clone() if disk and isinstance(v, torch.Tensor) else v
@@ -1424,7 +1435,7 @@ class _Backward:
 def _scratch_buffers(shard: LoopShard) -> Iterator[None]:
     """A recompute's buffers: the forward already updated them (BatchNorm statistics)
     once, so the recompute runs on throwaway copies and the real ones are put back."""
-    slots = [(m, n) for part in parts(shard.store) for m, n in part.buffer_slots]
+    slots = [(m, n) for part in shard.store.parts() for m, n in part.buffer_slots]
     real = [m._buffers[n] for m, n in slots]
     for (m, n), b in zip(slots, real, strict=True):
         m._buffers[n] = b.clone()  # type: ignore[union-attr]

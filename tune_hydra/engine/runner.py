@@ -255,7 +255,7 @@ class TaskRunner:
         out: dict[int, ShardStore] = {}
         for s in self.shards:
             store = s.store
-            for one in [store.own, *store.shared] if isinstance(store, LinkedStore) else [store]:
+            for one in store.parts():
                 out[id(one)] = one
         return list(out.values())
 

@@ -29,7 +29,7 @@ import torch
 from tune_hydra.core.ledger import DeviceLedger
 from tune_hydra.core.ops import Op
 from tune_hydra.core.trace import Trace, TraceEvent
-from tune_hydra.engine.lease import CLAIMS, Lease, parts
+from tune_hydra.engine.lease import CLAIMS, Lease
 from tune_hydra.engine.storage import Store
 from tune_hydra.exceptions import LeaseEndedError, LeaseTimeoutError, ScheduleError, format_bytes
 
@@ -285,7 +285,7 @@ class DeviceWorker:
         lease = Lease(self, store, host)
         try:
             if host is not None:  # before the promotion: nothing spills it in between
-                host.use(parts(store), 1)
+                host.use(store.parts(), 1)
             if self.copy:
                 self._copy_in(lease, store, ahead_of, deadline)
             else:

@@ -3,8 +3,9 @@
 Design:
 
 * **Residency** (:mod:`.residency`). A :class:`ShardStore`'s live tensors (those its
-  modules and optimizer point at) are in one of four states, owned by one
-  :class:`ShardResidency` that only the store changes:
+  modules and optimizer point at, :mod:`.slots`: a :class:`LiveSlots` addressing them
+  by stable keys) are in one of these states, owned by one :class:`ShardResidency` that
+  only the store changes (its disk moves through its :class:`DiskSpill`):
 
   - ``HOST``: the live tensors are the tier's host tensors; nobody holds them.
   - ``IN_PLACE``: a worker on a non-copying CPU device computes with the host tensors
@@ -36,7 +37,8 @@ Design:
   eviction plus ``retire`` (a task leaving the engine). ``nbytes()`` reads the live tensors
   without it (workers cache it at promotion).
 
-* **Unchanged visits.** Whoever computes with the live tensors tells the store first
+* **Unchanged visits** (:mod:`.changes`: the store's :class:`ChangeTracker`). Whoever
+  computes with the live tensors tells the store first
   (``begin_op(kind)``): an eval, or a forward of a shard without buffers, changes nothing;
   any other op does, and so does an optimizer step (a step pre-hook) or a live tensor
   replaced or written in place (identities and version counters, compared at the op's end
@@ -50,21 +52,32 @@ Design:
   (``put``), for the tensor to point the live slot at (``get``), and tells it when copies
   have landed (``flush``), and frees them all (``clear``) when the state goes to disk.
 
-* **Disk** (:mod:`.disk`). With a host budget, a store has a :class:`SpillFile` in its
-  engine's :class:`SpillFolder` and the engine's host memory manager
-  (``tune_hydra.engine.host``) as its ``host``: it reserves host memory before its
-  buffers are filled and spills or loads when asked. The disk is a level below the host
+* **Disk** (:mod:`.disk`, :mod:`.spill`). With a host budget, a store has a
+  :class:`SpillFile` in its engine's :class:`SpillFolder` and the engine's host memory
+  manager (``tune_hydra.engine.host``) as its ``host``: it reserves host memory before its
+  buffers are filled and spills or loads when asked (its :class:`DiskSpill` makes those
+  moves). The disk is a level below the host
   tier, not a :class:`StorageTier` (``docs/engine.md`` says why).
 
 * **Shared parameters** (:mod:`.linked`). A parameter several shards use (tied weights)
-  has a store of its own, promoted with each of them by a :class:`LinkedStore`.
+  has a store of its own, promoted with each of them by a :class:`LinkedStore`; a
+  store's ``parts()`` are the shard stores it moves together (a :class:`ShardStore`:
+  itself; a :class:`LinkedStore`: its own, then the shared ones).
+
+* **Frozen tensors shared across tasks** (``tune_hydra.engine.frozen``). A store's
+  parameters pointed at the engine's frozen pool are its ``frozen`` slots (a
+  ``FrozenSlots``), outside its live slots: never counted, copied back or spilled with
+  its own state.
 """
 
 from __future__ import annotations
 
+from tune_hydra.engine.storage.changes import ChangeTracker
 from tune_hydra.engine.storage.disk import SpillFile, SpillFolder
 from tune_hydra.engine.storage.linked import LinkedStore
 from tune_hydra.engine.storage.residency import Residency, ResidencyError, ShardResidency
+from tune_hydra.engine.storage.slots import LiveSlots
+from tune_hydra.engine.storage.spill import DiskSpill
 from tune_hydra.engine.storage.store import ShardStore
 from tune_hydra.engine.storage.tiers import HostTier, PinnedHostTier, StorageTier
 
@@ -72,8 +85,11 @@ Store = ShardStore | LinkedStore
 """What a shard runs from: its store, or its store linked to shared ones."""
 
 __all__ = [
+    "ChangeTracker",
+    "DiskSpill",
     "HostTier",
     "LinkedStore",
+    "LiveSlots",
     "PinnedHostTier",
     "Residency",
     "ResidencyError",

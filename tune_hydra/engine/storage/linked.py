@@ -23,8 +23,9 @@ import torch
 from torch import nn
 
 from tune_hydra.core.ops import OpKind
+from tune_hydra.engine.frozen import shared_parts
 from tune_hydra.engine.storage.residency import Residency
-from tune_hydra.engine.storage.store import ShardStore, shared_parts
+from tune_hydra.engine.storage.store import ShardStore
 
 
 class LinkedStore:
@@ -44,6 +45,10 @@ class LinkedStore:
         self.shared = list(shared)
         self.last_nbytes = 0  # nbytes() at the last promotion (set by the workers)
 
+    def parts(self) -> list[ShardStore]:
+        """The shard stores it moves together: its own first, then the shared ones."""
+        return [self.own, *self.shared]
+
     # -- what the workers read -----------------------------------------------------------
 
     @property
@@ -59,7 +64,7 @@ class LinkedStore:
     @property
     def shared_parts(self) -> tuple[tuple[object, int], ...]:
         """The frozen pool's tensors its parts use (see ``ShardStore.shared_parts``)."""
-        return shared_parts([self.own, *self.shared], self.own.state_bytes)
+        return shared_parts([p.frozen for p in self.parts()], self.own.state_bytes)
 
     @property
     def activation_bytes(self) -> int:

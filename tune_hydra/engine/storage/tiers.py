@@ -67,6 +67,22 @@ class StorageTier(abc.ABC):
         buf.copy_(tensor)
         return buf
 
+    def fill(self, live: list[tuple[Key, torch.Tensor]], *, non_blocking: bool, stream: Any) -> int:
+        """Copy each ``(key, tensor)`` of ``live`` (a device copy) into its buffer
+        (:meth:`put`); returns the bytes copied. ``stream``: the CUDA stream the copies are
+        issued on (``None``: the current one). Call :meth:`flush` once they have landed."""
+        moved = 0
+        for key, dev in live:
+            host = self.put(key, dev)
+            host.copy_(dev, non_blocking=non_blocking)
+            if stream is not None and dev.is_cuda:
+                # Gradients and optimizer moments were allocated by the compute stream:
+                # without this the allocator could hand their memory to a compute kernel
+                # while this copy still reads it.
+                dev.record_stream(stream)
+            moved += tensor_bytes(dev)
+        return moved
+
     def drop(self, key: Key) -> None:
         """Forget ``key``'s tensor (its value is kept elsewhere from now on: a frozen
         tensor shared across tasks). Tiers that cannot forget one key raise."""
