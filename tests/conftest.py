@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import pytest
@@ -70,6 +70,26 @@ def plain_copy(task: th.ModelTask) -> th.ModelTask:
         task.train_data,
         eval_data=task.eval_data,
     )
+
+
+def assert_same(a: nn.Module | Mapping[str, Any], b: nn.Module | Mapping[str, Any]) -> None:
+    """Bit-equal weights: the same state_dict keys, in order, and ``torch.equal`` values
+    (modules or state dicts)."""
+    sa = a.state_dict() if isinstance(a, nn.Module) else a
+    sb = b.state_dict() if isinstance(b, nn.Module) else b
+    assert list(sa) == list(sb)
+    for k in sb:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def assert_same_optimizer(a: Mapping[str, Any], b: Mapping[str, Any]) -> None:
+    """Bit-equal optimizer state dicts: the same param_groups and per-parameter state."""
+    assert a["param_groups"] == b["param_groups"]
+    assert sorted(a["state"]) == sorted(b["state"])
+    for i, st in b["state"].items():
+        assert sorted(a["state"][i]) == sorted(st)
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(a["state"][i][k]), torch.as_tensor(v)), (i, k)
 
 
 def assert_same_model(a: nn.Module, b: nn.Module, atol: float = 1e-12, rtol: float = 0.0) -> None:

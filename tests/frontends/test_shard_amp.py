@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tune_hydra as th
-from tests.conftest import batches
+from tests.conftest import assert_same, batches
 from tune_hydra.engine import amp
 from tune_hydra.exceptions import UnsupportedPrecisionError
 
@@ -100,13 +100,6 @@ def plain_and_sharded(
     return want, got, ref, model
 
 
-def assert_same_weights(a: nn.Module, b: nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
-
-
 @pytest.mark.parametrize(
     "backward_inside", [False, True], ids=["backward-after", "backward-inside"]
 )
@@ -115,7 +108,7 @@ def test_bf16_autocast_is_exactly_plain_bf16(engine: th.Engine, backward_inside:
     assert len(got) == len(want)
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)
-    assert_same_weights(ref, model)
+    assert_same(ref, model)
     assert got[0].dtype == torch.float32  # cross_entropy is on autocast's fp32 list
     # ... and it is bf16 compute, not fp32: the full-precision run differs.
     full, _, _, _ = plain_and_sharded(engine, None)
@@ -215,7 +208,7 @@ def test_fp16_grad_scaler_is_exactly_plain(engine: th.Engine, clip: bool, fused:
     assert want_scales[0] < 2.0**24  # the first steps overflowed and were skipped
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)
-    assert_same_weights(ref, model)
+    assert_same(ref, model)
 
 
 def test_hugging_face_bf16_autocast_loop_is_exactly_plain(engine: th.Engine) -> None:
@@ -250,7 +243,7 @@ def test_hugging_face_bf16_autocast_loop_is_exactly_plain(engine: th.Engine) -> 
     for w, g in zip(want, got, strict=True):
         assert torch.equal(w, g)
     assert not torch.equal(got[-1], full[-1])
-    assert_same_weights(ref, model)
+    assert_same(ref, model)
 
 
 def gpu_net() -> nn.Sequential:
@@ -326,7 +319,7 @@ def test_a_bf16_model_trains_in_bf16_as_plain(engine: th.Engine) -> None:
             o.zero_grad()
             F.cross_entropy(m(x), y).backward()
             o.step()
-    assert_same_weights(ref, model)
+    assert_same(ref, model)
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
     state = opt.state_dict()["state"]
     assert {v.dtype for st in state.values() for k, v in st.items() if k != "step"} == {

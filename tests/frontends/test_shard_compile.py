@@ -31,6 +31,8 @@ from torch._dynamo.backends.debugging import aot_eager  # noqa: E402
 from torch._dynamo.eval_frame import OptimizedModule  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
+from tests.conftest import assert_same  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def _one_thread(one_torch_thread: None) -> Iterator[None]:
@@ -88,12 +90,6 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, data: list[Any]) -> list
     with torch.no_grad():
         history.append(F.cross_entropy(model(data[0][0]), data[0][1]).item())
     return history
-
-
-def assert_same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
-    assert list(a) == list(b)
-    for k in b:
-        assert torch.equal(a[k], b[k]), k
 
 
 def adam(model: nn.Module) -> torch.optim.Optimizer:

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 import tune_hydra as th
+from tests.conftest import assert_same
 from tests.models.test_peft import TRIALS, config, data, lora_config
 from tune_hydra.engine.frozen import address, canonical_name
 from tune_hydra.exceptions import FrozenTensorModifiedError
@@ -131,13 +132,6 @@ def run_loops(
 def plain(ref: nn.Module, opt: torch.optim.Optimizer, i: int, **kw: Any) -> list[float]:
     torch.manual_seed(100 + i)
     return train(ref, opt, i, **kw)
-
-
-def assert_same(a: nn.Module, b: nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for k in sb:
-        assert torch.equal(sa[k], sb[k]), k
 
 
 def frozen_ptrs(m: nn.Module, *, writable: bool = False) -> dict[str, int]:

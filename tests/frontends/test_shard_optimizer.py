@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tune_hydra as th
-from tests.conftest import batches
+from tests.conftest import assert_same, assert_same_optimizer, batches
 from tune_hydra.exceptions import OptimizerMismatchError, UnsupportedCallError
 
 
@@ -63,22 +63,6 @@ def steps(
             sched.step()
         out.append(loss.item())
     return out
-
-
-def assert_same(a: nn.Module, b: nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for k in sb:
-        assert torch.equal(sa[k], sb[k]), k
-
-
-def assert_same_state(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["param_groups"] == b["param_groups"]
-    assert sorted(a["state"]) == sorted(b["state"])
-    for i, st in b["state"].items():
-        assert sorted(a["state"][i]) == sorted(st)
-        for k, v in st.items():
-            assert torch.equal(torch.as_tensor(a["state"][i][k]), torch.as_tensor(v)), (i, k)
 
 
 # -- add_param_group after th.shard ------------------------------------------------------
@@ -119,7 +103,7 @@ def test_add_param_group_after_shard_exact(opt: str, frozen: bool, engine: th.En
     want, want_sd = run(ref, first(ref))
     assert got == want
     assert_same(model, ref)
-    assert_same_state(got_sd, want_sd)
+    assert_same_optimizer(got_sd, want_sd)
     assert len(got_sd["param_groups"]) == 2 and len(got_sd["state"]) == 6
     assert not torch.equal(model[0].weight.detach(), start)  # the added layer trained
     loop = model.__dict__["_th_shard"].loop
@@ -181,7 +165,7 @@ def test_unshard_keeps_optimizer_state_plain_training_goes_on_exact(
     got += steps(model, optimizer, data[3:])
     assert got == steps(ref, ref_opt, data)
     assert_same(model, ref)
-    assert_same_state(optimizer.state_dict(), ref_opt.state_dict())
+    assert_same_optimizer(optimizer.state_dict(), ref_opt.state_dict())
 
 
 # -- a failing step ------------------------------------------------------------------------
@@ -293,7 +277,7 @@ def test_step_with_closure_exact(opt: str, engine: th.Engine) -> None:
     assert optimizer.step() is None  # without a closure: None, as plain
     ref_opt.step()
     assert_same(model, ref)
-    assert_same_state(optimizer.state_dict(), ref_opt.state_dict())
+    assert_same_optimizer(optimizer.state_dict(), ref_opt.state_dict())
     th.unshard(model)
 
 
@@ -316,7 +300,7 @@ def test_optimizer_built_after_shard_exact(cut: bool, engine: th.Engine) -> None
     ref_opt = OPTIMIZERS["adam"](ref.parameters())
     assert steps(model, optimizer, data) == steps(ref, ref_opt, data)
     assert_same(model, ref)
-    assert_same_state(optimizer.state_dict(), ref_opt.state_dict())
+    assert_same_optimizer(optimizer.state_dict(), ref_opt.state_dict())
     assert len(engine.tasks()) == 1
     with pytest.raises(th.exceptions.AlreadyShardedError, match="once per model"):
         th.shard(model, OPTIMIZERS["adam"](model.parameters()))

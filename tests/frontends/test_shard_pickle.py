@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tune_hydra as th
-from tests.conftest import batches, mlp
+from tests.conftest import assert_same, assert_same_optimizer, batches, mlp
 
 
 @pytest.fixture(autouse=True)
@@ -39,22 +39,6 @@ def train(model: nn.Module, opt: torch.optim.Optimizer, data: list[Any]) -> list
         opt.step()
         out.append(loss.item())
     return out
-
-
-def assert_same(a: nn.Module, b: nn.Module) -> None:
-    sa, sb = a.state_dict(), b.state_dict()
-    assert list(sa) == list(sb)
-    for k in sb:
-        assert torch.equal(sa[k], sb[k]), k
-
-
-def assert_same_optimizer(a: dict[str, Any], b: dict[str, Any]) -> None:
-    assert a["param_groups"] == b["param_groups"]
-    assert sorted(a["state"]) == sorted(b["state"])
-    for i, st in b["state"].items():
-        assert sorted(a["state"][i]) == sorted(st)
-        for k, v in st.items():
-            assert torch.equal(torch.as_tensor(a["state"][i][k]), torch.as_tensor(v)), (i, k)
 
 
 def pair(engine: th.Engine) -> tuple[Any, Any, nn.Module, torch.optim.Optimizer]:
