@@ -433,7 +433,8 @@ class LoopRunner:
         # time: a hook may come at any step.
         for m in shard.module.modules():
             if is_lora_layer(m) and any(
-                h._forward_hooks or h._forward_pre_hooks for h in (m, m.base_layer)
+                isinstance(h, torch.nn.Module) and (h._forward_hooks or h._forward_pre_hooks)
+                for h in (m, m.base_layer)
             ):
                 return None
         return shared_key(shard.store)

@@ -852,7 +852,8 @@ class _State:
         self.wrappers: list[tuple[weakref.ref[nn.Module], type]] = []
         # The model's module tree at the cut, edge by edge (path, parent, name, child):
         # the loop runs the modules it cut, so a later replacement must not pass unseen.
-        self.tree: list[tuple[str, nn.Module, str, nn.Module]] = []
+        # Weak: the state outlives the model (a collected model leaves the engine).
+        self.tree: list[tuple[str, weakref.ref[nn.Module], str, weakref.ref[nn.Module]]] = []
 
     def set_compiler(self, compiler: Compiler | None) -> None:
         """Compile each shard's forward with ``compiler`` (the user's ``torch.compile``
@@ -871,12 +872,16 @@ class _State:
     def check_tree(self) -> None:
         """Raise if a submodule was replaced or removed since the cut (a dict lookup per
         module, once per forward)."""
-        for path, parent, name, child in self.tree:
+        for path, parent_ref, name, child_ref in self.tree:
+            parent, child = parent_ref(), child_ref()
+            if parent is None:
+                continue
             now = parent._modules.get(name)
-            if now is not child:
+            if child is None or now is not child:
                 what = "removed" if now is None else f"replaced by a {type(now).__name__}"
+                was = "" if child is None else f" ({type(child).__name__})"
                 raise ModelChangedError(
-                    f"submodule {path!r} ({type(child).__name__}) of this sharded "
+                    f"submodule {path!r}{was} of this sharded "
                     f"{self.model_class.__name__} was {what} after th.shard cut the model "
                     f"at its first forward: the engine trains the modules it cut, so the "
                     f"new one would never be used. Change the model before its first "
@@ -912,7 +917,7 @@ class _State:
             compiler=self.compiler,
         )
         self.tree = [
-            (f"{path}.{name}" if path else name, parent, name, child)
+            (f"{path}.{name}" if path else name, weakref.ref(parent), name, weakref.ref(child))
             # nn.Module's own walk: the sharded class's named_modules syncs the shards first
             for path, parent in nn.Module.named_modules(model, remove_duplicate=False)
             for name, child in parent._modules.items()
