@@ -6,6 +6,7 @@ import ast
 import csv
 import difflib
 import importlib.util
+import json
 import os
 import shutil
 import subprocess
@@ -347,6 +348,19 @@ def test_hf_bf16_loop_ray_smoke(tmp_path: Path) -> None:
     assert len(rows) == 4  # 2 trials x 2 epochs
 
 
+# Prints the tasks left on the embedded engine once those of collected models are gone:
+# a collected model's loop leaves on th.shard's remover thread, a moment later.
+_LEFT = """
+import time
+def settled(n=0):
+    for _ in range(400):
+        if len(shard._ENGINE.tasks()) <= n:
+            break
+        time.sleep(0.05)
+    return shard._ENGINE.tasks()
+"""
+
+
 def _run_on_embedded_engine(script: Path) -> str:
     """Run ``script`` at its smoke size as ``python script`` would, then print its embedded
     engine's device busy time (``busy_s``) and the tasks left on it (``left``)."""
@@ -358,7 +372,8 @@ def _run_on_embedded_engine(script: Path) -> str:
         "gc.collect()\n"
         "s = shard._ENGINE.summary()\n"
         "print('busy_s', sum(d['busy_s'] for d in s['devices'].values()))\n"
-        "print('left', shard._ENGINE.tasks())\n"
+        + _LEFT
+        + "print('left', settled())\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), **SMOKE)
     proc = subprocess.run(
@@ -383,6 +398,172 @@ def test_hf_trainer_optuna_smoke() -> None:
     assert "best params: {'learning_rate'" in out and "best eval_loss:" in out
     assert float(out.split("busy_s ", 1)[1].split()[0]) > 0  # trained on the engine
     assert "left []" in out
+
+
+# Runs an example at its smoke size as ``python script`` would, counting each th.shard
+# loop's sharded optimizer steps (a Trainer's first step runs plain, before the engine
+# adopts its optimizer) and dynamo's graphs; code after it reads the script's globals, g.
+_COUNT_SHARDED_STEPS = (
+    _LEFT
+    + """
+import gc, runpy, sys
+import torch._dynamo.utils
+from tune_hydra.engine.loop import LoopRunner
+from tune_hydra.frontends import shard
+loops = {}
+step = LoopRunner.step
+def counted(self):
+    steps = loops.get(self.name, (0, 0, False))[1]
+    loops[self.name] = (len(self.shards), steps + 1, self._compiler is not None)
+    return step(self)
+LoopRunner.step = counted
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+g = runpy.run_path(script, run_name="__main__")
+gc.collect()
+print("loops", loops)  # name: (shards, sharded steps, compiled)
+print("dynamo graphs", torch._dynamo.utils.counters["stats"]["unique_graphs"])
+if shard._ENGINE is not None:
+    summary = shard._ENGINE.summary()
+    print("busy_s", sum(d["busy_s"] for d in summary["devices"].values()))
+    print("left", settled(1))  # a script's last objects may hold one model
+"""
+)
+
+
+def _run_python(code: str, *args: str, cwd: Path = ROOT, home: Path | None = None) -> str:
+    """``python -c code args`` at the smoke size; stdout and stderr together."""
+    env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), **SMOKE)
+    if home is not None:
+        home.mkdir(parents=True, exist_ok=True)
+        env["HOME"] = str(home)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, *args],
+        capture_output=True,
+        text=True,
+        timeout=HANG_S,
+        env=env,
+        cwd=cwd,
+    )
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return proc.stdout + proc.stderr
+
+
+def _optuna_trials(out: str) -> dict[str, float]:
+    """Optuna's log of finished trials: their parameters (as printed) -> value."""
+    found = {}
+    for line in out.splitlines():
+        if " finished with value: " in line:
+            value, params = line.split(" finished with value: ")[1].split(" and parameters: ")
+            found[params.split(". Best is")[0]] = float(value)
+    return found
+
+
+# After _COUNT_SHARDED_STEPS: the script's Trainer lets go of its last model.
+_RELEASE_TRAINERS_MODEL = """
+g["trainer"].callback_handler.model = None
+del g
+gc.collect()
+print("left then", settled())
+"""
+
+
+def test_hf_hyperparameter_search_smoke() -> None:
+    """trainer.hyperparameter_search(backend="optuna") with th.shard in its model_init:
+    each trial's GPT-2 cut into shards, every optimizer step after the first (Trainer's
+    optimizer adopted there) a sharded one, and every trial's eval_loss equal to the plain
+    twin's (float32, ==)."""
+    pytest.importorskip("transformers")
+    script = ROOT / "examples" / "hf_hyperparameter_search.py"
+    out = _run_python(_COUNT_SHARDED_STEPS + _RELEASE_TRAINERS_MODEL, str(script))
+    plain = _run_python(_COUNT_SHARDED_STEPS, str(script.with_name(script.stem + "_plain.py")))
+    trials = _optuna_trials(out)
+    assert len(trials) == 2 and trials == _optuna_trials(plain), (trials, plain[-3000:])
+    for line in ("best hyperparameters: ", "best eval_loss: "):
+        assert _line(out, line) == _line(plain, line)
+    loops = ast.literal_eval(_line(out, "loops "))
+    # 32 rows a trial at batch 4 (8 steps) or 8 (4 steps): all but the first sharded
+    batches = [ast.literal_eval(p)["per_device_train_batch_size"] for p in trials]
+    assert sorted(steps for _, steps, _ in loops.values()) == sorted(32 // b - 1 for b in batches)
+    assert all(shards >= 2 for shards, _, _ in loops.values()), loops
+    assert _line(plain, "loops ") == "{}"  # the plain twin never touched the engine
+    assert float(_line(out, "busy_s ")) > 0
+    # The Trainer, alive at the script's end, holds the last trial's model (transformers'
+    # callback_handler.model): its loop alone is left, and goes with that reference.
+    assert _line(out, "left then ") == "[]", _line(out, "left ")
+    assert len(ast.literal_eval(_line(out, "left "))) == 1
+
+
+def test_compiled_loop_smoke() -> None:
+    """A user's loop over model = torch.compile(model), th.shard(model, optimizer), two
+    trials at once under th.optimize: every step sharded, each shard's forward compiled
+    (dynamo graphs), and every trial's test loss equal to the plain twin's (==)."""
+    script = ROOT / "examples" / "compiled_loop.py"
+    out = _run_python(_COUNT_SHARDED_STEPS, str(script))
+    plain = _run_python(_COUNT_SHARDED_STEPS, str(script.with_name(script.stem + "_plain.py")))
+    trial_lines = sorted(line for line in out.splitlines() if line.startswith("trial {"))
+    assert len(trial_lines) == 2
+    assert trial_lines == sorted(x for x in plain.splitlines() if x.startswith("trial {"))
+    assert _line(out, "best test loss: ") == _line(plain, "best test loss: ")
+    loops = ast.literal_eval(_line(out, "loops "))
+    # 256 images in batches of 64, 2 epochs: 8 steps a trial, each a sharded one
+    assert sorted(loops.values()) == [(2, 8, True)] * 2, loops
+    assert _line(plain, "loops ") == "{}"
+    # one graph a shard at least (per trial; training and no_grad evaluation apart)
+    assert int(_line(out, "dynamo graphs ")) >= 4
+
+
+_TRACE_RAY_EXAMPLE = """
+import runpy, sys
+script = sys.argv[1]
+sys.argv = sys.argv[1:]
+g = runpy.run_path(script, run_name="__main__")
+print("engine tasks", sorted({event.task for event in g["ex"].trace().events}))
+"""
+
+# The plain twin's function trainable called here, alone, for each learning rate, with
+# tune.report collecting its results (what a plain Tune trial's process runs).
+_PLAIN_FUNCTION = """
+import importlib.util, sys
+from ray import tune
+spec = importlib.util.spec_from_file_location("plain_twin", sys.argv[1])
+plain = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(plain)
+results = []
+tune.report = lambda metrics, checkpoint=None: results.append(metrics["eval_loss"])
+for lr in sys.argv[2:]:
+    results.clear()
+    plain.train_fn({"learning_rate": float(lr)})
+    print("plain", float(lr), results)
+"""
+
+
+def test_hf_trainer_tune_ray_smoke(tmp_path: Path) -> None:
+    """A Trainer fine-tuning as a tune.Tuner function trainable over ex.trainable(...):
+    both trials' models trained on the engine (each as two loops: its first step's, before
+    Trainer's optimizer was adopted, and the rest), and every trial's per-epoch eval_loss
+    equal to the plain twin's train_fn run alone (float32, ==)."""
+    pytest.importorskip("transformers")
+    home = tmp_path / "home"
+    script = ROOT / "examples" / "hf_trainer_tune.py"
+    out = _run_python(_TRACE_RAY_EXAMPLE, str(script), cwd=tmp_path, home=home)
+    assert "best config: {'learning_rate'" in out and "best eval_loss:" in out
+    tasks = ast.literal_eval(_line(out, "engine tasks "))
+    assert len(tasks) == 4 and all("GPT2LMHeadModel" in task for task in tasks), tasks
+    trials = {}
+    for progress in (home / "ray_results" / "hf_trainer_tune").glob("*/progress.csv"):
+        config = json.loads((progress.parent / "params.json").read_text())
+        losses = [float(row["eval_loss"]) for row in csv.DictReader(progress.open())]
+        trials[config["learning_rate"]] = losses
+    assert sorted(trials) == [1e-3, 3e-3] and all(len(v) == 2 for v in trials.values())
+    plain = _run_python(
+        _PLAIN_FUNCTION,
+        str(script.with_name(script.stem + "_plain.py")),
+        *map(str, trials),
+        cwd=tmp_path,
+    )
+    for lr, losses in trials.items():
+        assert ast.literal_eval(_line(plain, f"plain {lr} ")) == losses, (lr, plain[-3000:])
 
 
 def test_optuna_pytorch_simple_smoke() -> None:
@@ -423,8 +604,7 @@ def test_optuna_pytorch_lightning_simple_smoke(tmp_path: Path) -> None:
         "gc.collect()\n"
         "s = shard._ENGINE.summary()\n"
         "print('busy_s', sum(d['busy_s'] for d in s['devices'].values()))\n"
-        "print('sharded steps', len(steps))\n"
-        "print('left', shard._ENGINE.tasks())\n"
+        "print('sharded steps', len(steps))\n" + _LEFT + "print('left', settled())\n"
     )
     env = dict(os.environ, PYTHONPATH=str(ROOT), **SMOKE)
     proc = subprocess.run(
@@ -460,6 +640,15 @@ PAIRS = {
     "optuna_pytorch_lightning_simple": ROOT / "examples" / "optuna_pytorch_lightning_simple",
     "hf_trainer_optuna": ROOT / "examples" / "hf_trainer_optuna",
     "hf_bf16_loop": ROOT / "examples" / "hf_bf16_loop",
+    "hf_trainer_tune": ROOT / "examples" / "hf_trainer_tune",
+    "hf_hyperparameter_search": ROOT / "examples" / "hf_hyperparameter_search",
+    "compiled_loop": ROOT / "examples" / "compiled_loop",
+}
+# What the twins outside the rules below add: th.shard returned by a model_init (its
+# trials one at a time: no n_jobs), and th.optimize (its own engine: no th.configure).
+ADDED = {
+    "hf_hyperparameter_search": ["import tune_hydra as th", "return th.shard(", "th.configure("],
+    "compiled_loop": ["import tune_hydra as th", "= th.shard(", "th.optimize("],
 }
 
 
@@ -493,7 +682,9 @@ def test_the_tune_hydra_version_changes_at_most_4_lines(name: str) -> None:
     assert 1 <= count <= 4, (count, added)
     assert all(line.endswith("# tune_hydra") for line in added), added
     wanted = ["import tune_hydra as th", "= th.shard("]
-    if "lightning" in name:  # the strategy instead of th.configure (Lightning's own call)
+    if name in ADDED:
+        wanted = ADDED[name]
+    elif "lightning" in name:  # the strategy instead of th.configure (Lightning's own call)
         wanted += ["strategy=th.HydraStrategy()", "n_jobs="]
     elif "optuna" in name:
         wanted += ["th.configure(", "n_jobs="]

@@ -175,6 +175,8 @@ def configure(**engine_options: Any) -> None:
     from tune_hydra.engine.units import resolve_devices
     from tune_hydra.options import ENGINE_OPTIONS, EngineOptions, check_option_names
 
+    # A misspelt name is the first thing to fix, engine running or not.
+    check_option_names(engine_options, ENGINE_OPTIONS, where="th.configure")
     with _LOCK:
         if _ENGINE is not None:
             raise EngineConfiguredError(
@@ -182,7 +184,6 @@ def configure(**engine_options: Any) -> None:
                 "is running with its options already. Call th.configure at the top of the "
                 "script, or pass engine=th.Engine(...) to th.shard"
             )
-        check_option_names(engine_options, ENGINE_OPTIONS, where="th.configure")
         options = EngineOptions(**engine_options, where="th.configure")
         if not (isinstance(options.devices, str) and options.devices == "auto"):
             resolve_devices(options.devices)  # the engine's check ("auto" warns there)

@@ -391,10 +391,13 @@ def test_paused_function_trials_resume_exactly(ray_session: Any, storage: str) -
 def test_pbt_exploits_restore_weights_and_optimizer(ray_session: Any, storage: str) -> None:
     """PBT pauses the weaker trial and restarts its function from the stronger one's
     checkpoint (``tune.get_checkpoint()`` + ``load_state_dict`` of model and optimizer):
-    what it trains from there equals the plain function restored from that checkpoint."""
+    what it trains from there equals the plain function restored from that checkpoint.
+    Synchronous PBT: each perturbation waits for both trials, so that one trial racing
+    through its iterations before the other reports (a loaded machine) still exploits."""
     pbt = PopulationBasedTraining(
         time_attr="training_iteration",
         perturbation_interval=1,
+        synch=True,
         quantile_fraction=0.5,
         resample_probability=1.0,
         hyperparam_mutations={"lr": [0.05, 0.2]},
