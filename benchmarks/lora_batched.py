@@ -247,7 +247,8 @@ def _run_loops(eng: Any, tasks: list[Any]) -> float:
 
 
 def engine_main(args: argparse.Namespace) -> int:
-    """``--engine``: batch_shared on vs off, each in a fresh process, interleaved."""
+    """``--engine``: batch_shared on vs off, each in a fresh process, interleaved (``--tiny``:
+    in this one)."""
     import torch
     import transformers
 
@@ -266,6 +267,10 @@ def engine_main(args: argparse.Namespace) -> int:
         transformers.LlamaForCausalLM(config).save_pretrained(folder)
         for r in range(args.rounds):
             for batched in (False, True) if r % 2 == 0 else (True, False):
+                if args.tiny:  # the tests: the same runs in this process (no figures read)
+                    args.folder = folder
+                    runs[batched].append(engine_run(args, batched))
+                    continue
                 cmd = [sys.executable, __file__, "--one-engine", str(int(batched))]
                 cmd += ["--folder", folder, "--trials", str(args.trials)]
                 cmd += ["--batches", str(args.batches), "--batch", str(args.batch)]
