@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
+import ray
 from ray import tune
 
 import tune_hydra as th
@@ -39,3 +41,16 @@ def test_trials_spread_over_both_nodes(ray_cluster: Any, storage: str) -> None:
     assert len(tasks_per_node) == 2, tasks_per_node
     assert all(tasks for tasks in tasks_per_node.values())
     assert set().union(*tasks_per_node.values()) == {t.trial_id for t in analysis.trials}
+
+
+def test_an_executor_connects_to_the_cluster_of_ray_address(
+    ray_cluster: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A driver on a cluster (RAY_ADDRESS set, as ``ray job submit`` sets it) that leaves
+    ray.init to the executor: it connects to that cluster (Ray refuses resources= there)
+    and finds its engine nodes, rather than failing on "When connecting to an existing
+    cluster, resources must not be provided"."""
+    ray.shutdown()
+    monkeypatch.setitem(os.environ, "RAY_ADDRESS", ray_cluster.address)
+    with HydraExecutor(devices="cpu") as ex:
+        assert len(ex.engines()) == 2 and ex.max_concurrent_trials == 8

@@ -101,7 +101,16 @@ class EngineFleet:
         """
         if not ray.is_initialized():
             slots = self.slots_per_node or DEFAULT_SLOTS_PER_NODE
-            ray.init(resources={self.slot_resource: slots})
+            try:
+                ray.init(resources={self.slot_resource: slots})
+            except ValueError as err:
+                # RAY_ADDRESS, or a cluster `ray start`ed on this machine: ray.init()
+                # connects to it, and a connecting init takes no resources (the cluster's
+                # nodes carry theirs, as `ray start --resources` gave them).
+                if "existing cluster" not in str(err):
+                    raise
+                logger.info("tune_hydra: connecting to the existing Ray cluster")
+                ray.init()
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         engine_nodes = [n for n in nodes if n["Resources"].get(self.slot_resource, 0) >= 1]
         self.fallback = False
