@@ -173,8 +173,12 @@ class _KillEngineAt(tune.Callback):
 
     def __init__(self, ex: HydraExecutor, iteration: int) -> None:
         self.ex, self.iteration, self.done = ex, iteration, False
+        # the last iteration each trial reported before it was restored
+        self.before_restore: dict[str, int] = {}
 
     def on_trial_result(self, iteration: int, trials: Any, trial: Any, result: Any, **info: Any):
+        if result["iterations_since_restore"] == result["training_iteration"]:
+            self.before_restore[trial.trial_id] = result["training_iteration"]
         if not self.done and result["training_iteration"] == self.iteration:
             self.done = True
             for handle in self.ex.engines().values():
@@ -217,9 +221,13 @@ def test_tuner_keeps_a_checkpoint_every_iteration_by_default(
         assert len(saved) >= 4, [p.name for p in saved]
         iterations = [json.loads((p / "hydra_meta.json").read_text())["iteration"] for p in saved]
         assert set(iterations) == {1, 2, 3, 4, 5}, iterations
-        # a trial the kill hit resumed from its latest checkpoint (iteration 2 or 3), not
-        # from scratch; one it missed ran straight through
-        assert result.metrics["iterations_since_restore"] in (2, 3, 5)
+        # a trial the kill hit resumed from its latest checkpoint, not from scratch: the
+        # one of the last iteration it reported, or the one before where the kill
+        # interrupted that save (trials need not be in step: under load one lags)
+        reached = killer.before_restore.get(result.metrics["trial_id"], 0)
+        resumed_from = 5 - result.metrics["iterations_since_restore"]
+        expected = (0,) if reached == 5 else (max(reached - 1, 0), reached)
+        assert resumed_from in expected, (reached, resumed_from)
         _assert_exact(_final_model_of(result), _straight(result.config, 5))
     assert any(r.metrics["iterations_since_restore"] < 5 for r in results)
 
