@@ -810,6 +810,14 @@ class Synchronous(schedulers.PopulationBasedTraining):
         kwargs["synch"] = True
         super().__init__(**kwargs)
 
+    def on_trial_result(self, tune_controller, trial, result):
+        decision = super().on_trial_result(tune_controller, trial, result)
+        if self._next_perturbation_sync > 1:
+            # The round at iteration 1 is the point: no later ones, each of which would
+            # pause every trial and start its process again (#31: 12 process starts).
+            self._perturbation_interval = self._next_perturbation_sync = 10**9
+        return decision
+
 schedulers.PopulationBasedTraining = Synchronous
 script = sys.argv[1]
 sys.argv = sys.argv[1:]
@@ -821,10 +829,10 @@ runpy.run_path(script, run_name="__main__")
 def test_ray_pbt_function_example_pauses_and_exploits(tmp_path: Path) -> None:
     """The PBT function example, its PBT made synchronous with a perturbation every
     iteration (Ray's example checkpoints at steps 0, 5, ... and perturbs every 5, so its
-    own smoke run never has a checkpoint to exploit): every trial is paused at each
-    perturbation, the bottom ones are exploited, and they restart from the top trial's
-    checkpoint through their own tune.get_checkpoint() + load_state_dict; its
-    eval_best_model reloads the best checkpoint."""
+    own smoke run never has a checkpoint to exploit): every trial is paused at the first
+    perturbation (the one the test keeps), the bottom ones are exploited, and they
+    restart from the top trial's checkpoint through their own tune.get_checkpoint() +
+    load_state_dict; its eval_best_model reloads the best checkpoint."""
     out = _run_ray_example(
         "pbt_convnet_function_example.py", tmp_path, "--smoke-test", code=_PBT_SYNCHRONOUS
     )
