@@ -82,6 +82,21 @@ def ray_session(_ray_session_owner: _Session) -> _Session:
     return _ray_session_owner
 
 
+@pytest.fixture(scope="module")
+def shared_executor(request: Any, _ray_session_owner: _Session) -> Iterator[Any]:
+    """One started executor for the tests of a module that are not about the engine's
+    lifecycle or options (issue 31: an engine actor start is ~2.7 s and ~3 core-s of the
+    Ray tier's CPU): the module's ``make_shared_executor()``, else
+    ``HydraExecutor(devices="cpu", device_memory="18KiB")``. Those tests check that their
+    trials left nothing registered, so a leak shows in the test that made it."""
+    from tune_hydra.frontends.ray import HydraExecutor
+
+    make = getattr(request.module, "make_shared_executor", None)
+    _ray_session_owner.ensure()
+    with make() if make else HydraExecutor(devices="cpu", device_memory="18KiB") as ex:
+        yield ex
+
+
 @pytest.fixture
 def ray_cluster(_ray_session_owner: _Session) -> Iterator[Any]:
     """A 2-node ``ray.cluster_utils.Cluster`` (1 CPU and 4 slots per node), connected."""

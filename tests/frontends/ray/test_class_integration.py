@@ -167,6 +167,9 @@ def _executor() -> HydraExecutor:
     return HydraExecutor(devices="cpu", max_layers_per_shard=1)
 
 
+make_shared_executor = _executor  # the shared_executor fixture's (conftest)
+
+
 def _live_runs(ex: HydraExecutor, wait_s: float = 15.0) -> list[str]:
     """The trials whose thread still runs in an engine (once they had ``wait_s`` to end)."""
     import ray
@@ -241,7 +244,7 @@ def test_class_trainables_equal_the_plain_class_multiplexed_on_one_engine(
 
 
 def test_pbt_exploits_restore_the_source_checkpoint(
-    ray_session: Any, storage: str, tmp_path: Path
+    shared_executor: HydraExecutor, ray_session: Any, storage: str, tmp_path: Path
 ) -> None:
     """Synchronous PBT perturbing every iteration, with reuse_actors: the exploited trial
     restarts from the source trial's checkpoint (its weights at its next step are that
@@ -256,24 +259,22 @@ def test_pbt_exploits_restore_the_source_checkpoint(
         hyperparam_mutations={"lr": [0.05, 0.2]},
         synch=True,
     )
-    with _executor() as ex:
-        results = tune.Tuner(
-            ex.trainable(tune.with_parameters(TrainConvNet, train_data=_data(1))),
-            param_space={
-                "lr": 0.1,
-                "seed": tune.grid_search([0, 1]),
-                "save_log": str(tmp_path / "saves.txt"),
-            },
-            tune_config=tune.TuneConfig(
-                metric="train_loss", mode="min", scheduler=pbt, reuse_actors=True
-            ),
-            run_config=tune.RunConfig(
-                storage_path=storage, stop={"training_iteration": 2}, verbose=0
-            ),
-        ).fit()
-        # A stopped one ends at its next forward or report: wait for that first.
-        assert _live_runs(ex) == []
-        registered = ex.registered_trials()
+    ex = shared_executor
+    results = tune.Tuner(
+        ex.trainable(tune.with_parameters(TrainConvNet, train_data=_data(1))),
+        param_space={
+            "lr": 0.1,
+            "seed": tune.grid_search([0, 1]),
+            "save_log": str(tmp_path / "saves.txt"),
+        },
+        tune_config=tune.TuneConfig(
+            metric="train_loss", mode="min", scheduler=pbt, reuse_actors=True
+        ),
+        run_config=tune.RunConfig(storage_path=storage, stop={"training_iteration": 2}, verbose=0),
+    ).fit()
+    # A stopped one ends at its next forward or report: wait for that first.
+    assert _live_runs(ex) == []
+    registered = ex.registered_trials()
     assert all(r.error is None for r in results), [r.error for r in results]
     saved = {}  # (trial id, iteration) -> the weights it saved then
     for line in (tmp_path / "saves.txt").read_text().splitlines():
@@ -318,20 +319,22 @@ class _PauseOnce(FIFOScheduler):
         return self.CONTINUE
 
 
-def test_paused_trials_resume_exactly(ray_session: Any, storage: str) -> None:
+def test_paused_trials_resume_exactly(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
     """Paused (saved, its proxy stopped) and resumed in a new proxy (a new instance:
     setup, load_checkpoint): each trial goes on from its own checkpoint as the plain
     class restored from it does; nothing is left running."""
-    with _executor() as ex:
-        results = tune.Tuner(
-            ex.trainable(TrainConvNet),
-            param_space={"lr": 0.1, "seed": tune.grid_search([0, 1])},
-            tune_config=tune.TuneConfig(scheduler=_PauseOnce()),
-            run_config=tune.RunConfig(
-                storage_path=storage, stop={"training_iteration": ITERS}, verbose=0
-            ),
-        ).fit()
-        assert _live_runs(ex) == []
+    ex = shared_executor
+    results = tune.Tuner(
+        ex.trainable(TrainConvNet),
+        param_space={"lr": 0.1, "seed": tune.grid_search([0, 1])},
+        tune_config=tune.TuneConfig(scheduler=_PauseOnce()),
+        run_config=tune.RunConfig(
+            storage_path=storage, stop={"training_iteration": ITERS}, verbose=0
+        ),
+    ).fit()
+    assert _live_runs(ex) == []
     assert all(r.error is None for r in results), [r.error for r in results]
     for r in results:
         frame = r.metrics_dataframe
@@ -345,7 +348,7 @@ def test_paused_trials_resume_exactly(ray_session: Any, storage: str) -> None:
 
 
 def test_tuner_restore_resumes_from_the_checkpoint(
-    ray_session: Any, storage: str, tmp_path: Path
+    shared_executor: HydraExecutor, ray_session: Any, storage: str, tmp_path: Path
 ) -> None:
     """A trial that fails at its third step (checkpoints every iteration) resumes with
     Tuner.restore(resume_errored=True) from its second checkpoint, as the plain class
@@ -354,29 +357,29 @@ def test_tuner_restore_resumes_from_the_checkpoint(
     marker.touch()
     config = {"lr": 0.1, "seed": 3, "marker": str(marker)}
     data = _data(5)
-    with _executor() as ex:
-        first = tune.Tuner(
-            tune.with_parameters(ex.trainable(TrainConvNet), train_data=data),
-            param_space=config,
-            tune_config=tune.TuneConfig(metric="train_loss", mode="min"),
-            run_config=tune.RunConfig(
-                name="restore",
-                storage_path=storage,
-                stop={"training_iteration": ITERS + 1},
-                checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1),
-                verbose=0,
-            ),
-        ).fit()
-        assert first[0].error is not None and "injected failure" in str(first[0].error)
-        assert len(first[0].metrics_dataframe) == 2
-        marker.unlink()
-        restored = tune.Tuner.restore(
-            os.path.join(storage, "restore"),
-            trainable=tune.with_parameters(ex.trainable(TrainConvNet), train_data=data),
-            resume_errored=True,
-        )
-        (result,) = restored.fit()
-        assert _live_runs(ex) == []
+    ex = shared_executor
+    first = tune.Tuner(
+        tune.with_parameters(ex.trainable(TrainConvNet), train_data=data),
+        param_space=config,
+        tune_config=tune.TuneConfig(metric="train_loss", mode="min"),
+        run_config=tune.RunConfig(
+            name="restore",
+            storage_path=storage,
+            stop={"training_iteration": ITERS + 1},
+            checkpoint_config=tune.CheckpointConfig(checkpoint_frequency=1),
+            verbose=0,
+        ),
+    ).fit()
+    assert first[0].error is not None and "injected failure" in str(first[0].error)
+    assert len(first[0].metrics_dataframe) == 2
+    marker.unlink()
+    restored = tune.Tuner.restore(
+        os.path.join(storage, "restore"),
+        trainable=tune.with_parameters(ex.trainable(TrainConvNet), train_data=data),
+        resume_errored=True,
+    )
+    (result,) = restored.fit()
+    assert _live_runs(ex) == []
     assert result.error is None, result.error
     frame = result.metrics_dataframe
     assert list(frame["training_iteration"]) == [1, 2, 3, 4]

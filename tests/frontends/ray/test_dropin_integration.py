@@ -52,27 +52,27 @@ def _tuner(ex: HydraExecutor, trainable: Any, storage: str, iterations: int, **c
 
 @pytest.mark.filterwarnings("ignore:`report` is meant")
 def test_a_function_trainable_fails_the_experiment_once(
-    ray_session: Any, storage: str, tmp_path: Path
+    shared_executor: HydraExecutor, ray_session: Any, storage: str, tmp_path: Path
 ) -> None:
     """Its ``report`` call is hidden from the check before the run, so it runs in the
     engine: the first trial's error ends the experiment, th.run raises it once."""
     calls = tmp_path / "calls"
     calls.mkdir()
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        with pytest.raises(NotATaskError) as info:
-            th.run(
-                tune_tasks.hidden_train_fn,
-                config={"lr": tune.grid_search([0.001, 0.01, 0.1]), "calls": str(calls)},
-                metric="loss",
-                mode="min",
-                stop={"training_iteration": 3},
-                max_failures=2,  # a retry would fail the same way: not waited for
-                storage_path=storage,
-                trial_executor=ex,
-                verbose=0,
-            )
-        assert _registered(ex) == []
-        assert ex.systematic_error() is info.value
+    ex = shared_executor
+    with pytest.raises(NotATaskError) as info:
+        th.run(
+            tune_tasks.hidden_train_fn,
+            config={"lr": tune.grid_search([0.001, 0.01, 0.1]), "calls": str(calls)},
+            metric="loss",
+            mode="min",
+            stop={"training_iteration": 3},
+            max_failures=2,  # a retry would fail the same way: not waited for
+            storage_path=storage,
+            trial_executor=ex,
+            verbose=0,
+        )
+    assert _registered(ex) == []
+    assert ex.systematic_error() is info.value
     text = str(info.value)
     assert "returned NoneType, not a tune_hydra.ModelTask" in text
     assert "function trainable" in text and "drop trial_executor" in text
@@ -83,18 +83,20 @@ def test_a_function_trainable_fails_the_experiment_once(
     assert 1 <= len(list(calls.iterdir())) <= 3
 
 
-def test_a_factory_returning_none_fails_a_tuner_run_once(ray_session: Any, storage: str) -> None:
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        tuner = _tuner(
-            ex,
-            ex.trainable(tune_tasks.make_no_task),
-            storage,
-            3,
-            lr=tune.grid_search([0.001, 0.01, 0.1]),
-        )
-        results = tuner.fit()
-        assert _registered(ex) == []
-        assert isinstance(ex.systematic_error(), NotATaskError)
+def test_a_factory_returning_none_fails_a_tuner_run_once(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
+    ex = shared_executor
+    tuner = _tuner(
+        ex,
+        ex.trainable(tune_tasks.make_no_task),
+        storage,
+        3,
+        lr=tune.grid_search([0.001, 0.01, 0.1]),
+    )
+    results = tuner.fit()
+    assert _registered(ex) == []
+    assert isinstance(ex.systematic_error(), NotATaskError)
     assert results.num_errors == 1  # not three identical tracebacks
     assert "not a tune_hydra.ModelTask" in str(results.errors[0])
     # Ended at the first trial, not after all three (no timed assertion: a loaded machine
@@ -102,36 +104,38 @@ def test_a_factory_returning_none_fails_a_tuner_run_once(ray_session: Any, stora
     assert all(r.metrics.get("training_iteration", 0) == 0 for r in results)
 
 
-def test_with_parameters_both_ways(ray_session: Any, storage: str, tmp_path: Path) -> None:
+def test_with_parameters_both_ways(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str, tmp_path: Path
+) -> None:
     """``ex.trainable(tune.with_parameters(make_task, data=...))`` (through th.run) and
     ``tune.with_parameters(ex.trainable(make_task), data=...)`` (through a Tuner) both
     call ``make_task(config, data=...)`` in the engine, which fetches the data once; the
     trial processes keep only the object references (Tune's own setup would fetch the
     data into each of them)."""
     data = tune_tasks.dataset()
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        first = tmp_path / "factory.log"
-        analysis = th.run(
-            tune.with_parameters(tune_tasks.make_task_with, data=data, log=str(first)),
-            config={"lr": tune.grid_search([0.003, 0.03])},
-            metric="val_loss",
-            mode="min",
-            stop={"training_iteration": 2},
-            storage_path=storage,
-            trial_executor=ex,
-            verbose=0,
-        )
-        assert [t.status for t in analysis.trials] == ["TERMINATED"] * 2
-        assert all(t.last_result["val_loss"] < 100 for t in analysis.trials)
+    ex = shared_executor
+    first = tmp_path / "factory.log"
+    analysis = th.run(
+        tune.with_parameters(tune_tasks.make_task_with, data=data, log=str(first)),
+        config={"lr": tune.grid_search([0.003, 0.03])},
+        metric="val_loss",
+        mode="min",
+        stop={"training_iteration": 2},
+        storage_path=storage,
+        trial_executor=ex,
+        verbose=0,
+    )
+    assert [t.status for t in analysis.trials] == ["TERMINATED"] * 2
+    assert all(t.last_result["val_loss"] < 100 for t in analysis.trials)
 
-        second = tmp_path / "trainable.log"
-        trainable = tune.with_parameters(
-            ex.trainable(tune_tasks.make_task_with), data=data, log=str(second)
-        )
-        assert sorted(trainable._param_refs) == ["data", "log"]
-        assert trainable.setup is HydraTrainable.setup  # not Tune's fetching setup
-        results = _tuner(ex, trainable, storage, 2, lr=tune.grid_search([0.003, 0.03])).fit()
-        assert _registered(ex) == []
+    second = tmp_path / "trainable.log"
+    trainable = tune.with_parameters(
+        ex.trainable(tune_tasks.make_task_with), data=data, log=str(second)
+    )
+    assert sorted(trainable._param_refs) == ["data", "log"]
+    assert trainable.setup is HydraTrainable.setup  # not Tune's fetching setup
+    results = _tuner(ex, trainable, storage, 2, lr=tune.grid_search([0.003, 0.03])).fit()
+    assert _registered(ex) == []
     assert results.num_errors == 0
     assert [r.metrics["training_iteration"] for r in results] == [2, 2]
     for log in (first, second):
@@ -148,57 +152,59 @@ class _Resources(tune.Callback):
 
 
 def test_with_resources_around_or_inside_is_dropped_with_one_warning(
-    ray_session: Any, storage: str
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
 ) -> None:
     """Ray's examples wrap their trainable in ``tune.with_resources``: around
     ``ex.trainable(...)`` or inside it, the request is dropped with one warning and every
     trial holds its engine slot (and no CPU), so the trials run side by side."""
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        with pytest.warns(UserWarning, match=r"around executor\.trainable.*is dropped") as w:
-            around = tune.with_resources(ex.trainable(tune_tasks.make_task), {"cpu": 2})
-        assert sum("tune.with_resources" in str(x.message) for x in w) == 1
+    ex = shared_executor
+    with pytest.warns(UserWarning, match=r"around executor\.trainable.*is dropped") as w:
+        around = tune.with_resources(ex.trainable(tune_tasks.make_task), {"cpu": 2})
+    assert sum("tune.with_resources" in str(x.message) for x in w) == 1
 
-        def make(config: dict[str, Any]) -> Any:
-            return tune_tasks.make_task(config)
+    def make(config: dict[str, Any]) -> Any:
+        return tune_tasks.make_task(config)
 
-        with pytest.warns(UserWarning, match=r"inside executor\.trainable.*is dropped") as w:
-            inside = ex.trainable(tune.with_resources(make, {"cpu": 2, "gpu": 0.5}))
-        assert sum("tune.with_resources" in str(x.message) for x in w) == 1
-        for trainable in (around, inside):
-            _STARTED.clear()
-            results = tune.Tuner(
-                trainable,
-                param_space={"lr": tune.grid_search([0.01, 0.03])},
-                tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
-                run_config=tune.RunConfig(
-                    stop={"training_iteration": 2},
-                    callbacks=[_Resources()],
-                    storage_path=storage,
-                    verbose=0,
-                ),
-            ).fit()
-            assert results.num_errors == 0
-            assert [r.metrics["training_iteration"] for r in results] == [2, 2]
-            assert _STARTED == [{"hydra_slot": 1.0}] * 2, _STARTED  # no CPU, one slot
-        assert _registered(ex) == []
+    with pytest.warns(UserWarning, match=r"inside executor\.trainable.*is dropped") as w:
+        inside = ex.trainable(tune.with_resources(make, {"cpu": 2, "gpu": 0.5}))
+    assert sum("tune.with_resources" in str(x.message) for x in w) == 1
+    for trainable in (around, inside):
+        _STARTED.clear()
+        results = tune.Tuner(
+            trainable,
+            param_space={"lr": tune.grid_search([0.01, 0.03])},
+            tune_config=tune.TuneConfig(metric="val_loss", mode="min"),
+            run_config=tune.RunConfig(
+                stop={"training_iteration": 2},
+                callbacks=[_Resources()],
+                storage_path=storage,
+                verbose=0,
+            ),
+        ).fit()
+        assert results.num_errors == 0
+        assert [r.metrics["training_iteration"] for r in results] == [2, 2]
+        assert _STARTED == [{"hydra_slot": 1.0}] * 2, _STARTED  # no CPU, one slot
+    assert _registered(ex) == []
 
 
-def test_the_tuner_form_needs_only_the_trainable(ray_session: Any, storage: str) -> None:
+def test_the_tuner_form_needs_only_the_trainable(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
     """``tune.Tuner(ex.trainable(...), ...)`` alone: the Tuner gets the executor's
     stopper and callbacks (a systematic mistake ends the run at its first trial), its
     scheduler wrapper and max_concurrent_trials; the user's configs are not changed."""
     tune_config = tune.TuneConfig(metric="val_loss", mode="min", scheduler=ASHAScheduler())
     run_config = tune.RunConfig(stop={"training_iteration": 3}, storage_path=storage, verbose=0)
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        tuner = tune.Tuner(
-            ex.trainable(tune_tasks.make_no_task),
-            param_space={"lr": tune.grid_search([0.001, 0.01, 0.1])},
-            tune_config=tune_config,
-            run_config=run_config,
-        )
-        results = tuner.fit()
-        assert isinstance(ex.systematic_error(), NotATaskError)
-        assert _registered(ex) == []
+    ex = shared_executor
+    tuner = tune.Tuner(
+        ex.trainable(tune_tasks.make_no_task),
+        param_space={"lr": tune.grid_search([0.001, 0.01, 0.1])},
+        tune_config=tune_config,
+        run_config=run_config,
+    )
+    results = tuner.fit()
+    assert isinstance(ex.systematic_error(), NotATaskError)
+    assert _registered(ex) == []
     assert results.num_errors == 1  # not three identical tracebacks
     assert all(r.metrics.get("training_iteration", 0) == 0 for r in results)
     assert type(tune_config.scheduler) is ASHAScheduler
@@ -206,28 +212,30 @@ def test_the_tuner_form_needs_only_the_trainable(ray_session: Any, storage: str)
     assert run_config.stop == {"training_iteration": 3} and not run_config.callbacks
 
 
-def test_tuner_configs_complete_once_and_keep_the_executors_own(ray_session: Any) -> None:
+def test_tuner_configs_complete_once_and_keep_the_executors_own(
+    shared_executor: HydraExecutor, ray_session: Any
+) -> None:
     from tune_hydra.frontends.ray.callback import HydraCallback, HydraStopper
     from tune_hydra.frontends.ray.run import tuner_configs
     from tune_hydra.frontends.ray.scheduler import HydraScheduler
 
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        asha = ASHAScheduler(max_t=4)
-        tc, rc = tuner_configs(
-            ex,
-            tune.TuneConfig(scheduler=asha, max_concurrent_trials=2),
-            tune.RunConfig(stop={"training_iteration": 3}),
-        )
-        assert isinstance(tc.scheduler, HydraScheduler) and tc.scheduler.base is asha
-        assert tc.scheduler.budget == 3 and tc.max_concurrent_trials == 2
-        assert isinstance(rc.stop, HydraStopper) and rc.stop.run_id == ex.run_id
-        assert [type(c) for c in rc.callbacks] == [HydraCallback]
-        # By hand as before (the README's old form): nothing is added twice.
-        again, rc2 = tuner_configs(ex, tc, rc)
-        assert again.scheduler is tc.scheduler and rc2.stop is rc.stop
-        assert rc2.callbacks == rc.callbacks
-        dflt, _ = tuner_configs(ex, None, None)
-        assert dflt.max_concurrent_trials == ex.max_concurrent_trials
+    ex = shared_executor
+    asha = ASHAScheduler(max_t=4)
+    tc, rc = tuner_configs(
+        ex,
+        tune.TuneConfig(scheduler=asha, max_concurrent_trials=2),
+        tune.RunConfig(stop={"training_iteration": 3}),
+    )
+    assert isinstance(tc.scheduler, HydraScheduler) and tc.scheduler.base is asha
+    assert tc.scheduler.budget == 3 and tc.max_concurrent_trials == 2
+    assert isinstance(rc.stop, HydraStopper) and rc.stop.run_id == ex.run_id
+    assert [type(c) for c in rc.callbacks] == [HydraCallback]
+    # By hand as before (the README's old form): nothing is added twice.
+    again, rc2 = tuner_configs(ex, tc, rc)
+    assert again.scheduler is tc.scheduler and rc2.stop is rc.stop
+    assert rc2.callbacks == rc.callbacks
+    dflt, _ = tuner_configs(ex, None, None)
+    assert dflt.max_concurrent_trials == ex.max_concurrent_trials
 
 
 def _checkpoint_iterations(trial: Any) -> list[int]:
@@ -239,24 +247,24 @@ def _checkpoint_iterations(trial: Any) -> list[int]:
 
 
 def test_every_trial_ends_with_a_checkpoint_without_any_setting(
-    ray_session: Any, storage: str
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
 ) -> None:
     """ASHA stops trials at different iterations; each one's last iteration has a
     checkpoint whose model.pt loads, with no checkpoint_freq / checkpoint_config."""
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        analysis = th.run(
-            tune_tasks.make_task,
-            # one at a time, best first: the later, worse trials are cut at a rung
-            config={"lr": tune.grid_search([0.03, 1e-4, 3e-5])},
-            max_concurrent_trials=1,
-            metric="val_loss",
-            mode="min",
-            scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2),
-            stop={"training_iteration": 4},
-            storage_path=storage,
-            trial_executor=ex,
-            verbose=0,
-        )
+    ex = shared_executor
+    analysis = th.run(
+        tune_tasks.make_task,
+        # one at a time, best first: the later, worse trials are cut at a rung
+        config={"lr": tune.grid_search([0.03, 1e-4, 3e-5])},
+        max_concurrent_trials=1,
+        metric="val_loss",
+        mode="min",
+        scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2),
+        stop={"training_iteration": 4},
+        storage_path=storage,
+        trial_executor=ex,
+        verbose=0,
+    )
     last = [t.last_result["training_iteration"] for t in analysis.trials]
     assert last[0] == 4 and max(last[1:]) < 4, last  # ASHA stopped the others early
     model = tune_tasks.build_model(16, torch.float32)

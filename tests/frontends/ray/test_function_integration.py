@@ -169,29 +169,34 @@ def _load(trial_checkpoint: Any) -> dict[str, Any]:
         return torch.load(os.path.join(d, "ckpt.pt"), weights_only=False)
 
 
+make_shared_executor = _executor  # the shared_executor fixture's (conftest)
+
+
 SEEDS = [0, 1, 2]
 BASE = {"lr": 0.1, "momentum": 0.9}
 
 
-def test_function_trainables_are_exact_and_tune_works(ray_session: Any, storage: str) -> None:
+def test_function_trainables_are_exact_and_tune_works(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
     """Three function trials multiplexed on one engine: every reported metric and the
     final checkpoint's weights and optimizer state equal the plain function's, bit for
     bit; the engine holds nothing of them afterwards."""
     th.patch_tune()  # the contract's form: tune.run(train_fn, trial_executor=...)
     try:
-        with _executor() as ex:
-            analysis = tune.run(
-                train_convnet,
-                config={"seed": tune.grid_search(SEEDS), **BASE},
-                metric="mean_accuracy",
-                mode="max",
-                storage_path=storage,
-                verbose=0,
-                trial_executor=ex,
-            )
-            # A stopped one ends at its next forward or report: wait for that first.
-            assert _live_functions(ex) == []
-            registered = ex.registered_trials()
+        ex = shared_executor
+        analysis = tune.run(
+            train_convnet,
+            config={"seed": tune.grid_search(SEEDS), **BASE},
+            metric="mean_accuracy",
+            mode="max",
+            storage_path=storage,
+            verbose=0,
+            trial_executor=ex,
+        )
+        # A stopped one ends at its next forward or report: wait for that first.
+        assert _live_functions(ex) == []
+        registered = ex.registered_trials()
     finally:
         th.unpatch_tune()
     trials = sorted(analysis.trials, key=lambda t: t.config["seed"])
@@ -258,30 +263,32 @@ def train_context(config: dict[str, Any]) -> None:
         )
 
 
-def test_asha_context_cwd_failures_and_threads(ray_session: Any, storage: str) -> None:
+def test_asha_context_cwd_failures_and_threads(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
     """Through a Tuner with ASHA: the weaker trials stop early, a trial that raises
     mid-run fails alone (its traceback in its error), each trial sees its own context and works in
     its own directory, and tune.report from a user's thread is a clear error."""
     qs = [0.5, 1.0, 2.0, 3.0, 4.0]
-    with _executor() as ex:
-        tuner = tune.Tuner(
-            ex.trainable(train_context),
-            param_space={
-                "q": tune.grid_search(qs),
-                "fail": tune.sample_from(lambda config: config["q"] == 0.5),
-                "thread": tune.sample_from(lambda config: config["q"] == 3.0),
-            },
-            tune_config=tune.TuneConfig(
-                metric="score",
-                mode="max",
-                scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2),
-            ),
-            run_config=tune.RunConfig(storage_path=storage, verbose=0),
-        )
-        results = tuner.fit()
-        # A stopped one ends at its next forward or report: wait for that first.
-        assert _live_functions(ex) == []
-        registered = ex.registered_trials()
+    ex = shared_executor
+    tuner = tune.Tuner(
+        ex.trainable(train_context),
+        param_space={
+            "q": tune.grid_search(qs),
+            "fail": tune.sample_from(lambda config: config["q"] == 0.5),
+            "thread": tune.sample_from(lambda config: config["q"] == 3.0),
+        },
+        tune_config=tune.TuneConfig(
+            metric="score",
+            mode="max",
+            scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2),
+        ),
+        run_config=tune.RunConfig(storage_path=storage, verbose=0),
+    )
+    results = tuner.fit()
+    # A stopped one ends at its next forward or report: wait for that first.
+    assert _live_functions(ex) == []
+    registered = ex.registered_trials()
     by_q = {r.config["q"]: r for r in results}
     failed = by_q[0.5]
     assert failed.error is not None
@@ -388,7 +395,9 @@ def test_paused_function_trials_resume_exactly(ray_session: Any, storage: str) -
         assert list(frame["start"])[-2:] == [2, 2]  # resumed after its 2nd iteration
 
 
-def test_pbt_exploits_restore_weights_and_optimizer(ray_session: Any, storage: str) -> None:
+def test_pbt_exploits_restore_weights_and_optimizer(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
     """PBT pauses the weaker trial and restarts its function from the stronger one's
     checkpoint (``tune.get_checkpoint()`` + ``load_state_dict`` of model and optimizer):
     what it trains from there equals the plain function restored from that checkpoint.
@@ -402,19 +411,19 @@ def test_pbt_exploits_restore_weights_and_optimizer(ray_session: Any, storage: s
         resample_probability=1.0,
         hyperparam_mutations={"lr": [0.05, 0.2]},
     )
-    with _executor() as ex:
-        analysis = tune.run(
-            ex.trainable(train_convnet),
-            config={"seed": tune.grid_search([0, 1]), "iters": 4, **BASE},
-            scheduler=pbt,
-            metric="train_loss",
-            mode="min",
-            storage_path=storage,
-            verbose=0,
-        )
-        # A stopped one ends at its next forward or report: wait for that first.
-        assert _live_functions(ex) == []
-        registered = ex.registered_trials()
+    ex = shared_executor
+    analysis = tune.run(
+        ex.trainable(train_convnet),
+        config={"seed": tune.grid_search([0, 1]), "iters": 4, **BASE},
+        scheduler=pbt,
+        metric="train_loss",
+        mode="min",
+        storage_path=storage,
+        verbose=0,
+    )
+    # A stopped one ends at its next forward or report: wait for that first.
+    assert _live_functions(ex) == []
+    registered = ex.registered_trials()
     assert all(t.status == "TERMINATED" for t in analysis.trials)
     restored = _check_restarts(analysis, iters=4)
     assert restored >= 1  # PBT exploited at least once
@@ -443,23 +452,25 @@ def train_with_data(config: dict[str, Any], data: Any = None) -> None:
         tune.report({"loss": total, "batches": len(loader)})
 
 
-def test_with_parameters_both_ways(ray_session: Any, storage: str) -> None:
+def test_with_parameters_both_ways(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
     """tune.with_parameters inside or around ex.trainable(fn): the data reach the
     function as a keyword argument (fetched by the engine, not the trial processes); its
     DataLoader's worker processes shuffle as the plain function's do (exact)."""
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(16, 3, generator=gen, dtype=torch.float64)
     data = (x, torch.randn(16, 1, generator=gen, dtype=torch.float64))
-    with _executor() as ex:
-        inside = ex.trainable(tune.with_parameters(train_with_data, data=data))
-        around = tune.with_parameters(ex.trainable(train_with_data), data=data)
-        frames = []
-        for trainable in (inside, around):
-            analysis = tune.run(trainable, config={}, storage_path=storage, verbose=0)
-            (trial,) = analysis.trials
-            assert trial.status == "TERMINATED", trial.error_file
-            frames.append(analysis.trial_dataframes[trial.trial_id])
-        assert _live_functions(ex) == []
+    ex = shared_executor
+    inside = ex.trainable(tune.with_parameters(train_with_data, data=data))
+    around = tune.with_parameters(ex.trainable(train_with_data), data=data)
+    frames = []
+    for trainable in (inside, around):
+        analysis = tune.run(trainable, config={}, storage_path=storage, verbose=0)
+        (trial,) = analysis.trials
+        assert trial.status == "TERMINATED", trial.error_file
+        frames.append(analysis.trial_dataframes[trial.trial_id])
+    assert _live_functions(ex) == []
     plain = _FakeSession()
     old = train_session._session
     train_session._session = plain  # type: ignore[assignment]

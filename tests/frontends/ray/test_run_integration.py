@@ -184,30 +184,34 @@ class _Resources(tune.Callback):
         self.started.append(dict(trial.placement_group_factory.required_resources))
 
 
-def test_resources_per_trial_is_dropped_with_one_warning(ray_session: Any, storage: str) -> None:
+def test_resources_per_trial_is_dropped_with_one_warning(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
     """As ``tune.with_resources`` around ``ex.trainable(...)``: the request is dropped with
     one warning, and every trial holds its engine slot (and no CPU)."""
     resources = _Resources()
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        with pytest.warns(UserWarning, match=r"resources_per_trial of th\.run\) is dropped") as w:
-            analysis = th.run(
-                tune_tasks.make_task,
-                config={"lr": tune.grid_search([0.01, 0.03])},
-                resources_per_trial={"cpu": 2, "gpu": 0.5},
-                stop={"training_iteration": 2},
-                callbacks=[resources],
-                storage_path=storage,
-                trial_executor=ex,
-                verbose=0,
-            )
-        dropped = [x for x in w if "is dropped" in str(x.message)]
-        assert len(dropped) == 1 and "{'CPU': 2.0, 'GPU': 0.5}" in str(dropped[0].message)
-        assert _registered(ex) == []
+    ex = shared_executor
+    with pytest.warns(UserWarning, match=r"resources_per_trial of th\.run\) is dropped") as w:
+        analysis = th.run(
+            tune_tasks.make_task,
+            config={"lr": tune.grid_search([0.01, 0.03])},
+            resources_per_trial={"cpu": 2, "gpu": 0.5},
+            stop={"training_iteration": 2},
+            callbacks=[resources],
+            storage_path=storage,
+            trial_executor=ex,
+            verbose=0,
+        )
+    dropped = [x for x in w if "is dropped" in str(x.message)]
+    assert len(dropped) == 1 and "{'CPU': 2.0, 'GPU': 0.5}" in str(dropped[0].message)
+    assert _registered(ex) == []
     assert [t.status for t in analysis.trials] == ["TERMINATED"] * 2
     assert resources.started == [{"hydra_slot": 1.0}] * 2, resources.started
 
 
-def test_a_tasks_own_metric_named_loss_ranks_the_run(ray_session: Any, storage: str) -> None:
+def test_a_tasks_own_metric_named_loss_ranks_the_run(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
     """metric='loss' with a task whose own metric is named loss: the trials report that
     metric as loss (the best checkpoint's model gives it) and the training loss as
     train_loss, and the run's scheduler wrapper says nothing about ranking by training
@@ -217,20 +221,20 @@ def test_a_tasks_own_metric_named_loss_ranks_the_run(ray_session: Any, storage: 
         task = tune_tasks.make_task(config)
         return dataclasses.replace(task, metrics={"loss": lambda out, y: (out - y).abs().mean()})
 
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            analysis = th.run(
-                make_task,
-                config={"lr": tune.grid_search([0.003, 0.03])},
-                metric="loss",
-                mode="min",
-                stop={"training_iteration": 2},
-                storage_path=storage,
-                trial_executor=ex,
-                verbose=0,
-            )
-        assert _registered(ex) == []
+    ex = shared_executor
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        analysis = th.run(
+            make_task,
+            config={"lr": tune.grid_search([0.003, 0.03])},
+            metric="loss",
+            mode="min",
+            stop={"training_iteration": 2},
+            storage_path=storage,
+            trial_executor=ex,
+            verbose=0,
+        )
+    assert _registered(ex) == []
     assert not [x for x in caught if "training loss" in str(x.message)]
     for trial in analysis.trials:
         result = trial.last_result

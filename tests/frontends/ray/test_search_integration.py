@@ -35,22 +35,26 @@ def _run(ex: HydraExecutor, storage: str, **kwargs: Any) -> Any:
     )
 
 
-def test_optuna_with_points_to_evaluate_and_asha(ray_session: Any, storage: str) -> None:
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        analysis = _run(
-            ex,
-            storage,
-            config={"lr": tune.loguniform(1e-3, 1e-1), "width": tune.choice([8, 16])},
-            num_samples=5,
-            search_alg=OptunaSearch(points_to_evaluate=[{"lr": 0.01, "width": 16}], seed=0),
-            scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2),
-            stop={"training_iteration": 4},
-        )
-        assert _leftovers(ex) == []
-        # Started before the run: the engine's own "auto", the milestone policy, which got
-        # each trial's rungs from the wrapped ASHA.
-        (summary,) = ex.summary().values()
-        assert summary["policy"] == "milestone" and summary["milestones_given"] >= 5
+def test_optuna_with_points_to_evaluate_and_asha(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
+    ex = shared_executor
+    (before,) = ex.summary().values()
+    analysis = _run(
+        ex,
+        storage,
+        config={"lr": tune.loguniform(1e-3, 1e-1), "width": tune.choice([8, 16])},
+        num_samples=5,
+        search_alg=OptunaSearch(points_to_evaluate=[{"lr": 0.01, "width": 16}], seed=0),
+        scheduler=ASHAScheduler(max_t=4, grace_period=1, reduction_factor=2),
+        stop={"training_iteration": 4},
+    )
+    assert _leftovers(ex) == []
+    # Started before the run: the engine's own "auto", the milestone policy, which got
+    # each trial's rungs from the wrapped ASHA.
+    (summary,) = ex.summary().values()
+    assert summary["policy"] == "milestone"
+    assert summary["milestones_given"] - before["milestones_given"] >= 5
     assert len(analysis.trials) == 5
     assert analysis.trials[0].config == {"lr": 0.01, "width": 16}
     assert all(t.status == "TERMINATED" for t in analysis.trials)
@@ -75,45 +79,51 @@ def _define_by_run(trial: Any) -> None:
         trial.suggest_categorical("width", [16, 24])
 
 
-def test_optuna_define_by_run_and_median_stopping(ray_session: Any, storage: str) -> None:
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        analysis = _run(
-            ex,
-            storage,
-            num_samples=4,
-            search_alg=OptunaSearch(space=_define_by_run, metric="val_loss", mode="min", seed=1),
-            scheduler=MedianStoppingRule(
-                metric="val_loss", mode="min", grace_period=1, min_samples_required=2
-            ),
-            stop={"training_iteration": 3},
-            metric=None,
-            mode=None,
-        )
-        assert _leftovers(ex) == []
+def test_optuna_define_by_run_and_median_stopping(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
+    ex = shared_executor
+    analysis = _run(
+        ex,
+        storage,
+        num_samples=4,
+        search_alg=OptunaSearch(space=_define_by_run, metric="val_loss", mode="min", seed=1),
+        scheduler=MedianStoppingRule(
+            metric="val_loss", mode="min", grace_period=1, min_samples_required=2
+        ),
+        stop={"training_iteration": 3},
+        metric=None,
+        mode=None,
+    )
+    assert _leftovers(ex) == []
     assert len(analysis.trials) == 4
     assert all(t.status == "TERMINATED" for t in analysis.trials)
     assert all("lr" in t.config and "wide" in t.config for t in analysis.trials)
 
 
-def test_hyperband_random_search(ray_session: Any, storage: str) -> None:
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        analysis = _run(
-            ex,
-            storage,
-            config={"lr": tune.uniform(0.001, 0.05)},
-            num_samples=4,
-            scheduler=HyperBandScheduler(max_t=4, reduction_factor=2),
-            stop={"training_iteration": 4},
-            checkpoint_freq=1,
-            reuse_actors=True,
-        )
-        assert _leftovers(ex) == []
+def test_hyperband_random_search(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
+    ex = shared_executor
+    analysis = _run(
+        ex,
+        storage,
+        config={"lr": tune.uniform(0.001, 0.05)},
+        num_samples=4,
+        scheduler=HyperBandScheduler(max_t=4, reduction_factor=2),
+        stop={"training_iteration": 4},
+        checkpoint_freq=1,
+        reuse_actors=True,
+    )
+    assert _leftovers(ex) == []
     assert all(t.status == "TERMINATED" for t in analysis.trials)
     assert max(t.last_result["training_iteration"] for t in analysis.trials) == 4
 
 
 @pytest.mark.parametrize("reuse_actors", [True, False])
-def test_population_based_training(ray_session: Any, storage: str, reuse_actors: bool) -> None:
+def test_population_based_training(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str, reuse_actors: bool
+) -> None:
     pbt = PopulationBasedTraining(
         time_attr="training_iteration",
         perturbation_interval=2,
@@ -121,17 +131,17 @@ def test_population_based_training(ray_session: Any, storage: str, reuse_actors:
         quantile_fraction=0.5,
         synch=True,  # exploit once all trials reach the interval: deterministic, not timing
     )
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        analysis = _run(
-            ex,
-            storage,
-            config={"lr": tune.grid_search([0.001, 0.003, 0.01, 0.03])},
-            scheduler=pbt,
-            stop={"training_iteration": 4},  # one perturbation round (at 2) is the point
-            checkpoint_freq=2,
-            reuse_actors=reuse_actors,
-        )
-        assert _leftovers(ex) == []
+    ex = shared_executor
+    analysis = _run(
+        ex,
+        storage,
+        config={"lr": tune.grid_search([0.001, 0.003, 0.01, 0.03])},
+        scheduler=pbt,
+        stop={"training_iteration": 4},  # one perturbation round (at 2) is the point
+        checkpoint_freq=2,
+        reuse_actors=reuse_actors,
+    )
+    assert _leftovers(ex) == []
     assert len(analysis.trials) == 4
     assert all(t.status == "TERMINATED" for t in analysis.trials)
     assert all(t.last_result["training_iteration"] == 4 for t in analysis.trials)
@@ -139,18 +149,20 @@ def test_population_based_training(ray_session: Any, storage: str, reuse_actors:
     assert pbt._num_perturbations > 0
 
 
-def test_hyperopt_search_if_installed(ray_session: Any, storage: str) -> None:
+def test_hyperopt_search_if_installed(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
     pytest.importorskip("hyperopt")
     from ray.tune.search.hyperopt import HyperOptSearch
 
-    with HydraExecutor(devices="cpu", device_memory=BUDGET) as ex:
-        analysis = _run(
-            ex,
-            storage,
-            config={"lr": tune.loguniform(1e-3, 1e-1)},
-            num_samples=3,
-            search_alg=HyperOptSearch(random_state_seed=0),
-            stop={"training_iteration": 2},
-        )
-        assert _leftovers(ex) == []
+    ex = shared_executor
+    analysis = _run(
+        ex,
+        storage,
+        config={"lr": tune.loguniform(1e-3, 1e-1)},
+        num_samples=3,
+        search_alg=HyperOptSearch(random_state_seed=0),
+        stop={"training_iteration": 2},
+    )
+    assert _leftovers(ex) == []
     assert all(t.status == "TERMINATED" for t in analysis.trials)
