@@ -325,8 +325,12 @@ def test_a_finished_trials_base_is_untouched_when_the_pool_spills_it(tmp_path: P
         eng.remove_task("t0")
         mine = addresses(tasks["t0"].model)
         values = {n: p.detach().clone() for n, p in tasks["t0"].model.named_parameters()}
-        # Their shards may stay resident on the devices (not in use): only the pool's
-        # host tensors go to disk; the device copies stay.
+        # A device copy held while the pool spills (as a resident store holds one; which
+        # stores stay resident after training depends on the op order, and under load
+        # none did): only the pool's host tensors go to disk; the device copies stay.
+        held = pool.entries()[0]
+        before = held.host.clone()
+        copy, _, key = pool.to_device(held, torch.device("cpu"), object(), None)
         assert any(entry.devices for entry in pool.entries())
         for entry in pool.entries():
             deadline = time.monotonic() + 10
@@ -335,6 +339,8 @@ def test_a_finished_trials_base_is_untouched_when_the_pool_spills_it(tmp_path: P
                 assert time.monotonic() < deadline, entry.name
                 time.sleep(0.01)
             assert entry.on_disk
+        assert held.devices[key][0] is copy and torch.equal(copy, before)
+        pool.off_device(held, key)
         assert addresses(tasks["t0"].model) == mine
         more = {n: eng.train(n, 1) for n in ("t1", "t2")}
         results = {n: first[n] + f.result(timeout=120) for n, f in more.items()}

@@ -12,8 +12,11 @@ base through the engine's frozen pool. Trial 1 writes a base weight mid-run:
 - inside its forward (a forward pre-hook): trial 1 fails alone with
   ``FrozenTensorModifiedError``.
 
-In every case the 3 other trials train bit for bit as each alone in plain PyTorch, on
-2 emulated CPU devices copying or computing in place, with ``batch_shared`` on and off.
+In every case the 3 other trials train as each alone in plain PyTorch, on 2 emulated CPU
+devices copying or computing in place: bit for bit with ``batch_shared`` off, and within
+the batched pass's parity (1e-12 relative, tests/engine/test_batched.py) with it on, where
+the frozen GEMMs run over the concatenated rows, which the BLAS may block otherwise (on
+an AMD EPYC: 1.7e-16 apart; a write that reached them would be ~1 apart).
 """
 
 from __future__ import annotations
@@ -194,11 +197,25 @@ def plain(t: Trial, i: int, between: Callable[[int], list[float]] | None = None)
     return train(t[2], t[3], i, between)
 
 
-def assert_same(a: nn.Module, b: nn.Module) -> None:
+#: How near a batched trial is to plain (the batched pass's parity, float64).
+BATCHED_TOL = 1e-12
+
+
+def assert_same(a: nn.Module, b: nn.Module, mode: str) -> None:
     sa, sb = a.state_dict(), b.state_dict()
     assert list(sa) == list(sb)
     for k in sb:
-        assert torch.equal(sa[k], sb[k]), k
+        if ENGINES[mode].get("batch_shared"):
+            torch.testing.assert_close(sa[k], sb[k], rtol=BATCHED_TOL, atol=BATCHED_TOL, msg=k)
+        else:
+            assert torch.equal(sa[k], sb[k]), k
+
+
+def assert_history(got: list[float], want: list[float], mode: str) -> None:
+    if ENGINES[mode].get("batch_shared"):
+        assert got == pytest.approx(want, rel=BATCHED_TOL, abs=0)
+    else:
+        assert got == want
 
 
 def engine(mode: str) -> th.Engine:
@@ -231,8 +248,8 @@ def test_a_write_between_ops_gives_the_writer_its_own_copy(
         assert address(mine) != address(entry.host)
     for i, t in enumerate(trials):
         assert not isinstance(results[i], BaseException), (i, results[i])
-        assert results[i] == plain(t, i, make(t[2]) if i == 1 else None), i
-        assert_same(t[0], t[2])
+        assert_history(results[i], plain(t, i, make(t[2]) if i == 1 else None), mode)
+        assert_same(t[0], t[2], mode)
 
 
 class WriteInForward:
@@ -271,5 +288,5 @@ def test_a_write_inside_an_op_fails_the_writer_alone(
     for i in (0, 2, 3):
         t = trials[i]
         assert not isinstance(results[i], BaseException), (i, results[i])
-        assert results[i] == plain(t, i), i
-        assert_same(t[0], t[2])
+        assert_history(results[i], plain(t, i), mode)
+        assert_same(t[0], t[2], mode)
