@@ -631,6 +631,65 @@ def test_private_generator_thread_shares_it_with_its_loop(engine: th.Engine) -> 
     assert all(torch.equal(a, b) for a, b in zip(got[-1], want[-1], strict=True))
 
 
+def test_a_main_thread_loop_draws_from_the_global_generator_beside_a_private_one(
+    engine: th.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The main thread's loop: its stream is torch's global generator, so its ops draw from
+    # that generator (swapped in under the engine's RNG lock) rather than under the per-op
+    # dispatch mode (every aten op through Python: ~25% of a CPU forward). Meanwhile a
+    # thread on a private generator trains its own loop on the same engine under that
+    # mode. Each equals its plain run.
+    from tune_hydra.engine import loop as loop_mod
+    from tune_hydra.engine.factory import private_rng
+
+    modes: list[str] = []  # the ops that ran under it (the cut's probe runs on the caller)
+    real = loop_mod.use_generator
+
+    def counted(gen: torch.Generator) -> Any:
+        if threading.current_thread() is not threading.main_thread():
+            modes.append(threading.current_thread().name)
+        return real(gen)
+
+    monkeypatch.setattr(loop_mod, "use_generator", counted)
+    data = [batches(4, seed=5), batches(4, seed=6)]
+    loss = lambda m, b: m(b[0]).pow(2).mean()  # noqa: E731
+
+    def run(shard: bool, seed: int, i: int) -> tuple[list[Any], dict[str, Any]]:
+        torch.manual_seed(seed)
+        model = dropout_mlp()
+        opt = OPTIMIZERS["adam"](model.parameters())
+        if shard:
+            model, opt = th.shard(model, opt, engine=engine)
+        out = train(model, opt, data[i], loss)
+        out.append(torch.rand(()).item())  # the stream after the loop
+        return out, copy.deepcopy(model.state_dict())
+
+    alone, _ = run(True, 30, 0)
+    assert modes == []  # the main thread's loop alone: no dispatch mode
+    results: list[Any] = []
+
+    def in_thread() -> None:
+        try:
+            with private_rng(seed=5):
+                results.append(run(True, 31, 1))
+        except BaseException as err:
+            results.append(err)
+
+    t = threading.Thread(target=in_thread)
+    t.start()
+    got_main = run(True, 30, 0)
+    t.join(300)
+    assert not isinstance(results[0], BaseException), results[0]
+    assert modes  # the private thread's loop ran under the mode
+    want_main = run(False, 30, 0)
+    with private_rng(seed=5):
+        want_thread = run(False, 31, 1)
+    assert got_main[0] == want_main[0] == alone
+    assert results[0][0] == want_thread[0]
+    assert_same(got_main[1], want_main[1])
+    assert_same(results[0][1], want_thread[1])
+
+
 # -- the returned objects behave as the user's --------------------------------------------
 
 

@@ -93,6 +93,9 @@ def patch_rng_functions() -> None:
                     setattr(module, name, _routed(name, current))
 
 
+_UNSEEN = object()  # an op not looked up yet (None: it has no overload taking a generator)
+
+
 class _PrivateGenerator(TorchDispatchMode):
     """Adds ``generator=gen`` to the CPU random ops of the thread it is active in.
 
@@ -149,9 +152,15 @@ class _PrivateGenerator(TorchDispatchMode):
     def __torch_dispatch__(
         self, func: Any, types: Any, args: Any = (), kwargs: dict[str, Any] | None = None
     ) -> Any:
+        # Every aten op of the block passes here: the ops that cannot draw (nearly all)
+        # go straight on (a forward of a GPT-2 block is ~250 ops; this path is its cost).
+        target = self._targets.get(func, _UNSEEN)
+        if target is _UNSEEN:
+            target = self._target(func)
+        if target is None:
+            return func(*args, **kwargs) if kwargs else func(*args)
         kwargs = dict(kwargs or {})
-        target = self._target(func)
-        if target is not None and kwargs.get("generator") is None and self._on_cpu(args, kwargs):
+        if kwargs.get("generator") is None and self._on_cpu(args, kwargs):
             kwargs["generator"] = self.gen
             self.drew = True
             return target(*args, **kwargs)

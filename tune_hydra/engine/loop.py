@@ -255,6 +255,12 @@ class LoopRunner:
         self._gen = torch.Generator()
         self._gen.set_state(rng_start)
         self._op_gen = self._gen
+        # Whether the op in flight draws from the main thread's stream (the global
+        # generator's, handed to _op_gen): then no other loop's draws can be in that
+        # stream, and the op swaps it into the global generator (global_cpu_stream) instead
+        # of running under the per-op dispatch mode of use_generator, which costs ~25% of
+        # a CPU forward (every aten op through Python).
+        self._op_main = False
         self._seed = torch.initial_seed()
         self.stream = rng.RngState(rng_start)  # its .cuda: the loop's stream on a GPU
         # On an engine with one CPU device (th.shard's embedded one on a CPU machine) each
@@ -541,18 +547,20 @@ class LoopRunner:
         self._home_now = False
         self._request = (op, fn, amp.current())
         gen = thread_generator()
-        hand_off = False
+        hand_off = main = False
         if gen is None:
             gen = self._gen
+            main = threading.current_thread() is threading.main_thread()
             # On the main thread the global generator's stream is the loop's (plain
             # PyTorch's one stream): into the op and back. Only for ops that may draw (a
             # backward replays a saved state; a step draws nothing).
             hand_off = (
                 kind in (OpKind.FORWARD, OpKind.EVAL)
                 and self.shards[shard].draws.get(self.model.training) is not False
-                and threading.current_thread() is threading.main_thread()
+                and main
             )
         self._op_gen = gen
+        self._op_main = main
         if self._follow_threads:
             self._threads = torch.get_num_threads()  # execute computes with it
         if hand_off:
@@ -983,6 +991,14 @@ class LoopRunner:
             return contextlib.nullcontext()
         return self._drawing(shard, device, training, cpu)
 
+    def _global_stream(self, device: torch.device) -> bool:
+        """Whether the op's CPU draws go through torch's global generator (swapped in
+        under ``CPU_RNG_LOCK``) rather than the dispatch mode: compiled code draws from
+        the global generator, which no dispatch mode redirects (see
+        ``tune_hydra.engine.compiled``); a main-thread loop's stream is the global one
+        anyway, and its user's thread waits for the op."""
+        return self._op_main or (self._compiler is not None and device.type == "cpu")
+
     @contextlib.contextmanager
     def _drawing(
         self, shard: LoopShard, device: torch.device, training: bool, cpu: bool
@@ -991,9 +1007,7 @@ class LoopRunner:
         with contextlib.ExitStack() as stack:
             entry = _Entry(gen.get_state() if cpu else None)
             mode: Any = None
-            if cpu and self._compiler is not None and device.type == "cpu":
-                # Compiled code draws from the global generator, which no dispatch mode
-                # redirects: the stream goes there (see tune_hydra.engine.compiled).
+            if cpu and self._global_stream(device):
                 mode = stack.enter_context(global_cpu_stream(gen))
             elif cpu:
                 mode = stack.enter_context(use_generator(gen))
@@ -1014,7 +1028,7 @@ class LoopRunner:
             if entry is not None and entry.cpu is not None:
                 gen = torch.Generator()
                 gen.set_state(entry.cpu)
-                if self._compiler is not None and device.type == "cpu":
+                if self._global_stream(device):
                     stack.enter_context(global_cpu_stream(gen))  # as _drawing
                 else:
                     stack.enter_context(use_generator(gen))
