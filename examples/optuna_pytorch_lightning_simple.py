@@ -16,6 +16,10 @@ at the end). What differs:
   tests/frontends/test_lightning.py).
 * No progress bar (``enable_progress_bar=False``, in both twins): Lightning's Rich progress
   bar is one live display per process, which two trials' Trainers in threads cannot share.
+* The logger (in both twins): ``TensorBoardLogger(os.getcwd(), version=trial.number)``, the
+  original's ``logger=True`` with its version named. ``logger=True`` picks the next free
+  ``lightning_logs/version_N`` by listing the folder when it first logs, which two threads can
+  do at once: both take ``version_0`` and one fails creating it (``FileExistsError``).
 * Data (marked ``# synthetic data``): random tensors of FashionMNIST's shapes (1x28x28 images
   in [0, 1], 10 classes, 55000/5000/10000 examples) instead of the download.
 * Sizes: ``--trials`` and ``--epochs`` default to the original's 100 trials and 10 epochs;
@@ -141,7 +145,8 @@ def objective(trial: optuna.trial.Trial) -> float:
     datamodule = FashionMNISTDataModule(data_dir=DIR, batch_size=BATCHSIZE)
 
     trainer = pl.Trainer(
-        logger=True,
+        # one version per trial: two threads' loggers would both take the next free one
+        logger=pl.loggers.TensorBoardLogger(os.getcwd(), version=trial.number),
         enable_progress_bar=False,  # Rich's live display is one per process
         limit_val_batches=PERCENT_VALID_EXAMPLES,
         enable_checkpointing=False,

@@ -120,7 +120,8 @@ def objective(trial: optuna.trial.Trial) -> float:
     datamodule = FashionMNISTDataModule(data_dir=DIR, batch_size=BATCHSIZE)
 
     trainer = pl.Trainer(
-        logger=True,
+        # one version per trial: two threads' loggers would both take the next free one
+        logger=pl.loggers.TensorBoardLogger(os.getcwd(), version=trial.number),
         enable_progress_bar=False,  # Rich's live display is one per process
         limit_val_batches=PERCENT_VALID_EXAMPLES,
         enable_checkpointing=False,
