@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from tune_hydra.engine.partition import layer_costs, plan_shards
+from tune_hydra.engine.registration.partition import layer_costs, plan_shards
 from tune_hydra.engine.task import model_layers
 from tune_hydra.exceptions import ShardTooLargeError
 

@@ -8,7 +8,7 @@ of one template, in the same process:
 - ``compiled sharded``: ``th.shard(torch.compile(model, backend=...), optimizer)`` on one
   CPU device (in place: the CPU default, keeping each forward's graph), the budget the
   largest that cuts it into >= 3 shards: each shard's forward compiled with the same
-  settings (``tune_hydra.engine.compiled``);
+  settings (``tune_hydra.engine.runtime.compiled``);
 - ``eager plain`` and ``eager sharded``: the same without ``torch.compile``, for reference.
 
 Each model is built, compiled and cut once, then warmed up (one epoch: every graph

@@ -73,7 +73,7 @@ from torch import nn
 
 import tune_hydra as th
 from tune_hydra.engine import Engine
-from tune_hydra.engine.partition import layer_costs, plan_shards
+from tune_hydra.engine.registration.partition import layer_costs, plan_shards
 from tune_hydra.engine.task import model_layers
 
 MiB = 2**20

@@ -41,7 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tune_hydra as th
-from tune_hydra.engine.partition import layer_costs
+from tune_hydra.engine.registration.partition import layer_costs
 from tune_hydra.engine.task import model_layers
 
 

@@ -5,7 +5,7 @@ share its frozen tensors (as the engine's frozen pool makes them share). One sha
 decoder blocks runs a forward and a backward for every trial's batch, in two ways:
 
 - **one after another**: each trial's shard alone (what the engine does today);
-- **batched**: :class:`tune_hydra.engine.batched.BatchedShard`, one pass of the frozen
+- **batched**: :class:`tune_hydra.engine.dispatch.batched.BatchedShard`, one pass of the frozen
   layers over the concatenated batches, each trial's adapters on its own rows.
 
 Rounds interleave the two (the order alternates), float32; the base is sized so that its
@@ -50,7 +50,7 @@ def build(args: argparse.Namespace) -> tuple[list[Any], list[Any]]:
     import transformers
     from torch import nn
 
-    from tune_hydra.engine.frozen import canonical_name
+    from tune_hydra.engine.storage.frozen import canonical_name
     from tune_hydra.models import peft_layers
 
     config = transformers.LlamaConfig(
@@ -93,8 +93,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     import torch
     from torch.utils._pytree import tree_map
 
-    from tune_hydra.engine.batched import BatchedShard
-    from tune_hydra.engine.boundary import backward, detach
+    from tune_hydra.engine.dispatch.batched import BatchedShard
+    from tune_hydra.engine.runtime.boundary import backward, detach
 
     shards, inputs = build(args)
     batched = BatchedShard(shards)

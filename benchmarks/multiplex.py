@@ -49,7 +49,7 @@ from common import budget_for, make_data, make_mlp, train_by_hand  # benchmarks/
 from torch import nn
 
 import tune_hydra as th
-from tune_hydra.engine.partition import layer_costs, plan_shards
+from tune_hydra.engine.registration.partition import layer_costs, plan_shards
 from tune_hydra.engine.task import model_layers
 
 LRS = (1e-3, 5e-4, 2e-4, 1e-4)

@@ -44,7 +44,7 @@ from common import budget_for, make_data, make_mlp, train_by_hand  # benchmarks/
 from torch import nn
 
 import tune_hydra as th
-from tune_hydra.engine.partition import layer_costs, plan_shards
+from tune_hydra.engine.registration.partition import layer_costs, plan_shards
 from tune_hydra.engine.task import model_layers
 
 

@@ -408,7 +408,7 @@ _COUNT_SHARDED_STEPS = (
     + """
 import gc, runpy, sys
 import torch._dynamo.utils
-from tune_hydra.engine.loop import LoopRunner
+from tune_hydra.engine.runtime.loop import LoopRunner
 from tune_hydra.frontends import shard
 loops = {}
 step = LoopRunner.step
@@ -595,7 +595,7 @@ def test_optuna_pytorch_lightning_simple_smoke(tmp_path: Path) -> None:
         "import gc, runpy, sys\n"
         "import torch\n"
         "steps = []\n"
-        "from tune_hydra.engine.loop import LoopRunner\n"
+        "from tune_hydra.engine.runtime.loop import LoopRunner\n"
         "step = LoopRunner.step\n"
         "LoopRunner.step = lambda self: (steps.append(1), step(self))[1]\n"
         "sys.argv = ['optuna_pytorch_lightning_simple.py']\n"

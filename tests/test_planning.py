@@ -15,7 +15,7 @@ from torch import nn
 import tune_hydra as th
 from tests.conftest import OPTIMIZERS, batches, mlp
 from tune_hydra.engine import Engine
-from tune_hydra.engine.partition import plan_shards
+from tune_hydra.engine.registration.partition import plan_shards
 from tune_hydra.exceptions import (
     DataMismatchError,
     InvalidModelError,

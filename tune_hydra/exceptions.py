@@ -316,7 +316,7 @@ class ReusedModelError(SharedModelError):
 
 class FrozenTensorModifiedError(TuneHydraError, RuntimeError):
     """A task wrote a frozen tensor it shares with other tasks (the engine holds one copy
-    of frozen tensors equal across tasks, see ``tune_hydra.engine.frozen``).
+    of frozen tensors equal across tasks, see ``tune_hydra.engine.storage.frozen``).
 
     Attributes:
         task: the task that wrote it (it fails; the others go on).
@@ -342,7 +342,7 @@ class FrozenTensorModifiedError(TuneHydraError, RuntimeError):
 
 class NotBatchableError(TuneHydraError, ValueError):
     """Several trials' ops on one shared shard cannot run as one batched pass
-    (``tune_hydra.engine.batched``): the message says why; run them one after another."""
+    (``tune_hydra.engine.dispatch.batched``): the message says why; run them one after another."""
 
 
 class _Shown(str):

@@ -526,11 +526,11 @@ class EngineOptions:
         trace_window: the most trace events the engine keeps (``None``: all); older
             ones are folded into the trace's running totals (:func:`check_trace_window`).
         share_frozen: hold frozen tensors equal across tasks once (a LoRA search's base;
-            ``tune_hydra.engine.frozen``); ``False``: every task keeps its own copy
+            ``tune_hydra.engine.storage.frozen``); ``False``: every task keeps its own copy
             (:func:`check_flag`).
         batch_shared: run ops of several tasks on the same shared frozen shard (LoRA
             trials over one base, task factories and ``th.shard`` loops alike) as one
-            batched pass (``tune_hydra.engine.batched``; :func:`check_flag`).
+            batched pass (``tune_hydra.engine.dispatch.batched``; :func:`check_flag`).
         where: who got them, for the messages (``"Engine"``, ``"train_models"``); not
             stored.
 

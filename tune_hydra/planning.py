@@ -4,9 +4,10 @@ smallest ``device_memory`` it fits, without training it.
 :func:`plan` builds each config's :class:`~tune_hydra.ModelTask` with the task factory, on
 the ``meta`` device where it can (no weights are allocated, no data is computed: a 6B
 model plans in seconds on a laptop), probes one batch through the layers and runs the
-engine's own cost model on it (:func:`~tune_hydra.engine.partition.layer_costs` for the
-state bytes of every layer, :func:`~tune_hydra.engine.partition.plan_shards` for the cut),
-so its numbers are the ones ``Engine.add_task`` finds for the same budget on a CPU device.
+engine's own cost model on it (:func:`~tune_hydra.engine.registration.partition.layer_costs`
+for the state bytes of every layer,
+:func:`~tune_hydra.engine.registration.partition.plan_shards` for the cut), so its numbers
+are the ones ``Engine.add_task`` finds for the same budget on a CPU device.
 On a GPU the engine also measures each layer's peak on the device (allocator rounding,
 kernel workspaces) and keeps the larger figure: leave some headroom there.
 
@@ -60,10 +61,9 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map
 
-from tune_hydra.engine import partition
-from tune_hydra.engine.boundary import split_batch
-from tune_hydra.engine.factory import call_factory
-from tune_hydra.engine.partition import (
+from tune_hydra.engine.registration import partition
+from tune_hydra.engine.registration.factory import call_factory
+from tune_hydra.engine.registration.partition import (
     LayerCost,
     ShardPlan,
     ShardSpec,
@@ -71,7 +71,8 @@ from tune_hydra.engine.partition import (
     measure_layers,
     plan_shards,
 )
-from tune_hydra.engine.rng import CPU_RNG_LOCK
+from tune_hydra.engine.runtime.boundary import split_batch
+from tune_hydra.engine.runtime.rng import CPU_RNG_LOCK
 from tune_hydra.engine.task import ModelTask, model_layers
 from tune_hydra.engine.units import parse_bytes
 from tune_hydra.exceptions import (
@@ -482,9 +483,9 @@ def _plan_model(
     max_layers_per_shard: int | None,
 ) -> PlanReport:
     """``th.plan(model, sample)``: what ``th.shard``'s first forward does to cut the model
-    (``_State.cut``, ``build_loop``: its layers, :func:`~tune_hydra.engine.loop.loop_costs`
+    (``_State.cut``, ``build_loop``: its layers, :func:`~tune_hydra.engine.runtime.loop.loop_costs`
     on the first stage's input, ``plan_shards``), without registering it anywhere."""
-    from tune_hydra.engine.loop import loop_costs
+    from tune_hydra.engine.runtime.loop import loop_costs
     from tune_hydra.exceptions import AlreadyShardedError
     from tune_hydra.frontends.shard import first_cut
     from tune_hydra.models import is_hf_model
@@ -571,7 +572,7 @@ def _build(
     on_meta: bool,
 ) -> ModelTask:
     """The config's task, built by the factory in its own thread on a private random
-    generator (``tune_hydra.engine.factory.call_factory``)."""
+    generator (``tune_hydra.engine.registration.factory.call_factory``)."""
     what = f"config {index} ({_short_repr(config, 200)})"
     factory = functools.partial(_on_meta, make_task) if on_meta else make_task
     try:
@@ -608,7 +609,7 @@ def _sample(task: ModelTask, name: str) -> Any:
 
 
 def _check_trainable(name: str, model: nn.Module) -> None:
-    from tune_hydra.engine.registry import check_trainable as check
+    from tune_hydra.engine.registration.registry import check_trainable as check
 
     check(name, model)
 
@@ -667,7 +668,7 @@ def _probe_without_data(
     layers: list[tuple[str, nn.Module]], sample: Any, autocast_dtype: torch.dtype | None
 ) -> list[tuple[int, bool | None, bool | None]]:
     """The engine's activation probe
-    (:func:`~tune_hydra.engine.partition.measure_layers`) for a model and sample on the
+    (:func:`~tune_hydra.engine.registration.partition.measure_layers`) for a model and sample on the
     meta device: per layer, the bytes of the distinct storages autograd saves for backward
     (parameters excluded) plus the output's, whether it wrote its input in place and
     whether it returned its input (or a view of it).
@@ -749,7 +750,7 @@ def _cut(
 
 def min_device_memory(costs: Sequence[LayerCost], *, prefetch: bool = True) -> int:
     """The smallest per-device budget (bytes) for which
-    :func:`~tune_hydra.engine.partition.plan_shards` cuts these layers: one byte less
+    :func:`~tune_hydra.engine.registration.partition.plan_shards` cuts these layers: one byte less
     and some layer does not fit (beside the largest layer's state, with ``prefetch``).
 
     Args:
@@ -757,7 +758,7 @@ def min_device_memory(costs: Sequence[LayerCost], *, prefetch: bool = True) -> i
         prefetch: as the engine will run (its default: True).
 
     Example:
-        >>> from tune_hydra.engine.partition import LayerCost
+        >>> from tune_hydra.engine.registration.partition import LayerCost
         >>> costs = [LayerCost("a", 100, 100, 0, 0, 50), LayerCost("b", 40, 40, 0, 0, 300)]
         >>> min_device_memory(costs), min_device_memory(costs, prefetch=False)
         (580, 380)

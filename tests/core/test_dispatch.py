@@ -230,7 +230,7 @@ class EngineStub:
     records its decision instead of handing the op to a worker thread."""
 
     def __init__(self, policy: BasePolicy, entries: list[Entry], kept: Flag | None = None):
-        from tune_hydra.engine.dispatcher import Dispatcher
+        from tune_hydra.engine.dispatch.dispatcher import Dispatcher
 
         self._fill = lambda w: Dispatcher._fill(cast(Any, self), w)
         self._offer = lambda e, op, w, d: Dispatcher._offer(cast(Any, self), e, op, w, d)

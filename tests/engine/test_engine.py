@@ -21,7 +21,7 @@ from tests.conftest import (
     shards_3,
 )
 from tune_hydra.engine import Engine
-from tune_hydra.engine.kept import kept_bytes
+from tune_hydra.engine.runtime.kept import kept_bytes
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -253,7 +253,7 @@ def test_a_leaked_kept_graph_reservation_is_reported_not_waited_for(
     """If a reservation outlived its batch (a bug: here a cancel that forgets to release
     it), the other tasks could never be admitted; the dispatcher reports it to every
     waiting caller instead of letting them wait forever."""
-    from tune_hydra.engine.kept import KeptGraphs
+    from tune_hydra.engine.runtime.kept import KeptGraphs
 
     real_end = KeptGraphs.end
 

@@ -424,7 +424,7 @@ def test_one_bad_task_does_not_stop_the_good_one() -> None:
 
 
 def test_plan_shards_refuses_a_bad_max_layers_per_shard() -> None:
-    from tune_hydra.engine.partition import layer_costs, plan_shards
+    from tune_hydra.engine.registration.partition import layer_costs, plan_shards
     from tune_hydra.engine.task import model_layers
 
     costs = layer_costs(model_layers(mlp()), OPTIMIZERS["sgd"], batches(1)[0][0])

@@ -247,7 +247,7 @@ def test_shards_that_do_not_write_their_input_never_clone_it(
 ) -> None:
     """The probe tells which shards write their input, so the others take it as is from
     their first visit on (no input-sized copy beyond the plan)."""
-    from tune_hydra.engine import boundary, stage
+    from tune_hydra.engine.runtime import boundary, stage
 
     clones: list[int] = []
 

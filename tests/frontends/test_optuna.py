@@ -29,7 +29,7 @@ from torch import nn
 import tune_hydra as th
 from tests.conftest import batches, mlp
 from tune_hydra.engine import Engine
-from tune_hydra.engine.factory import call_factory
+from tune_hydra.engine.registration.factory import call_factory
 from tune_hydra.exceptions import (
     InvalidOptionError,
     InvalidStudyError,

@@ -588,13 +588,13 @@ def test_other_threads_global_draws_stay_out_of_loops_ops(engine: th.Engine) -> 
 
 def test_private_generator_thread_shares_it_with_its_loop(engine: th.Engine) -> None:
     # A function run in a thread on a private generator (th.optimize's objectives, the Ray
-    # front end's function trainables: tune_hydra.engine.factory.private_rng) builds its
+    # front end's function trainables: registration.factory.private_rng) builds its
     # model, shuffles its DataLoader and draws dropout from that one stream, as the same
     # function does alone: exact with th.shard, with another thread drawing from the
     # global generator all along.
     from torch.utils.data import DataLoader, TensorDataset
 
-    from tune_hydra.engine.factory import private_rng
+    from tune_hydra.engine.registration.factory import private_rng
 
     g = torch.Generator().manual_seed(8)
     x, y = torch.randn(24, 8, generator=g, dtype=torch.float64), torch.randn(24, 16, generator=g)
@@ -639,8 +639,8 @@ def test_a_main_thread_loop_draws_from_the_global_generator_beside_a_private_one
     # dispatch mode (every aten op through Python: ~25% of a CPU forward). Meanwhile a
     # thread on a private generator trains its own loop on the same engine under that
     # mode. Each equals its plain run.
-    from tune_hydra.engine import loop as loop_mod
-    from tune_hydra.engine.factory import private_rng
+    from tune_hydra.engine.registration.factory import private_rng
+    from tune_hydra.engine.runtime import loop as loop_mod
 
     modes: list[str] = []  # the ops that ran under it (the cut's probe runs on the caller)
     real = loop_mod.use_generator

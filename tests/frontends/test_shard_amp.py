@@ -21,7 +21,7 @@ from torch import nn
 
 import tune_hydra as th
 from tests.conftest import assert_same, batches
-from tune_hydra.engine import amp
+from tune_hydra.engine.runtime import amp
 from tune_hydra.exceptions import UnsupportedPrecisionError
 
 BF16 = {"device_type": "cpu", "dtype": torch.bfloat16}

@@ -18,7 +18,7 @@ from torch import nn
 
 import tune_hydra as th
 from tests.conftest import batches, mlp
-from tune_hydra.engine.partition import layer_costs
+from tune_hydra.engine.registration.partition import layer_costs
 from tune_hydra.engine.task import model_layers
 from tune_hydra.exceptions import (
     BatchTooLargeError,

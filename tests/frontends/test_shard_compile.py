@@ -279,7 +279,7 @@ def test_hugging_face_blocks_compiled_exact() -> None:
 def test_compiled_sharded_model_under_a_private_stream(engine: th.Engine) -> None:
     # th.optimize runs each objective on a private generator (a dispatch mode): dynamo
     # must still compile there (torch skips, for good, code it meets under such a mode).
-    from tune_hydra.engine.factory import private_rng
+    from tune_hydra.engine.registration.factory import private_rng
 
     data = batches(3)
     torch.manual_seed(0)
@@ -303,7 +303,7 @@ def test_loops_in_threads_compiling_at_once_exact(engine: th.Engine) -> None:
     # compile-time flags are process-wide (an Adam step elsewhere rounds otherwise, a
     # compiled call elsewhere raises), so a call that compiles runs alone. Each equals
     # its loop run alone in a fresh process (the global stream seeded as the private one).
-    from tune_hydra.engine.factory import private_rng
+    from tune_hydra.engine.registration.factory import private_rng
 
     data = batches(3)
     models = [mlp(seed=i) for i in range(3)]

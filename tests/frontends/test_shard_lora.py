@@ -24,7 +24,7 @@ from torch import nn
 import tune_hydra as th
 from tests.conftest import assert_same
 from tests.models.test_peft import TRIALS, config, data, lora_config
-from tune_hydra.engine.frozen import address, canonical_name
+from tune_hydra.engine.storage.frozen import address, canonical_name
 from tune_hydra.exceptions import FrozenTensorModifiedError
 
 peft = pytest.importorskip("peft", reason="peft is not installed: pip install 'tune_hydra[lora]'")
@@ -319,7 +319,7 @@ def test_loops_sharing_a_base_are_cut_where_the_first_was_if_it_fits() -> None:
     """th.shard loops of three ranks over one base, on a budget that cuts rank 8 in two
     shards of three layers: rank 1 (alone: one shard) is cut there too, rank 16 (which
     does not fit there) keeps its own cut; each trains exactly as plain."""
-    from tests.engine.test_frozen import RANKS, lora_budget, lora_data, lora_model
+    from tests.engine.storage.test_frozen import RANKS, lora_budget, lora_data, lora_model
 
     budget = lora_budget()
     models = {name: lora_model(r, i) for i, (name, r) in enumerate(RANKS.items())}

@@ -234,7 +234,7 @@ def test_close_that_must_not_raise_logs_the_step_error(
     model, optimizer = th.shard(model, optimizer, engine=engine)
     steps(model, optimizer, [_nan_batch()])
     loop = model.__dict__["_th_shard"].loop
-    with caplog.at_level(logging.WARNING, logger="tune_hydra.engine.loop"):
+    with caplog.at_level(logging.WARNING, logger="tune_hydra.engine.runtime.loop"):
         loop.close(raise_errors=False)
     assert "step refused" in caplog.text
     assert engine.tasks() == []

@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import tune_hydra as th
-from tune_hydra.engine.partition import layer_costs, plan_shards
+from tune_hydra.engine.registration.partition import layer_costs, plan_shards
 from tune_hydra.engine.task import model_layers
 from tune_hydra.models import trace_layers
 

@@ -8,7 +8,7 @@ A :class:`HostLedger` counts what the engine holds in host memory (RAM) now:
 - boundary tensors a waiting task parked in host memory, per task.
 
 With a budget, the engine keeps the total within it by moving the coldest shard states
-to the disk tier (see ``tune_hydra.engine.host``). The ledger does the arithmetic only:
+to the disk tier (see ``tune_hydra.engine.storage.host``). The ledger does the arithmetic only:
 no lock, no threads (its owner locks it; the trace replay is single-threaded), no torch.
 
 Example:

@@ -15,7 +15,7 @@ The running and queued ops are not stored here: the worker's queue owns them (th
 dispatcher changes it under its own lock), so the questions that involve them take the
 queued shards as an argument. The first of them is the one that runs next.
 
-The rules, shared by :class:`~tune_hydra.engine.workers.DeviceWorker` at run time and by
+The rules, shared by :class:`~tune_hydra.engine.dispatch.workers.DeviceWorker` at run time and by
 :meth:`~tune_hydra.core.trace.Trace.validate` when it replays a trace:
 
 - while a shard's op runs, the device holds the shard states, the op's activations
@@ -148,7 +148,7 @@ class DeviceLedger(Generic[S, C]):
         self._measured: dict[int, int] = {}  # bytes found on the device as each arrived
         self.reserved: dict[str, int] = {}  # task -> its batch's kept graphs
         # A batched pass -> the activations of the ops run along with its own (held from
-        # the first one queued along to its end; tune_hydra.engine.batched).
+        # the first one queued along to its end; tune_hydra.engine.dispatch.batched).
         self.along: dict[object, int] = {}
         self.carries: dict[str, C] = {}  # task -> what it left waiting for its next op
         self.peak_resident_bytes = 0  # measured shard state held at once, at most

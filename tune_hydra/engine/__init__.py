@@ -13,8 +13,8 @@ from tune_hydra.core.policies import (
 )
 from tune_hydra.core.trace import Trace, TraceEvent, plot_timeline, save_trace
 from tune_hydra.engine.engine import Engine
-from tune_hydra.engine.partition import LayerCost, ShardPlan, ShardSpec, plan_shards
 from tune_hydra.engine.reference import train_plain
+from tune_hydra.engine.registration.partition import LayerCost, ShardPlan, ShardSpec, plan_shards
 from tune_hydra.engine.storage import ShardStore
 from tune_hydra.engine.task import ModelTask, model_layers
 from tune_hydra.engine.train import History, train_models

@@ -4,9 +4,9 @@
 of epochs; the Ray Tune front end drives it one iteration per trial step.
 
 ``Engine`` is the public facade: it builds the devices' workers and two owners, and its
-methods delegate to them. :class:`~tune_hydra.engine.registry.TaskRegistry` admits the
+methods delegate to them. :class:`~tune_hydra.engine.registration.registry.TaskRegistry` admits the
 tasks (checks, probing, plans, runners) and owns the ``name -> TaskRecord`` map;
-:class:`~tune_hydra.engine.dispatcher.Dispatcher` runs them (grants, every dispatch
+:class:`~tune_hydra.engine.dispatch.dispatcher.Dispatcher` runs them (grants, every dispatch
 decision, what follows each op, cancellation, bringing states home). Both share the
 engine's one lock, ``Engine._cv``; the few operations that need both are sequenced here.
 """
@@ -25,20 +25,20 @@ import torch
 from tune_hydra.core.ops import Op
 from tune_hydra.core.policies import BasePolicy, get_policy
 from tune_hydra.core.trace import Trace
-from tune_hydra.engine.acquire import acquire as acquire_lease
-from tune_hydra.engine.batched import SharedBatcher
-from tune_hydra.engine.dispatcher import Dispatcher
-from tune_hydra.engine.host import HostMemory
-from tune_hydra.engine.kept import KeptGraphs
-from tune_hydra.engine.lease import Lease
-from tune_hydra.engine.partition import ShardPlan
+from tune_hydra.engine.dispatch.acquire import acquire as acquire_lease
+from tune_hydra.engine.dispatch.batched import SharedBatcher
+from tune_hydra.engine.dispatch.dispatcher import Dispatcher
+from tune_hydra.engine.dispatch.lease import Lease
+from tune_hydra.engine.dispatch.workers import DeviceWorker, default_clock
 from tune_hydra.engine.protocol import Runner
 from tune_hydra.engine.records import TaskRecord
-from tune_hydra.engine.registry import TaskRegistry, task_runner
+from tune_hydra.engine.registration.partition import ShardPlan
+from tune_hydra.engine.registration.registry import TaskRegistry, task_runner
+from tune_hydra.engine.runtime.kept import KeptGraphs
 from tune_hydra.engine.storage.disk import SpillFolder
+from tune_hydra.engine.storage.host import HostMemory
 from tune_hydra.engine.task import ModelTask
 from tune_hydra.engine.units import device_budget, resolve_devices
-from tune_hydra.engine.workers import DeviceWorker, default_clock
 from tune_hydra.exceptions import InvalidOptionError, InvalidTaskError, TuneHydraError
 from tune_hydra.options import (
     DEFAULT_TRACE_WINDOW,
@@ -66,13 +66,13 @@ class Engine:
             ``True`` on GPUs (activations would occupy device memory) and ``False`` on the
             CPU (where the "device" is host memory and recomputing only costs time).
             Without it, on a device that copies, each batch's kept graphs are reserved in
-            ``device_memory`` (see ``tune_hydra.engine.kept``).
+            ``device_memory`` (see ``tune_hydra.engine.runtime.kept``).
         copy_on_cpu: really copy shard state on CPU "devices": they then run the way a
             GPU does (spills, budgets, and ``recompute`` on by default).
         max_layers_per_shard: cut finer than the budget requires (an int >= 1, or None).
         host_memory: host-memory budget for the shard states of all tasks (bytes, or
             ``"64GiB"``); the coldest states beyond it go to files under ``spill_dir`` and
-            are read back ahead of their visits (see ``tune_hydra.engine.host``). ``None``:
+            are read back ahead of their visits (see ``tune_hydra.engine.storage.host``). ``None``:
             unlimited, nothing goes to disk.
         spill_dir: an existing folder on a local disk (not a tmpfs) for the disk tier;
             the engine works in a folder of its own there, removed when it closes (or, after
@@ -81,13 +81,13 @@ class Engine:
             ``None``: all, growing with the run); older ones are folded into running
             totals, so the trace's figures (``trace.summary()``) still cover the whole run.
         share_frozen: hold frozen tensors equal across tasks (a fine-tuning search's base)
-            once in host memory (see ``tune_hydra.engine.frozen``); ``False``: each task
+            once in host memory (see ``tune_hydra.engine.storage.frozen``); ``False``: each task
             keeps its own.
         batch_shared: run the ops of several tasks on the same shared frozen shard
             (LoRA trials over one base: task factories and ``th.shard`` loops) as one
             batched pass on one device: the frozen layers once over their concatenated
             batches, each task's adapters on its own rows (see
-            ``tune_hydra.engine.batched``; off by default: within 1e-12 relative of
+            ``tune_hydra.engine.dispatch.batched``; off by default: within 1e-12 relative of
             running them alone in float64, not always bitwise; recompute mode only, no
             autocast, no disk tier; within ``device_memory``). ``summary()`` counts the
             batched passes.
@@ -99,7 +99,7 @@ class Engine:
         clock: the engine's clock, seconds (default: ``time.perf_counter`` from the
             start); it times ops (the estimates policies see), readiness and the trace.
             Tests that script time pass a
-            :class:`~tune_hydra.engine.scripted.ManualClock`.
+            :class:`~tune_hydra.engine.dispatch.scripted.ManualClock`.
 
     Raises:
         InvalidOptionError: a bad ``prefetch``, ``recompute``, ``copy_on_cpu``,
@@ -298,7 +298,7 @@ class Engine:
     def add_runner(self, name: str, runner: Runner, *, options: TrainOptions | None = None) -> int:
         """Register a task whose operations come from ``runner`` (any
         :class:`~tune_hydra.engine.protocol.Runner`, such as a
-        :class:`~tune_hydra.engine.scripted.ScriptedRunner`) instead of a ``ModelTask``;
+        :class:`~tune_hydra.engine.dispatch.scripted.ScriptedRunner`) instead of a ``ModelTask``;
         returns its number of shards. It is then trained, cancelled and removed like a
         task of :meth:`add_task` (checkpoints, :meth:`get_state`, are ``add_task``'s).
 
@@ -322,7 +322,7 @@ class Engine:
     # -- read-only views of a task (for callers and tests; none changes anything) ---------
 
     def runner(self, name: str) -> Runner:
-        """Task ``name``'s runner (a :class:`~tune_hydra.engine.runner.TaskRunner` for a
+        """Task ``name``'s runner (a :class:`~tune_hydra.engine.runtime.runner.TaskRunner` for a
         task of :meth:`add_task`; a new one after :meth:`set_state`)."""
         with self._cv:
             return self._entry(name).runner
@@ -356,7 +356,7 @@ class Engine:
     @property
     def keeps_graphs(self) -> bool:
         """Whether batches' forward graphs are kept, and reserved, on devices that copy
-        (``recompute=False`` there; see ``tune_hydra.engine.kept``)."""
+        (``recompute=False`` there; see ``tune_hydra.engine.runtime.kept``)."""
         return self._registry.keeps_graphs
 
     def shared_cuts(self, model: torch.nn.Module, layers: list[str]) -> list[list[tuple[int, int]]]:
@@ -486,7 +486,7 @@ class Engine:
     ) -> Lease:
         """Lease shard ``shard`` of ``task`` on ``device``: until the lease is released,
         the shard's state is resident there and the caller may compute with its modules
-        and optimizer from any thread (see :mod:`tune_hydra.engine.lease`).
+        and optimizer from any thread (see :mod:`tune_hydra.engine.dispatch.lease`).
 
         Args:
             task: a registered task.
@@ -520,7 +520,7 @@ class Engine:
         batched passes (``"batched_passes"``, 0 without ``batch_shared``), and host memory
         (``"host"``: ``budget``, ``held_bytes``, ``peak_held_bytes``, ``over_bytes``, disk
         ``written_bytes`` / ``read_bytes``, ``spills``, ``loads``, ``disk_wait_s``,
-        ``spill_dir``; see ``tune_hydra.engine.host``)."""
+        ``spill_dir``; see ``tune_hydra.engine.storage.host``)."""
         wall = self.clock()
         out: dict[str, Any] = {"wall_s": wall, "devices": {}, "tasks": {}}
         for w in self.workers:

@@ -3,8 +3,8 @@
 The dispatcher (``Engine``: filling devices, building candidates, advancing tasks, the
 kept-graph reservations and the remaining-work estimates) reads a task only through
 these members, so anything that implements them can be multiplexed:
-:class:`~tune_hydra.engine.runner.TaskRunner` walks a ``ModelTask``'s program and
-computes each op; :class:`~tune_hydra.engine.scripted.ScriptedRunner` plays ops written
+:class:`~tune_hydra.engine.runtime.runner.TaskRunner` walks a ``ModelTask``'s program and
+computes each op; :class:`~tune_hydra.engine.dispatch.scripted.ScriptedRunner` plays ops written
 as strings, for tests of the dispatcher's decisions. Register a runner with
 ``Engine.add_runner(name, runner)`` (``Engine.add_task`` builds a ``TaskRunner``).
 """
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from tune_hydra.core.ops import Op
-    from tune_hydra.engine.partition import ShardPlan
+    from tune_hydra.engine.registration.partition import ShardPlan
     from tune_hydra.engine.storage import ShardStore, Store
     from tune_hydra.engine.task import OwnedTensors
 
@@ -80,7 +80,7 @@ class Runner(Protocol):
     Optional: ``keeps_batch`` (a bool property, ``False`` when absent): the runner's batch
     keeps graphs on its device while no op is ready (a user-driven loop between its
     user's calls), so the engine holds the batch's kept-graph reservation
-    (``tune_hydra.engine.kept``).
+    (``tune_hydra.engine.runtime.kept``).
     """
 
     current: Op | None

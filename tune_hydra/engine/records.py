@@ -9,13 +9,13 @@ from typing import TYPE_CHECKING, Any
 
 from tune_hydra.core.policies.base import Candidate
 from tune_hydra.core.program import BATCH_KINDS
-from tune_hydra.engine.partition import ShardPlan
 from tune_hydra.engine.protocol import Runner
+from tune_hydra.engine.registration.partition import ShardPlan
 from tune_hydra.engine.task import ModelTask
 from tune_hydra.options import TrainOptions
 
 if TYPE_CHECKING:
-    from tune_hydra.engine.workers import DeviceWorker
+    from tune_hydra.engine.dispatch.workers import DeviceWorker
 
 _EMA = 0.3  # weight of the newest measurement in per-op time estimates
 

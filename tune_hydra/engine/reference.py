@@ -9,8 +9,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tune_hydra.engine.boundary import split_batch
-from tune_hydra.engine.metrics import MetricTotals, add_metrics, build_scheduler
+from tune_hydra.engine.runtime.boundary import split_batch
+from tune_hydra.engine.runtime.metrics import MetricTotals, add_metrics, build_scheduler
 from tune_hydra.engine.task import ModelTask
 
 

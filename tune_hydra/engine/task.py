@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_flatten
 
-from tune_hydra.engine.frozen import address
-from tune_hydra.engine.metrics import check_lr_scheduler, check_metrics
+from tune_hydra.engine.runtime.metrics import check_lr_scheduler, check_metrics
+from tune_hydra.engine.storage.frozen import address
 from tune_hydra.exceptions import InvalidModelError, InvalidTaskError
 
 OptimizerFactory = Callable[[list[nn.Parameter]], torch.optim.Optimizer]
@@ -229,7 +229,7 @@ class OwnedTensors:
             return
         storage = t.untyped_storage()
         # Not storage.data_ptr(): it copies a copy-on-write storage (a finished task's
-        # model sharing a frozen pool tensor, see tune_hydra.engine.frozen.lazy_clone).
+        # model sharing a frozen pool tensor, see tune_hydra.engine.storage.frozen.lazy_clone).
         ptr = address(t) - t.storage_offset() * t.element_size()
         if ptr and storage.nbytes():
             self.add(("storage", ptr), name, storage)

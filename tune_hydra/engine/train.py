@@ -13,8 +13,8 @@ import torch
 from tune_hydra.core.policies import AUTO, BasePolicy, resolve_policy
 from tune_hydra.core.trace import Trace
 from tune_hydra.engine.engine import Engine
-from tune_hydra.engine.kept import kept_bytes
-from tune_hydra.engine.partition import ShardPlan
+from tune_hydra.engine.registration.partition import ShardPlan
+from tune_hydra.engine.runtime.kept import kept_bytes
 from tune_hydra.engine.task import ModelTask
 from tune_hydra.exceptions import InvalidTaskError, TaskFailedError, TrainingError, TuneHydraError
 from tune_hydra.options import (

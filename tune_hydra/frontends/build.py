@@ -4,7 +4,7 @@ Every front end builds a trial in the same steps, and this module takes all but 
 first:
 
 1. call the user's factory in its own thread on a private random generator, waiting at
-   most the factory timeout (:mod:`tune_hydra.engine.factory`: ``call_factory`` blocks,
+   most the factory timeout (:mod:`tune_hydra.engine.registration.factory`: ``call_factory`` blocks,
    ``start_factory`` gives a future for a front end that waits its own way);
 2. :func:`check_task`: the factory returned a :class:`~tune_hydra.ModelTask`, else the
    error of :func:`~tune_hydra.frontends.failures.not_a_task`;

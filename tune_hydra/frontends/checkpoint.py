@@ -165,8 +165,8 @@ def plan_layers(plan: Any) -> list[list[str]] | None:
     """The layer names of each shard of a shard plan, as the manifest records them.
 
     Args:
-        plan: a :class:`~tune_hydra.engine.partition.ShardPlan` (anything with ``shards``
-            whose items have ``layer_names``), or None.
+        plan: a :class:`~tune_hydra.engine.registration.partition.ShardPlan`
+            (anything with ``shards`` whose items have ``layer_names``), or None.
 
     Returns:
         One list of layer names per shard, in order; None if ``plan`` does not say.
@@ -628,7 +628,7 @@ def read_checkpoint(
         )
         manifest.setdefault("num_shards", state.get("num_shards"))
         manifest.setdefault("shards", None)
-    from tune_hydra.engine.resume import state_problem
+    from tune_hydra.engine.runtime.resume import state_problem
 
     problem = state_problem({**state, "model": model_state})
     if problem is not None:
@@ -654,7 +654,7 @@ def read_checkpoint(
 # -------------------------------------------------------------------- a trial's checkpoint
 # What a front end saves and restores: a trial of an engine (``engine.get_state`` /
 # ``set_state``) into and out of the files above. The engine's state dict is the engine's
-# (``tune_hydra.engine.resume``); which of its entries go where, and what a restore under
+# (``tune_hydra.engine.runtime.resume``); which of its entries go where, and what a restore under
 # another config or another cut needs, is decided here alone.
 _LEGACY_OPTIMIZERS = "optimizers"  # the engine's older per-shard optimizer layout
 
@@ -769,7 +769,7 @@ def merge_hyperparameters(loaded: Any, fresh: Any) -> Any:
     PBT loop that sets ``lr`` after loading.
 
     ``loaded`` and ``fresh`` are the engine state's ``"optimizer"``: per-parameter state
-    and groups of parameter names (``tune_hydra.engine.resume``); the result keeps
+    and groups of parameter names (``tune_hydra.engine.runtime.resume``); the result keeps
     ``loaded``'s per-parameter state with ``fresh``'s groups, so each parameter gets the
     hyperparameters the new config gives it, however either was cut into shards. A
     checkpoint of the older layout (one ``state_dict`` per shard, which restores under

@@ -725,7 +725,7 @@ class _Driver:
         """Call the user's function for the trial. A task factory's task is added to the
         engine (returns its number of shards); an objective that trained its own loop
         returns an :class:`_ObjectiveDone` (its loops already off the engine)."""
-        from tune_hydra.engine.factory import call_factory
+        from tune_hydra.engine.registration.factory import call_factory
         from tune_hydra.frontends.shard import engine_scope
 
         number = run.trial.number

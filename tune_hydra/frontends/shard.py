@@ -14,7 +14,7 @@ The model and the optimizer stay the user's objects (their class is swapped for 
 subclass, as FSDP2 does, so ``isinstance``, ``state_dict()`` keys, ``train()`` /
 ``eval()`` are the user's): every forward runs as shard ops that the engine schedules
 among all loops and tasks sharing it, ``loss.backward()`` runs the shards' backward, and
-``optimizer.step()`` steps each shard (see :mod:`tune_hydra.engine.loop`). The model is
+``optimizer.step()`` steps each shard (see :mod:`tune_hydra.engine.runtime.loop`). The model is
 cut on its first forward (the first batch is the probe that sizes the activations).
 
 The user's thread may read and write the model's tensors through the model's and the
@@ -41,7 +41,7 @@ threads, never from torch's global one, so loops in threads (``study.optimize(n_
 cannot take each other's numbers. On the main thread, and in a thread on a private
 generator (``th.optimize``'s objectives), the ops share the user's stream, as plain
 PyTorch does; on another thread they continue the global generator's stream from where
-``th.shard`` found it (see :mod:`tune_hydra.engine.loop`).
+``th.shard`` found it (see :mod:`tune_hydra.engine.runtime.loop`).
 
 A loop leaves the engine when its model is garbage-collected (nothing of the engine holds
 the model: the loop and a Hugging Face model's cut reference it weakly, and what the
@@ -82,9 +82,9 @@ from tune_hydra.exceptions import (
 )
 
 if TYPE_CHECKING:
-    from tune_hydra.engine.compiled import Compiler
     from tune_hydra.engine.engine import Engine
-    from tune_hydra.engine.loop import LoopRunner
+    from tune_hydra.engine.runtime.compiled import Compiler
+    from tune_hydra.engine.runtime.loop import LoopRunner
     from tune_hydra.models.traced import TracedCall
 
 log = logging.getLogger(__name__)
@@ -367,10 +367,10 @@ def shard(
         engine = scope.engine
     # A task factory's op (in an engine shared with task factories) swaps its stream into
     # the global generator: a torch.manual_seed on any thread waits for it, not undone by it.
-    from tune_hydra.engine.factory import patch_rng_functions
+    from tune_hydra.engine.registration.factory import patch_rng_functions
 
     patch_rng_functions()
-    from tune_hydra.engine.amp import patch_grad_scaler
+    from tune_hydra.engine.runtime.amp import patch_grad_scaler
 
     patch_grad_scaler()  # a GradScaler reads the shards' gradients at home
     from tune_hydra.frontends.threads import isolate_library_state
@@ -419,7 +419,7 @@ def _watch_for_optimizer(state: _State, model: nn.Module) -> None:
 def _adoptable(optimizer: torch.optim.Optimizer) -> _State | None:
     """The state of the sharded model (without an optimizer) whose parameters this plain
     optimizer steps, if any."""
-    from tune_hydra.engine.loop import in_op
+    from tune_hydra.engine.runtime.loop import in_op
 
     if "_th_shard" in optimizer.__dict__ or "_th_plain" in optimizer.__dict__ or in_op():
         return None
@@ -573,7 +573,7 @@ def first_cut(
         InvalidModelError: a model that cannot be cut.
         TypeError, UnsupportedCallError: arguments the sharded model would refuse.
     """
-    from tune_hydra.engine.loop import inside_op
+    from tune_hydra.engine.runtime.loop import inside_op
     from tune_hydra.engine.task import model_layers
 
     state = _State(model, None, None)
@@ -845,7 +845,7 @@ class _State:
         self.signature: inspect.Signature | None = None
         self.on_loop: Callable[[LoopRunner], None] | None = None  # its scope's hook
         # Where the loop's own stream starts (used by loops in threads that draw from the
-        # global generator; see tune_hydra.engine.loop): the generator's state now.
+        # global generator; see tune_hydra.engine.runtime.loop): the generator's state now.
         self.rng_start = torch.get_rng_state()
         # torch.compile: the settings each shard's forward is compiled with, and the
         # OptimizedModules of the model that call it (tune_hydra.frontends.shard_compile).
@@ -892,7 +892,7 @@ class _State:
 
     def cut(self, model: nn.Module, inputs: Any) -> LoopRunner:
         """Cut the model on its first batch and register its loop."""
-        from tune_hydra.engine.loop import build_loop, inside_op
+        from tune_hydra.engine.runtime.loop import build_loop, inside_op
         from tune_hydra.engine.task import model_layers
 
         if torch.is_inference_mode_enabled():
@@ -956,7 +956,7 @@ class _ShardedModule(nn.Module):
             from tune_hydra.frontends.shard_compile import traced_call
 
             return traced_call(self, args, kwargs)
-        from tune_hydra.engine.loop import in_op
+        from tune_hydra.engine.runtime.loop import in_op
 
         state: _State = self.__dict__["_th_shard"]
         user_forward = state.model_class.forward
@@ -1042,7 +1042,7 @@ class _ShardedModule(nn.Module):
         cut then sizes the shards in the new dtype) and raises after it; a move to a
         device is ignored (placement is the engine's), so a model too large for one
         device is never copied onto it whole."""
-        from tune_hydra.engine.loop import in_op
+        from tune_hydra.engine.runtime.loop import in_op
 
         state: _State | None = self.__dict__.get("_th_shard")
         if state is None or in_op():
@@ -1097,7 +1097,7 @@ class _ShardedModule(nn.Module):
     # -- the user's views of the state: brought home first -----------------------------
 
     def _th_sync(self, write: bool = False) -> None:
-        from tune_hydra.engine.loop import in_op
+        from tune_hydra.engine.runtime.loop import in_op
 
         state: _State | None = self.__dict__.get("_th_shard")
         if state is None or state.loop is None or in_op():
@@ -1140,7 +1140,7 @@ class _ShardedModule(nn.Module):
         return super().state_dict(*args, **kwargs)
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
-        from tune_hydra.engine.loop import in_op
+        from tune_hydra.engine.runtime.loop import in_op
 
         self._th_sync(write=True)
         state: _State | None = self.__dict__.get("_th_shard")
@@ -1192,7 +1192,7 @@ class _ShardedOptimizer(torch.optim.Optimizer):
 
     def _th_sync_grads(self) -> None:
         """Bring the gradients home for ``torch.amp.GradScaler``, which reads and unscales
-        them in place (see ``tune_hydra.engine.amp.patch_grad_scaler``)."""
+        them in place (see ``tune_hydra.engine.runtime.amp.patch_grad_scaler``)."""
         loop = self._th_loop()
         if loop is not None and not loop.closed:
             loop.sync()

@@ -1,7 +1,7 @@
 """``torch.compile`` and ``th.shard``: each shard's forward compiled with the user's settings.
 
 Every form compiles what an op runs, each shard's forward, with the engine's hooks outside
-the compiled code (see :mod:`tune_hydra.engine.compiled`):
+the compiled code (see :mod:`tune_hydra.engine.runtime.compiled`):
 
 - ``model, opt = th.shard(torch.compile(model, **kw), opt)``: the original module (the
   ``OptimizedModule``'s ``_orig_mod``) is sharded and the user keeps their
@@ -40,7 +40,7 @@ from torch._dynamo.eval_frame import OptimizedModule
 from tune_hydra.exceptions import UnsupportedCompileError
 
 if TYPE_CHECKING:
-    from tune_hydra.engine.compiled import Compiler
+    from tune_hydra.engine.runtime.compiled import Compiler
     from tune_hydra.frontends.shard import _State
 
 SUPPORTED = (
@@ -109,7 +109,7 @@ def traced_call(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any])
     Raises:
         UnsupportedCompileError: a compiled function or module calls the sharded model.
     """
-    from tune_hydra.engine.loop import in_op
+    from tune_hydra.engine.runtime.loop import in_op
 
     state: _State = model.__dict__["_th_shard"]
     if in_op():
@@ -166,7 +166,7 @@ class _ShardedCompiled(nn.Module):
 
     def load_state_dict(self, state_dict: Mapping[str, Any], *args: Any, **kwargs: Any) -> Any:
         """As plain (keys with ``_orig_mod.``), into the sharded model's state at home."""
-        from tune_hydra.engine.loop import in_op
+        from tune_hydra.engine.runtime.loop import in_op
 
         inner = self._orig_mod
         inner._th_sync(write=True)  # type: ignore[operator]

@@ -21,7 +21,7 @@ Still process-wide, and so the same for every trial of one process: environment 
 (``TrainingArguments`` writes ``ACCELERATE_MIXED_PRECISION`` when ``bf16``/``fp16`` is
 set: give every trial of a search the same precision), ``torch.backends`` flags (``tf32``),
 ``torch.use_deterministic_algorithms`` and Python's and NumPy's global random generators
-(torch's is per trial: :func:`tune_hydra.engine.factory.private_rng`).
+(torch's is per trial: :func:`tune_hydra.engine.registration.factory.private_rng`).
 """
 
 from __future__ import annotations

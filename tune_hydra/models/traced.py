@@ -30,7 +30,7 @@ argument and its other arguments keep their defaults.
 
 Limits: ``forward`` must be traceable (no control flow on tensor values) and must call
 the same submodules in train and eval mode. A module with parameters called in two
-stages shares them between the stages (see :mod:`tune_hydra.engine.shared`).
+stages shares them between the stages (see :mod:`tune_hydra.engine.registration.shared`).
 
 ``torch.fx.passes.split_module`` is not used: it wires every value straight from the
 partition that makes it to the ones that use it, while the engine runs stages in a

@@ -17,7 +17,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.engine.test_disk_tier import disk_folder
+from tests.engine.storage.test_disk_tier import disk_folder
 from tune_hydra.core.ops import OpKind
 from tune_hydra.engine.storage import Residency, ShardStore
 from tune_hydra.engine.storage import disk as disk_mod

@@ -15,8 +15,8 @@ import tune_hydra as th
 from tests.engine.storage.counting_tier import CountingTier
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.core.trace import Trace
+from tune_hydra.engine.dispatch.workers import Assignment, DeviceWorker, default_clock
 from tune_hydra.engine.storage import HostTier, Residency, ShardStore
-from tune_hydra.engine.workers import Assignment, DeviceWorker, default_clock
 
 
 def _trained_shard() -> tuple[nn.Sequential, torch.optim.Optimizer]:

@@ -19,7 +19,7 @@ from torch import nn
 
 import tune_hydra as th
 from tests.conftest import OPTIMIZERS, make_task, mlp, plain_copy
-from tests.engine.test_disk_tier import (
+from tests.engine.storage.test_disk_tier import (
     SEED,
     assert_disk_used,
     assert_plain,

@@ -54,7 +54,7 @@ Design:
 
 * **Disk** (:mod:`.disk`, :mod:`.spill`). With a host budget, a store has a
   :class:`SpillFile` in its engine's :class:`SpillFolder` and the engine's host memory
-  manager (``tune_hydra.engine.host``) as its ``host``: it reserves host memory before its
+  manager (``tune_hydra.engine.storage.host``) as its ``host``: it reserves host memory before its
   buffers are filled and spills or loads when asked (its :class:`DiskSpill` makes those
   moves). The disk is a level below the host
   tier, not a :class:`StorageTier` (``docs/engine.md`` says why).
@@ -64,7 +64,7 @@ Design:
   store's ``parts()`` are the shard stores it moves together (a :class:`ShardStore`:
   itself; a :class:`LinkedStore`: its own, then the shared ones).
 
-* **Frozen tensors shared across tasks** (``tune_hydra.engine.frozen``). A store's
+* **Frozen tensors shared across tasks** (``tune_hydra.engine.storage.frozen``). A store's
   parameters pointed at the engine's frozen pool are its ``frozen`` slots (a
   ``FrozenSlots``), outside its live slots: never counted, copied back or spilled with
   its own state.

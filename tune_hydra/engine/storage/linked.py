@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from tune_hydra.core.ops import OpKind
-from tune_hydra.engine.frozen import shared_parts
+from tune_hydra.engine.storage.frozen import shared_parts
 from tune_hydra.engine.storage.residency import Residency
 from tune_hydra.engine.storage.store import ShardStore
 

@@ -44,7 +44,7 @@ class LiveSlots:
         modules: the shard's modules (their buffers are slots).
         params: the parameters held (see :func:`held_params`).
         skip: parameter indices left out (the frozen pool's: no gradient, no optimizer
-            state; see ``tune_hydra.engine.frozen.FrozenSlots``).
+            state; see ``tune_hydra.engine.storage.frozen.FrozenSlots``).
     """
 
     def __init__(

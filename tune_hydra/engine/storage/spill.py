@@ -2,7 +2,7 @@
 
 With a host budget, a :class:`~tune_hydra.engine.storage.store.ShardStore` has a
 :class:`~tune_hydra.engine.storage.disk.SpillFile` and the engine's host memory manager
-(``tune_hydra.engine.host``, a :class:`HostAccount`): host memory is reserved before the
+(``tune_hydra.engine.storage.host``, a :class:`HostAccount`): host memory is reserved before the
 store's buffers are filled, and the manager spills or loads the store when it needs room
 or reads ahead. :class:`DiskSpill` is the store's part that makes those moves: a spill
 writes the live tensors to the file (nothing, if the file still holds their values) and
@@ -17,9 +17,9 @@ from __future__ import annotations
 import time
 from typing import Any, Protocol
 
-from tune_hydra.engine.frozen import FrozenSlots
 from tune_hydra.engine.storage.changes import ChangeTracker
 from tune_hydra.engine.storage.disk import SpillFile
+from tune_hydra.engine.storage.frozen import FrozenSlots
 from tune_hydra.engine.storage.residency import Residency, ShardResidency
 from tune_hydra.engine.storage.slots import LiveSlots
 from tune_hydra.engine.storage.tiers import StorageTier
@@ -27,7 +27,7 @@ from tune_hydra.exceptions import SpillReadError
 
 
 class HostAccount(Protocol):
-    """What a store tells the engine's host memory manager (``tune_hydra.engine.host``);
+    """What a store tells the engine's host memory manager (``tune_hydra.engine.storage.host``);
     ``store`` is the :class:`~tune_hydra.engine.storage.store.ShardStore`.
 
     The store calls it under its own lock; the manager never waits on a store's lock

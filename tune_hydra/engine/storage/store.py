@@ -11,7 +11,7 @@ copy is dropped and the host buffers (or the disk tier's file) keep the values.
 The store owns its residency (:class:`ShardResidency`), its tier's buffers, its lock and
 its parts: the live tensors by key (``slots``, a :class:`LiveSlots`), whether a visit
 changed them (``changes``, a :class:`ChangeTracker`), the parameters shared through the
-engine's frozen pool (``frozen``, a :class:`~tune_hydra.engine.frozen.FrozenSlots`) and
+engine's frozen pool (``frozen``, a :class:`~tune_hydra.engine.storage.frozen.FrozenSlots`) and
 its moves to and from the disk tier (a :class:`DiskSpill`, handed its residency). The
 frozen slots change the store's own state only through its ``param_shared`` and
 ``param_owned``.
@@ -31,9 +31,9 @@ import torch
 from torch import nn
 
 from tune_hydra.core.ops import OpKind
-from tune_hydra.engine.frozen import FrozenSlots, shared_parts
 from tune_hydra.engine.storage.changes import ChangeTracker
 from tune_hydra.engine.storage.disk import SpillFile
+from tune_hydra.engine.storage.frozen import FrozenSlots, shared_parts
 from tune_hydra.engine.storage.residency import Residency, ShardResidency
 from tune_hydra.engine.storage.slots import LiveSlots, held_params
 from tune_hydra.engine.storage.spill import DiskSpill, HostAccount
@@ -134,7 +134,7 @@ class ShardStore:
         frozen tensors are the frozen pool's (counted once, there)."""
         return max(self.state_bytes - self.frozen.nbytes(), self.nbytes())
 
-    # -- frozen tensors shared across tasks (tune_hydra.engine.frozen) --------------------
+    # -- frozen tensors shared across tasks (tune_hydra.engine.storage.frozen) --------------------
 
     @property
     def shared_parts(self) -> tuple[tuple[object, int], ...]:

@@ -359,7 +359,7 @@ class EngineActor:
             NotATaskError: the factory returned no ModelTask (systematic).
             UncuttableModelError: the model's type cannot be cut (this trial alone).
         """
-        from tune_hydra.engine.factory import start_factory
+        from tune_hydra.engine.registration.factory import start_factory
 
         self._driver(secret)  # before anything: the owner's trial keeps running
         factory = await self._offload(self._factories.bind, factory_id, params or {})

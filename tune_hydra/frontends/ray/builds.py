@@ -1,8 +1,9 @@
 """The task factories an engine actor is waiting for, and how to stop waiting.
 
-A trial's factory runs in a thread of its own (``tune_hydra.engine.factory``); the engine
-actor awaits it at most ``factory_timeout_s``, or until the trial is stopped: Tune stops
-or pauses it (its proxy's ``cancel``), or the driver is interrupted (``abort_builds``).
+A trial's factory runs in a thread of its own (``tune_hydra.engine.registration.factory``);
+the engine actor awaits it at most ``factory_timeout_s``, or until the trial is stopped:
+Tune stops or pauses it (its proxy's ``cancel``), or the driver is interrupted
+(``abort_builds``).
 Nothing of ours waits with a factory that hangs: it costs only its own thread.
 
 This module imports neither torch nor Ray.

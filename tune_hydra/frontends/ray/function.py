@@ -18,7 +18,7 @@ user's function
 * inside an ``EngineScope`` of the engine (``th.shard`` without ``engine=`` goes there;
   the loops it made leave the engine when the function ends, fails or is stopped),
 * on a private random generator for the function's whole life (as task factories and
-  ``th.optimize``'s objectives: :func:`tune_hydra.engine.factory.private_rng`),
+  ``th.optimize``'s objectives: :func:`tune_hydra.engine.registration.factory.private_rng`),
 * in its own working directory, the trial's directory as in plain Tune
   (``unshare(CLONE_FS)`` for that thread alone, then ``chdir``: relative paths of two
   trials never collide),
@@ -417,7 +417,7 @@ class FunctionRun:
 
     # -- the function's thread --------------------------------------------------------------
     def _main(self) -> None:
-        from tune_hydra.engine.factory import private_rng
+        from tune_hydra.engine.registration.factory import private_rng
         from tune_hydra.frontends.shard import engine_scope
 
         router = session_router()

@@ -1,0 +1,103 @@
+"""LoopRunner: a user-driven loop as a Runner (its learnt op pattern, its stores' trips)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import tune_hydra as th
+from tests.conftest import batches, mlp
+from tune_hydra.core.ops import Op, OpKind
+from tune_hydra.engine.protocol import check_runner
+from tune_hydra.engine.runtime.loop import LoopRunner, in_op
+
+
+@pytest.fixture
+def engine() -> Iterator[th.Engine]:
+    threads = torch.get_num_threads()
+    eng = th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=3)
+    yield eng
+    eng.close()
+    torch.set_num_threads(threads)
+
+
+def _loop(engine: th.Engine) -> tuple[LoopRunner, torch.nn.Module, torch.optim.Optimizer]:
+    model = mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, opt = th.shard(model, opt, engine=engine)
+    for x, y in batches(2):
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()
+        opt.step()
+    runner = engine.runner(engine.tasks()[0])
+    assert isinstance(runner, LoopRunner)
+    return runner, model, opt
+
+
+def test_runner_learns_the_op_pattern_of_a_batch(engine: th.Engine) -> None:
+    runner, _, _ = _loop(engine)
+    check_runner(runner.name, runner)
+    n = len(runner.shards)
+    assert n >= 3
+    # Forward 0..n-1 then backward n-1..0: one op per shard each way.
+    assert runner.ops_per_batch == 2 * n
+    op = Op(runner.name, OpKind.FORWARD, 0)
+    assert runner.next_shard(op) == 1
+    assert runner.next_shard(Op(runner.name, OpKind.FORWARD, n - 1)) is None  # B(n-1) next
+    assert runner.next_shard(Op(runner.name, OpKind.BACKWARD, 1)) == 0
+    assert runner.ops_until(op, n - 1) == n - 1
+    assert runner.ops_until(Op(runner.name, OpKind.BACKWARD, n - 1), 0) == n - 1
+    # Each op was one granted iteration, all done: nothing is granted or running now.
+    assert runner.granted == 0 and runner.current is None
+    assert runner.iteration == 2 * 2 * n
+    assert not in_op()
+
+
+def test_sync_brings_every_state_home_and_unshard_leaves(engine: th.Engine) -> None:
+    runner, model, opt = _loop(engine)
+    assert any(s.copied for s in runner.stores)  # resident on the emulated devices
+    assert any(s.pending for s in runner.shards)  # the last step waits for the next visit
+    params = list(model.parameters())  # the user's view: synchronised
+    assert not any(s.copied for s in runner.stores)
+    assert not any(s.pending for s in runner.shards)
+    assert all(p.grad is not None for p in params)
+    opt.zero_grad()
+    assert all(p.grad is None for p in model.parameters())
+    th.unshard(model)
+    assert engine.tasks() == []
+    assert not any(s.copied for s in runner.stores)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+def test_graph_dropped_without_backward_is_freed(recompute: bool) -> None:
+    # A forward with grad whose output the user drops without backward (a loss computed
+    # for logging only): its shard calls and what they hold (saved inputs, a kept graph on
+    # the device) go with it, and a kept batch's reservation ends at the loop's next op.
+    import gc
+
+    from tune_hydra.engine.runtime.loop import _ShardCall
+
+    def calls() -> int:
+        gc.collect()
+        return sum(type(o) is _ShardCall for o in gc.get_objects())
+
+    with th.Engine(
+        devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=3, recompute=recompute
+    ) as engine:
+        model = th.shard(mlp(), engine=engine)
+        (x, y), (x2, _) = batches(2)
+        before = calls()
+        loss = F.cross_entropy(model(x), y)
+        assert calls() > before
+        loop = engine.runner(engine.tasks()[0])
+        assert isinstance(loop, LoopRunner) and loop.keep is not recompute
+        assert (engine.kept_on(loop.name) is None) is recompute
+        del loss
+        assert calls() == before
+        model.eval()
+        with torch.no_grad():
+            model(x2)
+        assert engine.kept_on(loop.name) is None

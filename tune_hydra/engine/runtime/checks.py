@@ -1,0 +1,201 @@
+"""Errors that name the input at fault: a task's data, or its ``loss_fn``.
+
+A layer that fails on a batch unlike the one the model was probed with, or a loss that
+is not a scalar tensor, is the data's or the loss function's fault rather than the
+model's. :class:`BatchChecks` runs a shard's first layers and the loss function and turns
+such failures into :class:`~tune_hydra.exceptions.DataMismatchError` or
+:class:`~tune_hydra.exceptions.InvalidLossError`, naming the batch and epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, NoReturn
+
+import torch
+from torch.utils._pytree import tree_flatten
+
+from tune_hydra.engine.registration.partition import layer_error
+from tune_hydra.engine.task import ModelTask, describe, mismatch_hint
+from tune_hydra.exceptions import (
+    DataMismatchError,
+    InvalidLossError,
+    NonFiniteLossError,
+    TuneHydraError,
+)
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.runtime.data import DataCursor
+    from tune_hydra.engine.runtime.runner import ShardRuntime
+
+
+class BatchChecks:
+    """One task's checks of its batches and losses, and the errors that name them.
+
+    Args:
+        name: the task's name, for the errors.
+        task: the task (its loss is computed by ``task.compute_loss``).
+        layer_names: the names of the first shard's layers, in order.
+        data: the task's data cursor (the epoch that errors name).
+    """
+
+    def __init__(
+        self, name: str, task: ModelTask, layer_names: tuple[str, ...], data: DataCursor
+    ) -> None:
+        self.name = name
+        self._task = task
+        self._layer_names = layer_names
+        self._data = data
+        # The signature and description of the batch probed at add_task (which the model
+        # took; see note_probe): a later batch that fails unlike it is a data mismatch.
+        self.probed: tuple[Any, str] | None = None
+
+    def note_probe(self, inputs: Any) -> None:
+        """Remember the structure, dtypes and shapes of the inputs the model was probed
+        with (not the tensors: a batch can be large)."""
+        self.probed = (_signature(inputs), describe(inputs))
+
+    def where(self, batch: int, train: bool) -> str:
+        """Which batch of which data, in words."""
+        if train:
+            return f"batch {batch} of epoch {self._data.epoch} of train_data"
+        return f"batch {batch} of eval_data (after epoch {self._data.epoch})"
+
+    def call(self, shard: ShardRuntime, arg: Any, batch: int, *, train: bool) -> Any:
+        """``shard.module(arg)``; a failure on a batch unlike the probed one, or of
+        another dtype than the layer, becomes a :class:`DataMismatchError`."""
+        try:
+            return shard.module(arg)
+        except Exception as err:
+            mismatch = self._data_mismatch(shard, arg, err, self.where(batch, train))
+            if mismatch is None:
+                raise
+            raise mismatch from err
+
+    def _data_mismatch(
+        self, shard: ShardRuntime, arg: Any, err: BaseException, where: str
+    ) -> DataMismatchError | None:
+        """The error to raise for ``err`` from the first shard's forward on ``arg``, when
+        the data can be told to be at fault; ``None`` otherwise (it is raised as is)."""
+        if shard.index != 0 or _not_ours(err):
+            return None
+        layers = {id(m): (n, m) for n, m in zip(self._layer_names, shard.module, strict=True)}
+        found = None
+        tb = err.__traceback__
+        while tb is not None:  # the innermost frame of one of the shard's layers
+            obj = tb.tb_frame.f_locals.get("self")
+            hit = layers.get(id(obj))
+            if hit is not None and hit[1] is obj:
+                found = hit
+            tb = tb.tb_next
+        if found is None:
+            return None
+        layer_name, module = found
+        first = module is shard.module[0]
+        hint = mismatch_hint(arg, module, shapes=first)
+        probed = self.probed
+        unlike = probed is not None and _signature(arg) != probed[0]
+        if not hint and not unlike:
+            return None
+        note = (
+            f"; the batch probed when the task was added: {probed[1]}" if probed and unlike else ""
+        )
+        return layer_error(self.name, layer_name, module, arg, err, arg, where, note=note)
+
+    def loss(self, out: Any, target: Any, batch: int, *, train: bool) -> torch.Tensor:
+        """The task's loss (``loss_fn(out, target)``), checked to be a scalar tensor
+        (that requires grad, in training); a failure with targets that do not fit the
+        output is a :class:`DataMismatchError`."""
+        try:
+            loss = self._task.compute_loss(out, target, self.name)
+        except Exception as err:
+            where = self.where(batch, train)
+            hint = "" if _not_ours(err) else _target_hint(out, target)
+            if not hint:
+                raise
+            raise DataMismatchError(
+                self.name, f"loss_fn(output, target) raised {_what(err)} on {where}: {hint}"
+            ) from err
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            self._bad_loss(loss, self.where(batch, train))
+        if train and not loss.requires_grad:
+            raise InvalidLossError(
+                self.name,
+                f"loss_fn returned a tensor that does not require grad on "
+                f"{self.where(batch, train)}, so nothing can be back-propagated. Compute it "
+                f"from the model's output, without .detach(), torch.no_grad() or a detour "
+                f"through numbers",
+            )
+        return loss
+
+    def _bad_loss(self, loss: Any, where: str) -> NoReturn:
+        if not isinstance(loss, torch.Tensor):
+            raise InvalidLossError(
+                self.name,
+                f"loss_fn returned a {type(loss).__name__}, not a tensor, on {where}. Return "
+                f"the loss tensor itself (not loss.item() or a number): the engine "
+                f"back-propagates it",
+            )
+        raise InvalidLossError(
+            self.name,
+            f"loss_fn returned a tensor of shape {list(loss.shape)}, not a scalar, on "
+            f"{where}. Reduce it to one number (loss.mean(), or reduction='mean': "
+            f"reduction='none' gives one loss per sample)",
+        )
+
+    def finite(self, value: float, batch: int) -> None:
+        """Raise :class:`NonFiniteLossError` for a training loss that is NaN or infinite."""
+        if not math.isfinite(value):
+            raise NonFiniteLossError(self.name, self._data.epoch, batch, value)
+
+    def backward_error(
+        self, err: BaseException, out: Any, target: Any, batch: int
+    ) -> DataMismatchError | None:
+        """The error to raise for ``err`` from the loss's backward when the targets do
+        not fit the output; ``None`` otherwise (it is raised as is)."""
+        hint = "" if _not_ours(err) else _target_hint(out, target)
+        if not hint:
+            return None
+        return DataMismatchError(
+            self.name,
+            f"the backward of the loss raised {_what(err)} on {self.where(batch, True)}: {hint}",
+        )
+
+
+def _not_ours(err: BaseException) -> bool:
+    """Errors passed on as they are: tune_hydra's own, and running out of memory."""
+    return isinstance(err, (TuneHydraError, MemoryError, torch.OutOfMemoryError))
+
+
+def _what(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
+
+
+def _signature(obj: Any) -> Any:
+    """A batch's structure, dtypes and shapes but for the batch dimension (the last
+    batch of an epoch may be smaller)."""
+    flat, spec = tree_flatten(obj)
+    return (
+        str(spec),
+        [(t.dtype, tuple(t.shape[1:])) if isinstance(t, torch.Tensor) else type(t) for t in flat],
+    )
+
+
+def _target_hint(out: Any, target: Any) -> str:
+    """What about ``target`` does not fit ``out`` (batch size, floating dtype), or ``""``."""
+    if not isinstance(out, torch.Tensor) or not isinstance(target, torch.Tensor):
+        return ""
+    shown = f"the model's output is {describe(out)}, the target {describe(target)}"
+    if out.dim() and target.dim() and out.shape[0] != target.shape[0]:
+        return (
+            f"{shown}: a batch of {target.shape[0]} targets for {out.shape[0]} inputs. Give "
+            f"every batch one target per input"
+        )
+    if out.is_floating_point() and target.is_floating_point() and out.dtype != target.dtype:
+        o = str(out.dtype).removeprefix("torch.")
+        return (
+            f"{shown}: the targets are another dtype than the model's output. Convert them "
+            f"(target.to(torch.{o}) in the data)"
+        )
+    return ""

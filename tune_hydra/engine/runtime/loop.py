@@ -1,0 +1,1724 @@
+"""A training loop the user drives, as shard ops the engine schedules: :class:`LoopRunner`.
+
+``th.shard(model, optimizer)`` (:mod:`tune_hydra.frontends.shard`) keeps the user's loop
+as it is. Each call of the model becomes one op per shard, announced from the user's
+thread: :meth:`LoopRunner.run` makes it the runner's :attr:`~LoopRunner.current` op and
+grants it (``Engine.train(name, 1)``: one op is one of the runner's iterations), the
+engine's dispatcher picks a device when it is the op's turn among every task sharing
+the engine, the device's worker makes the shard resident (a lease, the one path) and
+runs :meth:`LoopRunner.execute`, and the user's thread, which waited, goes on with the
+result. Ops of one loop run one at a time, in the user's order.
+
+- **forward** (:meth:`LoopRunner.forward`): with grad enabled, each shard is a
+  ``torch.autograd.Function`` (:class:`_ShardFunction`) whose forward runs the shard under
+  ``no_grad`` and keeps only its input (and the RNG state it started from), and whose
+  backward is a *backward op*: the shard's forward recomputed with grad on the same random
+  numbers, back-propagated from the incoming gradient, accumulating into the shard's
+  parameters' ``.grad`` (several ``backward()`` per step add up, as plain PyTorch), and
+  the input's gradient handed back. The graph the user's thread sees lives on the device
+  of the inputs, so ``loss.backward()`` runs these backward ops from the user's thread.
+  Without grad (``torch.no_grad()``, evaluation) the ops keep nothing.
+- **other backward passes** (:class:`_Reach`): ``backward(retain_graph=True)`` then
+  another ``backward()`` recomputes again (the gradients add up); a second one without
+  ``retain_graph`` raises torch's own error (the saved input was freed).
+  ``torch.autograd.grad`` (or ``backward(inputs=...)``) w.r.t. the model's inputs runs
+  backward ops that hand back the inputs' gradients alone, the parameters' ``.grad``
+  untouched; w.r.t. the parameters (whose gradients the engine accumulates on its
+  devices), and double backward (``create_graph=True``), raise
+  :class:`~tune_hydra.exceptions.UnsupportedCallError`.
+- **kept graphs**: on an engine that keeps graphs (``recompute=False``) a forward op runs
+  the shard with grad instead and keeps its graph (activations) on the device until the
+  shard's backward op back-propagates through it; the engine reserves the batch's
+  activations on the device where its first forward ran and keeps the batch's ops there
+  (``tune_hydra.engine.runtime.kept``; :attr:`LoopRunner.keeps_batch` tells it the batch is still
+  open while the user's code runs between ops). A loop whose batch would not fit the
+  budget with every shard's activations kept recomputes instead. The shard's input is
+  saved at home as well: a retained graph's second backward recomputes from it (the kept
+  graph is let go after the first, to free the device).
+- **optimizer**: the user's optimizer is split per shard (same class, same hyperparameter
+  groups); ``step()`` and ``zero_grad()`` are recorded per shard and applied at the start
+  of the shard's next op (the state is on a device then anyway), each step with the
+  hyperparameters its groups had when ``step()`` was called (so an lr scheduler stepping
+  right after works); :meth:`LoopRunner.sync` applies what is pending (as step ops) and
+  brings every state home, for the user's thread to read or write the model's tensors. A
+  step that raises does so at that op (the next forward, or a sync: ``state_dict()``,
+  ``th.unshard``), once. Groups added after the cut (``add_param_group``: gradual
+  unfreezing) are split the same way (:meth:`LoopRunner.follow_groups`), and
+  :meth:`LoopRunner.close` hands every shard's state back to the user's optimizer.
+- **random numbers**: an op draws from a generator of its own loop on the device's
+  thread (the thread-local dispatch mode of :func:`use_generator` (registration/factory.py)
+  adds it to every CPU random op), never from torch's global generator, so no other
+  thread's draws can land inside an op or consume its stream. Which stream that is
+  follows the user's thread, as in plain PyTorch: a thread on a private generator
+  (:func:`~tune_hydra.engine.registration.factory.private_rng`: ``th.optimize``'s objectives, the
+  Ray front end's function trainables) lends it to its loop's ops, so its own draws (a
+  shuffling ``DataLoader``) and the ops' dropout come from one stream, in order; on the
+  main thread the global generator's state is handed to the op and back (the same one
+  stream); on another thread (``study.optimize(n_jobs>1)``) the loop keeps a stream of
+  its own, started from the global generator's state at ``th.shard`` (the global one is
+  shared by threads: drawing from it would make each loop's dropout depend on the
+  others'). The user's own draws in their thread stay exactly plain PyTorch's.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import itertools
+import logging
+import math
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from tune_hydra.core.ops import Op, OpKind
+from tune_hydra.engine.dispatch.batched import is_lora_layer, shared_key
+from tune_hydra.engine.registration.factory import thread_generator, use_generator
+from tune_hydra.engine.registration.partition import (
+    LayerCost,
+    ShardPlan,
+    layer_costs,
+    plan_shards,
+    tensor_bytes,
+)
+from tune_hydra.engine.registration.shared import SharedParams
+from tune_hydra.engine.runtime import amp, rng
+from tune_hydra.engine.runtime.boundary import backward as backward_from
+from tune_hydra.engine.runtime.compiled import GATE as COMPILE_GATE
+from tune_hydra.engine.runtime.compiled import Compiler, ShardCompiler, global_cpu_stream
+from tune_hydra.engine.runtime.stage import OpStart, accumulate_grad
+from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
+from tune_hydra.engine.task import OwnedTensors, owned_tensors
+from tune_hydra.engine.units import device_budget
+from tune_hydra.exceptions import (
+    BatchTooLargeError,
+    OptimizerMismatchError,
+    ShardClosedError,
+    ShardTooLargeError,
+    SharedModelError,
+    SharedShardModelError,
+    TaskFailedError,
+    UnsupportedCallError,
+    format_bytes,
+)
+from tune_hydra.models.hf import HeadStage
+from tune_hydra.options import TrainOptions
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.engine import Engine
+
+log = logging.getLogger(__name__)
+_LOCAL = threading.local()  # .depth > 0: this thread computes inside an op (or a probe)
+_NAMES = itertools.count()
+
+
+def in_op() -> bool:
+    """Whether the calling thread is computing one of a loop's ops (or probing its
+    layers): a sharded model called there runs its own ``forward`` (a Hugging Face stage
+    runs parts of the model's ``forward``)."""
+    return getattr(_LOCAL, "depth", 0) > 0
+
+
+@contextlib.contextmanager
+def inside_op() -> Iterator[None]:
+    """Mark the calling thread as computing inside an op (see :func:`in_op`)."""
+    _LOCAL.depth = getattr(_LOCAL, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _LOCAL.depth -= 1
+
+
+def _park_nothing(device: torch.device, stream: Any = None) -> int:
+    return 0  # a loop's boundary tensors live on the user's side, never on a device
+
+
+@dataclass
+class LoopShard:
+    """One shard of a loop: its modules, optimizer, store, and what waits for its next op.
+
+    Attributes:
+        pending: ``("step", hyperparameters per local group)`` and ``("zero",
+            (set_to_none, parameters))`` recorded by the user's ``step()`` /
+            ``zero_grad()``, applied in order at the start of the shard's next op.
+    """
+
+    index: int
+    module: nn.Sequential
+    optimizer: torch.optim.Optimizer | None
+    store: Store
+    # The user's param-group index of each of its optimizer's groups.
+    group_map: list[int]
+    zeroes: list[nn.Parameter]
+    first_uses: list[tuple[ShardStore, int]]
+    last_uses: list[tuple[ShardStore, int]]
+    writes_input: bool | None
+    pending: list[tuple[str, Any]] = field(default_factory=list)
+    # (training, drew from the CPU generator) once seen; a shard that does not draw skips
+    # installing the stream (and its lock).
+    draws: dict[bool, bool] = field(default_factory=dict)
+    # Optimizer steps applied so far: a recompute checks that its forward's weights are
+    # still the shard's (a step between a forward and its backward).
+    steps: int = 0
+
+
+class LoopRunner:
+    """The :class:`~tune_hydra.engine.protocol.Runner` of one user-driven loop.
+
+    Build it with :func:`build_loop` (which cuts the model on its first batch); the
+    user's thread calls :meth:`forward`, :meth:`step`, :meth:`zero_grad` and
+    :meth:`sync`.
+    """
+
+    _compiler: ShardCompiler | None = None  # compile(): the shards' torch.compile
+
+    def __init__(
+        self,
+        name: str,
+        engine: Engine,
+        model: nn.Module,
+        plan: ShardPlan,
+        shards: list[LoopShard],
+        user_optimizer: torch.optim.Optimizer | None,
+        wrappers: list[nn.Module],
+        *,
+        rng_start: torch.Tensor,
+        hf: bool,
+        keep: bool = False,
+    ) -> None:
+        self.name = name
+        self.engine = engine
+        # Weakly: the model's garbage collection removes the loop (th.shard's finalizer).
+        self._model = weakref.ref(model)
+        self._plan = plan
+        # The probe's layer costs and input bytes (the first forward's batch: build_loop
+        # sets them), and the largest training batch's input bytes the plan is sized for.
+        self._probe_costs = plan.layers
+        self._probe_bytes = 0
+        self._sized_bytes = 0
+        self.shards = shards
+        self.user_optimizer = user_optimizer
+        self._wrappers = wrappers  # modules of the cut that are not the user's
+        self._hf = hf
+        # Where the boundary tensors wait between ops, and where the user's autograd graph
+        # of the shards lives: host memory, so that loss.backward() runs the shards' nodes
+        # on the user's thread (a CUDA node would run on autograd's one thread per device,
+        # shared by every loop of the process, and block it while waiting for its turn).
+        self.home = torch.device("cpu")
+        self.current: Op | None = None
+        self.on_iteration: Callable[[dict[str, Any]], None] | None = None
+        self.history: list[dict[str, Any]] = []  # ops are not kept (one per op would grow)
+        self._iteration = 0
+        self._granted = 0
+        self._device_time = 0.0
+        # The op asked for, its compute, and the autocast state of the thread that asked.
+        self._request: tuple[Op, Callable[[torch.device], Any], amp.Autocast | None] | None = None
+        self._running = False
+        self._result: tuple[bool, Any] = (True, None)
+        self._op_lock = threading.Lock()
+        self._headless: dict[int, bool] = {}  # shard -> holds no model head (batch_key)
+        self._batch = 0  # train forwards of shard 0 so far
+        # Its ops' iteration: the results its front end has seen (th.optimize counts the
+        # trial.report calls), which the milestone policy reads as the loop's progress.
+        self.reports = 0
+        # The op pattern, learnt as it runs: (kind, shard) -> what followed it last time.
+        self._next: dict[tuple[OpKind, int], tuple[OpKind, int]] = {}
+        self._last_key: tuple[OpKind, int] | None = None
+        self._ops_since_batch = 0
+        self._ops_per_batch = 3 * len(shards)
+        self._home_now = True  # every state is home (sync), nothing pending
+        self.closed = False
+        # The user's optimizer's class (build_loop sets it): a shard gets one of it when a
+        # group added after the cut (add_param_group) has parameters it steps.
+        self.optimizer_class: type[torch.optim.Optimizer] | None = None
+        # How many parameters each of the user's groups had when the shards' optimizers
+        # last followed them (see follow_groups), and what its zero_grad() zeroes per shard.
+        self._group_sizes = [
+            len(g["params"]) for g in (user_optimizer.param_groups if user_optimizer else [])
+        ]
+        self._opt_zeroes: list[list[nn.Parameter]] = []
+        self._note_optimizer_params()
+        self.keep = keep  # forward ops keep their graphs for the backward (no recompute)
+        # The shard calls of the batch in progress that may keep a graph (weakly: the
+        # user's autograd graph owns them).
+        self._open: list[weakref.ref[_ShardCall]] = []
+        # The loop's own CPU stream (see the module docstring), and the generator the op in
+        # flight draws from (chosen by the user's thread in run, read by the device's).
+        self._gen = torch.Generator()
+        self._gen.set_state(rng_start)
+        self._op_gen = self._gen
+        # Whether the op in flight draws from the main thread's stream (the global
+        # generator's, handed to _op_gen): then no other loop's draws can be in that
+        # stream, and the op swaps it into the global generator (global_cpu_stream) instead
+        # of running under the per-op dispatch mode of use_generator, which costs ~25% of
+        # a CPU forward (every aten op through Python).
+        self._op_main = False
+        self._seed = torch.initial_seed()
+        self.stream = rng.RngState(rng_start)  # its .cuda: the loop's stream on a GPU
+        # On an engine with one CPU device (th.shard's embedded one on a CPU machine) each
+        # op computes with the intra-op thread count the user's thread has at that op (read
+        # by run): a reduction split across threads (a conv's weight gradient) then rounds
+        # as plain PyTorch's at the user's setting, whenever either was set. Several
+        # emulated CPU devices keep their split of the threads (see the README).
+        self._follow_threads = sum(d.type == "cpu" for d in engine.devices) == 1
+        self._threads = torch.get_num_threads()
+
+    @property
+    def model(self) -> nn.Module:
+        """The user's model.
+
+        Raises:
+            ShardClosedError: it was garbage-collected.
+        """
+        model = self._model()
+        if model is None:
+            raise ShardClosedError(f"loop {self.name!r}: its model was garbage-collected")
+        return model
+
+    @property
+    def frozen_model(self) -> nn.Module | None:
+        """The model whose frozen tensors the engine shares with other tasks' equal ones
+        (``TaskRegistry.add_runner``; ``None`` once garbage-collected)."""
+        return self._model()
+
+    # -- the Runner protocol ------------------------------------------------------------
+
+    @property
+    def granted(self) -> int:
+        return self._granted
+
+    @property
+    def iteration(self) -> int:
+        return self._iteration
+
+    @property
+    def device_time(self) -> float:
+        return self._device_time
+
+    @property
+    def plan(self) -> ShardPlan:
+        return self._plan
+
+    @property
+    def stores(self) -> list[ShardStore]:
+        out: dict[int, ShardStore] = {}
+        for s in self.shards:
+            for one in s.store.parts():
+                out[id(one)] = one
+        return list(out.values())
+
+    @property
+    def ops_per_batch(self) -> int:
+        return self._ops_per_batch
+
+    @property
+    def batches_done(self) -> int:
+        return 0  # one op is one iteration: nothing of it is done before it ends
+
+    def grant(self, iterations: int) -> None:
+        self._granted += iterations
+
+    def revoke(self) -> None:
+        self._granted = 0
+
+    def stop(self) -> None:
+        self.current = None
+        self._granted = 0
+        self._running = False
+
+    def advance(self) -> Op | None:
+        if self._running:  # the current op completed: its one iteration ends
+            self._running = False
+            self.current = None
+            self._iteration += 1
+            self._granted -= 1
+            if self.on_iteration is not None:  # resolves the user's wait: nothing after
+                self.on_iteration({"iteration": self._iteration, "batches": 0})
+            return None
+        if self._request is None or self._granted == 0:
+            self.current = None
+            return None
+        self.current = self._request[0]
+        self._running = True
+        return self.current
+
+    def execute(self, op: Op, device: torch.device) -> None:
+        t0 = time.perf_counter()
+        if self.open_op(op, device):
+            self.run_op(op, device)
+        self.close_op(time.perf_counter() - t0)
+
+    # The steps of execute, which a batched pass (tune_hydra.engine.dispatch.batched) takes too,
+    # with its own compute in between: under op_lock, open_op; then run_op, or op_start,
+    # the pass and take_forward / take_backward; then close_op. The user's errors (a
+    # pending step's, the model's) are the op's result, raised in the user's thread.
+
+    @property
+    def op_lock(self) -> threading.Lock:
+        """Held while an op of the loop runs in a batched pass."""
+        return self._op_lock
+
+    def op_scope(self) -> contextlib.AbstractContextManager[None]:
+        """What a batched pass computes the loop's op inside (:func:`inside_op`: a
+        Hugging Face stage runs the model's own ``forward``)."""
+        return inside_op()
+
+    def open_op(self, op: Op, device: torch.device) -> bool:
+        """Start ``op`` on ``device``: the thread count, the shard's pending optimizer
+        steps, the cut's modules in the user's mode. False: that failed (the error is the
+        op's result), nothing to compute."""
+        assert self._request is not None and self._request[0] is op
+        if (
+            self._follow_threads
+            and device.type == "cpu"
+            and torch.get_num_threads() != self._threads
+        ):
+            torch.set_num_threads(self._threads)  # this (the device's) thread's count
+        try:
+            with inside_op():
+                self._apply_pending(self.shards[op.shard])
+                training = self.model.training
+                for m in self._wrappers:  # the cut's own modules follow the user's mode
+                    if m.training is not training:  # (Module.__setattr__ is slow)
+                        m.training = training
+                amp.check_device(self._request[2], device)
+        except BaseException as err:  # the user's code failed: raised in the user's thread
+            self._result = (False, err)
+            return False
+        return True
+
+    def run_op(self, op: Op, device: torch.device) -> None:
+        """Compute ``op`` (opened) on ``device``: its result, or the user's error."""
+        assert self._request is not None
+        _, fn, autocast = self._request
+        try:
+            with inside_op(), amp.entered(autocast):  # the asking thread's state
+                self._result = (True, fn(device))
+        except BaseException as err:  # the user's code failed: raised in the user's thread
+            self._result = (False, err)
+
+    def close_op(self, seconds: float) -> None:
+        """The op ended: it computed for ``seconds`` (its share of a batched pass)."""
+        self._device_time += seconds
+
+    def batch_key(self, op: Op) -> frozenset[int] | None:
+        """What ``op`` may be batched on with other tasks' ops (the shared frozen
+        tensors of its shard, see :func:`~tune_hydra.engine.dispatch.batched.shared_key`), or
+        ``None``: it runs alone. Only a recomputing forward or backward without autocast
+        or compile, of a shard that does not write its input, shares no parameter with
+        another shard and holds no model head."""
+        req = self._request
+        if req is None or req[0] is not op or req[2] is not None or self._compiler:
+            return None
+        fn = req[1]
+        if not isinstance(fn, (_Forward, _Backward)) or fn.call.autocast is not None:
+            return None
+        if isinstance(fn, _Backward) and fn.inputs_only:
+            return None
+        shard = self.shards[op.shard]
+        if shard.writes_input is not False or shard.first_uses or shard.last_uses:
+            return None
+        if shard.index not in self._headless:
+            self._headless[shard.index] = not any(
+                isinstance(m, HeadStage) for m in shard.module.modules()
+            )
+        if not self._headless[shard.index]:
+            return None
+        # A forward hook on an adapted layer is this loop's own code, which a pass would
+        # call for every trial's rows or not at all (the pass refuses it, and its members
+        # then run one after another before the frozen checks: a hook writing the base
+        # would be read by the next): its ops run alone, checked at once. Looked up each
+        # time: a hook may come at any step.
+        for m in shard.module.modules():
+            if is_lora_layer(m) and any(
+                isinstance(h, torch.nn.Module) and (h._forward_hooks or h._forward_pre_hooks)
+                for h in (m, m.base_layer)
+            ):
+                return None
+        return shared_key(shard.store)
+
+    def op_start(self, op: Op, device: torch.device) -> OpStart:
+        """What ``op`` (opened, :meth:`batch_key` not None) starts from, to compute it in
+        a batched pass. Changes nothing."""
+        assert self._request is not None
+        fn = self._request[1]
+        assert isinstance(fn, (_Forward, _Backward))
+        return fn.start(device)
+
+    def take_forward(self, op: Op, start: OpStart, out: Any, cpu_after: torch.Tensor) -> None:
+        """``op``'s forward, computed in a batched pass from ``start``, gave ``out`` and
+        left the CPU generator at ``cpu_after``: the loop goes on as if it had run it."""
+        assert self._request is not None
+        fn = self._request[1]
+        assert isinstance(fn, _Forward)
+        self._result = (True, fn.take(start, out, cpu_after))
+
+    def take_backward(self, op: Op, start: OpStart, grads: Sequence[torch.Tensor | None]) -> None:
+        """``op``'s backward, computed in a batched pass from ``start``, gave ``grads``
+        (of ``start.wrt``): they accumulate as autograd's would, the inputs' are the
+        result."""
+        assert self._request is not None
+        fn = self._request[1]
+        assert isinstance(fn, _Backward)
+        self._result = (True, fn.take(start, grads))
+
+    def scratch_buffers(self, op: Op) -> contextlib.AbstractContextManager[None]:
+        """Around a recompute of ``op``'s shard: its buffers as throwaway copies."""
+        return _scratch_buffers(self.shards[op.shard])
+
+    def store_of(self, shard: int) -> Store:
+        return self.shards[shard].store
+
+    def next_shard(self, op: Op) -> int | None:
+        nxt = self._next.get((op.kind, op.shard))
+        return None if nxt is None or nxt[1] == op.shard else nxt[1]
+
+    def ops_until(self, op: Op | None, shard: int) -> int:
+        if op is None:
+            return len(self.shards)
+        key: tuple[OpKind, int] | None = (op.kind, op.shard)
+        for n in range(4 * len(self.shards) + 2):
+            if key is None:
+                break
+            if key[1] == shard:
+                return n
+            key = self._next.get(key)
+        return 4 * len(self.shards) + 2
+
+    def carry_bytes(self, device: torch.device) -> int:
+        return 0
+
+    def carry_parker(self) -> Callable[[torch.device, Any], int]:
+        return _park_nothing
+
+    def drop_batch(self) -> None:
+        """Drop the graphs the batch in progress keeps on a device (the loop failed or
+        leaves); saved inputs of a recompute belong to the user's autograd graph."""
+        for ref in self._open:
+            call = ref()
+            if call is not None:
+                call.kept = None
+        self._open = []
+
+    @property
+    def keeps_batch(self) -> bool:
+        """Whether a forward's graph is kept for a backward still to come: the batch is
+        in progress though no op is ready (the user's code runs between its ops), so the
+        engine holds its reservation and keeps its ops on its device."""
+        return any((c := r()) is not None and c.kept is not None for r in self._open)
+
+    def owned_tensors(self) -> OwnedTensors:
+        model = self._model()
+        if model is None:  # garbage-collected, its loop on its way out: it trains nothing
+            return OwnedTensors()
+        host: list[tuple[Any, torch.Tensor]] = []
+        for s in self.shards:
+            host.extend(s.store.host_tensors())
+        return owned_tensors(model, host)
+
+    # -- ops, from the user's thread ----------------------------------------------------
+
+    def run(self, kind: OpKind, shard: int, fn: Callable[[torch.device], Any]) -> Any:
+        """Run ``fn(device)`` as op ``kind`` of ``shard`` when the engine schedules it, on
+        the device it picks, and return its result (or raise its error) here.
+
+        Raises:
+            ShardClosedError: the loop was closed.
+            TaskFailedError: the engine failed the loop (an engine error, not the user's).
+        """
+        if self.closed:
+            raise ShardClosedError(
+                f"{type(self.model).__name__} was unsharded (its loop {self.name!r} is "
+                f"closed); call th.shard on a fresh model to train it on the engine again"
+            )
+        batch = self._batch
+        if kind is OpKind.FORWARD and shard == 0 and torch.is_grad_enabled():
+            self._batch += 1
+        op = Op(self.name, kind, shard, self.reports, batch)  # reports: see __init__
+        self._learn((kind, shard))
+        self._home_now = False
+        self._request = (op, fn, amp.current())
+        gen = thread_generator()
+        hand_off = main = False
+        if gen is None:
+            gen = self._gen
+            main = threading.current_thread() is threading.main_thread()
+            # On the main thread the global generator's stream is the loop's (plain
+            # PyTorch's one stream): into the op and back. Only for ops that may draw (a
+            # backward replays a saved state; a step draws nothing).
+            hand_off = (
+                kind in (OpKind.FORWARD, OpKind.EVAL)
+                and self.shards[shard].draws.get(self.model.training) is not False
+                and main
+            )
+        self._op_gen = gen
+        self._op_main = main
+        if self._follow_threads:
+            self._threads = torch.get_num_threads()  # execute computes with it
+        if hand_off:
+            gen.set_state(torch.get_rng_state())
+        try:
+            # Dispatched on this thread as the grant is made (not by waking the engine's
+            # dispatch thread: a thread hand-off less per op).
+            with self.engine.hold_dispatch():
+                done = self.engine.train(self.name, 1)
+            done.result()
+        finally:
+            self._request = None
+            # Taken here even when the engine failed the op: an error of the op's own kept
+            # on the runner would keep its frames (and a Hugging Face stage's model).
+            ok, value = self._result
+            self._result = (True, None)
+        if hand_off:
+            torch.set_rng_state(gen.get_state())
+        if not ok:
+            raise value
+        return value
+
+    def _learn(self, key: tuple[OpKind, int]) -> None:
+        if self._last_key is not None:
+            self._next[self._last_key] = key
+        self._last_key = key
+        if key == (OpKind.FORWARD, 0):
+            if self._ops_since_batch:
+                self._ops_per_batch = self._ops_since_batch
+            self._ops_since_batch = 0
+        self._ops_since_batch += 1
+
+    def forward(self, inputs: Any) -> Any:
+        """The model's forward on ``inputs``, shard by shard (see the module docstring).
+
+        Raises:
+            BatchTooLargeError: a training batch larger than the one the cut was sized on
+                that the cut cannot hold within the budget (see :meth:`fit_batch`).
+        """
+        grad = torch.is_grad_enabled() and any(
+            p.requires_grad for s in self.shards for p in s.module.parameters()
+        )
+        if grad:
+            self.fit_batch(inputs)
+        given = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+        user_device = given[0].device if given else self.home
+        carry = _to(inputs, self.home)  # differentiable: the user's graph goes on from here
+        if grad:
+            token = torch.empty(0, requires_grad=True)  # so that every shard's node is reached
+            graph = _Reach(token, self.shards)
+            token = graph.token
+            if self.keep:  # the batches before are done (or were dropped by the user)
+                self._open = [r for r in self._open if (c := r()) is not None and c.kept]
+            for shard in self.shards:
+                call = _ShardCall(self, shard)
+                call.reach = graph
+                if self.keep:
+                    self._open.append(weakref.ref(call))
+                leaves, spec = tree_flatten(carry)
+                tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+                call.leaves, call.spec, call.tensor_at = leaves, spec, tensors
+                outs = _ShardFunction.apply(call, token, *(leaves[i] for i in tensors))
+                carry = call.rebuild(outs)
+                # Only the pytrees' other leaves are needed again: holding the tensors
+                # (outputs of the call's own node) would make a cycle through autograd's
+                # nodes that a graph dropped without backward never frees.
+                call.leaves = [None if i in tensors else t for i, t in enumerate(leaves)]
+                call.out_leaves = [
+                    None if i in call.out_tensor_at else t for i, t in enumerate(call.out_leaves)
+                ]
+        else:
+            kind = OpKind.FORWARD if self.model.training else OpKind.EVAL
+            for shard in self.shards:
+                carry = self.run(kind, shard.index, _PlainForward(self, shard, carry))
+        return _to(carry, user_device)  # outputs on the device of the inputs
+
+    def fit_batch(self, inputs: Any) -> None:
+        """Size the plan for a training batch larger than any before it (the cut was sized
+        on the first forward's batch, the probe), before any of its ops: every layer's
+        probed activations scaled by the batch's input bytes over the probe's (linear in
+        the batch size and, for sequences, in their length); if each shard of the cut (and,
+        keeping graphs, a batch of them all) still fits the budget, the plan, the engine's
+        record of it and each store's footprint (what the device ledgers count) take the
+        larger figures.
+
+        Raises:
+            BatchTooLargeError: the cut does not hold that batch within the budget.
+        """
+        nbytes = tensor_bytes(inputs)
+        if nbytes <= self._sized_bytes or not self._probe_bytes:
+            return
+        scale = nbytes / self._probe_bytes
+        costs = [
+            dataclasses.replace(c, activation_bytes=math.ceil(c.activation_bytes * scale))
+            for c in self._probe_costs
+        ]
+        old = self._plan
+        cut = [(s.start, s.stop) for s in old.shards]
+        try:
+            plan: ShardPlan | None = plan_shards(
+                costs,
+                old.budget,
+                prefetch=old.prefetch,
+                max_layers_per_shard=self.engine.max_layers_per_shard,
+                prefer=[cut],
+                kept=self.keep,
+            )
+        except ShardTooLargeError:
+            plan = None
+        if (
+            plan is None
+            or [(s.start, s.stop) for s in plan.shards] != cut
+            or (self.keep and old.budget is not None and plan.kept_peak_bytes() > old.budget)
+        ):
+            raise BatchTooLargeError(self._too_large(costs, nbytes, scale))
+        self.engine.update_plan(self.name, plan)
+        for s, spec in zip(self.shards, plan.shards, strict=True):
+            own = s.store.own if isinstance(s.store, LinkedStore) else s.store
+            own.activation_bytes = spec.activation_bytes
+        self._plan = plan
+        self._sized_bytes = nbytes
+        log.info(
+            "%s: a training batch %.1fx the first one's: its activations are counted at "
+            "that size (%s)",
+            self.name,
+            scale,
+            ", ".join(format_bytes(s.activation_bytes) for s in plan.shards),
+        )
+
+    def _too_large(self, costs: list[Any], nbytes: int, scale: float) -> str:
+        """Why :meth:`fit_batch` refuses a batch, and what to do."""
+        old = self._plan
+        budget = old.budget or 0
+        states = [s.state_bytes for s in old.shards]
+        room = max(states) if old.prefetch and len(old.shards) > 1 else 0
+        acts = [sum(c.activation_bytes for c in costs[s.start : s.stop]) for s in old.shards]
+        over = [
+            i for i, (st, a) in enumerate(zip(states, acts, strict=True)) if st + a + room > budget
+        ]
+        if over:
+            i = over[0]
+            spec = old.shards[i]
+            need = format_bytes(states[i] + acts[i] + room)
+            why = (
+                f"shard {i} (layers {spec.layer_names[0]}..{spec.layer_names[-1]}) would "
+                f"need {need} ({format_bytes(states[i])} of state, {format_bytes(acts[i])} "
+                f"of activations"
+                + (f", {format_bytes(room)} of room for the prefetched shard" if room else "")
+                + ")"
+            )
+        else:
+            why = (
+                f"keeping every shard's graph (recompute=False) would need "
+                f"{format_bytes(sum(acts) + max(states) + room)} for one batch"
+            )
+        return (
+            f"{type(self.model).__name__}: this training batch ({format_bytes(nbytes)} of "
+            f"inputs) is {scale:.1f}x the one th.shard cut the model for (its first "
+            f"forward's); at this size {why}, over device_memory={format_bytes(budget)}. "
+            f"th.shard sizes the cut from the first forward: run the first forward on a "
+            f"batch of the largest size, or keep batches at most that size, or raise "
+            f"device_memory"
+        )
+
+    # -- the optimizer's part -----------------------------------------------------------
+
+    def step(self) -> None:
+        """Record an optimizer step for every shard, with the hyperparameters the user's
+        param groups have now."""
+        assert self.user_optimizer is not None
+        self.follow_groups()
+        groups = [
+            {k: v for k, v in g.items() if k != "params"} for g in self.user_optimizer.param_groups
+        ]
+        for s in self.shards:
+            if s.optimizer is not None:
+                s.pending.append(("step", [groups[i] for i in s.group_map]))
+        self._home_now = False
+
+    def zero_grad(self, set_to_none: bool = True, *, optimizer: bool = False) -> None:
+        """Record ``zero_grad`` for every shard (applied at its next op, or by sync): of
+        every parameter (the model's), or with ``optimizer`` of the user's optimizer's
+        parameters only (as plain ``optimizer.zero_grad()``: a trainable parameter it does
+        not step keeps accumulating its gradient)."""
+        if optimizer:
+            self.follow_groups()
+        for i, s in enumerate(self.shards):
+            params = self._opt_zeroes[i] if optimizer else s.zeroes
+            s.pending.append(("zero", (set_to_none, params)))
+        self._home_now = False
+
+    def _note_optimizer_params(self) -> None:
+        """Which gradients the user's ``optimizer.zero_grad()`` zeroes, per shard."""
+        user = self.user_optimizer
+        ids = {id(p) for g in user.param_groups for p in g["params"]} if user else set()
+        self._opt_zeroes = [[p for p in s.zeroes if id(p) in ids] for s in self.shards]
+
+    def follow_groups(self) -> None:
+        """Give the shards' optimizers the param groups the user's optimizer gained since
+        they last followed it (``add_param_group`` after the cut: gradual unfreezing),
+        each parameter in the shard that steps it (a shard without an optimizer gets one
+        like the user's). The steps recorded before are applied first, with the groups
+        they were recorded with.
+
+        Raises:
+            UnsupportedCallError: a group was removed, or parameters were added to or
+                removed from a group in place (``param_groups[i]["params"]``).
+            OptimizerMismatchError: an added group has a parameter that is not the
+                model's.
+        """
+        user = self.user_optimizer
+        if user is None:
+            return
+        groups = user.param_groups
+        sizes = self._group_sizes
+        if len(groups) == len(sizes) and all(
+            len(g["params"]) == n for g, n in zip(groups, sizes, strict=True)
+        ):
+            return  # the common case: one cheap check per step
+        if len(groups) < len(sizes):
+            raise UnsupportedCallError(
+                f"{len(sizes) - len(groups)} param group(s) were removed from the optimizer "
+                f"of a sharded model: its shards' optimizers cannot follow that. Keep the "
+                f"groups and set their lr to 0 to stop stepping them, or build a new "
+                f"optimizer before th.shard"
+            )
+        edited = [i for i, n in enumerate(sizes) if len(groups[i]["params"]) != n]
+        if edited:
+            raise UnsupportedCallError(
+                f"param_groups[{edited[0]}]['params'] of a sharded model's optimizer was "
+                f"changed in place: its shards' optimizers cannot follow that. Put new "
+                f"parameters in a group of their own with optimizer.add_param_group"
+                f"({{'params': ...}})"
+            )
+        owner: dict[int, LoopShard] = {}
+        for s in self.shards:  # a shared parameter's lowest-index user steps it
+            for p in s.module.parameters():
+                owner.setdefault(id(p), s)
+        foreign = [p for g in groups[len(sizes) :] for p in g["params"] if id(p) not in owner]
+        if foreign:
+            raise OptimizerMismatchError(
+                f"an added param group has {len(foreign)} parameter(s) that are not the "
+                f"sharded model's (the first of shape {list(foreign[0].shape)}); add only "
+                f"this model's parameters"
+            )
+        self.sync()  # the steps recorded so far step the groups as they were
+        cls = self.optimizer_class or type(user)
+        for gi in range(len(sizes), len(groups)):
+            hyper = {k: v for k, v in groups[gi].items() if k != "params"}
+            for s in self.shards:
+                ps = [p for p in groups[gi]["params"] if owner[id(p)] is s]
+                if not ps:
+                    continue
+                if s.optimizer is None:
+                    s.optimizer = _like(user, cls, [{**hyper, "params": ps}])
+                    for part in s.store.parts():  # its own store, and those it steps
+                        if part.name[1] == s.index:
+                            part.optimizer = s.optimizer
+                else:
+                    s.optimizer.add_param_group({**hyper, "params": ps})
+                s.group_map.append(gi)
+        self._group_sizes = [len(g["params"]) for g in groups]
+        self._note_optimizer_params()
+
+    def _apply_pending(self, shard: LoopShard) -> None:
+        pending = shard.pending
+        while pending:
+            # Taken off first: a step that raises is raised once (at this op), not again
+            # at every later one, and one applied is never applied twice.
+            what, arg = pending.pop(0)
+            if what == "zero":
+                set_to_none, params = arg
+                for p in params:
+                    if p.grad is None:
+                        continue
+                    if set_to_none:
+                        p.grad = None
+                    else:
+                        p.grad.detach_()
+                        p.grad.zero_()
+            else:
+                opt = shard.optimizer
+                assert opt is not None
+                for group, hyper in zip(opt.param_groups, arg, strict=True):
+                    group.update(hyper)
+                # Not while another thread compiles: torch.optim reads the process-wide
+                # torch.compiler.is_compiling() and rounds otherwise then (see GATE).
+                with COMPILE_GATE.running():
+                    opt.step()
+                shard.steps += 1
+
+    def sync(self) -> None:
+        """Apply what is pending (as step ops) and bring every shard's state home, where
+        it stays until the loop's next op: the user's thread may then read and write the
+        model's parameters, gradients and buffers, and the optimizers' state.
+
+        Raises:
+            Exception: a deferred ``optimizer.step()`` (or ``zero_grad``) raised: its
+                error, as the next forward would raise it (once every other shard's
+                pending work is applied and every state is home).
+        """
+        if self._home_now or in_op() or self.closed:
+            return
+        error: Exception | None = None
+        for s in self.shards:
+            if s.pending:
+                try:
+                    self.run(OpKind.STEP, s.index, lambda dev: None)  # execute applies them
+                except Exception as err:  # the other shards' steps still apply
+                    error = error or err
+        workers = self.engine.workers
+        for s in self.shards:
+            store = s.store
+            for part in store.parts():
+                with part.lock:  # a prefetch may be bringing it in right now: after it
+                    owner = part.owner
+                    if owner in workers:
+                        owner.evict(part)
+                    part.retire()
+            for w in workers:
+                for part in store.parts():
+                    w.release(part)
+        # What a failed step left pending (recorded after it) applies at a later sync.
+        self._home_now = not any(s.pending for s in self.shards)
+        if error is not None:
+            raise error
+
+    def touched(self) -> None:
+        """The user's thread wrote into the model's or the optimizer's tensors at home:
+        their host copies and spill files are stale (see ``ShardStore.begin_op``)."""
+        for s in self.shards:
+            for part in s.store.parts():
+                part.begin_op(OpKind.STEP)  # a step "changes" the state
+                part.end_op()
+
+    def before_load(self, state_dict: Any) -> list[tuple[ShardStore, int]]:
+        """Before ``load_state_dict(state_dict)`` writes into the model at home (after
+        :meth:`sync`): a frozen tensor the loop shares with other tasks
+        (``tune_hydra.engine.storage.frozen``) and gets other values becomes the loop's own first,
+        so that the others do not see the write. Returns the shared ones it writes with
+        their own values (a checkpoint of the same base): give them to
+        :meth:`after_load`."""
+        shared = {id(st.params[i]): (st, i) for st in self.stores for i in st.frozen}
+        if not shared or not isinstance(state_dict, Mapping):
+            return []
+        params = dict(nn.Module.named_parameters(self.model, remove_duplicate=False))
+        same: list[tuple[ShardStore, int]] = []
+        for key, value in state_dict.items():
+            p = params.get(key)
+            slot = None if p is None else shared.get(id(p))
+            if p is None or slot is None or slot[1] not in slot[0].frozen:
+                continue
+            if (
+                isinstance(value, torch.Tensor)
+                and value.shape == p.shape
+                and value.dtype == p.dtype
+                and torch.equal(value, p.data)
+            ):
+                same.append(slot)
+            else:
+                slot[0].own_frozen(slot[1])
+        return same
+
+    def after_load(self, same: list[tuple[ShardStore, int]]) -> None:
+        """After ``load_state_dict``: the shared tensors :meth:`before_load` found written
+        with their own values stay shared."""
+        for store, i in same:
+            if i in store.frozen:
+                store.frozen_rewritten(i)
+
+    def load_optimizer_state(self) -> None:
+        """Move the state the user's optimizer holds (after its ``load_state_dict``) into
+        the shards' optimizers."""
+        opt = self.user_optimizer
+        assert opt is not None
+        self.follow_groups()
+        for s in self.shards:
+            if s.optimizer is None:
+                continue
+            for group in s.optimizer.param_groups:
+                for p in group["params"]:
+                    s.optimizer.state.pop(p, None)
+                    if p in opt.state:
+                        s.optimizer.state[p] = opt.state[p]
+        opt.state = collections.defaultdict(dict)
+        self.touched()
+
+    def optimizer_state(self) -> dict[Any, Any]:
+        """Every shard optimizer's per-parameter state, keyed by parameter."""
+        state: dict[Any, Any] = {}
+        for s in self.shards:
+            if s.optimizer is not None:
+                state.update(s.optimizer.state)
+        return state
+
+    # -- torch.compile ----------------------------------------------------------------------
+
+    def compile(self, compiler: Compiler | None) -> None:
+        """Compile every shard's forward with ``compiler`` (the user's ``torch.compile``
+        settings; ``None``: eager again), from the next op on: what an op calls,
+        ``shard.module(arg)``, runs compiled code, the engine's own steps around it stay
+        eager (see :mod:`tune_hydra.engine.runtime.compiled`)."""
+        if self._compiler is not None:
+            self._compiler.uninstall()
+        self._compiler = None if compiler is None else ShardCompiler(compiler, self.name)
+        if self._compiler is None:
+            return
+        blocks = sum(self._compiler.install(s.module, s.index) for s in self.shards)
+        if self._hf:
+            log.info(
+                "%s: torch.compile compiles each of the model's %d blocks (its embed and "
+                "head stages run its own forward eagerly; see tune_hydra.engine.runtime.compiled)",
+                self.name,
+                blocks,
+            )
+
+    # -- the RNG stream -------------------------------------------------------------------
+
+    def _stream(
+        self, shard: LoopShard, device: torch.device, training: bool | None = None
+    ) -> contextlib.AbstractContextManager[_Entry | None]:
+        """The op's random stream around a shard's compute (the generator :meth:`run`
+        chose, and the loop's stream of a GPU); nothing at all for a shard seen not to
+        draw in this mode (``None`` then: nothing to replay)."""
+        training = self.model.training if training is None else training
+        cpu = shard.draws.get(training) is not False
+        if not cpu and device.type != "cuda":
+            return contextlib.nullcontext()
+        return self._drawing(shard, device, training, cpu)
+
+    def _global_stream(self, device: torch.device) -> bool:
+        """Whether the op's CPU draws go through torch's global generator (swapped in
+        under ``CPU_RNG_LOCK``) rather than the dispatch mode: compiled code draws from
+        the global generator, which no dispatch mode redirects (see
+        ``tune_hydra.engine.runtime.compiled``); a main-thread loop's stream is the global one
+        anyway, and its user's thread waits for the op."""
+        return self._op_main or (self._compiler is not None and device.type == "cpu")
+
+    @contextlib.contextmanager
+    def _drawing(
+        self, shard: LoopShard, device: torch.device, training: bool, cpu: bool
+    ) -> Iterator[_Entry]:
+        gen = self._op_gen
+        with contextlib.ExitStack() as stack:
+            entry = _Entry(gen.get_state() if cpu else None)
+            mode: Any = None
+            if cpu and self._global_stream(device):
+                mode = stack.enter_context(global_cpu_stream(gen))
+            elif cpu:
+                mode = stack.enter_context(use_generator(gen))
+            if device.type == "cuda":
+                scope = stack.enter_context(
+                    rng.task_stream(self.stream, device, self._seed, cpu=False)
+                )
+                entry.cuda = scope.entry
+            yield entry
+        if mode is not None and training not in shard.draws:
+            shard.draws[training] = mode.drew
+
+    @contextlib.contextmanager
+    def _replay(self, entry: _Entry | None, device: torch.device) -> Iterator[None]:
+        """A forward's random numbers again (its recompute), from the state it started
+        from; the loop's streams do not advance."""
+        with contextlib.ExitStack() as stack:
+            if entry is not None and entry.cpu is not None:
+                gen = torch.Generator()
+                gen.set_state(entry.cpu)
+                if self._global_stream(device):
+                    stack.enter_context(global_cpu_stream(gen))  # as _drawing
+                else:
+                    stack.enter_context(use_generator(gen))
+            if entry is not None and entry.cuda is not None:
+                stack.enter_context(
+                    rng.task_stream(self.stream, device, self._seed, replay=entry.cuda, cpu=False)
+                )
+            yield
+
+    # -- leaving ---------------------------------------------------------------------------
+
+    def close(self, *, raise_errors: bool = True) -> None:
+        """Leave the engine: every state home for good, the runner removed (the model
+        keeps its weights, on the CPU), and the shards' optimizers' state handed to the
+        user's optimizer (plain training goes on from it). Pending steps are applied
+        first.
+
+        Args:
+            raise_errors: raise the error of a pending step that failed (after leaving);
+                ``False`` where the caller must not raise (a front end's clean-up): it
+                is logged instead.
+
+        Raises:
+            Exception: with ``raise_errors``, a pending ``optimizer.step()`` raised (its
+                own error, as the next forward would have raised it).
+        """
+        if self.closed:
+            return
+        error: Exception | None = None
+        try:
+            self.sync()
+        except Exception as err:
+            error = err
+        self.closed = True
+        if self._compiler is not None:  # the user's modules (blocks) called eagerly again
+            self.compile(None)
+        try:
+            self._hand_back_optimizer_state()
+        finally:
+            try:
+                self.engine.remove_task(self.name)
+            except Exception:
+                log.warning("loop %r did not leave its engine", self.name, exc_info=True)
+        if error is None:
+            return
+        # TaskFailedError: the engine failed or cancelled the loop (closed before), which
+        # the user's thread saw already; the loop's own (the user's step) reaches it here.
+        if raise_errors and not isinstance(error, TaskFailedError):
+            raise error
+        log.warning(
+            "th.unshard: loop %r left its engine without applying its last optimizer "
+            "step(s): %s: %s",
+            self.name,
+            type(error).__name__,
+            error,
+            exc_info=error,
+        )
+
+    def _hand_back_optimizer_state(self) -> None:
+        """The shards' optimizers' state (at home) into the user's optimizer."""
+        user = self.user_optimizer
+        if user is None:
+            return
+        for s in self.shards:
+            if s.optimizer is None:
+                continue
+            # A state in the disk tier is views of its spill file, which leaving removes.
+            disk = any(part.on_disk for part in s.store.parts())
+            for p, st in s.optimizer.state.items():
+                user.state[p] = {
+                    k: v.clone() if disk and isinstance(v, torch.Tensor) else v
+                    for k, v in st.items()
+                }
+
+
+@dataclass
+class _Entry:
+    """Where a forward's random numbers started: the CPU generator's state (``None``: it
+    ran without one) and the GPU's (:func:`rng.task_stream`'s entry)."""
+
+    cpu: torch.Tensor | None
+    cuda: rng.RngState | None = None
+
+
+class _PlainForward:
+    """A shard's forward without grad (evaluation, ``torch.no_grad()``): keeps nothing."""
+
+    def __init__(self, loop: LoopRunner, shard: LoopShard, x: Any) -> None:
+        self.loop, self.shard, self.x = loop, shard, x
+
+    def __call__(self, device: torch.device) -> Any:
+        loop, shard = self.loop, self.shard
+        x = _to(self.x, device)
+        with loop._stream(shard, device), torch.no_grad():
+            out = shard.module(x)
+        return _to(out, loop.home)
+
+
+class _ParamsProbe(torch.autograd.Function):
+    """The token every shard's node of a forward takes, made from the model's trainable
+    parameters: so that ``torch.autograd.grad(loss, params)`` (or
+    ``loss.backward(inputs=params)``) reaches the shards' nodes, which refuse it (see
+    :class:`_Reach`) instead of torch's "not used in the graph" (or ``None``, or zeros,
+    with ``allow_unused``). It hands back no gradient: ``loss.backward()`` leaves the
+    parameters' ``.grad`` to the shards' backward ops."""
+
+    @staticmethod
+    def forward(ctx: Any, token: torch.Tensor, *params: torch.Tensor) -> torch.Tensor:
+        ctx.set_materialize_grads(False)
+        return torch.empty(0)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        return (None,) * len(ctx.needs_input_grad)
+
+
+class _Reach:
+    """What the backward pass running a forward's shards' nodes asks for. The token's own
+    node runs only in a full ``backward()`` (no ``inputs=``): any other pass
+    (``torch.autograd.grad``, ``backward(inputs=...)``) wants the gradients of some
+    tensors only, and the shards' parameters must not accumulate any (inputs only); the
+    probe's node runs when such a pass wants parameters' gradients (refused).
+
+    A parameter with a hook (``register_hook``, ``register_post_accumulate_grad_hook``)
+    is left out of the probe: autograd would call its hooks on every ``backward()`` with
+    no gradient. For it torch's own "not used in the graph" error stays."""
+
+    def __init__(self, token: torch.Tensor, shards: list[LoopShard]) -> None:
+        self.full = torch.autograd.graph.get_gradient_edge(token).node
+        seen: set[int] = set()
+        params = []
+        for s in shards:
+            for p in s.module.parameters():
+                hooked = p._backward_hooks or getattr(p, "_post_accumulate_grad_hooks", None)
+                if p.requires_grad and not hooked and id(p) not in seen:
+                    seen.add(id(p))
+                    params.append(p)
+        self.token = _ParamsProbe.apply(token, *params) if params else token
+        self.params = self.token.grad_fn if params else None
+
+    def inputs_only(self) -> bool:
+        """Called in a shard's backward: whether this pass wants inputs' gradients only.
+
+        Raises:
+            UnsupportedCallError: it wants the parameters' gradients (``autograd.grad``
+                w.r.t. them, ``backward(inputs=params)``), or a graph of the gradients
+                (``create_graph=True``: double backward, a gradient penalty).
+        """
+        if torch.is_grad_enabled():  # the backward runs with grad: create_graph=True
+            raise UnsupportedCallError(
+                "a sharded model does not support double backward (create_graph=True, as "
+                "a gradient penalty's torch.autograd.grad(out, x, create_graph=True) "
+                "needs): its backward ops run on the engine's devices and build no graph "
+                "of the gradients. Compute such a term on a plain (unsharded) model, or "
+                "use a penalty that needs no gradient of a gradient"
+            )
+        will = getattr(torch._C, "_will_engine_execute_node", None)
+        if will is None or will(self.full):
+            return False
+        if self.params is not None and will(self.params):
+            raise UnsupportedCallError(
+                "gradients w.r.t. a sharded model's parameters are not given by "
+                "torch.autograd.grad or backward(inputs=params): the engine accumulates "
+                "them into the parameters' .grad on its devices. Call loss.backward() and "
+                "read p.grad for p in model.parameters() (zero_grad() first); "
+                "torch.autograd.grad w.r.t. the model's inputs is supported"
+            )
+        return True
+
+
+class _ShardCall:
+    """One shard's part in one forward with grad: runs its forward op, keeps its input,
+    and runs its backward op when autograd reaches it."""
+
+    def __init__(self, loop: LoopRunner, shard: LoopShard) -> None:
+        self.loop = loop
+        self.shard = shard
+        self.leaves: list[Any] = []
+        self.spec: Any = None
+        self.tensor_at: list[int] = []
+        self.entry: _Entry | None = None  # the RNG state the forward started from
+        self.autocast: amp.Autocast | None = None  # the forward's (a recompute's too)
+        self.out_spec: Any = None
+        self.out_leaves: list[Any] = []
+        self.out_tensor_at: list[int] = []
+        self.training = True
+        self.steps = 0  # the shard's optimizer steps when the forward ran
+        self.reach: _Reach | None = None  # what a backward pass asks of the forward
+        # With kept graphs: the forward's inputs (leaves on the device) and its outputs,
+        # whose graph the backward op back-propagates through (once: a second backward,
+        # retain_graph=True, recomputes from the saved input).
+        self.kept: tuple[list[torch.Tensor], Any] | None = None
+
+    def inputs(self, tensors: tuple[torch.Tensor, ...]) -> Any:
+        leaves = list(self.leaves)
+        for i, t in zip(self.tensor_at, tensors, strict=True):
+            leaves[i] = t
+        return tree_unflatten(leaves, self.spec)
+
+    def rebuild(self, outs: tuple[torch.Tensor, ...]) -> Any:
+        leaves = list(self.out_leaves)
+        for i, t in zip(self.out_tensor_at, outs, strict=True):
+            leaves[i] = t
+        return tree_unflatten(leaves, self.out_spec)
+
+    def forward(self, tensors: tuple[torch.Tensor, ...], need: Any) -> list[torch.Tensor]:
+        loop, shard = self.loop, self.shard
+        self.training = loop.model.training
+        self.autocast = amp.current()
+        x = self.inputs(tensors)
+
+        def keep(device: torch.device) -> Any:
+            inp = _leaves(tensors, need, device)
+            arg = self.inputs(
+                tuple(_clone(t) if shard.writes_input is not False else t for t in inp)
+            )
+            with loop._stream(shard, device) as entry, torch.enable_grad():
+                out = shard.module(arg)
+            self.kept = (inp, out)
+            self.entry = entry  # a second backward (retain_graph=True) recomputes
+            self.steps = shard.steps
+            return _to(_detached(out), loop.home)
+
+        out = loop.run(OpKind.FORWARD, shard.index, keep if loop.keep else _Forward(self, x))
+        leaves, self.out_spec = tree_flatten(out)
+        self.out_tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        self.out_leaves = leaves
+        return [leaves[i] for i in self.out_tensor_at]
+
+    def backward(
+        self,
+        saved: tuple[torch.Tensor, ...],
+        grads: tuple[torch.Tensor | None, ...],
+        need: Any,
+        inputs_only: bool = False,
+    ) -> list[torch.Tensor | None]:
+        """The backward op; ``inputs_only``: the inputs' gradients alone, the parameters'
+        ``.grad`` untouched (``torch.autograd.grad`` w.r.t. inputs)."""
+        loop, shard = self.loop, self.shard
+        uses = ([], []) if inputs_only else (shard.first_uses, shard.last_uses)
+
+        def kept(device: torch.device) -> list[torch.Tensor | None]:
+            if self.kept is None:  # back-propagated already (retain_graph=True), or dropped
+                return compute(device)
+            inp, out = self.kept
+            for store, i in uses[0]:
+                store.stash_grad(i)
+            self._back_propagate(out, grads, device, inp if inputs_only else None)
+            for store, i in uses[1]:
+                store.unstash_grad(i)
+            self.kept = None
+            return [
+                None if t.grad is None else t.grad.to(loop.home) if n else None
+                for t, n in zip(inp, need, strict=True)
+            ]
+
+        compute = _Backward(self, saved, grads, need, inputs_only)
+
+        # The input pytree's other leaves (self.leaves) stay: a retained graph's second
+        # backward recomputes from them again.
+        try:
+            grads_in: list[torch.Tensor | None] = loop.run(
+                OpKind.BACKWARD,
+                shard.index,
+                kept if loop.keep and self.kept is not None else compute,
+            )
+            return grads_in
+        finally:
+            self.out_leaves = []  # the graph is done with them
+
+    def _back_propagate(
+        self,
+        out: Any,
+        grads: tuple[torch.Tensor | None, ...],
+        device: torch.device,
+        inputs: list[torch.Tensor] | None = None,
+    ) -> None:
+        """Back-propagate ``out``'s graph from ``grads``: into the shard's parameters and
+        its input leaves, or with ``inputs`` into those alone."""
+        outs, _ = tree_flatten(out)
+        outs = [outs[i] for i in self.out_tensor_at]
+        gs = [None if g is None else g.to(device) for g in grads]
+        # On this thread, not autograd's per-device thread: with CUDA inputs the user's
+        # loss.backward() runs this node there, waiting for this op (a deadlock).
+        with torch.autograd.set_multithreading_enabled(False):
+            if inputs is None:
+                backward_from(outs, gs)
+                return
+            pairs = [
+                (o, g) for o, g in zip(outs, gs, strict=True) if o.requires_grad and g is not None
+            ]
+            wanted = [t for t in inputs if t.requires_grad]
+            if pairs and wanted:
+                torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=wanted)
+
+
+class _Forward:
+    """A recomputing forward op's compute: the shard without grad (its input is kept by
+    the autograd node for the recompute). A batched pass may compute it with other
+    loops' ops instead (:meth:`start`, then :meth:`take`)."""
+
+    def __init__(self, call: _ShardCall, x: Any) -> None:
+        self.call = call
+        self.x = x
+
+    def __call__(self, device: torch.device) -> Any:
+        call = self.call
+        loop, shard = call.loop, call.shard
+        arg = _to(self.x, device)
+        if shard.writes_input is not False:  # the saved input must stay as it was
+            arg = _clone(arg)
+        with loop._stream(shard, device) as entry, torch.no_grad():
+            out = shard.module(arg)
+        call.entry = entry
+        call.steps = shard.steps
+        return _to(out, loop.home)
+
+    def start(self, device: torch.device) -> OpStart:
+        gen = self.call.loop._op_gen
+        return OpStart(_detached(_to(self.x, device)), rng.RngState(gen.get_state()))
+
+    def take(self, start: OpStart, out: Any, cpu_after: torch.Tensor) -> Any:
+        call = self.call
+        call.loop._op_gen.set_state(cpu_after)  # the stream went on as in the pass
+        call.entry = _Entry(start.stream.cpu)
+        call.steps = call.shard.steps
+        # Tensor objects of its own: an output the pass computed from what the trials
+        # share (rotary cos/sin) is one tensor for all of them, and a tensor returned by
+        # this loop's autograd node must not be another loop's node's output too (its
+        # grad_fn would be the last one's: one loop's backward would run another's op).
+        return _to(_detached(out), call.loop.home)
+
+
+class _Backward:
+    """A recomputing backward op's compute: the shard's forward again, with grad, on the
+    random numbers and under the autocast of its forward, back-propagated from the
+    output's gradient. A batched pass may compute it with other loops' ops instead
+    (:meth:`start`, then :meth:`take`)."""
+
+    def __init__(
+        self,
+        call: _ShardCall,
+        saved: tuple[torch.Tensor, ...],
+        grads: tuple[torch.Tensor | None, ...],
+        need: Any,
+        inputs_only: bool,
+    ) -> None:
+        self.call = call
+        self.saved = saved
+        self.grads = grads
+        self.need = need
+        self.inputs_only = inputs_only
+        self._inp: list[torch.Tensor] = []  # start's input leaves (take reads them)
+
+    def _check_steps(self) -> None:
+        if self.call.shard.steps != self.call.steps:
+            raise UnsupportedCallError(
+                "a backward through a sharded model's forward came after "
+                "optimizer.step() changed its parameters: it would recompute that "
+                "forward with the new weights (plain PyTorch raises that a variable "
+                "needed for gradient computation was modified by an inplace "
+                "operation). Call backward() before step(), or run the forward again"
+            )
+
+    def __call__(self, device: torch.device) -> list[torch.Tensor | None]:
+        call = self.call
+        loop, shard = call.loop, call.shard
+        uses = ([], []) if self.inputs_only else (shard.first_uses, shard.last_uses)
+        self._check_steps()
+        inp = _leaves(self.saved, self.need, device)
+        arg = call.inputs(tuple(_clone(t) if shard.writes_input else t for t in inp))
+        for store, i in uses[0]:
+            store.stash_grad(i)
+        with (
+            _scratch_buffers(shard),
+            loop._replay(call.entry, device),
+            amp.entered(call.autocast),
+            torch.enable_grad(),
+        ):
+            out = shard.module(arg)
+        call._back_propagate(out, self.grads, device, inp if self.inputs_only else None)
+        for store, i in uses[1]:
+            store.unstash_grad(i)
+        return [
+            None if t.grad is None else t.grad.to(loop.home) if n else None
+            for t, n in zip(inp, self.need, strict=True)
+        ]
+
+    def start(self, device: torch.device) -> OpStart:
+        call = self.call
+        self._check_steps()
+        inp = self._inp = _leaves(self.saved, self.need, device)
+        entry = call.entry
+        # A forward that drew nothing recorded no state: its recompute draws nothing.
+        cpu = entry.cpu if entry is not None and entry.cpu is not None else None
+        stream = rng.RngState(torch.Generator().get_state() if cpu is None else cpu)
+        # The output's gradient, leaf for leaf as the output flattens.
+        grad: list[Any] = [None] * len(call.out_leaves)
+        for i, g in zip(call.out_tensor_at, self.grads, strict=True):
+            grad[i] = None if g is None else g.to(device)
+        params = [p for p in call.shard.module.parameters() if p.requires_grad]
+        wrt = [*params, *(t for t in inp if t.requires_grad)]
+        return OpStart(call.inputs(tuple(inp)), stream, grad=grad, wrt=wrt)
+
+    def take(self, start: OpStart, grads: Sequence[torch.Tensor | None]) -> list[Any]:
+        home = self.call.loop.home
+        n_params = len(start.wrt) - sum(t.requires_grad for t in self._inp)
+        for t, g in zip(start.wrt[:n_params], grads[:n_params], strict=True):
+            accumulate_grad(t, g)
+        mine = iter(grads[n_params:])
+        out: list[Any] = []
+        for t, n in zip(self._inp, self.need, strict=True):
+            g = next(mine) if t.requires_grad else None
+            out.append(None if g is None or not n else g.to(home))
+        return out
+
+
+@contextlib.contextmanager
+def _scratch_buffers(shard: LoopShard) -> Iterator[None]:
+    """A recompute's buffers: the forward already updated them (BatchNorm statistics)
+    once, so the recompute runs on throwaway copies and the real ones are put back."""
+    slots = [(m, n) for part in shard.store.parts() for m, n in part.buffer_slots]
+    real = [m._buffers[n] for m, n in slots]
+    for (m, n), b in zip(slots, real, strict=True):
+        m._buffers[n] = b.clone()  # type: ignore[union-attr]
+    try:
+        yield
+    finally:
+        for (m, n), b in zip(slots, real, strict=True):
+            m._buffers[n] = b
+
+
+class _ShardFunction(torch.autograd.Function):
+    """A shard in the user's autograd graph (see :class:`_ShardCall`)."""
+
+    @staticmethod
+    def forward(ctx: Any, call: _ShardCall, token: torch.Tensor, *tensors: torch.Tensor) -> Any:
+        outs = call.forward(tensors, ctx.needs_input_grad[2:])
+        ctx.call = call
+        # The token too: autograd frees what is saved after a backward without
+        # retain_graph, so that a second one raises torch's own error; with kept graphs as
+        # well: a retained graph's second backward recomputes from the inputs.
+        ctx.save_for_backward(token, *tensors)
+        ctx.set_materialize_grads(False)
+        frozen = [t for t in outs if not (t.is_floating_point() or t.is_complex())]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Any) -> Any:
+        call: _ShardCall = ctx.call
+        # Raises torch's "Trying to backward through the graph a second time" once a
+        # backward without retain_graph=True freed them.
+        saved = ctx.saved_tensors
+        need = ctx.needs_input_grad[2:]
+        inputs_only = call.reach is not None and call.reach.inputs_only()
+        got = call.backward(saved[1:], grads, need, inputs_only)
+        return (None, None, *got)
+
+
+def _to(obj: Any, device: torch.device) -> Any:
+    leaves, spec = tree_flatten(obj)
+    if not any(isinstance(t, torch.Tensor) and t.device != device for t in leaves):
+        return obj
+    moved = [t.to(device) if isinstance(t, torch.Tensor) else t for t in leaves]
+    return tree_unflatten(moved, spec)
+
+
+def _leaves(tensors: Any, need: Any, device: torch.device) -> list[torch.Tensor]:
+    """A shard's inputs on ``device`` as leaves of its graph (those whose gradient is
+    needed require it)."""
+    return [
+        t.detach().to(device).requires_grad_(bool(n) and t.is_floating_point())
+        for t, n in zip(tensors, need, strict=True)
+    ]
+
+
+def _detached(obj: Any) -> Any:
+    """``obj``'s tensors detached from the graph a kept forward made (sharing memory and
+    version counters: an in-place write by the user's code is caught as in plain)."""
+    leaves, spec = tree_flatten(obj)
+    return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+
+
+def _clone(obj: Any) -> Any:
+    leaves, spec = tree_flatten(obj)
+    return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
+
+
+def loop_costs(
+    layers: list[tuple[str, nn.Module]],
+    sample: Any,
+    user_optimizer: torch.optim.Optimizer | None,
+    optimizer_class: type[torch.optim.Optimizer] | None,
+    device: torch.device,
+    name: str,
+) -> list[LayerCost]:
+    """The layers' costs a loop's cut is made from (:func:`build_loop`, and
+    ``th.plan(model, sample)``, which must find the same cut): probed on ``sample``,
+    optimizer state counted with an optimizer like the user's (none: SGD, no state).
+
+    Raises:
+        DataMismatchError: a layer raises on ``sample``.
+    """
+
+    def factory(params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        return (
+            torch.optim.SGD(params, lr=0.0)
+            if optimizer_class is None
+            else _like(user_optimizer, optimizer_class, [{"params": params}])
+        )
+
+    # The probe's draws come from a throwaway generator: no stream (nor torch's global
+    # generator, which other threads draw from) sees them.
+    with use_generator(torch.Generator()), inside_op():
+        return layer_costs(layers, factory, sample, None, device=device, task=name)
+
+
+def build_loop(
+    engine: Engine,
+    model: nn.Module,
+    user_optimizer: torch.optim.Optimizer | None,
+    optimizer_class: type[torch.optim.Optimizer] | None,
+    layers: list[tuple[str, nn.Module]],
+    sample: Any,
+    *,
+    hf: bool,
+    rng_start: torch.Tensor,
+    compiler: Compiler | None = None,
+) -> LoopRunner:
+    """Cut ``model`` (its ``layers``, sized by a probe on ``sample``, the first batch) for
+    ``engine``'s budget, build one optimizer per shard like the user's, and register the
+    loop with the engine; with ``compiler`` (the user's ``torch.compile`` settings) each
+    shard's forward is compiled (:meth:`LoopRunner.compile`).
+
+    Raises:
+        ShardTooLargeError, DataMismatchError, InvalidModelError: from the cut.
+        SharedShardModelError: the model trains tensors another task of ``engine`` trains
+            (a submodule shared with another sharded model); nothing of the loop stays,
+            and the optimizer keeps its state.
+    """
+    name = f"loop-{type(model).__name__}-{next(_NAMES)}"
+    costs = loop_costs(layers, sample, user_optimizer, optimizer_class, engine.devices[0], name)
+    device = engine.devices[0]
+    budget = device_budget(device, engine.budget)  # as the engine's workers budget
+    plan = plan_shards(
+        costs,
+        budget,
+        prefetch=engine.prefetch,
+        max_layers_per_shard=engine.max_layers_per_shard,
+        # Where a loop sharing its frozen base was cut (LoRA trials of one search), if it fits.
+        prefer=engine.shared_cuts(model, [c.name for c in costs]),
+        kept=not engine.recompute and engine.keeps_graphs,
+    )
+    keep = keeps_graphs(engine, plan)
+    modules = [nn.Sequential(*(m for _, m in layers[s.start : s.stop])) for s in plan.shards]
+    shared = SharedParams(modules)
+    optimizers: list[torch.optim.Optimizer | None] = []
+    maps: list[list[int]] = []
+    for spec, module in zip(plan.shards, modules, strict=True):
+        params = {id(p) for p in shared.steps(spec.index, module)}
+        groups, gmap = [], []
+        if user_optimizer is not None and optimizer_class is not None:
+            for gi, g in enumerate(user_optimizer.param_groups):
+                ps = [p for p in g["params"] if id(p) in params]
+                if ps:
+                    groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
+                    gmap.append(gi)
+        opt = _like(user_optimizer, optimizer_class, groups) if optimizer_class and groups else None
+        if opt is not None and user_optimizer is not None:  # state loaded before the cut
+            for g in opt.param_groups:
+                for p in g["params"]:
+                    if p in user_optimizer.state:
+                        opt.state[p] = user_optimizer.state.pop(p)
+        optimizers.append(opt)
+        maps.append(gmap)
+    pin = any(d.type == "cuda" for d in engine.devices)
+    host = engine.host
+
+    def spill(key: tuple[str, int]) -> dict[str, Any]:
+        # With a host budget, the disk tier below it (as a ModelTask's stores have).
+        if not host.active or host.folder is None:
+            return {}
+        return {"host": host, "spill_file": host.folder.file(key)}
+
+    stores = shared.stores(optimizers, pin=pin, task=name, spill=spill)
+    shards = []
+    for spec, module, opt, gmap in zip(plan.shards, modules, optimizers, maps, strict=True):
+        own = ShardStore(
+            [module],
+            opt,
+            pin=pin,
+            name=(name, spec.index),
+            footprint=(spec.state_bytes, spec.activation_bytes),
+            params=shared.own(module),
+            **spill((name, spec.index)),
+        )
+        links = [stores[k] for k in shared.groups_of(spec.index)]
+        shards.append(
+            LoopShard(
+                spec.index,
+                module,
+                opt,
+                LinkedStore(own, links) if links else own,
+                gmap,
+                shared.zeroes(spec.index, module),
+                shared.first_uses(spec.index, stores),
+                shared.last_uses(spec.index, stores),
+                spec.writes_input,
+            )
+        )
+    user = {id(m) for m in model.modules()}
+    wrappers = [m for mod in modules for m in mod.modules() if id(m) not in user]
+    runner = LoopRunner(
+        name,
+        engine,
+        model,
+        plan,
+        shards,
+        user_optimizer,
+        wrappers,
+        rng_start=rng_start,
+        hf=hf,
+        keep=keep,
+    )
+    runner.optimizer_class = optimizer_class
+    if compiler is not None:
+        runner.compile(compiler)
+    runner._probe_bytes = runner._sized_bytes = tensor_bytes(sample)
+    # recompute=True: the engine reserves nothing for this loop's batches (and does not
+    # refuse a batch too big to keep: the loop recomputes it).
+    try:
+        engine.add_runner(name, runner, options=TrainOptions(recompute=not keep, where=name))
+    except BaseException as err:
+        # Refused: the state loaded before the cut goes back to the user's optimizer.
+        if user_optimizer is not None:
+            for opt in optimizers:
+                if opt is not None:
+                    user_optimizer.state.update(opt.state)
+        if isinstance(err, SharedModelError) and not isinstance(err, SharedShardModelError):
+            raise SharedShardModelError(err.task, err.owner, err.tensors) from None
+        raise
+    return runner
+
+
+def keeps_graphs(engine: Engine, plan: ShardPlan) -> bool:
+    """Whether a loop of ``plan`` keeps its forward graphs on ``engine``: when the engine
+    keeps graphs (``recompute=False``) and, on devices that copy, one batch with every
+    shard's activations kept fits the device budget; else it recomputes."""
+    if engine.recompute:
+        return False
+    budget = plan.budget
+    if engine.keeps_graphs and budget is not None and plan.kept_peak_bytes() > budget:
+        log.info(
+            "a th.shard loop recomputes its forwards in backward: keeping all %d shards' "
+            "activations (%s) would not fit device_memory=%s",
+            len(plan),
+            format_bytes(plan.kept_peak_bytes()),
+            format_bytes(budget),
+        )
+        return False
+    return True
+
+
+def _like(
+    user: torch.optim.Optimizer | None,
+    cls: type[torch.optim.Optimizer],
+    groups: list[dict[str, Any]],
+) -> torch.optim.Optimizer:
+    """An optimizer of ``cls`` over ``groups`` with the user's defaults (and whatever else
+    its constructor set), without running ``cls.__init__`` (whose keywords vary by class)."""
+    opt = cls.__new__(cls)
+    defaults = dict(user.defaults) if user is not None else {}
+    torch.optim.Optimizer.__init__(opt, groups, defaults)
+    if user is not None:
+        for k, v in vars(user).items():
+            # Not a method wrapped on the instance (an lr scheduler wraps ``step``: it would
+            # call the user's sharded step from the shard's).
+            if k not in vars(opt) and not k.startswith("_th_") and not callable(v):
+                setattr(opt, k, v)
+    return opt
+
+
+__all__ = [
+    "LoopRunner",
+    "LoopShard",
+    "build_loop",
+    "in_op",
+    "inside_op",
+    "keeps_graphs",
+    "loop_costs",
+]
