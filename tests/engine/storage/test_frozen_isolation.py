@@ -21,6 +21,7 @@ an AMD EPYC: 1.7e-16 apart; a write that reached them would be ~1 apart).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import threading
 from collections.abc import Callable, Iterator
@@ -118,15 +119,21 @@ def train(
     optimizer: torch.optim.Optimizer,
     i: int,
     between: Callable[[int], list[float]] | None = None,
+    cut: threading.Barrier | None = None,
 ) -> list[float]:
     """Trial ``i``'s loop: 2 epochs of training and evaluation; ``between(epoch)`` after
-    each (what it returns goes into the history)."""
+    each (what it returns goes into the history); ``cut``: waited on after the first
+    forward, so that every trial's model is cut (its base in the pool) before any goes on."""
     history = []
     for epoch in range(2):
         model.train()
         for b in data(i + 1):
             optimizer.zero_grad()
             loss = model(**b).loss
+            if cut is not None:
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    cut.wait(120)
+                cut = None
             loss.backward()
             optimizer.step()
             history.append(loss.item())
@@ -171,17 +178,21 @@ def run_loops(
     eng: th.Engine, trials: list[Trial], between: dict[int, Callable[[int], list[float]]]
 ) -> dict[int, Any]:
     """Each trial's loop in a thread of its own, sharded on ``eng``; its stream starts
-    from ``torch.manual_seed(100 + i)``."""
+    from ``torch.manual_seed(100 + i)``. Every loop waits after its first forward until
+    all are cut: which trials share the base when one writes it must not depend on how
+    the threads happen to be scheduled (under load a late thread had not joined yet)."""
     lock = threading.Lock()
     results: dict[int, Any] = {}
+    cut = threading.Barrier(len(trials))
 
     def loop(i: int) -> None:
         try:
             with lock:
                 torch.manual_seed(100 + i)
                 m, o = th.shard(trials[i][0], trials[i][1], engine=eng)
-            results[i] = train(m, o, i, between.get(i))
+            results[i] = train(m, o, i, between.get(i), cut)
         except BaseException as err:
+            cut.abort()  # a loop that fails before its first forward ends holds up none
             results[i] = err
 
     threads = [threading.Thread(target=loop, args=(i,)) for i in range(len(trials))]
