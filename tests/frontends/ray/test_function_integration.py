@@ -129,13 +129,14 @@ class _FakeSession:
                 self.states.append(torch.load(os.path.join(d, "ckpt.pt"), weights_only=False))
 
 
-def _plain(config: dict[str, Any], checkpoint: Any = None) -> _FakeSession:
-    """The function without th.shard, in this thread, with a fake session."""
+def _plain(config: dict[str, Any], checkpoint: Any = None, fn: Any = None) -> _FakeSession:
+    """The function (``train_convnet`` by default) without th.shard, in this thread, with
+    a fake session."""
     fake = _FakeSession(checkpoint)
     old = train_session._session
     train_session._session = fake  # type: ignore[assignment]
     try:
-        train_convnet({**config, "shard": False})
+        (fn or train_convnet)({**config, "shard": False})
     finally:
         train_session._session = old
     return fake
@@ -215,6 +216,51 @@ def test_function_trainables_are_exact_and_tune_works(
             state["optimizer"], plain.states[-1]["optimizer"], rtol=0, atol=0
         )
     assert all(not r["engine_tasks"] for r in registered.values()), registered
+
+
+def train_tiny(config: dict[str, Any]) -> None:
+    """A small function trainable: 2 reported steps of an MLP on its seed's data."""
+    gen = torch.Generator().manual_seed(int(config["seed"]))
+    x = torch.randn(16, 4, generator=gen)
+    y = x.sum(1, keepdim=True)
+    torch.manual_seed(int(config["seed"]))
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    if config.get("shard", True):
+        model, optimizer = th.shard(model, optimizer)
+    for _ in range(2):
+        loss = nn.functional.mse_loss(model(x), y)
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        tune.report({"loss": loss.item()})
+
+
+def test_function_trials_reuse_their_proxy_process(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
+) -> None:
+    """Three function trials one after another: Tune keeps the first one's proxy process
+    for the next (the function runs in the engine actor), also where the run says
+    ``reuse_actors=False``; each trial's losses are its own plain run's."""
+    ex = shared_executor
+    analysis = th.run(
+        train_tiny,
+        config={"seed": tune.grid_search(SEEDS)},
+        stop={"training_iteration": 2},
+        max_concurrent_trials=1,
+        reuse_actors=False,
+        storage_path=storage,
+        verbose=0,
+        trial_executor=ex,
+    )
+    assert _live_functions(ex) == []
+    trials = sorted(analysis.trials, key=lambda t: t.config["seed"])
+    assert [t.status for t in trials] == ["TERMINATED"] * 3
+    assert len({t.last_result["pid"] for t in trials}) == 1
+    for trial in trials:
+        plain = _plain({"seed": trial.config["seed"]}, fn=train_tiny)
+        got = analysis.trial_dataframes[trial.trial_id]["loss"].tolist()
+        assert got == [r["loss"] for r in plain.results]
 
 
 def train_context(config: dict[str, Any]) -> None:

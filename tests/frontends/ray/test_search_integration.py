@@ -123,9 +123,8 @@ def test_hyperband_random_search(
     assert max(t.last_result["training_iteration"] for t in analysis.trials) == 4
 
 
-@pytest.mark.parametrize("reuse_actors", [True, False])
 def test_population_based_training(
-    shared_executor: HydraExecutor, ray_session: Any, storage: str, reuse_actors: bool
+    shared_executor: HydraExecutor, ray_session: Any, storage: str
 ) -> None:
     pbt = PopulationBasedTraining(
         time_attr="training_iteration",
@@ -142,7 +141,7 @@ def test_population_based_training(
         scheduler=pbt,
         stop={"training_iteration": 4},  # one perturbation round (at 2) is the point
         checkpoint_freq=2,
-        reuse_actors=reuse_actors,
+        reuse_actors=False,  # the proxies' processes are reused all the same (README)
     )
     assert _leftovers(ex) == []
     assert len(analysis.trials) == 4
@@ -150,6 +149,38 @@ def test_population_based_training(
     assert all(t.last_result["training_iteration"] == 4 for t in analysis.trials)
     # exploitation happened: some trial restored another's checkpoint and changed its lr
     assert pbt._num_perturbations > 0
+
+
+@pytest.mark.parametrize("form", ["run", "tuner"])
+def test_trials_reuse_their_proxy_process(
+    shared_executor: HydraExecutor, ray_session: Any, storage: str, form: str
+) -> None:
+    """A trial's process is only a proxy (the task factory runs in the engine actor):
+    Tune keeps it for the next trial, also where the run says ``reuse_actors=False``, and
+    each trial still trains its own config from its first iteration."""
+    ex = shared_executor
+    config = {"lr": tune.grid_search([0.001, 0.01, 0.1])}
+    stop = {"training_iteration": 2}
+    if form == "run":
+        analysis = _run(
+            ex, storage, config=config, stop=stop, max_concurrent_trials=1, reuse_actors=False
+        )
+        results = [t.last_result for t in analysis.trials]
+    else:
+        grid = tune.Tuner(
+            ex.trainable(tune_tasks.make_task),
+            param_space=config,
+            tune_config=tune.TuneConfig(
+                metric="val_loss", mode="min", max_concurrent_trials=1, reuse_actors=False
+            ),
+            run_config=tune.RunConfig(stop=stop, storage_path=storage, verbose=0),
+        ).fit()
+        assert grid.num_errors == 0
+        results = [r.metrics for r in grid]
+    assert _leftovers(ex) == []
+    assert [r["training_iteration"] for r in results] == [2, 2, 2]
+    assert len({r["pid"] for r in results}) == 1, [r["pid"] for r in results]
+    assert len({r["loss"] for r in results}) == 3  # three lrs, three trainings
 
 
 def test_hyperopt_search_if_installed(

@@ -322,6 +322,7 @@ class HydraClassTrainable(EngineClient, tune.Trainable):
 
     _name: ClassVar[str] = ""
     _has_reset_config: ClassVar[bool] = False
+    _reuse_process: ClassVar[bool] = False  # reuse_actors stays the run's: see EngineClient
     _required_metrics: ClassVar[tuple[str, ...]] = ()
 
     @classmethod

@@ -253,7 +253,7 @@ def hook_tuner() -> bool:
             ex = executor_of(trainable)
             if ex is not None and kwargs.get("_tuner_internal") is None:
                 kwargs["tune_config"], kwargs["run_config"] = tuner_configs(
-                    ex, kwargs.get("tune_config"), kwargs.get("run_config")
+                    ex, kwargs.get("tune_config"), kwargs.get("run_config"), trainable
                 )
             original(self, trainable, **kwargs)
 

@@ -169,7 +169,9 @@ def run(
       milestone (its next rung) and drop stopped or paused trials' queued work; the
       executor's ``policy="auto"`` becomes the milestone policy when the scheduler stops
       trials early or ``search_alg`` adapts, LRTF otherwise; ``max_concurrent_trials``
-      defaults to the number of engine slots; a request for resources of the trials' own
+      defaults to the number of engine slots; ``reuse_actors`` is on for task factories
+      and function trainables (a trial's process is only a proxy: the user's code runs
+      in the engine actor, a fresh call each trial); a request for resources of the trials' own
       (``resources_per_trial``, ``tune.with_resources``) is dropped with one warning: each
       trial holds one engine slot and no CPU, and the engine places the model.
     * every trial ends with a checkpoint (``HydraExecutor(checkpoint="every")``, unless the
@@ -241,6 +243,8 @@ def run(
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *ex.callbacks()]
         if kwargs.get("max_concurrent_trials") is None:
             kwargs["max_concurrent_trials"] = ex.max_concurrent_trials
+        if trainable._reuse_process:
+            kwargs["reuse_actors"] = True
         clear_systematic(ex.run_id)
         try:
             analysis = tune.run(trainable, **kwargs)
@@ -269,13 +273,17 @@ def executor_of(trainable: Any) -> HydraExecutor | None:
     return found if isinstance(found, HydraExecutor) else None  # only executors register
 
 
-def tuner_configs(ex: HydraExecutor, tune_config: Any, run_config: Any) -> tuple[Any, Any]:
+def tuner_configs(
+    ex: HydraExecutor, tune_config: Any, run_config: Any, trainable: Any = None
+) -> tuple[Any, Any]:
     """The ``TuneConfig`` and ``RunConfig`` of a ``tune.Tuner`` over a trainable of
     ``ex``, completed as :func:`run` completes a ``tune.run`` call: the scheduler wrapped
     by :meth:`HydraExecutor.scheduler` (with the run's ``stop`` and search algorithm),
     ``stop`` by :meth:`HydraExecutor.stopper`, the executor's :meth:`~HydraExecutor.callbacks`
-    added, and ``max_concurrent_trials`` the engines' slots unless set. What is already
-    the executor's is kept as it is, so passing them by hand changes nothing. The user's
+    added, ``max_concurrent_trials`` the engines' slots unless set, and ``reuse_actors``
+    on for the proxies of task factories and function trainables (``trainable``; see
+    :class:`~tune_hydra.frontends.ray.trainable.EngineClient`). What is already the
+    executor's is kept as it is, so passing them by hand changes nothing. The user's
     configs are copied, not changed.
     """
     from tune_hydra.frontends.ray.callback import HydraCallback
@@ -289,6 +297,8 @@ def tuner_configs(ex: HydraExecutor, tune_config: Any, run_config: Any) -> tuple
     )
     if tune_config.max_concurrent_trials is None:
         tune_config.max_concurrent_trials = ex.max_concurrent_trials
+    if getattr(trainable, "_reuse_process", False):
+        tune_config.reuse_actors = True
     run_config.stop = ex.stopper(run_config.stop)
     callbacks = list(run_config.callbacks or [])
     if not any(isinstance(c, HydraCallback) and c.run_id == ex.run_id for c in callbacks):

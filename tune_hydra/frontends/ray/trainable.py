@@ -110,6 +110,14 @@ class EngineClient:
     of ``tune.with_parameters`` around the class, set here when Tune subclasses it).
     Instances have ``_actor`` (None until the first call) and ``_slot_checked``, and are
     Tune trainables (``trial_id``, ``trial_resources``).
+
+    ``_reuse_process``: Tune keeps a proxy's process for the next trial
+    (``reuse_actors=True``, set by :func:`~tune_hydra.frontends.ray.run.run` and
+    :func:`~tune_hydra.frontends.ray.run.tuner_configs`). The user's code does not run in
+    it (a task factory or function runs in the engine actor, a fresh call each trial), so
+    a new process a trial would cost only time: ~2 core-s to start and import Tune. Class
+    Trainables keep the run's own ``reuse_actors``: there it decides whether the user's
+    ``reset_config`` is called.
     """
 
     _factory_id: ClassVar[str] = ""
@@ -117,6 +125,7 @@ class EngineClient:
     _secret: ClassVar[str] = ""
     _slot_resource: ClassVar[str] = ""
     _param_refs: ClassVar[dict[str, Any]] = {}
+    _reuse_process: ClassVar[bool] = True
     _actor: Any = None
     _slot_checked: bool = False
     trial_id: str
