@@ -264,21 +264,28 @@ class Dispatcher:
             if worker is not None:
                 worker.finished(a, entry.name)
             entry.assigned = None
-            if err is None:
+            # A state of this task that could not be written to the disk tier while the
+            # op ran fails it now, before the op can end its call: the dispatcher thread's
+            # poll may come only after the task finished (its call would then succeed).
+            self._spill_failures()
+            failed = err is not None or entry.error is not None
+            if not failed:
                 per_batch = a.duration / max(1, a.op.count)
                 entry.record(a.op.kind.value, a.op.shard, per_batch)
                 self._op_sum += per_batch
                 self._op_n += 1
             if err is not None:
                 self._fail(entry, err)
+            elif failed:
+                pass  # failed by its spill (its calls raise the write error), not advanced
             elif entry.cancelled:
                 self.cancel_futures(entry)
             else:
                 self._advance(entry)
                 self._kept.end(entry)
                 entry.ready_since = self.clock()
-            self.note_carry(entry, worker, a.left if err is None else 0)
-            wake = err is not None or entry.cancelled or self._closed
+            self.note_carry(entry, worker, 0 if failed else a.left)
+            wake = failed or entry.cancelled or self._closed
             if not self._closed and self._broken is None:
                 # Dispatch right here instead of waking the dispatcher thread: one thread
                 # hand-off less per operation. A policy error resurfaces in _loop.
