@@ -264,3 +264,42 @@ def test_resume_from_a_checkpoint_exact(engine: th.Engine, tmp_path: Path) -> No
     for i, st in sb["state"].items():
         for k, v in st.items():
             assert torch.equal(torch.as_tensor(sa["state"][i][k]), torch.as_tensor(v)), (i, k)
+
+
+@pytest.mark.parametrize("precision", ["bf16-mixed", "bf16-true"])
+def test_lightning_bf16_precision_equals_plain(
+    precision: str, engine: th.Engine, tmp_path: Path
+) -> None:
+    """Lightning's bf16 precisions under ``th.HydraStrategy()``: ``bf16-mixed`` (float32
+    weights, the steps under Lightning's ``torch.autocast``, which every shard op enters)
+    and ``bf16-true`` (the network converted to bfloat16): per-step losses, weights and
+    optimizer state equal plain Lightning's at the same precision, bit for bit, and the
+    losses differ from a float32 run's (the precision was not dropped). (``16-mixed`` is
+    Lightning's ``bf16-mixed`` on a CPU; with fp16 on CUDA its ``GradScaler`` is the one
+    ``test_shard_amp.py`` keeps exact.)"""
+    runs = {}
+    for name, eng, prec in (
+        ("plain", None, precision),
+        ("sharded", engine, precision),
+        ("fp32", None, "32-true"),
+    ):
+        where = "init" if eng is not None else ""
+        strategy = {"strategy": th.HydraStrategy()} if eng is not None else {}
+        model = LitNet(net(), eng, where)
+        t = fit(model, tmp_path / name, precision=prec, **strategy)
+        runs[name] = (model, t)
+    (plain, plain_t), (model, sharded_t), (fp32, _) = runs["plain"], runs["sharded"], runs["fp32"]
+    assert len(model.losses) == 8 and model.losses == plain.losses
+    assert model.losses != fp32.losses
+    dtype = torch.bfloat16 if precision == "bf16-true" else torch.float32
+    a, b = model.state_dict(), plain.state_dict()
+    assert list(a) == list(b)
+    for k in b:
+        assert a[k].dtype == dtype and torch.equal(a[k], b[k]), k
+    sa, sb = sharded_t.optimizers[0].state_dict(), plain_t.optimizers[0].state_dict()
+    for i, st in sb["state"].items():
+        for k, v in st.items():
+            assert torch.equal(torch.as_tensor(sa["state"][i][k]), torch.as_tensor(v)), (i, k)
+    assert len(model.network.__dict__["_th_shard"].loop.shards) == 3
+    th.unshard(model.network)
+    assert engine.tasks() == []

@@ -119,6 +119,37 @@ def test_trainer_with_its_defaults_equals_plain(tmp_path: Path, engine: th.Engin
         assert torch.equal(plain.state_dict()[k], v), k
 
 
+def test_a_datasets_dataset_with_extra_columns_as_plain(tmp_path: Path, engine: th.Engine) -> None:
+    """A Hugging Face ``datasets.Dataset`` with a column the model does not take (its
+    text) under Trainer's default ``remove_unused_columns=True``: Trainer reads the
+    sharded model's ``forward`` signature (the model's own), drops the column, and
+    trains as plain."""
+    datasets = pytest.importorskip("datasets")
+
+    def table(n: int, seed: int) -> Any:
+        rows = [Tokens(n, seed)[i] for i in range(n)]
+        columns = {k: [r[k].tolist() for r in rows] for k in rows[0]}
+        return datasets.Dataset.from_dict({**columns, "text": [f"row {i}" for i in range(n)]})
+
+    runs = []
+    for shard in (False, True):
+        torch.manual_seed(0)
+        model = th.shard(gpt2(), engine=engine) if shard else gpt2()
+        trainer = transformers.Trainer(
+            model=model,
+            args=args(tmp_path / str(shard)),
+            train_dataset=table(32, 0),
+            eval_dataset=table(8, 1),
+        )
+        assert trainer.args.remove_unused_columns  # Trainer's default
+        trainer.train()
+        runs.append(trainer)
+    want, got = runs
+    assert len(losses(got)) == 10 and losses(got) == losses(want)
+    assert "_th_shard" in got.optimizer.optimizer.__dict__  # trained on the engine
+    th.unshard(got.model)
+
+
 def test_trainer_resumes_from_its_checkpoint_as_plain(tmp_path: Path, engine: th.Engine) -> None:
     def resumed(out: Path, shard: bool) -> list[float]:
         first = fit(out, shard=shard, engine=engine, save_strategy="epoch", num_train_epochs=1)
