@@ -143,6 +143,7 @@ FIRST = ("test_examples.py", "test_benchmarks.py")
 HANG_S = 1500
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its hook adds "@ray" to node ids)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     # Under pytest-xdist (pyproject's addopts: ``-n 2 --dist loadgroup``) the tests that
     # use the shared local Ray session run on one worker, one after another: one Ray

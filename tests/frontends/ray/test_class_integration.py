@@ -20,6 +20,7 @@ from ray.tune.schedulers import FIFOScheduler, PopulationBasedTraining
 from torch import nn
 
 import tune_hydra as th
+from tests.frontends.ray import relay
 from tune_hydra.frontends.ray import HydraExecutor
 from tune_hydra.frontends.ray.errors import NoShardError, NotATaskFactoryError
 
@@ -64,7 +65,8 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 
 
 def _wait_for_peers(folder: str, count: int) -> None:
-    """A cross-process barrier: the trials start training together (bounded)."""
+    """A cross-process barrier: the trials start a step together (bounded)."""
+    os.makedirs(folder, exist_ok=True)
     Path(folder, uuid.uuid4().hex).touch()
     deadline = time.monotonic() + 60
     while len(os.listdir(folder)) < count and time.monotonic() < deadline:
@@ -75,7 +77,8 @@ class TrainConvNet(tune.Trainable):
     """Ray-Tune-style class trainable: SGD momentum, accuracy, a checkpoint file per save.
 
     Config: ``seed``, ``lr``, ``shard`` (True), ``barrier`` / ``peers`` (wait for the other
-    trials before the first step), ``marker`` (raise at the third step while it exists).
+    trials before each step: none can finish before another started, whatever the
+    load), ``marker`` (raise at the third step while it exists).
     """
 
     def setup(self, config: dict[str, Any], train_data: Any = None) -> None:
@@ -90,8 +93,10 @@ class TrainConvNet(tune.Trainable):
             self.model, self.optimizer = th.shard(self.model, self.optimizer)
 
     def step(self) -> dict[str, Any]:
-        if self.config.get("barrier") and self.iteration == 0:
-            _wait_for_peers(self.config["barrier"], self.config["peers"])
+        if self.config.get("barrier"):
+            _wait_for_peers(
+                os.path.join(self.config["barrier"], str(self.iteration)), self.config["peers"]
+            )
         if (
             self.config.get("marker")
             and self.iteration == 2
@@ -170,18 +175,6 @@ def _executor() -> HydraExecutor:
 make_shared_executor = _executor  # the shared_executor fixture's (conftest)
 
 
-def _live_runs(ex: HydraExecutor, wait_s: float = 15.0) -> list[str]:
-    """The trials whose thread still runs in an engine (once they had ``wait_s`` to end)."""
-    import ray
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        live = [k for h in ex.engines().values() for k in ray.get(h.functions.remote(ex._secret))]
-        if not live or time.monotonic() > deadline:
-            return live
-        time.sleep(0.2)
-
-
 KEYS = ["train_loss", "mean_accuracy", "start_digest", "iter_seen"]
 
 
@@ -219,7 +212,7 @@ def test_class_trainables_equal_the_plain_class_multiplexed_on_one_engine(
         engine_pid = __import__("ray").get(engine.start.remote())["pid"]
         trace = ex.trace()
         # A stopped one ends at its next forward or report: wait for that first.
-        assert _live_runs(ex) == []
+        assert relay.live_functions(ex) == []
         registered = ex.registered_trials()
     want = {r.config["seed"]: r.metrics_dataframe for r in plain}
     assert all(r.error is None for r in results), [r.error for r in results]
@@ -273,7 +266,7 @@ def test_pbt_exploits_restore_the_source_checkpoint(
         run_config=tune.RunConfig(storage_path=storage, stop={"training_iteration": 2}, verbose=0),
     ).fit()
     # A stopped one ends at its next forward or report: wait for that first.
-    assert _live_runs(ex) == []
+    assert relay.live_functions(ex) == []
     registered = ex.registered_trials()
     assert all(r.error is None for r in results), [r.error for r in results]
     saved = {}  # (trial id, iteration) -> the weights it saved then
@@ -334,7 +327,7 @@ def test_paused_trials_resume_exactly(
             storage_path=storage, stop={"training_iteration": ITERS}, verbose=0
         ),
     ).fit()
-    assert _live_runs(ex) == []
+    assert relay.live_functions(ex) == []
     assert all(r.error is None for r in results), [r.error for r in results]
     for r in results:
         frame = r.metrics_dataframe
@@ -379,7 +372,7 @@ def test_tuner_restore_resumes_from_the_checkpoint(
         resume_errored=True,
     )
     (result,) = restored.fit()
-    assert _live_runs(ex) == []
+    assert relay.live_functions(ex) == []
     assert result.error is None, result.error
     frame = result.metrics_dataframe
     assert list(frame["training_iteration"]) == [1, 2, 3, 4]

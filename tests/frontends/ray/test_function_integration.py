@@ -16,11 +16,11 @@ from typing import Any
 import pytest
 import torch
 from ray import cloudpickle, tune
-from ray.train._internal import session as train_session
 from ray.tune.schedulers import ASHAScheduler, FIFOScheduler, PopulationBasedTraining
 from torch import nn
 
 import tune_hydra as th
+from tests.frontends.ray import relay
 from tune_hydra.frontends.ray import HydraExecutor
 from tune_hydra.frontends.ray.errors import NoShardError
 
@@ -112,34 +112,10 @@ def train_convnet(config: dict[str, Any]) -> None:
             )
 
 
-class _FakeSession:
-    """Enough of Ray's Tune session to call a function trainable directly."""
-
-    world_rank = None
-
-    def __init__(self, checkpoint: Any = None) -> None:
-        self.loaded_checkpoint = checkpoint
-        self.results: list[dict[str, Any]] = []
-        self.states: list[dict[str, Any]] = []
-
-    def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
-        self.results.append(dict(metrics))
-        if checkpoint is not None:
-            with checkpoint.as_directory() as d:
-                self.states.append(torch.load(os.path.join(d, "ckpt.pt"), weights_only=False))
-
-
-def _plain(config: dict[str, Any], checkpoint: Any = None, fn: Any = None) -> _FakeSession:
+def _plain(config: dict[str, Any], checkpoint: Any = None, fn: Any = None) -> relay.FakeSession:
     """The function (``train_convnet`` by default) without th.shard, in this thread, with
     a fake session."""
-    fake = _FakeSession(checkpoint)
-    old = train_session._session
-    train_session._session = fake  # type: ignore[assignment]
-    try:
-        (fn or train_convnet)({**config, "shard": False})
-    finally:
-        train_session._session = old
-    return fake
+    return relay.plain(fn or train_convnet, {**config, "shard": False}, checkpoint)
 
 
 def _executor(**options: Any) -> HydraExecutor:
@@ -150,19 +126,6 @@ def _executor(**options: Any) -> HydraExecutor:
         fleet.engine_options, copy_on_cpu=True, max_layers_per_shard=1
     )
     return ex
-
-
-def _live_functions(ex: HydraExecutor, wait_s: float = 15.0) -> list[str]:
-    """The trials whose function thread still runs in an engine, once they had
-    ``wait_s`` to end (a stopped function ends at its next forward or report)."""
-    import ray
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        live = [k for h in ex.engines().values() for k in ray.get(h.functions.remote(ex._secret))]
-        if not live or time.monotonic() > deadline:
-            return live
-        time.sleep(0.2)
 
 
 def _load(trial_checkpoint: Any) -> dict[str, Any]:
@@ -196,7 +159,7 @@ def test_function_trainables_are_exact_and_tune_works(
             trial_executor=ex,
         )
         # A stopped one ends at its next forward or report: wait for that first.
-        assert _live_functions(ex) == []
+        assert relay.live_functions(ex) == []
         registered = ex.registered_trials()
     finally:
         th.unpatch_tune()
@@ -253,7 +216,7 @@ def test_function_trials_reuse_their_proxy_process(
         verbose=0,
         trial_executor=ex,
     )
-    assert _live_functions(ex) == []
+    assert relay.live_functions(ex) == []
     trials = sorted(analysis.trials, key=lambda t: t.config["seed"])
     assert [t.status for t in trials] == ["TERMINATED"] * 3
     assert len({t.last_result["pid"] for t in trials}) == 1
@@ -333,7 +296,7 @@ def test_asha_context_cwd_failures_and_threads(
     )
     results = tuner.fit()
     # A stopped one ends at its next forward or report: wait for that first.
-    assert _live_functions(ex) == []
+    assert relay.live_functions(ex) == []
     registered = ex.registered_trials()
     by_q = {r.config["q"]: r for r in results}
     failed = by_q[0.5]
@@ -431,7 +394,7 @@ def test_paused_function_trials_resume_exactly(ray_session: Any, storage: str) -
             storage_path=storage,
             verbose=0,
         )
-        assert _live_functions(ex) == []
+        assert relay.live_functions(ex) == []
     assert all(t.status == "TERMINATED" for t in analysis.trials), [
         (t.status, t.error_file) for t in analysis.trials
     ]
@@ -468,7 +431,7 @@ def test_pbt_exploits_restore_weights_and_optimizer(
         verbose=0,
     )
     # A stopped one ends at its next forward or report: wait for that first.
-    assert _live_functions(ex) == []
+    assert relay.live_functions(ex) == []
     registered = ex.registered_trials()
     assert all(t.status == "TERMINATED" for t in analysis.trials)
     restored = _check_restarts(analysis, iters=4)
@@ -516,14 +479,8 @@ def test_with_parameters_both_ways(
         (trial,) = analysis.trials
         assert trial.status == "TERMINATED", trial.error_file
         frames.append(analysis.trial_dataframes[trial.trial_id])
-    assert _live_functions(ex) == []
-    plain = _FakeSession()
-    old = train_session._session
-    train_session._session = plain  # type: ignore[assignment]
-    try:
-        train_with_data({"shard": False}, data=data)
-    finally:
-        train_session._session = old
+    assert relay.live_functions(ex) == []
+    plain = relay.plain(lambda config: train_with_data(config, data=data), {"shard": False})
     want = [r["loss"] for r in plain.results]
     assert list(frames[0]["batches"]) == [4, 4] and list(frames[1]["batches"]) == [4, 4]
     assert list(frames[0]["loss"]) == want and list(frames[1]["loss"]) == want

@@ -12,16 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from ray import cloudpickle, tune
-from ray.train._internal import session as train_session
 
 import tune_hydra as th
+from tests.frontends.ray import relay
 from tune_hydra.frontends.ray import HydraExecutor
 
 pl = pytest.importorskip("lightning.pytorch")
@@ -75,42 +74,9 @@ def train_lightning(config: dict[str, Any]) -> None:
     t.fit(model, train, val)
 
 
-class _FakeSession:
-    """Enough of Ray's Tune session to call a function trainable directly."""
-
-    world_rank = None
-    loaded_checkpoint = None
-
-    def __init__(self) -> None:
-        self.results: list[dict[str, Any]] = []
-
-    def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
-        self.results.append(dict(metrics))
-
-
 def _plain(lr: float) -> list[dict[str, Any]]:
     """The function with plain Lightning, in this thread, with a fake session."""
-    fake = _FakeSession()
-    old = train_session._session
-    train_session._session = fake  # type: ignore[assignment]
-    try:
-        train_lightning({"lr": lr, "shard": False})
-    finally:
-        train_session._session = old
-    return fake.results
-
-
-def _live_functions(ex: HydraExecutor, wait_s: float = 15.0) -> list[str]:
-    """The trials whose function thread still runs in an engine, once they had
-    ``wait_s`` to end."""
-    import ray
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        live = [k for h in ex.engines().values() for k in ray.get(h.functions.remote(ex._secret))]
-        if not live or time.monotonic() > deadline:
-            return live
-        time.sleep(0.2)
+    return relay.plain(train_lightning, {"lr": lr, "shard": False}).results
 
 
 def make_shared_executor() -> HydraExecutor:
@@ -143,7 +109,7 @@ def test_lightning_function_trials_each_equal_alone(
         trial_executor=ex,
     )
     trace = ex.trace()
-    assert _live_functions(ex) == []
+    assert relay.live_functions(ex) == []
     assert all(not r["engine_tasks"] for r in ex.registered_trials().values())
     monkeypatch.chdir(tmp_path)  # plain Lightning's default_root_dir
     trials = sorted(analysis.trials, key=lambda t: t.config["lr"])

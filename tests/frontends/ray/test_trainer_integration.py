@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import torch
 from ray import cloudpickle, tune
-from ray.train._internal import session as train_session
 
 import tune_hydra as th
+from tests.frontends.ray import relay
 from tune_hydra.frontends.ray import HydraExecutor
 
 transformers = pytest.importorskip("transformers")
@@ -92,29 +92,9 @@ def train_trainer(config: dict[str, Any]) -> None:
     trainer.train()
 
 
-class _FakeSession:
-    """Enough of Ray's Tune session to call a function trainable directly."""
-
-    world_rank = None
-    loaded_checkpoint = None
-
-    def __init__(self) -> None:
-        self.results: list[dict[str, Any]] = []
-
-    def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
-        self.results.append(dict(metrics))
-
-
 def _plain(config: dict[str, Any]) -> list[dict[str, Any]]:
     """The function without th.shard, here, with a fake session."""
-    fake = _FakeSession()
-    old = train_session._session
-    train_session._session = fake  # type: ignore[assignment]
-    try:
-        train_trainer({**config, "shard": False})
-    finally:
-        train_session._session = old
-    return fake.results
+    return relay.plain(train_trainer, {**config, "shard": False}).results
 
 
 def _executor() -> HydraExecutor:
@@ -125,19 +105,6 @@ def _executor() -> HydraExecutor:
         fleet.engine_options, copy_on_cpu=True, max_layers_per_shard=1
     )
     return ex
-
-
-def _live_functions(ex: HydraExecutor, wait_s: float = 15.0) -> list[str]:
-    """The trials whose function thread still runs in an engine, once they had
-    ``wait_s`` to end."""
-    import ray
-
-    deadline = time.monotonic() + wait_s
-    while True:
-        live = [k for h in ex.engines().values() for k in ray.get(h.functions.remote(ex._secret))]
-        if not live or time.monotonic() > deadline:
-            return live
-        time.sleep(0.2)
 
 
 def test_trainer_function_trials_each_equal_alone(
@@ -160,7 +127,7 @@ def test_trainer_function_trials_each_equal_alone(
                 trial_executor=ex,
             )
             trace = ex.trace()
-            assert _live_functions(ex) == []
+            assert relay.live_functions(ex) == []
             registered = ex.registered_trials()
     finally:
         th.unpatch_tune()
@@ -229,7 +196,7 @@ def test_hyperparameter_search_with_ray_shards_each_trial(
         with _executor() as ex:
             best = search(True, trial_executor=ex)
             trace = ex.trace()
-            assert _live_functions(ex) == []
+            assert relay.live_functions(ex) == []
             registered = ex.registered_trials()
     finally:
         th.unpatch_tune()
