@@ -62,3 +62,19 @@ def live_functions(ex: Any, wait_s: float = 15.0) -> list[str]:
         if not live or time.monotonic() > deadline:
             return live
         time.sleep(0.2)
+
+
+def emulated_executor(max_layers_per_shard: int, **options: Any) -> Any:
+    """A ``HydraExecutor`` on 2 emulated copying CPU devices, at most
+    ``max_layers_per_shard`` layers a shard (engine options the executor does not take,
+    set on its fleet before it starts); ``options`` go to the executor."""
+    import dataclasses
+
+    from tune_hydra.frontends.ray import HydraExecutor
+
+    ex = HydraExecutor(devices=["cpu", "cpu"], **options)
+    fleet = ex._engines
+    fleet.engine_options = dataclasses.replace(
+        fleet.engine_options, copy_on_cpu=True, max_layers_per_shard=max_layers_per_shard
+    )
+    return ex

@@ -4,7 +4,6 @@ without ``th.shard``, with Tune's schedulers, checkpoints and context."""
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import sys
 import tempfile
@@ -120,12 +119,7 @@ def _plain(config: dict[str, Any], checkpoint: Any = None, fn: Any = None) -> re
 
 def _executor(**options: Any) -> HydraExecutor:
     """2 emulated copying devices, layers cut into several shards."""
-    ex = HydraExecutor(devices=["cpu", "cpu"], **options)
-    fleet = ex._engines
-    fleet.engine_options = dataclasses.replace(
-        fleet.engine_options, copy_on_cpu=True, max_layers_per_shard=1
-    )
-    return ex
+    return relay.emulated_executor(1, **options)
 
 
 def _load(trial_checkpoint: Any) -> dict[str, Any]:

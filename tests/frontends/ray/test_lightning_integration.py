@@ -10,7 +10,6 @@ those of ``tests/frontends/test_lightning.py``.
 
 from __future__ import annotations
 
-import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
@@ -81,12 +80,7 @@ def _plain(lr: float) -> list[dict[str, Any]]:
 
 def make_shared_executor() -> HydraExecutor:
     """2 emulated copying devices, at most 2 layers a shard (3 shards a network)."""
-    ex = HydraExecutor(devices=["cpu", "cpu"])
-    fleet = ex._engines
-    fleet.engine_options = dataclasses.replace(
-        fleet.engine_options, copy_on_cpu=True, max_layers_per_shard=2
-    )
-    return ex
+    return relay.emulated_executor(2)
 
 
 def test_lightning_function_trials_each_equal_alone(

@@ -11,7 +11,6 @@ data and its ``TrainingArguments`` are those of ``tests/frontends/test_shard_tra
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import sys
@@ -99,12 +98,7 @@ def _plain(config: dict[str, Any]) -> list[dict[str, Any]]:
 
 def _executor() -> HydraExecutor:
     """2 emulated copying devices, one block a shard."""
-    ex = HydraExecutor(devices=["cpu", "cpu"])
-    fleet = ex._engines
-    fleet.engine_options = dataclasses.replace(
-        fleet.engine_options, copy_on_cpu=True, max_layers_per_shard=1
-    )
-    return ex
+    return relay.emulated_executor(1)
 
 
 def test_trainer_function_trials_each_equal_alone(
