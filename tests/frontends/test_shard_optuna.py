@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import _thread
 import gc
+import logging
 import signal
 import threading
 import time
@@ -122,12 +123,30 @@ def replay(s: optuna.Study, dropout: bool = True) -> dict[int, tuple[str, float 
 
 
 def wait_empty(engine: th.Engine) -> None:
+    _logged_tracebacks_as_text()
     for _ in range(400):
         gc.collect()
         if not engine.tasks():
             return
         time.sleep(0.05)
     assert engine.tasks() == [], _holders(engine.tasks())
+
+
+def _logged_tracebacks_as_text() -> None:
+    """Since pytest 9.2 its log capture also attaches to loggers that do not propagate,
+    as Optuna's, and keeps the records: a failed trial's record keeps the exception's
+    frames, with them the objective's ``model``, and a loop leaves the engine only when
+    its model is collected. Any handler that keeps records would hold the model the same
+    way, with or without th.shard; the records keep the traceback as text."""
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for log in loggers:
+        for handler in getattr(log, "handlers", []):
+            for record in getattr(handler, "records", []):
+                if record.exc_info:
+                    record.exc_text = record.exc_text or logging.Formatter().formatException(
+                        record.exc_info
+                    )
+                    record.exc_info = None
 
 
 def _holders(names: list[str]) -> str:
