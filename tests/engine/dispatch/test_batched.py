@@ -544,6 +544,43 @@ def test_shard_loops_batch_shared_train_as_each_alone(
     engine. Under a device budget too (the ops run along are counted on the device:
     their states as queued, their activations beside the pass's), below what the four
     loops' shards need at once: the trace replays within it."""
+    passes, ops, worst = _four_loops(kind, budget, saved)
+    assert passes > 0 and ops > passes, (passes, ops)
+    with capsys.disabled():
+        print(
+            f"\n{kind} th.shard loops batch_shared: {passes} batched passes of {ops} ops; vs "
+            f"alone: {'exact' if worst == 0 else f'max rel {worst:.2e}'}"
+        )
+
+
+def test_an_op_with_no_room_to_run_along_leaves_the_group_and_runs_later(
+    saved: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The state of an op grouped to run along is leased by the device's run thread as
+    the pass starts, and must not wait there (only its own op could make room: a full run
+    hung). When it gets no room, the op leaves the group, is offered again, and runs
+    later on its own: here no op ever gets room along, so no pass batches, and every loop
+    still trains as alone and leaves the engine."""
+    from tune_hydra.engine.dispatch.workers import DeviceWorker
+
+    lease = DeviceWorker.lease
+    refused = []
+
+    def no_room(self: Any, store: Any, **kw: Any) -> Any:
+        if kw.get("room_now"):
+            refused.append(store.name)
+            return None
+        return lease(self, store, **kw)
+
+    monkeypatch.setattr(DeviceWorker, "lease", no_room)
+    passes, ops, _ = _four_loops("llama", 200_000, saved)
+    assert refused and passes == 0 and ops == 0, (len(refused), passes, ops)
+
+
+def _four_loops(kind: str, budget: int | None, saved: dict[str, Path]) -> tuple[int, int, float]:
+    """Four LoRA loops at once on a batch_shared engine, each checked against its plain
+    run; returns the batched passes, the ops run in them and the largest relative
+    difference."""
     import threading
 
     import tune_hydra as th
@@ -588,7 +625,6 @@ def test_shard_loops_batch_shared_train_as_each_alone(
             # The loops' shards did not fit at once: states went back to host memory.
             assert any(e.op == "copy_out" for e in eng.trace.events)
             eng.trace.validate(state_budget=budget, activation_bytes=acts)
-    assert passes > 0 and ops > passes, (passes, ops)
     worst = 0.0
     for i, ref in enumerate(refs):
         assert not isinstance(results[i], BaseException), results[i]
@@ -603,11 +639,7 @@ def test_shard_loops_batch_shared_train_as_each_alone(
             if p.requires_grad:
                 worst = max(worst, rel(mine[n].detach(), p.detach()))
                 assert rel(mine[n].detach(), p.detach()) <= TOL, n
-    with capsys.disabled():
-        print(
-            f"\n{kind} th.shard loops batch_shared: {passes} batched passes of {ops} ops; vs "
-            f"alone: {'exact' if worst == 0 else f'max rel {worst:.2e}'}"
-        )
+    return passes, ops, worst
 
 
 def test_shard_loops_batched_forward_gives_each_loop_its_own_outputs(

@@ -279,6 +279,30 @@ def test_a_lease_that_does_not_fit_waits_for_room_then_times_out() -> None:
         engine.trace.validate(state_budget=budget)
 
 
+def test_a_lease_that_must_not_wait_takes_the_room_there_is_or_none() -> None:
+    # An op run along in a batched pass is leased on its device's run thread, whose op is
+    # the one running: waiting for room there waited for itself (a full run hung 600 s).
+    # room_now takes the room that evicting unheld states makes, and otherwise returns
+    # None at once, leaving everything as it was.
+    engine, budget = _tight_engine()
+    with engine:
+        engine.add_task("a", _task(_model()), seed=0)
+        specs = engine.plan("a").shards
+        big, other = sorted(specs, key=lambda s: s.state_bytes)[-1:-3:-1]
+        (w,) = engine.workers
+        runner = engine.runner("a")
+        first = engine.acquire("a", big.index, 0)
+        assert w.lease(runner.store_of(other.index), room_now=True) is None
+        assert w.leases() == [first]
+        assert w.ledger.usage().state == big.state_bytes
+        first.release()  # resident but unheld: evicting it makes the room
+        lease = w.lease(runner.store_of(other.index), room_now=True)
+        assert lease is not None and lease.active
+        assert w.ledger.usage().state == other.state_bytes
+        lease.release()
+        engine.trace.validate(state_budget=budget)
+
+
 def test_one_lease_per_shard_at_a_time() -> None:
     with Engine(devices=["cpu"], copy_on_cpu=True) as engine:
         engine.add_task("a", _task(_model()), seed=0)

@@ -54,6 +54,7 @@ and an input's gradient contributions may be summed in another order.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,7 @@ from tune_hydra.engine.storage.frozen import address, canonical_name
 from tune_hydra.exceptions import NotBatchableError
 from tune_hydra.models.hf import HeadStage
 
+log = logging.getLogger(__name__)
 _NO_NUMBER = object()
 
 
@@ -753,24 +755,27 @@ class SharedBatcher:
             entry.runner.execute(op, device)
             return
         w = g.w
-        extras = g.members[1:]
         leases = []
-        t0 = w.clock()
         ok = False
         errors: dict[str, BaseException] = {}
+        extras: list[tuple[Any, Any]] = []
+        t0 = w.clock()
         try:
-            for e, o in extras:
-                if w.copy:
-                    dispatcher.note_carry(e, None)
-                store = e.runner.store_of(o.shard)
-                leases.append(w.lease(store))
-                store.begin_op(o.kind)
+            for e, o in list(g.members[1:]):
+                lease = self._lease_along(dispatcher, g, e, o)
+                if lease is not None:
+                    extras.append((e, o))
+                    leases.append(lease)
+                    e.runner.store_of(o.shard).begin_op(o.kind)
+            # The pass (and the activations of the ops along) starts once their states
+            # are leased: the evictions that made room for them come before it.
+            t0 = w.clock()
             runners = [e.runner for e, _ in g.members]
             errors = run_together(runners, [o for _, o in g.members], device, self)
             ok = True
         finally:
             self._errors.update(errors)
-            for (e, o), lease in zip(extras, leases, strict=False):
+            for (e, o), lease in zip(extras, leases, strict=True):
                 store = e.runner.store_of(o.shard)
                 try:
                     store.end_op(failed=not ok or e.name in errors)
@@ -785,6 +790,32 @@ class SharedBatcher:
                         o.iteration, o.batch, self._left.get(e.name, 0), along=True,
                     )
                 )  # fmt: skip
+
+    def _lease_along(self, dispatcher: Any, g: _Group, e: Any, o: Any) -> Any:
+        """Lease ``e``'s state for ``o`` run along in ``g`` (on its worker's run thread),
+        or, if it cannot be leased at once, take the op out of the group: the dispatcher
+        offers it again. Never waits: only ops and leases ending could make room, and the
+        op of this thread is the one running (waiting hung the device)."""
+        w = g.w
+        store = e.runner.store_of(o.shard)
+        carries = [(x, x.carries.get(e.name)) for x in dispatcher.workers] if w.copy else []
+        if w.copy:  # its boundary tensors go with its op: not counted where they wait
+            dispatcher.note_carry(e, None)
+        lease = w.lease(store, ahead_of=g.a, blocking=False, room_now=True)
+        if lease is not None:
+            return lease
+        for x, carry in carries:
+            if carry is not None:
+                x.set_carry(e.name, carry)
+        with dispatcher.locked():
+            g.members.remove((e, o))
+            g.a.along.remove(store)
+            if g.reserved:
+                g.reserved -= store.activation_bytes
+                w.hold_along(g, g.reserved or None)
+            dispatcher.drop_along(e)
+        log.debug("%s: %s runs after the batched pass, not in it (no room now)", w.label, o)
+        return None
 
     def _done(
         self, dispatcher: Any, g: _Group, lead_done: Any, a: Any, err: BaseException | None

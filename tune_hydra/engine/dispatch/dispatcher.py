@@ -307,6 +307,12 @@ class Dispatcher:
         """``entry``'s current op runs on ``w`` along with the op assigned there now."""
         entry.assigned = w
 
+    def drop_along(self, entry: TaskRecord) -> None:
+        """``entry``'s op, taken out of the batched pass it was to run along with (no room
+        for its state then), is ready again (under the engine's lock)."""
+        entry.assigned = None
+        self._cv.notify_all()
+
     @contextlib.contextmanager
     def locked(self) -> Iterator[None]:
         """The engine's lock, for a worker's thread (a group closing as its op starts)."""

@@ -254,6 +254,7 @@ class DeviceWorker:
         deadline: float | None = None,
         host: HostMemory | None = None,
         blocking: bool = True,
+        room_now: bool = False,
     ) -> Lease | None:
         """Make ``store`` resident here and keep it so until the lease ends: the one way a
         shard's state comes onto a device to compute (see :mod:`tune_hydra.engine.dispatch.lease`).
@@ -273,6 +274,9 @@ class DeviceWorker:
                 marked here; the engine marks its ops' states as it assigns them).
             blocking: wait for the store to be free of other leases (``False``: return
                 ``None`` if it is not).
+            room_now: return ``None`` rather than wait for an op or a lease to end when
+                there is no room (evicting what no one holds is not waiting): for a
+                caller on this device's own run thread, whose op is the one running.
 
         Raises:
             LeaseTimeoutError: not taken by ``deadline``.
@@ -287,7 +291,9 @@ class DeviceWorker:
             if host is not None:  # before the promotion: nothing spills it in between
                 host.use(store.parts(), 1)
             if self.copy:
-                self._copy_in(lease, store, ahead_of, deadline)
+                if not self._copy_in(lease, store, ahead_of, deadline, patient=not room_now):
+                    lease.revoke("found no room")
+                    return None
             else:
                 store.promote(self.device, None, copy=False, owner=self)
                 with self._lock:
@@ -350,11 +356,20 @@ class DeviceWorker:
                 extra -= 1
 
     def _copy_in(
-        self, lease: Lease, store: Store, ahead_of: Assignment | None, deadline: float | None
-    ) -> None:
+        self,
+        lease: Lease,
+        store: Store,
+        ahead_of: Assignment | None,
+        deadline: float | None,
+        patient: bool = True,
+    ) -> bool:
+        """Copy ``store`` in for ``lease``; False: not ``patient``, and no room now."""
         try:
-            if not self._make_room(store, ahead_of, deadline=deadline) and ahead_of is None:
-                raise LeaseEndedError(f"{self.what(store)}: the engine closed while it waited")
+            if not self._make_room(store, ahead_of, deadline=deadline, patient=patient):
+                if not patient and not self._closing:
+                    return False
+                if ahead_of is None:
+                    raise LeaseEndedError(f"{self.what(store)}: the engine closed while it waited")
             prev = store.owner
             if isinstance(prev, DeviceWorker) and prev is not self:
                 prev.evict(store)  # traced there, on its copy stream
@@ -387,6 +402,7 @@ class DeviceWorker:
         except BaseException:
             self._ungrant(store)
             raise
+        return True
 
     def close(self) -> None:
         self._closing = True
@@ -610,14 +626,18 @@ class DeviceWorker:
         op: Assignment | None = None,
         wait: bool = True,
         deadline: float | None = None,
+        patient: bool = True,
     ) -> bool:
         """Evict least recently used shards so that ``incoming`` fits beside the ops that
         run before it (those assigned ahead of ``op``, or all assigned ones for a
-        speculative prefetch or a caller's lease), the leases held and the copies granted
-        room (count and bytes). If even those do not fit, wait for an op or a lease to
-        end (``wait``, until ``deadline``) or give up (returns False). On success the
-        room is granted to ``incoming`` (the caller calls :meth:`_ungrant` once its copy
-        is counted resident, or failed).
+        speculative prefetch or a caller's lease; with the other states of ``op``'s
+        batched pass, for one of them), the leases held and the copies granted room
+        (count and bytes). If even those do not fit, wait for an op or a lease to end
+        (``wait`` and ``patient``, until ``deadline``) or give up (returns False). On
+        success the room is granted to ``incoming`` (the caller calls :meth:`_ungrant`
+        once its copy is counted resident, or failed). ``wait=False`` is a speculative
+        copy (waiting boundary tensors count, none is parked); ``patient=False`` a needed
+        one that must not wait.
 
         Raises:
             LeaseTimeoutError: no room by ``deadline``.
@@ -627,7 +647,9 @@ class DeviceWorker:
         while True:
             queued = list(self.assigned)
             if op is not None and any(x is op for x in queued):
-                queued = queued[: next(i for i, x in enumerate(queued) if x is op)]
+                at = next(i for i, x in enumerate(queued) if x is op)
+                # A state of op's batched pass: its group's states are needed with it.
+                queued = queued[: at + 1] if any(s is incoming for s in op.along) else queued[:at]
             ahead = [s for x in queued for s in x.stores()] + [incoming]
             with self._lock:  # checked and granted at once: callers on other threads
                 beside = self._beside(incoming)
@@ -636,7 +658,7 @@ class DeviceWorker:
                 if over is None:
                     self._granted[id(incoming)] = incoming
                     break
-            if not wait or self._closing:
+            if not wait or not patient or self._closing:
                 return False
             now = time.monotonic()
             if deadline is not None and now >= deadline:
