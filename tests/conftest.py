@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -11,6 +12,11 @@ import torch
 from torch import nn
 
 import tune_hydra as th
+
+# Ray starts its worker processes (trials, engine actors) at nice 15: beside any other
+# load (the other xdist worker, a CI neighbour, a CPU hog) they got 1-2% of a core and the
+# Ray tier crawled. Set before any test boots Ray, here or in an example's subprocess.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 OPTIMIZERS: dict[str, Callable[[list[nn.Parameter]], torch.optim.Optimizer]] = {
     "sgd": lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9),
