@@ -251,19 +251,34 @@ def train_context(config: dict[str, Any]) -> None:
             worker.start()
             worker.join()
             thread_error = f"{type(caught[0]).__name__}: {caught[0]}" if caught else "none"
-        if not config.get("fail"):  # weaker trials reach ASHA's rungs later
-            time.sleep(0.25 * (5 - config["q"]))
-        tune.report(
-            {
-                "score": config["q"] * (i + 1),
-                "trial_id": ctx.get_trial_id(),
-                "trial_name": ctx.get_trial_name(),
-                "trial_dir": ctx.get_trial_dir(),
-                "cwd": os.getcwd(),
-                "lines": Path("out.txt").read_text().count("\n"),
-                "thread_error": thread_error,
-            }
-        )
+        if i == 0 and not config.get("fail"):
+            _after_stronger(config)
+        try:
+            tune.report(
+                {
+                    "score": config["q"] * (i + 1),
+                    "trial_id": ctx.get_trial_id(),
+                    "trial_name": ctx.get_trial_name(),
+                    "trial_dir": ctx.get_trial_dir(),
+                    "cwd": os.getcwd(),
+                    "lines": Path("out.txt").read_text().count("\n"),
+                    "thread_error": thread_error,
+                }
+            )
+        finally:  # returned (Tune took it), or raised (Tune stopped the trial after it)
+            if i == 0:
+                (Path(config["order"]) / str(config["q"])).touch()
+
+
+def _after_stronger(config: dict[str, Any]) -> None:
+    """Wait until each stronger trial's first result was taken by Tune (a report returns,
+    or a stopped trial's raises, only after that), so that ASHA's first rung sees the
+    results strongest first, whatever the load: each weaker one is then below the rung's
+    cutoff. (Sleeps ordered them, but not on a loaded machine: nothing was stopped.)"""
+    deadline = time.monotonic() + 120
+    for q in config["stronger"]:
+        while not (Path(config["order"]) / str(q)).exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
 
 
 def test_asha_context_cwd_failures_and_threads(
@@ -274,12 +289,15 @@ def test_asha_context_cwd_failures_and_threads(
     its own directory, and tune.report from a user's thread is a clear error."""
     qs = [0.5, 1.0, 2.0, 3.0, 4.0]
     ex = shared_executor
+    order = tempfile.mkdtemp(prefix="order", dir=storage)
     tuner = tune.Tuner(
         ex.trainable(train_context),
         param_space={
             "q": tune.grid_search(qs),
             "fail": tune.sample_from(lambda config: config["q"] == 0.5),
             "thread": tune.sample_from(lambda config: config["q"] == 3.0),
+            "order": order,
+            "stronger": tune.sample_from(lambda config: [q for q in qs if q > config["q"]]),
         },
         tune_config=tune.TuneConfig(
             metric="score",
