@@ -87,7 +87,12 @@ from tune_hydra.exceptions import (
     TaskFactoryTimeoutError,
     format_bytes,
 )
-from tune_hydra.options import check_max_layers_per_shard, check_positive_int, check_precision
+from tune_hydra.options import (
+    EngineOptions,
+    check_max_layers_per_shard,
+    check_positive_int,
+    check_precision,
+)
 
 DEFAULT_TIMEOUT_S = 600.0
 """How long one call of the task factory may take by default."""
@@ -336,6 +341,50 @@ def plan(
                 timeout_s=timeout_s,
             )
         )
+    return reports
+
+
+def plan_for_engines(
+    make_task: Callable[[Any], ModelTask],
+    configs: Any,
+    engine_options: EngineOptions,
+    task_options: Mapping[str, Any],
+    *,
+    num_samples: int = 1,
+    **options: Any,
+) -> PlanReports:
+    """:func:`plan` for engines built with ``engine_options`` whose trials are added with
+    ``task_options`` (``Engine.add_task``'s): their ``device_memory``, ``prefetch``,
+    ``max_layers_per_shard``, ``precision`` and ``seed`` (when set). Where the engines
+    may run on a GPU (``"auto"`` or a ``cuda`` device), each report notes that the engine
+    measures there too.
+
+    Args:
+        make_task, configs, num_samples: as :func:`plan`'s.
+        engine_options: the engines' options.
+        task_options: the trials' ``Engine.add_task`` options.
+        options: more :func:`plan` options (``timeout_s``, ``meta`` ...), or overrides.
+    """
+    defaults: dict[str, Any] = {
+        "device_memory": engine_options.device_memory,
+        "precision": task_options["precision"],
+        "prefetch": engine_options.prefetch,
+        "max_layers_per_shard": engine_options.max_layers_per_shard,
+    }
+    if task_options["seed"] is not None:
+        defaults["seed"] = task_options["seed"]
+    reports = plan(make_task, configs, num_samples=num_samples, **{**defaults, **options})
+    devices = engine_options.devices
+    names = [devices] if isinstance(devices, str) else list(devices)
+    if any(str(d) == "auto" or str(d).startswith("cuda") for d in names):
+        note = (
+            "on a GPU the engine also measures each layer's peak there (allocator "
+            "rounding, workspaces) and keeps the larger figure: leave some headroom"
+            + ("; with device_memory=None it budgets 90% of each GPU's memory"
+               if engine_options.device_memory is None else "")
+        )  # fmt: skip
+        for i, r in enumerate(reports):
+            reports[i] = dataclasses.replace(r, notes=(*r.notes, note))
     return reports
 
 

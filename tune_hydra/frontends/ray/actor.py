@@ -36,6 +36,7 @@ from tune_hydra.frontends.build import Trial, TrialSet, check_task
 from tune_hydra.frontends.checkpoint import restore_trial, save_trial
 from tune_hydra.frontends.failures import portable
 from tune_hydra.frontends.ray.builds import PendingBuilds
+from tune_hydra.frontends.ray.class_relay import ClassRelay
 from tune_hydra.frontends.ray.errors import (
     RETRY,
     EngineUnavailableError,
@@ -44,6 +45,8 @@ from tune_hydra.frontends.ray.errors import (
 )
 from tune_hydra.frontends.ray.factories import BoundFactory as BoundFactory  # its old home
 from tune_hydra.frontends.ray.factories import FactoryCache, closure
+from tune_hydra.frontends.ray.function_relay import FunctionRelay
+from tune_hydra.frontends.ray.hints import NO_MILESTONE, TrialHints
 from tune_hydra.frontends.ray.names import engine_actor_name as engine_actor_name
 from tune_hydra.options import EngineOptions
 
@@ -51,7 +54,6 @@ CONTROL_GROUP = "control"
 DEFAULT_ENGINE_CLASS = "tune_hydra.engine:Engine"
 DEFAULT_FACTORY_TIMEOUT_S = 600.0
 """How long a task factory may take by default (``HydraExecutor(factory_timeout_s=...)``)."""
-_NO_HINT: Any = object()  # no milestone announced for a trial (None means: none left)
 
 
 def _ray_object(obj: Any) -> bool:
@@ -186,7 +188,11 @@ class EngineActor:
     :class:`~tune_hydra.frontends.build.TrialSet` (building, naming, guarding their
     models), their checkpoints are :mod:`tune_hydra.frontends.checkpoint`'s, the
     experiments' factories a :class:`~tune_hydra.frontends.ray.factories.FactoryCache`,
-    and the factories still running :class:`~tune_hydra.frontends.ray.builds.PendingBuilds`.
+    the factories still running :class:`~tune_hydra.frontends.ray.builds.PendingBuilds`,
+    the driver's hints a :class:`~tune_hydra.frontends.ray.hints.TrialHints`, and the
+    trials that train themselves in threads of this process a
+    :class:`~tune_hydra.frontends.ray.function_relay.FunctionRelay` (function trainables)
+    and a :class:`~tune_hydra.frontends.ray.class_relay.ClassRelay` (class trainables).
     The actor checks who calls, and runs blocking work off its event loops.
 
     Args:
@@ -228,19 +234,13 @@ class EngineActor:
         self._factory_timeout_s = factory_timeout_s
         self._engine: Any = None
         self._trials: TrialSet | None = None  # with the engine
-        self._lock = threading.RLock()  # touched from two event-loop threads
-        self._hints: dict[str, int] = {}
-        # Iterations to each trial's next milestone (None: none left), as last announced.
-        self._milestones: dict[str, int | None] = {}
+        self._lock = threading.RLock()  # the engine may be asked for from several threads
+        self._hints = TrialHints()
         self._milestones_given = 0  # set_milestone calls that reached the engine
         self._factories = FactoryCache(factories if factories is not None else {})
         self._builds = PendingBuilds(secret)
-        # Function trainables running here, by trial id (tune_hydra.frontends.ray.function).
-        self._functions: dict[str, Any] = {}
-        self._function_threads: list[Any] = []  # every run started, until its thread ends
-        # Class trainables' runs by their proxy's token (a proxy keeps its instance when
-        # Tune resets it for another trial: see tune_hydra.frontends.ray.classes).
-        self._classes: dict[str, Any] = {}
+        self._functions = FunctionRelay(self._hints, self._is_driver)
+        self._classes = ClassRelay(self._functions)
         self._pool = concurrent.futures.ThreadPoolExecutor(4, thread_name_prefix="hydra-ctl")
 
     # ---------------------------------------------------------------- helpers
@@ -313,13 +313,10 @@ class EngineActor:
 
         task = check_task(task, key, trainable=trainable)
         trial, shards = self._trials.add(key, task, token=token, config=config)
-        with self._lock:
-            hint = self._hints.get(key)
-            has_milestone = key in self._milestones
-            milestone = self._milestones.get(key)
+        hint, milestone = self._hints.get(key)
         if hint is not None:
             self._engine.set_remaining(trial.name, hint)
-        if has_milestone:
+        if milestone is not NO_MILESTONE:
             self._engine.set_milestone(trial.name, milestone)
             self._milestones_given += 1
         return shards
@@ -396,97 +393,38 @@ class EngineActor:
         Raises:
             NotOwnerError: ``secret`` is not the experiment's.
         """
-        from tune_hydra.frontends.ray.function import FunctionRun
-
         self._driver(secret)
         fn = await self._offload(self._factories.bind, factory_id, params or {})
         engine = await self._offload(self._ensure_engine)
-        run = FunctionRun(
+        self._functions.start(
             fn,
-            dict(config),
+            config,
             key=key,
             token=token,
             engine=engine,
             context=context,
             seed=self._task_options.get("seed"),
         )
-        self._launch(key, run)
-
-    def _launch(self, key: str, run: Any) -> None:
-        """Make ``run`` (a ``FunctionRun``) trial ``key``'s, stopping an older run of the
-        trial (a class trainable's is only displaced: its proxy, which Tune may have
-        cached, ends it), give it the hints that came first, and start its thread."""
-        with self._lock:
-            old = self._functions.get(key)
-            self._functions[key] = run
-        if old is not None and not old.proxy_owned:
-            old.stop()
-        self._give_hints(key, run)
-        run.start()
-        with self._lock:
-            self._function_threads = [r for r in self._function_threads if r.thread.is_alive()]
-            self._function_threads.append(run)
-
-    def _give_hints(self, key: str, run: Any) -> None:
-        with self._lock:  # hints that came before the run (see set_remaining)
-            hint = self._hints.get(key)
-            milestone = self._milestones.get(key, _NO_HINT)
-        if milestone is not _NO_HINT:
-            run.hint(milestone=milestone)
-        if hint is not None:
-            run.hint(remaining=hint)
-
-    def _function(self, key: str, token: str) -> Any:
-        with self._lock:
-            run = self._functions.get(key)
-        if run is None or not (run.token == token or self._is_driver(token)):
-            why = "the engine does not know it" if run is None else "a newer copy took it over"
-            raise TrialNotRegisteredError(
-                f"trial {key!r}'s function is not running in this engine: {why} (the engine "
-                f"actor restarted, or Tune restarted the trial). {RETRY}"
-            )
-        return run
 
     async def fn_next(self, key: str, token: str, persisted: Any = None) -> tuple[str, Any, Any]:
         """Let trial ``key``'s function go on from its last report, and wait for its next
         item: ``("report", metrics, checkpoint)``, ``("error", text, systematic error or
         None)`` or ``("done", None, None)``. ``persisted``: the checkpoint the proxy's
         session persisted from the last report (``tune.get_checkpoint()`` from now on)."""
-        run = self._function(key, token)
-        return await asyncio.wrap_future(run.take(persisted))
+        return await self._functions.next(key, token, persisted)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def fn_stop(self, key: str, token: str) -> bool:
         """Stop trial ``key``'s function (Tune stopped or paused it): it ends at its next
         forward or report and its loops leave the engine. False if it was not running."""
-        return self._stop_function(key, token)
-
-    def _stop_function(self, key: str, token: str, completed: bool = False) -> bool:
-        with self._lock:
-            run = self._functions.get(key)
-            if run is None or not (run.token == token or self._is_driver(token)):
-                return False
-            if completed and run.proxy_owned:
-                return False  # its proxy ends it (or Tune resets it for another trial)
-            del self._functions[key]
-        run.stop()
-        return True
+        return self._functions.stop(key, token)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def functions(self, secret: str) -> list[str]:
         """The trial ids whose function's thread still runs here (a stopped one until it
         reached its next forward or report); for the executor's driver only."""
         self._driver(secret)
-        with self._lock:
-            return sorted(r.key for r in self._function_threads if r.thread.is_alive())
-
-    def _stop_functions(self) -> None:
-        with self._lock:
-            runs = [*self._functions.values(), *self._classes.values()]
-            self._functions.clear()
-            self._classes.clear()
-        for run in runs:
-            run.stop()
+        return self._functions.alive()
 
     # -------------------------------------------------------- class trainables
     @ray.method(concurrency_group=CONTROL_GROUP)
@@ -510,46 +448,22 @@ class EngineActor:
             NotOwnerError: ``secret`` is not the experiment's.
             TrialFunctionError: the class's ``__init__`` / ``setup`` raised.
         """
-        from tune_hydra.frontends.ray.classes import ClassRun, class_and_parameters
+        from tune_hydra.frontends.ray.classes import class_and_parameters
 
         self._driver(secret)
         bound = await self._offload(self._factories.bind, factory_id, params or {})
         cls, values = await self._offload(class_and_parameters, bound)
         engine = await self._offload(self._ensure_engine)
-        run = ClassRun(
+        await self._classes.start(
             cls,
-            dict(config),
+            values,
+            config,
             key=key,
             token=token,
             engine=engine,
             context=context,
             seed=self._task_options.get("seed"),
-            params=values,
         )
-        with self._lock:
-            old = self._classes.get(token)
-            self._classes = {t: r for t, r in self._classes.items() if not r.stopped}
-            self._classes[token] = run
-        if old is not None:
-            old.stop()
-        self._launch(key, run)
-        await self._class_result(run.call("setup"))
-
-    def _class_run(self, token: str) -> Any:
-        with self._lock:
-            run = self._classes.get(token)
-        if run is None or run.stopped:
-            raise TrialNotRegisteredError(
-                f"this trial's class trainable does not run in this engine (the engine "
-                f"actor restarted, or the trial was stopped or replaced). {RETRY}"
-            )
-        return run
-
-    async def _class_result(self, future: Any) -> Any:
-        try:
-            return await asyncio.wrap_future(future)
-        except TuneHydraError as err:
-            raise portable(err) from None
 
     async def cls_call(
         self, token: str, method: str, args: tuple[Any, ...], counters: dict[str, Any]
@@ -557,8 +471,7 @@ class EngineActor:
         """Call ``method`` (``step``, ``save_checkpoint`` or ``load_checkpoint``) of the
         class-trainable instance of the proxy ``token``, on its thread, after setting its
         iteration counters to the proxy's (``counters``); returns what it returns."""
-        run = self._class_run(token)
-        return await self._class_result(run.call(method, tuple(args), counters))
+        return await self._classes.call(token, method, args, counters)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def cls_reset(
@@ -573,40 +486,13 @@ class EngineActor:
         its instance likewise (Tune's ``Trainable.reset``: the new config, trial info,
         storage and working directory, then the class's ``reset_config``); on success
         the run serves ``new_key`` from now on. Returns what ``reset_config`` returned."""
-        run = self._class_run(token)
-        old_key = run.key
-        ok = bool(await self._class_result(run.call("reset", (dict(config), context), counters)))
-        if ok and new_key != old_key:
-            with self._lock:
-                if self._functions.get(old_key) is run:
-                    del self._functions[old_key]
-                # A run displaced here (the new trial's own earlier proxy, cached by
-                # Tune) keeps running for its proxy, which addresses it by token.
-                self._functions[new_key] = run
-                run.key = new_key
-            self._give_hints(new_key, run)
-        return ok
+        return await self._classes.reset(token, new_key, config, context, counters)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def cls_end(self, token: str) -> bool:
         """The proxy ``token``'s cleanup: its instance's ``cleanup()`` runs, then its
         thread ends and its loops leave the engine. False if it was not running."""
-        with self._lock:
-            found = self._classes.get(token)
-        if found is None:
-            return False
-        run: Any = found
-        try:
-            await self._class_result(run.call("stop"))
-        finally:
-            key = run.key
-            with self._lock:
-                if self._classes.get(token) is run:
-                    del self._classes[token]
-                if self._functions.get(key) is run:
-                    del self._functions[key]
-            run.stop()
-        return True
+        return await self._classes.end(token)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def task_metrics(self, key: str, token: str) -> list[str]:
@@ -678,11 +564,8 @@ class EngineActor:
         """LRTF hint from the driver: iterations the trial still has after those already
         granted (kept for later if the trial has not registered yet)."""
         self._driver(secret)
-        with self._lock:
-            self._hints[key] = int(iterations)
-            run = self._functions.get(key)
-        if run is not None:
-            run.hint(remaining=int(iterations))
+        self._hints.set_remaining(key, int(iterations))
+        self._functions.hint(key, remaining=int(iterations))
         reg = self._trial(key)
         if reg is not None and self._engine is not None:
             # The task may go away meanwhile; a hint is not worth an error.
@@ -696,11 +579,8 @@ class EngineActor:
         trial has not registered yet); see ``Engine.set_milestone``."""
         self._driver(secret)
         value = None if iterations is None else int(iterations)
-        with self._lock:
-            self._milestones[key] = value
-            run = self._functions.get(key)
-        if run is not None:
-            run.hint(milestone=value)
+        self._hints.set_milestone(key, value)
+        if self._functions.hint(key, milestone=value):
             self._milestones_given += 1
         reg = self._trial(key)
         if reg is not None and self._engine is not None:
@@ -728,11 +608,9 @@ class EngineActor:
         removed; False for a trial that is not registered or belongs to someone else.
         ``completed``: the trial completed (the driver's callback), which leaves a class
         trainable's instance to its proxy (Tune may reset it for another trial)."""
-        stopped = self._stop_function(key, token, completed)
-        if stopped:
-            with self._lock:  # the function trial ended: its hints go with it
-                self._hints.pop(key, None)
-                self._milestones.pop(key, None)
+        stopped = self._functions.stop(key, token, completed)
+        if stopped:  # the function trial ended: its hints go with it
+            self._hints.forget(key)
         reg = self._trial(key)
         if reg is None or not (reg.token == token or self._is_driver(token)):
             return stopped
@@ -740,9 +618,7 @@ class EngineActor:
         removed = await self._offload(self._trials.remove, key, only=reg)
         if removed is None:
             return False  # a newer copy took it over meanwhile
-        with self._lock:
-            self._hints.pop(key, None)
-            self._milestones.pop(key, None)
+        self._hints.forget(key)
         return True
 
     @ray.method(concurrency_group=CONTROL_GROUP)
@@ -787,7 +663,8 @@ class EngineActor:
         """Close the engine (its threads stop); the actor may then be killed (for the
         experiment's driver only)."""
         self._driver(secret)
-        self._stop_functions()
+        self._functions.stop_all()
+        self._classes.stop_all()
         if self._engine is not None:
             await self._offload(self._engine.close)
             self._engine = None

@@ -15,29 +15,22 @@ import logging
 import os
 import secrets
 import uuid
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
-
-from ray import tune
 
 from tune_hydra.core.policies import AUTO, BasePolicy
 from tune_hydra.exceptions import TuneHydraError
 from tune_hydra.frontends.ray import registry
-from tune_hydra.frontends.ray.actor import (
-    DEFAULT_ENGINE_CLASS,
-    DEFAULT_FACTORY_TIMEOUT_S,
-    tune_report_call,
-)
+from tune_hydra.frontends.ray.actor import DEFAULT_ENGINE_CLASS, DEFAULT_FACTORY_TIMEOUT_S
 from tune_hydra.frontends.ray.engines import DEFAULT_SLOT_RESOURCE, EngineFleet
-from tune_hydra.frontends.ray.errors import (
-    NotATaskFactoryError,
-)
-from tune_hydra.frontends.ray.factories import (
-    FactoryStore,
-    RunFactories,
-    closure,
-    unwrap_with_parameters,
+from tune_hydra.frontends.ray.factories import FactoryStore, RunFactories
+from tune_hydra.frontends.ray.factories import unwrap_with_parameters as unwrap_with_parameters
+from tune_hydra.frontends.ray.proxies import check_task_factory as check_task_factory
+from tune_hydra.frontends.ray.proxies import (
+    class_resources,
+    proxy_class,
+    slotted,
+    warn_resources_dropped,
 )
 from tune_hydra.options import (
     NOT_OFFERED,
@@ -48,115 +41,6 @@ from tune_hydra.options import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def check_task_factory(make_task: Any) -> bool:
-    """Raise unless ``make_task`` looks like ``make_task(config) -> ModelTask``, a
-    function trainable ``train(config)`` that calls ``tune.report``, or a ``tune.Trainable``
-    subclass; True for what reports its own results: a function trainable (read from its
-    code, see :func:`~tune_hydra.frontends.ray.actor.tune_report_call`) or a class.
-
-    ``tune.with_parameters(make_task, data=...)`` is called as ``make_task(config,
-    data=...)``.
-
-    Raises:
-        NotATaskFactoryError: not callable with a config, a class that is no
-            ``tune.Trainable`` (or is one of Tune's function wrappers, or a trainable
-            ``HydraExecutor.trainable`` made), or a string.
-
-    A ``tune.with_resources`` request on it is no mistake: :meth:`HydraExecutor.trainable`
-    drops it with one warning (see :func:`warn_resources_dropped`).
-    """
-    fix = (
-        "HydraExecutor needs a task factory (a function make_task(config) -> th.ModelTask "
-        "that builds the model, loss, optimizer and data for one config), a function "
-        "trainable train(config) that calls th.shard(model, optimizer) and tune.report, or "
-        "a tune.Trainable subclass whose setup() calls th.shard. To run another Tune "
-        "trainable, drop trial_executor (th.run then forwards to tune.run)."
-    )
-    if inspect.isclass(make_task) and issubclass(make_task, tune.Trainable):
-        from ray.tune.trainable import FunctionTrainable
-
-        from tune_hydra.frontends.ray.trainable import EngineClient
-
-        if make_task is tune.Trainable:
-            raise NotATaskFactoryError(
-                f"got the class Trainable, Tune's base class itself: subclass it (setup, "
-                f"step, save_checkpoint, load_checkpoint). {fix}"
-            )
-        if issubclass(make_task, EngineClient):
-            raise NotATaskFactoryError(
-                f"the class {make_task.__name__} was made by HydraExecutor.trainable() "
-                f"already: pass it to tune.Tuner / tune.run as it is, or give trainable() "
-                f"the function or class it was made from"
-            )
-        if issubclass(make_task, FunctionTrainable):
-            raise NotATaskFactoryError(
-                f"the class {make_task.__name__} is Tune's wrapper of a function trainable "
-                f"(tune.Trainable of a function): pass the function itself. {fix}"
-            )
-        return True
-    if isinstance(make_task, str) or inspect.isclass(make_task) or not callable(make_task):
-        kind = (
-            f"the string {make_task!r}"
-            if isinstance(make_task, str)
-            else f"the class {make_task.__name__}"
-            if inspect.isclass(make_task)
-            else f"a {type(make_task).__name__}"
-        )
-        if inspect.isclass(make_task):
-            kind += ", which is not a ray.tune.Trainable subclass"
-        raise NotATaskFactoryError(f"got {kind}. {fix}")
-    name = getattr(make_task, "__name__", make_task)
-    unwrapped = unwrap_with_parameters(make_task)
-    fn, params = unwrapped if unwrapped is not None else (make_task, {})
-    try:
-        inspect.signature(fn).bind({}, **dict.fromkeys(params))
-    except TypeError:
-        with_params = f" and the keyword arguments {sorted(params)}" if params else ""
-        raise NotATaskFactoryError(
-            f"{name!r} cannot be called with one argument (the config){with_params}. {fix}"
-        ) from None
-    except ValueError:
-        pass  # no signature (a builtin): let the engine actor find out
-    return tune_report_call(fn) is not None
-
-
-def class_resources(cls: Any) -> Any:
-    """The resource request a ``tune.Trainable`` class makes of its own (the subclass
-    ``tune.with_resources`` makes of it, or a ``default_resource_request`` of the user's):
-    a ``PlacementGroupFactory``, a function of the config, or None."""
-    for klass in cls.__mro__:
-        if klass is tune.Trainable:
-            return None
-        own = klass.__dict__.get("default_resource_request")
-        if own is None:
-            continue
-        func = getattr(own, "__func__", own)
-        cells = closure(func)
-        if "pgf" in cells:  # tune.with_resources: the request it closes over
-            return cells["pgf"]
-        try:
-            return func(cls, {})
-        except Exception:  # a request per config: it cannot be read without one
-            return own
-    return None
-
-
-def warn_resources_dropped(resources: Any, where: str) -> None:
-    """One warning that a ``tune.with_resources`` request (``resources``: a
-    ``PlacementGroupFactory`` or a function of the config) ``where`` is dropped."""
-    required = getattr(resources, "required_resources", None)
-    asked = dict(required) if required is not None else "a request per config"
-    warnings.warn(
-        f"tune_hydra: the tune.with_resources request {asked} {where} is dropped: every "
-        f"trial of a HydraExecutor holds one engine slot and no CPU, and the engine places "
-        f"the model on its devices (a CPU count or a GPU fraction means nothing there). "
-        f"Size the engines with HydraExecutor(devices=..., device_memory=...) and the "
-        f"concurrent trials with slots_per_node",
-        UserWarning,
-        stacklevel=3,
-    )
 
 
 def wrap_scheduler(
@@ -500,81 +384,29 @@ class HydraExecutor:
         ``TuneConfig`` and ``RunConfig`` (see
         :func:`~tune_hydra.frontends.ray.patch.hook_tuner`).
         """
-        is_function = check_task_factory(make_task)
-        is_class = inspect.isclass(make_task)
+        reports = check_task_factory(make_task)
         requested = (
-            class_resources(make_task) if is_class else getattr(make_task, "_resources", None)
+            class_resources(make_task)
+            if inspect.isclass(make_task)
+            else getattr(make_task, "_resources", None)
         )
         if requested is not None:  # tune.with_resources(fn, ...) inside: the slot rules
             warn_resources_dropped(requested, "inside executor.trainable(...)")
         self.start()
         factory_id = self._factories.put(make_task)  # the trial processes carry only its id
-        name = getattr(make_task, "__name__", "make_task")
-        slot_resource = "" if self._engines.fallback else self.slot_resource
-        cls: Any
-        if is_class:  # a tune.Trainable: its instance lives in the engine process
-            from tune_hydra.frontends.ray.classes import HydraClassTrainable
-
-            cls = HydraClassTrainable.for_class(
-                make_task,
-                factory_id=factory_id,
-                run_id=self.run_id,
-                secret=self._secret,
-                slot_resource=slot_resource,
-            )
-        elif is_function:  # it trains and reports itself, in the engine process
-            from tune_hydra.frontends.ray.function import HydraFunctionTrainable
-
-            cls = HydraFunctionTrainable.for_function(
-                name,
-                factory_id=factory_id,
-                run_id=self.run_id,
-                secret=self._secret,
-                slot_resource=slot_resource,
-            )
-        else:
-            from tune_hydra.frontends.ray.trainable import HydraTrainable
-
-            cls = HydraTrainable.for_factory(
-                name,
-                factory_id=factory_id,
-                run_id=self.run_id,
-                secret=self._secret,
-                slot_resource=slot_resource,
-                checkpoint=self.checkpoint,
-            )
+        cls = proxy_class(
+            make_task,
+            reports=reports,
+            factory_id=factory_id,
+            run_id=self.run_id,
+            secret=self._secret,
+            slot_resource="" if self._engines.fallback else self.slot_resource,
+            checkpoint=self.checkpoint,
+        )
         from tune_hydra.frontends.ray.patch import hook_tuner
 
         hook_tuner()  # tune.Tuner(this trainable, ...) then adds the executor's pieces
-        return self._slotted(cls)
-
-    def _slotted(self, cls: type) -> type:
-        """``cls`` reserving one engine slot and no CPU per trial, also under a
-        ``tune.with_resources`` put around it later: that request is dropped, with one
-        warning (:func:`warn_resources_dropped`)."""
-        slotted = tune.with_resources(cls, self.trial_resources)
-        own = slotted.__dict__["default_resource_request"]
-
-        def __init_subclass__(sub: type, **kwargs: Any) -> None:
-            super(keep, sub).__init_subclass__(**kwargs)  # type: ignore[arg-type]
-            # Tune's with_resources subclasses a class trainable to override this; a
-            # class rebuilt from its pickle (a trial process) has no dict here yet.
-            theirs = sub.__dict__.get("default_resource_request")
-            if theirs is not None and theirs is not own:
-                sub.default_resource_request = own  # type: ignore[attr-defined]
-                pgf = getattr(theirs, "__func__", theirs)
-                try:
-                    asked = pgf(sub, {})
-                except Exception:  # a function of the config: no config here
-                    asked = None
-                warn_resources_dropped(asked, "around executor.trainable(...)")
-
-        keep: type = type(
-            slotted.__name__,
-            (slotted,),
-            {"__init_subclass__": __init_subclass__, "__module__": cls.__module__},
-        )
-        return keep
+        return slotted(cls, self.trial_resources)
 
     def release(self, trainable: Any) -> None:
         """Free the task factory of a trainable made by :meth:`trainable` (in the cluster
@@ -688,31 +520,17 @@ class HydraExecutor:
             >>> [r.num_shards for r in ex.plan(make_task, {"lr": 1e-3})]
             [4]
         """
-        from dataclasses import replace
+        from tune_hydra.planning import plan_for_engines
 
-        from tune_hydra.planning import plan
-
-        defaults: dict[str, Any] = {
-            "device_memory": self.device_memory,
-            "precision": self.task_options["precision"],
-            "prefetch": self.prefetch,
-            "max_layers_per_shard": self.max_layers_per_shard,
-            "timeout_s": self.factory_timeout_s,
-        }
-        if self.task_options["seed"] is not None:
-            defaults["seed"] = self.task_options["seed"]
-        reports = plan(make_task, configs, num_samples=num_samples, **{**defaults, **options})
-        names = [self.devices] if isinstance(self.devices, str) else list(self.devices)
-        if any(str(d) == "auto" or str(d).startswith("cuda") for d in names):
-            note = (
-                "on a GPU the engine also measures each layer's peak there (allocator "
-                "rounding, workspaces) and keeps the larger figure: leave some headroom"
-                + ("; with device_memory=None it budgets 90% of each GPU's memory"
-                   if self.device_memory is None else "")
-            )  # fmt: skip
-            for i, r in enumerate(reports):
-                reports[i] = replace(r, notes=(*r.notes, note))
-        return reports
+        options = {"timeout_s": self.factory_timeout_s, **options}
+        return plan_for_engines(
+            make_task,
+            configs,
+            self.engine_options,
+            self.task_options,
+            num_samples=num_samples,
+            **options,
+        )
 
     # ------------------------------------------------------------- inspection
     def engines(self) -> dict[str, Any]:

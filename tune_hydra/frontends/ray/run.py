@@ -26,11 +26,8 @@ from tune_hydra.frontends.ray.errors import (
     MissingMetricError,
     UnreportedMetricError,
 )
-from tune_hydra.frontends.ray.executor import (
-    HydraExecutor,
-    check_task_factory,
-    warn_resources_dropped,
-)
+from tune_hydra.frontends.ray.executor import HydraExecutor
+from tune_hydra.frontends.ray.proxies import check_task_factory, warn_resources_dropped
 from tune_hydra.options import ENGINE_KEYS, TRAIN_LOSS
 
 REPORTED_KEYS = tuple(
