@@ -676,7 +676,7 @@ def attach_optimizer(
     loop = state.loop
     if loop is not None:
         # The loop's own random stream goes on where it was in the loop cut next.
-        state.rng_start = loop._gen.get_state()
+        state.rng_start = loop.random.state()
         _close_state(state)
         state.loop = None
         state.closed = False

@@ -91,7 +91,7 @@ class Gate:
     compiled function raises "Detected that you are using FX to symbolically trace a
     dynamo-optimized function". So a compiled call that may compile (:meth:`alone`)
     waits until no other thread is inside :meth:`running` (every other compiled call,
-    and every shard optimizer's step: ``LoopRunner._apply_pending``), and holds them off
+    and every shard optimizer's step: ``LoopOptimizer.apply_pending``), and holds them off
     until it is done. Only the first calls in each mode compile (the warm-up): the others
     pay two lock round trips.
     """

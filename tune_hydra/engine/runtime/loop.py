@@ -58,20 +58,25 @@ result. Ops of one loop run one at a time, in the user's order.
   its own, started from the global generator's state at ``th.shard`` (the global one is
   shared by threads: drawing from it would make each loop's dropout depend on the
   others'). The user's own draws in their thread stay exactly plain PyTorch's.
+
+:class:`LoopRunner` exchanges the ops with the engine; its parts are collaborators of
+their own: the forward as ops (:class:`LoopGraph`), the optimizer's part
+(:mod:`~tune_hydra.engine.runtime.loop_optim`), the random streams
+(:mod:`~tune_hydra.engine.runtime.loop_random`), the plan sized for the largest batch
+(:mod:`~tune_hydra.engine.runtime.loop_sizing`), the ops' order
+(:mod:`~tune_hydra.engine.runtime.loop_pattern`) and the states at home
+(:mod:`~tune_hydra.engine.runtime.loop_home`).
 """
 
 from __future__ import annotations
 
-import collections
 import contextlib
-import dataclasses
 import itertools
 import logging
-import math
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -81,7 +86,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.engine.dispatch.batched import is_lora_layer, shared_key
-from tune_hydra.engine.registration.factory import thread_generator, use_generator
+from tune_hydra.engine.registration.factory import use_generator
 from tune_hydra.engine.registration.partition import (
     LayerCost,
     ShardPlan,
@@ -90,19 +95,19 @@ from tune_hydra.engine.registration.partition import (
     tensor_bytes,
 )
 from tune_hydra.engine.registration.shared import SharedParams
-from tune_hydra.engine.runtime import amp, rng
+from tune_hydra.engine.runtime import amp, loop_home, rng
 from tune_hydra.engine.runtime.boundary import backward as backward_from
-from tune_hydra.engine.runtime.compiled import GATE as COMPILE_GATE
-from tune_hydra.engine.runtime.compiled import Compiler, ShardCompiler, global_cpu_stream
+from tune_hydra.engine.runtime.compiled import Compiler, ShardCompiler
+from tune_hydra.engine.runtime.loop_optim import LoopOptimizer, optimizer_like
+from tune_hydra.engine.runtime.loop_pattern import OpPattern
+from tune_hydra.engine.runtime.loop_random import Entry, LoopRandom
+from tune_hydra.engine.runtime.loop_sizing import LoopSizing
 from tune_hydra.engine.runtime.stage import OpStart, accumulate_grad
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.task import OwnedTensors, owned_tensors
 from tune_hydra.engine.units import device_budget
 from tune_hydra.exceptions import (
-    BatchTooLargeError,
-    OptimizerMismatchError,
     ShardClosedError,
-    ShardTooLargeError,
     SharedModelError,
     SharedShardModelError,
     TaskFailedError,
@@ -168,6 +173,32 @@ class LoopShard:
     # Optimizer steps applied so far: a recompute checks that its forward's weights are
     # still the shard's (a step between a forward and its backward).
     steps: int = 0
+    headless: bool | None = None  # holds no model head (batch_key), once looked up
+
+    def batch_key(self) -> frozenset[int] | None:
+        """What the shard's recomputing ops may be batched on with other tasks' ops (the
+        shared frozen tensors of its store, see
+        :func:`~tune_hydra.engine.dispatch.batched.shared_key`), or ``None``: they run
+        alone. Only a shard that does not write its input, shares no parameter with
+        another shard and holds no model head."""
+        if self.writes_input is not False or self.first_uses or self.last_uses:
+            return None
+        if self.headless is None:
+            self.headless = not any(isinstance(m, HeadStage) for m in self.module.modules())
+        if not self.headless:
+            return None
+        # A forward hook on an adapted layer is this loop's own code, which a pass would
+        # call for every trial's rows or not at all (the pass refuses it, and its members
+        # then run one after another before the frozen checks: a hook writing the base
+        # would be read by the next): its ops run alone, checked at once. Looked up each
+        # time: a hook may come at any step.
+        for m in self.module.modules():
+            if is_lora_layer(m) and any(
+                isinstance(h, torch.nn.Module) and (h._forward_hooks or h._forward_pre_hooks)
+                for h in (m, m.base_layer)
+            ):
+                return None
+        return shared_key(self.store)
 
 
 class LoopRunner:
@@ -193,19 +224,20 @@ class LoopRunner:
         rng_start: torch.Tensor,
         hf: bool,
         keep: bool = False,
+        optimizer_class: type[torch.optim.Optimizer] | None = None,
+        probe_bytes: int = 0,
     ) -> None:
         self.name = name
         self.engine = engine
         # Weakly: the model's garbage collection removes the loop (th.shard's finalizer).
         self._model = weakref.ref(model)
-        self._plan = plan
-        # The probe's layer costs and input bytes (the first forward's batch: build_loop
-        # sets them), and the largest training batch's input bytes the plan is sized for.
-        self._probe_costs = plan.layers
-        self._probe_bytes = 0
-        self._sized_bytes = 0
         self.shards = shards
-        self.user_optimizer = user_optimizer
+        # The plan, sized for the largest training batch so far (the probe's at first).
+        self.sizing = LoopSizing(
+            name, engine, self._model, shards, plan, keep=keep, probe_bytes=probe_bytes
+        )
+        # The user's optimizer (and its class, build_loop's), split per shard.
+        self.optim = LoopOptimizer(shards, user_optimizer, optimizer_class)
         self._wrappers = wrappers  # modules of the cut that are not the user's
         self._hf = hf
         # Where the boundary tensors wait between ops, and where the user's autograd graph
@@ -224,45 +256,16 @@ class LoopRunner:
         self._running = False
         self._result: tuple[bool, Any] = (True, None)
         self._op_lock = threading.Lock()
-        self._headless: dict[int, bool] = {}  # shard -> holds no model head (batch_key)
-        self._batch = 0  # train forwards of shard 0 so far
         # Its ops' iteration: the results its front end has seen (th.optimize counts the
         # trial.report calls), which the milestone policy reads as the loop's progress.
         self.reports = 0
-        # The op pattern, learnt as it runs: (kind, shard) -> what followed it last time.
-        self._next: dict[tuple[OpKind, int], tuple[OpKind, int]] = {}
-        self._last_key: tuple[OpKind, int] | None = None
-        self._ops_since_batch = 0
-        self._ops_per_batch = 3 * len(shards)
+        self.pattern = OpPattern(len(shards))  # its ops' order, learnt as they run
         self._home_now = True  # every state is home (sync), nothing pending
         self.closed = False
-        # The user's optimizer's class (build_loop sets it): a shard gets one of it when a
-        # group added after the cut (add_param_group) has parameters it steps.
-        self.optimizer_class: type[torch.optim.Optimizer] | None = None
-        # How many parameters each of the user's groups had when the shards' optimizers
-        # last followed them (see follow_groups), and what its zero_grad() zeroes per shard.
-        self._group_sizes = [
-            len(g["params"]) for g in (user_optimizer.param_groups if user_optimizer else [])
-        ]
-        self._opt_zeroes: list[list[nn.Parameter]] = []
-        self._note_optimizer_params()
         self.keep = keep  # forward ops keep their graphs for the backward (no recompute)
-        # The shard calls of the batch in progress that may keep a graph (weakly: the
-        # user's autograd graph owns them).
-        self._open: list[weakref.ref[_ShardCall]] = []
-        # The loop's own CPU stream (see the module docstring), and the generator the op in
-        # flight draws from (chosen by the user's thread in run, read by the device's).
-        self._gen = torch.Generator()
-        self._gen.set_state(rng_start)
-        self._op_gen = self._gen
-        # Whether the op in flight draws from the main thread's stream (the global
-        # generator's, handed to _op_gen): then no other loop's draws can be in that
-        # stream, and the op swaps it into the global generator (global_cpu_stream) instead
-        # of running under the per-op dispatch mode of use_generator, which costs ~25% of
-        # a CPU forward (every aten op through Python).
-        self._op_main = False
-        self._seed = torch.initial_seed()
-        self.stream = rng.RngState(rng_start)  # its .cuda: the loop's stream on a GPU
+        self.graph = LoopGraph(keep)  # the forward as ops, the user's graph of them
+        # The ops' random streams (see the module docstring).
+        self.random = LoopRandom(rng_start)
         # On an engine with one CPU device (th.shard's embedded one on a CPU machine) each
         # op computes with the intra-op thread count the user's thread has at that op (read
         # by run): a reduction split across threads (a conv's weight gradient) then rounds
@@ -305,7 +308,7 @@ class LoopRunner:
 
     @property
     def plan(self) -> ShardPlan:
-        return self._plan
+        return self.sizing.plan
 
     @property
     def stores(self) -> list[ShardStore]:
@@ -317,7 +320,7 @@ class LoopRunner:
 
     @property
     def ops_per_batch(self) -> int:
-        return self._ops_per_batch
+        return self.pattern.ops_per_batch
 
     @property
     def batches_done(self) -> int:
@@ -384,7 +387,7 @@ class LoopRunner:
             torch.set_num_threads(self._threads)  # this (the device's) thread's count
         try:
             with inside_op():
-                self._apply_pending(self.shards[op.shard])
+                self.optim.apply_pending(self.shards[op.shard])
                 training = self.model.training
                 for m in self._wrappers:  # the cut's own modules follow the user's mode
                     if m.training is not training:  # (Module.__setattr__ is slow)
@@ -423,27 +426,7 @@ class LoopRunner:
             return None
         if isinstance(fn, _Backward) and fn.inputs_only:
             return None
-        shard = self.shards[op.shard]
-        if shard.writes_input is not False or shard.first_uses or shard.last_uses:
-            return None
-        if shard.index not in self._headless:
-            self._headless[shard.index] = not any(
-                isinstance(m, HeadStage) for m in shard.module.modules()
-            )
-        if not self._headless[shard.index]:
-            return None
-        # A forward hook on an adapted layer is this loop's own code, which a pass would
-        # call for every trial's rows or not at all (the pass refuses it, and its members
-        # then run one after another before the frozen checks: a hook writing the base
-        # would be read by the next): its ops run alone, checked at once. Looked up each
-        # time: a hook may come at any step.
-        for m in shard.module.modules():
-            if is_lora_layer(m) and any(
-                isinstance(h, torch.nn.Module) and (h._forward_hooks or h._forward_pre_hooks)
-                for h in (m, m.base_layer)
-            ):
-                return None
-        return shared_key(shard.store)
+        return self.shards[op.shard].batch_key()
 
     def op_start(self, op: Op, device: torch.device) -> OpStart:
         """What ``op`` (opened, :meth:`batch_key` not None) starts from, to compute it in
@@ -478,20 +461,10 @@ class LoopRunner:
         return self.shards[shard].store
 
     def next_shard(self, op: Op) -> int | None:
-        nxt = self._next.get((op.kind, op.shard))
-        return None if nxt is None or nxt[1] == op.shard else nxt[1]
+        return self.pattern.next_shard(op)
 
     def ops_until(self, op: Op | None, shard: int) -> int:
-        if op is None:
-            return len(self.shards)
-        key: tuple[OpKind, int] | None = (op.kind, op.shard)
-        for n in range(4 * len(self.shards) + 2):
-            if key is None:
-                break
-            if key[1] == shard:
-                return n
-            key = self._next.get(key)
-        return 4 * len(self.shards) + 2
+        return self.pattern.ops_until(op, shard)
 
     def carry_bytes(self, device: torch.device) -> int:
         return 0
@@ -501,19 +474,15 @@ class LoopRunner:
 
     def drop_batch(self) -> None:
         """Drop the graphs the batch in progress keeps on a device (the loop failed or
-        leaves); saved inputs of a recompute belong to the user's autograd graph."""
-        for ref in self._open:
-            call = ref()
-            if call is not None:
-                call.kept = None
-        self._open = []
+        leaves)."""
+        self.graph.drop()
 
     @property
     def keeps_batch(self) -> bool:
         """Whether a forward's graph is kept for a backward still to come: the batch is
         in progress though no op is ready (the user's code runs between its ops), so the
         engine holds its reservation and keeps its ops on its device."""
-        return any((c := r()) is not None and c.kept is not None for r in self._open)
+        return self.graph.keeps()
 
     def owned_tensors(self) -> OwnedTensors:
         model = self._model()
@@ -539,28 +508,18 @@ class LoopRunner:
                 f"{type(self.model).__name__} was unsharded (its loop {self.name!r} is "
                 f"closed); call th.shard on a fresh model to train it on the engine again"
             )
-        batch = self._batch
-        if kind is OpKind.FORWARD and shard == 0 and torch.is_grad_enabled():
-            self._batch += 1
-        op = Op(self.name, kind, shard, self.reports, batch)  # reports: see __init__
-        self._learn((kind, shard))
+        op = self.pattern.next_op(self.name, kind, shard, self.reports)  # reports: __init__
         self._home_now = False
         self._request = (op, fn, amp.current())
-        gen = thread_generator()
-        hand_off = main = False
-        if gen is None:
-            gen = self._gen
-            main = threading.current_thread() is threading.main_thread()
-            # On the main thread the global generator's stream is the loop's (plain
-            # PyTorch's one stream): into the op and back. Only for ops that may draw (a
-            # backward replays a saved state; a step draws nothing).
-            hand_off = (
-                kind in (OpKind.FORWARD, OpKind.EVAL)
-                and self.shards[shard].draws.get(self.model.training) is not False
-                and main
-            )
-        self._op_gen = gen
-        self._op_main = main
+        # On the main thread (no private generator) the global generator's stream is the
+        # loop's (plain PyTorch's one stream): into the op and back. Only for ops that may
+        # draw (a backward replays a saved state; a step draws nothing).
+        hand_off = (
+            self.random.choose()
+            and kind in (OpKind.FORWARD, OpKind.EVAL)
+            and self.shards[shard].draws.get(self.model.training) is not False
+        )
+        gen = self.random.op_gen
         if self._follow_threads:
             self._threads = torch.get_num_threads()  # execute computes with it
         if hand_off:
@@ -583,274 +542,58 @@ class LoopRunner:
             raise value
         return value
 
-    def _learn(self, key: tuple[OpKind, int]) -> None:
-        if self._last_key is not None:
-            self._next[self._last_key] = key
-        self._last_key = key
-        if key == (OpKind.FORWARD, 0):
-            if self._ops_since_batch:
-                self._ops_per_batch = self._ops_since_batch
-            self._ops_since_batch = 0
-        self._ops_since_batch += 1
-
     def forward(self, inputs: Any) -> Any:
         """The model's forward on ``inputs``, shard by shard (see the module docstring).
 
         Raises:
             BatchTooLargeError: a training batch larger than the one the cut was sized on
-                that the cut cannot hold within the budget (see :meth:`fit_batch`).
+                that the cut cannot hold within the budget (see :meth:`LoopSizing.fit`).
         """
-        grad = torch.is_grad_enabled() and any(
-            p.requires_grad for s in self.shards for p in s.module.parameters()
-        )
-        if grad:
-            self.fit_batch(inputs)
-        given = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
-        user_device = given[0].device if given else self.home
-        carry = _to(inputs, self.home)  # differentiable: the user's graph goes on from here
-        if grad:
-            token = torch.empty(0, requires_grad=True)  # so that every shard's node is reached
-            graph = _Reach(token, self.shards)
-            token = graph.token
-            if self.keep:  # the batches before are done (or were dropped by the user)
-                self._open = [r for r in self._open if (c := r()) is not None and c.kept]
-            for shard in self.shards:
-                call = _ShardCall(self, shard)
-                call.reach = graph
-                if self.keep:
-                    self._open.append(weakref.ref(call))
-                leaves, spec = tree_flatten(carry)
-                tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-                call.leaves, call.spec, call.tensor_at = leaves, spec, tensors
-                outs = _ShardFunction.apply(call, token, *(leaves[i] for i in tensors))
-                carry = call.rebuild(outs)
-                # Only the pytrees' other leaves are needed again: holding the tensors
-                # (outputs of the call's own node) would make a cycle through autograd's
-                # nodes that a graph dropped without backward never frees.
-                call.leaves = [None if i in tensors else t for i, t in enumerate(leaves)]
-                call.out_leaves = [
-                    None if i in call.out_tensor_at else t for i, t in enumerate(call.out_leaves)
-                ]
-        else:
-            kind = OpKind.FORWARD if self.model.training else OpKind.EVAL
-            for shard in self.shards:
-                carry = self.run(kind, shard.index, _PlainForward(self, shard, carry))
-        return _to(carry, user_device)  # outputs on the device of the inputs
+        return self.graph.forward(self, inputs)
 
     def fit_batch(self, inputs: Any) -> None:
-        """Size the plan for a training batch larger than any before it (the cut was sized
-        on the first forward's batch, the probe), before any of its ops: every layer's
-        probed activations scaled by the batch's input bytes over the probe's (linear in
-        the batch size and, for sequences, in their length); if each shard of the cut (and,
-        keeping graphs, a batch of them all) still fits the budget, the plan, the engine's
-        record of it and each store's footprint (what the device ledgers count) take the
-        larger figures.
+        """Size the plan for a training batch larger than any before it (see
+        :meth:`LoopSizing.fit`)."""
+        self.sizing.fit(inputs)
 
-        Raises:
-            BatchTooLargeError: the cut does not hold that batch within the budget.
-        """
-        nbytes = tensor_bytes(inputs)
-        if nbytes <= self._sized_bytes or not self._probe_bytes:
-            return
-        scale = nbytes / self._probe_bytes
-        costs = [
-            dataclasses.replace(c, activation_bytes=math.ceil(c.activation_bytes * scale))
-            for c in self._probe_costs
-        ]
-        old = self._plan
-        cut = [(s.start, s.stop) for s in old.shards]
-        try:
-            plan: ShardPlan | None = plan_shards(
-                costs,
-                old.budget,
-                prefetch=old.prefetch,
-                max_layers_per_shard=self.engine.max_layers_per_shard,
-                prefer=[cut],
-                kept=self.keep,
-            )
-        except ShardTooLargeError:
-            plan = None
-        if (
-            plan is None
-            or [(s.start, s.stop) for s in plan.shards] != cut
-            or (self.keep and old.budget is not None and plan.kept_peak_bytes() > old.budget)
-        ):
-            raise BatchTooLargeError(self._too_large(costs, nbytes, scale))
-        self.engine.update_plan(self.name, plan)
-        for s, spec in zip(self.shards, plan.shards, strict=True):
-            own = s.store.own if isinstance(s.store, LinkedStore) else s.store
-            own.activation_bytes = spec.activation_bytes
-        self._plan = plan
-        self._sized_bytes = nbytes
-        log.info(
-            "%s: a training batch %.1fx the first one's: its activations are counted at "
-            "that size (%s)",
-            self.name,
-            scale,
-            ", ".join(format_bytes(s.activation_bytes) for s in plan.shards),
-        )
+    # -- the optimizer's part (tune_hydra.engine.runtime.loop_optim) ----------------------
 
-    def _too_large(self, costs: list[Any], nbytes: int, scale: float) -> str:
-        """Why :meth:`fit_batch` refuses a batch, and what to do."""
-        old = self._plan
-        budget = old.budget or 0
-        states = [s.state_bytes for s in old.shards]
-        room = max(states) if old.prefetch and len(old.shards) > 1 else 0
-        acts = [sum(c.activation_bytes for c in costs[s.start : s.stop]) for s in old.shards]
-        over = [
-            i for i, (st, a) in enumerate(zip(states, acts, strict=True)) if st + a + room > budget
-        ]
-        if over:
-            i = over[0]
-            spec = old.shards[i]
-            need = format_bytes(states[i] + acts[i] + room)
-            why = (
-                f"shard {i} (layers {spec.layer_names[0]}..{spec.layer_names[-1]}) would "
-                f"need {need} ({format_bytes(states[i])} of state, {format_bytes(acts[i])} "
-                f"of activations"
-                + (f", {format_bytes(room)} of room for the prefetched shard" if room else "")
-                + ")"
-            )
-        else:
-            why = (
-                f"keeping every shard's graph (recompute=False) would need "
-                f"{format_bytes(sum(acts) + max(states) + room)} for one batch"
-            )
-        return (
-            f"{type(self.model).__name__}: this training batch ({format_bytes(nbytes)} of "
-            f"inputs) is {scale:.1f}x the one th.shard cut the model for (its first "
-            f"forward's); at this size {why}, over device_memory={format_bytes(budget)}. "
-            f"th.shard sizes the cut from the first forward: run the first forward on a "
-            f"batch of the largest size, or keep batches at most that size, or raise "
-            f"device_memory"
-        )
+    @property
+    def user_optimizer(self) -> torch.optim.Optimizer | None:
+        """The user's optimizer (``None``: the loop steps nothing)."""
+        return self.optim.user_optimizer
 
-    # -- the optimizer's part -----------------------------------------------------------
+    @property
+    def optimizer_class(self) -> type[torch.optim.Optimizer] | None:
+        """The user's optimizer's class (its shards' optimizers are of it)."""
+        return self.optim.optimizer_class
 
     def step(self) -> None:
         """Record an optimizer step for every shard, with the hyperparameters the user's
         param groups have now."""
-        assert self.user_optimizer is not None
-        self.follow_groups()
-        groups = [
-            {k: v for k, v in g.items() if k != "params"} for g in self.user_optimizer.param_groups
-        ]
-        for s in self.shards:
-            if s.optimizer is not None:
-                s.pending.append(("step", [groups[i] for i in s.group_map]))
+        self.optim.step(self.sync)
         self._home_now = False
 
     def zero_grad(self, set_to_none: bool = True, *, optimizer: bool = False) -> None:
-        """Record ``zero_grad`` for every shard (applied at its next op, or by sync): of
-        every parameter (the model's), or with ``optimizer`` of the user's optimizer's
-        parameters only (as plain ``optimizer.zero_grad()``: a trainable parameter it does
-        not step keeps accumulating its gradient)."""
-        if optimizer:
-            self.follow_groups()
-        for i, s in enumerate(self.shards):
-            params = self._opt_zeroes[i] if optimizer else s.zeroes
-            s.pending.append(("zero", (set_to_none, params)))
+        """Record ``zero_grad`` for every shard: of every parameter (the model's), or with
+        ``optimizer`` of the user's optimizer's parameters only (as its ``zero_grad()``)."""
+        self.optim.zero_grad(set_to_none, optimizer, self.sync)
         self._home_now = False
-
-    def _note_optimizer_params(self) -> None:
-        """Which gradients the user's ``optimizer.zero_grad()`` zeroes, per shard."""
-        user = self.user_optimizer
-        ids = {id(p) for g in user.param_groups for p in g["params"]} if user else set()
-        self._opt_zeroes = [[p for p in s.zeroes if id(p) in ids] for s in self.shards]
 
     def follow_groups(self) -> None:
         """Give the shards' optimizers the param groups the user's optimizer gained since
-        they last followed it (``add_param_group`` after the cut: gradual unfreezing),
-        each parameter in the shard that steps it (a shard without an optimizer gets one
-        like the user's). The steps recorded before are applied first, with the groups
-        they were recorded with.
+        they last followed it (see :meth:`LoopOptimizer.follow_groups`, which raises)."""
+        self.optim.follow_groups(self.sync)
 
-        Raises:
-            UnsupportedCallError: a group was removed, or parameters were added to or
-                removed from a group in place (``param_groups[i]["params"]``).
-            OptimizerMismatchError: an added group has a parameter that is not the
-                model's.
-        """
-        user = self.user_optimizer
-        if user is None:
-            return
-        groups = user.param_groups
-        sizes = self._group_sizes
-        if len(groups) == len(sizes) and all(
-            len(g["params"]) == n for g, n in zip(groups, sizes, strict=True)
-        ):
-            return  # the common case: one cheap check per step
-        if len(groups) < len(sizes):
-            raise UnsupportedCallError(
-                f"{len(sizes) - len(groups)} param group(s) were removed from the optimizer "
-                f"of a sharded model: its shards' optimizers cannot follow that. Keep the "
-                f"groups and set their lr to 0 to stop stepping them, or build a new "
-                f"optimizer before th.shard"
-            )
-        edited = [i for i, n in enumerate(sizes) if len(groups[i]["params"]) != n]
-        if edited:
-            raise UnsupportedCallError(
-                f"param_groups[{edited[0]}]['params'] of a sharded model's optimizer was "
-                f"changed in place: its shards' optimizers cannot follow that. Put new "
-                f"parameters in a group of their own with optimizer.add_param_group"
-                f"({{'params': ...}})"
-            )
-        owner: dict[int, LoopShard] = {}
-        for s in self.shards:  # a shared parameter's lowest-index user steps it
-            for p in s.module.parameters():
-                owner.setdefault(id(p), s)
-        foreign = [p for g in groups[len(sizes) :] for p in g["params"] if id(p) not in owner]
-        if foreign:
-            raise OptimizerMismatchError(
-                f"an added param group has {len(foreign)} parameter(s) that are not the "
-                f"sharded model's (the first of shape {list(foreign[0].shape)}); add only "
-                f"this model's parameters"
-            )
-        self.sync()  # the steps recorded so far step the groups as they were
-        cls = self.optimizer_class or type(user)
-        for gi in range(len(sizes), len(groups)):
-            hyper = {k: v for k, v in groups[gi].items() if k != "params"}
-            for s in self.shards:
-                ps = [p for p in groups[gi]["params"] if owner[id(p)] is s]
-                if not ps:
-                    continue
-                if s.optimizer is None:
-                    s.optimizer = _like(user, cls, [{**hyper, "params": ps}])
-                    for part in s.store.parts():  # its own store, and those it steps
-                        if part.name[1] == s.index:
-                            part.optimizer = s.optimizer
-                else:
-                    s.optimizer.add_param_group({**hyper, "params": ps})
-                s.group_map.append(gi)
-        self._group_sizes = [len(g["params"]) for g in groups]
-        self._note_optimizer_params()
+    def load_optimizer_state(self) -> None:
+        """Move the state the user's optimizer holds (after its ``load_state_dict``) into
+        the shards' optimizers."""
+        self.optim.load_state(self.sync)
+        self.touched()
 
-    def _apply_pending(self, shard: LoopShard) -> None:
-        pending = shard.pending
-        while pending:
-            # Taken off first: a step that raises is raised once (at this op), not again
-            # at every later one, and one applied is never applied twice.
-            what, arg = pending.pop(0)
-            if what == "zero":
-                set_to_none, params = arg
-                for p in params:
-                    if p.grad is None:
-                        continue
-                    if set_to_none:
-                        p.grad = None
-                    else:
-                        p.grad.detach_()
-                        p.grad.zero_()
-            else:
-                opt = shard.optimizer
-                assert opt is not None
-                for group, hyper in zip(opt.param_groups, arg, strict=True):
-                    group.update(hyper)
-                # Not while another thread compiles: torch.optim reads the process-wide
-                # torch.compiler.is_compiling() and rounds otherwise then (see GATE).
-                with COMPILE_GATE.running():
-                    opt.step()
-                shard.steps += 1
+    def optimizer_state(self) -> dict[Any, Any]:
+        """Every shard optimizer's per-parameter state, keyed by parameter."""
+        return self.optim.state()
 
     def sync(self) -> None:
         """Apply what is pending (as step ops) and bring every shard's state home, where
@@ -864,25 +607,7 @@ class LoopRunner:
         """
         if self._home_now or in_op() or self.closed:
             return
-        error: Exception | None = None
-        for s in self.shards:
-            if s.pending:
-                try:
-                    self.run(OpKind.STEP, s.index, lambda dev: None)  # execute applies them
-                except Exception as err:  # the other shards' steps still apply
-                    error = error or err
-        workers = self.engine.workers
-        for s in self.shards:
-            store = s.store
-            for part in store.parts():
-                with part.lock:  # a prefetch may be bringing it in right now: after it
-                    owner = part.owner
-                    if owner in workers:
-                        owner.evict(part)
-                    part.retire()
-            for w in workers:
-                for part in store.parts():
-                    w.release(part)
+        error = loop_home.bring_home(self.shards, self.engine.workers, self.run)
         # What a failed step left pending (recorded after it) applies at a later sync.
         self._home_now = not any(s.pending for s in self.shards)
         if error is not None:
@@ -891,70 +616,18 @@ class LoopRunner:
     def touched(self) -> None:
         """The user's thread wrote into the model's or the optimizer's tensors at home:
         their host copies and spill files are stale (see ``ShardStore.begin_op``)."""
-        for s in self.shards:
-            for part in s.store.parts():
-                part.begin_op(OpKind.STEP)  # a step "changes" the state
-                part.end_op()
+        loop_home.touched(self.shards)
 
     def before_load(self, state_dict: Any) -> list[tuple[ShardStore, int]]:
         """Before ``load_state_dict(state_dict)`` writes into the model at home (after
-        :meth:`sync`): a frozen tensor the loop shares with other tasks
-        (``tune_hydra.engine.storage.frozen``) and gets other values becomes the loop's own first,
-        so that the others do not see the write. Returns the shared ones it writes with
-        their own values (a checkpoint of the same base): give them to
-        :meth:`after_load`."""
-        shared = {id(st.params[i]): (st, i) for st in self.stores for i in st.frozen}
-        if not shared or not isinstance(state_dict, Mapping):
-            return []
-        params = dict(nn.Module.named_parameters(self.model, remove_duplicate=False))
-        same: list[tuple[ShardStore, int]] = []
-        for key, value in state_dict.items():
-            p = params.get(key)
-            slot = None if p is None else shared.get(id(p))
-            if p is None or slot is None or slot[1] not in slot[0].frozen:
-                continue
-            if (
-                isinstance(value, torch.Tensor)
-                and value.shape == p.shape
-                and value.dtype == p.dtype
-                and torch.equal(value, p.data)
-            ):
-                same.append(slot)
-            else:
-                slot[0].own_frozen(slot[1])
-        return same
+        :meth:`sync`): see :func:`~tune_hydra.engine.runtime.loop_home.before_load`. Give
+        what it returns to :meth:`after_load`."""
+        return loop_home.before_load(self.stores, self.model, state_dict)
 
     def after_load(self, same: list[tuple[ShardStore, int]]) -> None:
         """After ``load_state_dict``: the shared tensors :meth:`before_load` found written
         with their own values stay shared."""
-        for store, i in same:
-            if i in store.frozen:
-                store.frozen_rewritten(i)
-
-    def load_optimizer_state(self) -> None:
-        """Move the state the user's optimizer holds (after its ``load_state_dict``) into
-        the shards' optimizers."""
-        opt = self.user_optimizer
-        assert opt is not None
-        self.follow_groups()
-        for s in self.shards:
-            if s.optimizer is None:
-                continue
-            for group in s.optimizer.param_groups:
-                for p in group["params"]:
-                    s.optimizer.state.pop(p, None)
-                    if p in opt.state:
-                        s.optimizer.state[p] = opt.state[p]
-        opt.state = collections.defaultdict(dict)
-        self.touched()
-
-    def optimizer_state(self) -> dict[Any, Any]:
-        """Every shard optimizer's per-parameter state, keyed by parameter."""
-        state: dict[Any, Any] = {}
-        for s in self.shards:
-            if s.optimizer is not None:
-                state.update(s.optimizer.state)
-        return state
+        loop_home.after_load(same)
 
     # -- torch.compile ----------------------------------------------------------------------
 
@@ -966,6 +639,7 @@ class LoopRunner:
         if self._compiler is not None:
             self._compiler.uninstall()
         self._compiler = None if compiler is None else ShardCompiler(compiler, self.name)
+        self.random.set_compiled(self._compiler is not None)  # compiled code: global stream
         if self._compiler is None:
             return
         blocks = sum(self._compiler.install(s.module, s.index) for s in self.shards)
@@ -976,67 +650,6 @@ class LoopRunner:
                 self.name,
                 blocks,
             )
-
-    # -- the RNG stream -------------------------------------------------------------------
-
-    def _stream(
-        self, shard: LoopShard, device: torch.device, training: bool | None = None
-    ) -> contextlib.AbstractContextManager[_Entry | None]:
-        """The op's random stream around a shard's compute (the generator :meth:`run`
-        chose, and the loop's stream of a GPU); nothing at all for a shard seen not to
-        draw in this mode (``None`` then: nothing to replay)."""
-        training = self.model.training if training is None else training
-        cpu = shard.draws.get(training) is not False
-        if not cpu and device.type != "cuda":
-            return contextlib.nullcontext()
-        return self._drawing(shard, device, training, cpu)
-
-    def _global_stream(self, device: torch.device) -> bool:
-        """Whether the op's CPU draws go through torch's global generator (swapped in
-        under ``CPU_RNG_LOCK``) rather than the dispatch mode: compiled code draws from
-        the global generator, which no dispatch mode redirects (see
-        ``tune_hydra.engine.runtime.compiled``); a main-thread loop's stream is the global one
-        anyway, and its user's thread waits for the op."""
-        return self._op_main or (self._compiler is not None and device.type == "cpu")
-
-    @contextlib.contextmanager
-    def _drawing(
-        self, shard: LoopShard, device: torch.device, training: bool, cpu: bool
-    ) -> Iterator[_Entry]:
-        gen = self._op_gen
-        with contextlib.ExitStack() as stack:
-            entry = _Entry(gen.get_state() if cpu else None)
-            mode: Any = None
-            if cpu and self._global_stream(device):
-                mode = stack.enter_context(global_cpu_stream(gen))
-            elif cpu:
-                mode = stack.enter_context(use_generator(gen))
-            if device.type == "cuda":
-                scope = stack.enter_context(
-                    rng.task_stream(self.stream, device, self._seed, cpu=False)
-                )
-                entry.cuda = scope.entry
-            yield entry
-        if mode is not None and training not in shard.draws:
-            shard.draws[training] = mode.drew
-
-    @contextlib.contextmanager
-    def _replay(self, entry: _Entry | None, device: torch.device) -> Iterator[None]:
-        """A forward's random numbers again (its recompute), from the state it started
-        from; the loop's streams do not advance."""
-        with contextlib.ExitStack() as stack:
-            if entry is not None and entry.cpu is not None:
-                gen = torch.Generator()
-                gen.set_state(entry.cpu)
-                if self._global_stream(device):
-                    stack.enter_context(global_cpu_stream(gen))  # as _drawing
-                else:
-                    stack.enter_context(use_generator(gen))
-            if entry is not None and entry.cuda is not None:
-                stack.enter_context(
-                    rng.task_stream(self.stream, device, self._seed, replay=entry.cuda, cpu=False)
-                )
-            yield
 
     # -- leaving ---------------------------------------------------------------------------
 
@@ -1066,7 +679,7 @@ class LoopRunner:
         if self._compiler is not None:  # the user's modules (blocks) called eagerly again
             self.compile(None)
         try:
-            self._hand_back_optimizer_state()
+            self.optim.hand_back()
         finally:
             try:
                 self.engine.remove_task(self.name)
@@ -1087,30 +700,88 @@ class LoopRunner:
             exc_info=error,
         )
 
-    def _hand_back_optimizer_state(self) -> None:
-        """The shards' optimizers' state (at home) into the user's optimizer."""
-        user = self.user_optimizer
-        if user is None:
-            return
-        for s in self.shards:
-            if s.optimizer is None:
-                continue
-            # A state in the disk tier is views of its spill file, which leaving removes.
-            disk = any(part.on_disk for part in s.store.parts())
-            for p, st in s.optimizer.state.items():
-                user.state[p] = {
-                    k: v.clone() if disk and isinstance(v, torch.Tensor) else v
-                    for k, v in st.items()
-                }
 
+class LoopGraph:
+    """The model's forward as one loop's shard ops (see "forward" and "kept graphs" in
+    the module docstring): without grad plain ops; with grad each shard a node of the
+    user's autograd graph (:class:`_ShardFunction`) whose backward runs the shard's
+    backward op. Keeping graphs, it tracks the shard calls of the batch in progress,
+    whose graphs wait on a device for their backward ops.
 
-@dataclass
-class _Entry:
-    """Where a forward's random numbers started: the CPU generator's state (``None``: it
-    ran without one) and the GPU's (:func:`rng.task_stream`'s entry)."""
+    Args:
+        keep: the loop's forward ops keep their graphs for the backward (no recompute).
+    """
 
-    cpu: torch.Tensor | None
-    cuda: rng.RngState | None = None
+    def __init__(self, keep: bool) -> None:
+        self._keep = keep
+        # The shard calls of the batch in progress that may keep a graph (weakly: the
+        # user's autograd graph owns them).
+        self._open: list[weakref.ref[_ShardCall]] = []
+
+    def forward(self, loop: LoopRunner, inputs: Any) -> Any:
+        """``loop``'s model on ``inputs``, shard by shard, computed at ``loop.home`` and
+        returned on the device of the inputs: with grad each shard's call a node of the
+        user's graph (a training batch sized first: ``LoopSizing.fit``), else plain
+        forward (or eval) ops.
+
+        Raises:
+            BatchTooLargeError: from ``LoopSizing.fit``.
+        """
+        grad = torch.is_grad_enabled() and any(
+            p.requires_grad for s in loop.shards for p in s.module.parameters()
+        )
+        if grad:
+            loop.sizing.fit(inputs)
+        given = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
+        user_device = given[0].device if given else loop.home
+        carry = _to(inputs, loop.home)  # differentiable: the user's graph goes on from here
+        if grad:
+            carry = self._forward(loop, carry)
+        else:
+            kind = OpKind.FORWARD if loop.model.training else OpKind.EVAL
+            for shard in loop.shards:
+                carry = loop.run(kind, shard.index, _PlainForward(loop, shard, carry))
+        return _to(carry, user_device)  # outputs on the device of the inputs
+
+    def _forward(self, loop: LoopRunner, carry: Any) -> Any:
+        """With grad: each shard's call a node of the user's graph."""
+        token = torch.empty(0, requires_grad=True)  # so that every shard's node is reached
+        graph = _Reach(token, loop.shards)
+        token = graph.token
+        if self._keep:  # the batches before are done (or were dropped by the user)
+            self._open = [r for r in self._open if (c := r()) is not None and c.kept]
+        for shard in loop.shards:
+            call = _ShardCall(loop, shard)
+            call.reach = graph
+            if self._keep:
+                self._open.append(weakref.ref(call))
+            leaves, spec = tree_flatten(carry)
+            tensors = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+            call.leaves, call.spec, call.tensor_at = leaves, spec, tensors
+            outs = _ShardFunction.apply(call, token, *(leaves[i] for i in tensors))
+            carry = call.rebuild(outs)
+            # Only the pytrees' other leaves are needed again: holding the tensors
+            # (outputs of the call's own node) would make a cycle through autograd's
+            # nodes that a graph dropped without backward never frees.
+            call.leaves = [None if i in tensors else t for i, t in enumerate(leaves)]
+            call.out_leaves = [
+                None if i in call.out_tensor_at else t for i, t in enumerate(call.out_leaves)
+            ]
+        return carry
+
+    def drop(self) -> None:
+        """Drop the graphs the batch in progress keeps on a device; saved inputs of a
+        recompute belong to the user's autograd graph."""
+        for ref in self._open:
+            call = ref()
+            if call is not None:
+                call.kept = None
+        self._open = []
+
+    def keeps(self) -> bool:
+        """Whether a forward's graph of the batch in progress is kept for a backward still
+        to come."""
+        return any((c := r()) is not None and c.kept is not None for r in self._open)
 
 
 class _PlainForward:
@@ -1122,7 +793,7 @@ class _PlainForward:
     def __call__(self, device: torch.device) -> Any:
         loop, shard = self.loop, self.shard
         x = _to(self.x, device)
-        with loop._stream(shard, device), torch.no_grad():
+        with loop.random.drawing(shard, device, loop.model.training), torch.no_grad():
             out = shard.module(x)
         return _to(out, loop.home)
 
@@ -1209,7 +880,7 @@ class _ShardCall:
         self.leaves: list[Any] = []
         self.spec: Any = None
         self.tensor_at: list[int] = []
-        self.entry: _Entry | None = None  # the RNG state the forward started from
+        self.entry: Entry | None = None  # the RNG state the forward started from
         self.autocast: amp.Autocast | None = None  # the forward's (a recompute's too)
         self.out_spec: Any = None
         self.out_leaves: list[Any] = []
@@ -1245,7 +916,10 @@ class _ShardCall:
             arg = self.inputs(
                 tuple(_clone(t) if shard.writes_input is not False else t for t in inp)
             )
-            with loop._stream(shard, device) as entry, torch.enable_grad():
+            with (
+                loop.random.drawing(shard, device, loop.model.training) as entry,
+                torch.enable_grad(),
+            ):
                 out = shard.module(arg)
             self.kept = (inp, out)
             self.entry = entry  # a second backward (retain_graph=True) recomputes
@@ -1340,20 +1014,20 @@ class _Forward:
         arg = _to(self.x, device)
         if shard.writes_input is not False:  # the saved input must stay as it was
             arg = _clone(arg)
-        with loop._stream(shard, device) as entry, torch.no_grad():
+        with loop.random.drawing(shard, device, loop.model.training) as entry, torch.no_grad():
             out = shard.module(arg)
         call.entry = entry
         call.steps = shard.steps
         return _to(out, loop.home)
 
     def start(self, device: torch.device) -> OpStart:
-        gen = self.call.loop._op_gen
+        gen = self.call.loop.random.op_gen
         return OpStart(_detached(_to(self.x, device)), rng.RngState(gen.get_state()))
 
     def take(self, start: OpStart, out: Any, cpu_after: torch.Tensor) -> Any:
         call = self.call
-        call.loop._op_gen.set_state(cpu_after)  # the stream went on as in the pass
-        call.entry = _Entry(start.stream.cpu)
+        call.loop.random.op_gen.set_state(cpu_after)  # the stream went on as in the pass
+        call.entry = Entry(start.stream.cpu)
         call.steps = call.shard.steps
         # Tensor objects of its own: an output the pass computed from what the trials
         # share (rotary cos/sin) is one tensor for all of them, and a tensor returned by
@@ -1404,7 +1078,7 @@ class _Backward:
             store.stash_grad(i)
         with (
             _scratch_buffers(shard),
-            loop._replay(call.entry, device),
+            loop.random.replay(call.entry, device),
             amp.entered(call.autocast),
             torch.enable_grad(),
         ):
@@ -1539,7 +1213,7 @@ def loop_costs(
         return (
             torch.optim.SGD(params, lr=0.0)
             if optimizer_class is None
-            else _like(user_optimizer, optimizer_class, [{"params": params}])
+            else optimizer_like(user_optimizer, optimizer_class, [{"params": params}])
         )
 
     # The probe's draws come from a throwaway generator: no stream (nor torch's global
@@ -1598,7 +1272,11 @@ def build_loop(
                 if ps:
                     groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": ps})
                     gmap.append(gi)
-        opt = _like(user_optimizer, optimizer_class, groups) if optimizer_class and groups else None
+        opt = (
+            optimizer_like(user_optimizer, optimizer_class, groups)
+            if optimizer_class and groups
+            else None
+        )
         if opt is not None and user_optimizer is not None:  # state loaded before the cut
             for g in opt.param_groups:
                 for p in g["params"]:
@@ -1654,11 +1332,11 @@ def build_loop(
         rng_start=rng_start,
         hf=hf,
         keep=keep,
+        optimizer_class=optimizer_class,
+        probe_bytes=tensor_bytes(sample),
     )
-    runner.optimizer_class = optimizer_class
     if compiler is not None:
         runner.compile(compiler)
-    runner._probe_bytes = runner._sized_bytes = tensor_bytes(sample)
     # recompute=True: the engine reserves nothing for this loop's batches (and does not
     # refuse a batch too big to keep: the loop recomputes it).
     try:
@@ -1694,26 +1372,8 @@ def keeps_graphs(engine: Engine, plan: ShardPlan) -> bool:
     return True
 
 
-def _like(
-    user: torch.optim.Optimizer | None,
-    cls: type[torch.optim.Optimizer],
-    groups: list[dict[str, Any]],
-) -> torch.optim.Optimizer:
-    """An optimizer of ``cls`` over ``groups`` with the user's defaults (and whatever else
-    its constructor set), without running ``cls.__init__`` (whose keywords vary by class)."""
-    opt = cls.__new__(cls)
-    defaults = dict(user.defaults) if user is not None else {}
-    torch.optim.Optimizer.__init__(opt, groups, defaults)
-    if user is not None:
-        for k, v in vars(user).items():
-            # Not a method wrapped on the instance (an lr scheduler wraps ``step``: it would
-            # call the user's sharded step from the shard's).
-            if k not in vars(opt) and not k.startswith("_th_") and not callable(v):
-                setattr(opt, k, v)
-    return opt
-
-
 __all__ = [
+    "LoopGraph",
     "LoopRunner",
     "LoopShard",
     "build_loop",
