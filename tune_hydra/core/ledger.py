@@ -15,7 +15,7 @@ The running and queued ops are not stored here: the worker's queue owns them (th
 dispatcher changes it under its own lock), so the questions that involve them take the
 queued shards as an argument. The first of them is the one that runs next.
 
-The rules, shared by :class:`~tune_hydra.engine.dispatch.workers.DeviceWorker` at run time and by
+The rules, shared by :class:`~tune_hydra.engine.dispatch.room.DeviceRoom` at run time and by
 :meth:`~tune_hydra.core.trace.Trace.validate` when it replays a trace:
 
 - while a shard's op runs, the device holds the shard states, the op's activations
@@ -33,9 +33,9 @@ in total. These are totals of bytes moved, not what the host holds now: a state 
 device spilled may be taken back by another. What host memory holds now, and its budget,
 is the engine's :class:`~tune_hydra.core.host.HostLedger`.
 
-Design note: the ledger is plain data with no lock and no threads of its own. A worker
-reads and changes it only while holding its own lock (the one that guarded the same
-fields before the ledger existed); the trace replay is single-threaded. It knows shards
+Design note: the ledger is plain data with no lock and no threads of its own. A device's
+room reads and changes it only while holding the room's lock (the one that guarded the
+same fields before the ledger existed); the trace replay is single-threaded. It knows shards
 through :class:`Footprint` (``ShardStore`` is one) and carries through :class:`Waiting`,
 so it imports no torch.
 

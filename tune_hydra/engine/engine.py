@@ -145,11 +145,6 @@ class Engine:
         clock: Callable[[], float] | None = None,
         **unknown: Any,
     ) -> None:
-        if unknown:  # a typo: named with the closest option, not Python's bare TypeError
-            code = Engine.__init__.__code__
-            check_option_names(
-                unknown, code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
-            )
         given = {
             "devices": devices,
             "device_memory": device_memory,
@@ -164,46 +159,18 @@ class Engine:
             "share_frozen": share_frozen,
             "batch_shared": batch_shared,
         }
-        options = _engine_options(options, given)
+        options = _engine_options(options, given, unknown)
         self.options = options
         self.devices = resolve_devices(options.devices)
         self.policy = get_policy(options.policy)
-        gpu, recompute = any(d.type == "cuda" for d in self.devices), options.recompute
-        self.recompute = (gpu or options.copy_on_cpu) if recompute is None else recompute
-        if options.batch_shared and not self.recompute:
-            raise InvalidOptionError(
-                "batch_shared",
-                options.batch_shared,
-                "the batched base runs recomputing ops only: give recompute=True (the "
-                "default on GPUs and with copy_on_cpu=True), or leave batch_shared off",
-                "Engine",
-            )
-        n_cpu = sum(d.type == "cpu" for d in self.devices)
-        labels = [
-            f"cpu#{i}" if d.type == "cpu" and n_cpu > 1 else str(d)
-            for i, d in enumerate(self.devices)
-        ]
+        self.recompute = _recompute(options, self.devices)
+        labels = _labels(self.devices)
         self.trace = Trace(labels, options.trace_window)
         self.clock = default_clock() if clock is None else clock
-        host_budget, spill_dir = options.host_bytes, options.spill_dir
-        folder = SpillFolder(spill_dir) if host_budget is not None and spill_dir else None
-        self.host = HostMemory(host_budget, folder, self.trace, self.clock)
+        self.host = _host_memory(options, self.trace, self.clock)
         self._saved_threads = torch.get_num_threads()  # workers may change it; restored
-        threads = max(1, torch.get_num_threads() // n_cpu) if n_cpu > 1 else None
-        self.workers = [
-            DeviceWorker(
-                i,
-                d,
-                labels[i],
-                self.trace,
-                self.clock,
-                prefetch=options.prefetch,
-                copy=options.copy_on_cpu,
-                intra_threads=threads,
-                budget=device_budget(d, options.device_bytes),
-            )
-            for i, d in enumerate(self.devices)
-        ]
+        # After the checks and the spill folder (which may raise): no thread left running.
+        self.workers = _start_workers(self.devices, labels, options, self.trace, self.clock)
         kept = KeptGraphs(not self.recompute and any(w.copy for w in self.workers))
         self._cv = threading.Condition(threading.RLock())  # the engine's one lock
         self._registry = TaskRegistry(
@@ -579,13 +546,17 @@ class Engine:
         return None if self._dispatcher.closed else self._entry(name)
 
 
-def _engine_options(options: Any, given: dict[str, Any]) -> EngineOptions:
+def _engine_options(options: Any, given: dict[str, Any], unknown: dict[str, Any]) -> EngineOptions:
     """The engine's options: ``options`` as it is (checked when it was built), else the
-    keywords ``given``, checked.
+    keywords ``given``, checked; ``unknown``: keywords the engine does not take.
 
     Raises:
+        UnknownOptionError: an ``unknown`` keyword (named with the closest option).
         InvalidOptionError: ``options`` is no ``EngineOptions``, or comes with keywords.
     """
+    if unknown:  # a typo: named with the closest option, not Python's bare TypeError
+        code = Engine.__init__.__code__
+        check_option_names(unknown, code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount])
     if options is None:
         return EngineOptions(**given, where="Engine")
     if not isinstance(options, EngineOptions):
@@ -603,6 +574,71 @@ def _engine_options(options: Any, given: dict[str, Any]) -> EngineOptions:
             "Engine",
         )
     return options
+
+
+def _recompute(options: EngineOptions, devices: list[torch.device]) -> bool:
+    """Whether ops recompute forward in backward: ``options.recompute``, by default on
+    GPUs and with ``copy_on_cpu``.
+
+    Raises:
+        InvalidOptionError: ``batch_shared`` without recomputing.
+    """
+    gpu, recompute = any(d.type == "cuda" for d in devices), options.recompute
+    recompute = (gpu or options.copy_on_cpu) if recompute is None else recompute
+    if options.batch_shared and not recompute:
+        raise InvalidOptionError(
+            "batch_shared",
+            options.batch_shared,
+            "the batched base runs recomputing ops only: give recompute=True (the "
+            "default on GPUs and with copy_on_cpu=True), or leave batch_shared off",
+            "Engine",
+        )
+    return recompute
+
+
+def _labels(devices: list[torch.device]) -> list[str]:
+    """The devices' labels: ``cpu#i`` when the CPU is several devices, else the device."""
+    n_cpu = sum(d.type == "cpu" for d in devices)
+    return [f"cpu#{i}" if d.type == "cpu" and n_cpu > 1 else str(d) for i, d in enumerate(devices)]
+
+
+def _host_memory(options: EngineOptions, trace: Trace, clock: Callable[[], float]) -> HostMemory:
+    """The engine's host memory, with its disk tier when ``host_memory`` and ``spill_dir``
+    are given.
+
+    Raises:
+        SpillDirError: a ``spill_dir`` that is missing, not writable or on a full disk.
+    """
+    host_budget, spill_dir = options.host_bytes, options.spill_dir
+    folder = SpillFolder(spill_dir) if host_budget is not None and spill_dir else None
+    return HostMemory(host_budget, folder, trace, clock)
+
+
+def _start_workers(
+    devices: list[torch.device],
+    labels: list[str],
+    options: EngineOptions,
+    trace: Trace,
+    clock: Callable[[], float],
+) -> list[DeviceWorker]:
+    """One started worker per device; torch's intra-op threads are divided among several
+    CPU devices."""
+    n_cpu = sum(d.type == "cpu" for d in devices)
+    threads = max(1, torch.get_num_threads() // n_cpu) if n_cpu > 1 else None
+    return [
+        DeviceWorker(
+            i,
+            d,
+            labels[i],
+            trace,
+            clock,
+            prefetch=options.prefetch,
+            copy=options.copy_on_cpu,
+            intra_threads=threads,
+            budget=device_budget(d, options.device_bytes),
+        )
+        for i, d in enumerate(devices)
+    ]
 
 
 __all__ = ["Engine"]

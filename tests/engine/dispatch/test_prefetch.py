@@ -383,10 +383,10 @@ def test_a_copy_that_can_never_fit_fails_its_task_instead_of_hanging(
     """Admitting every batch (a broken admission) lets kept graphs of tasks queued behind
     an op hold the room that op needs: nothing ahead of it can free it. The copy thread
     fails that op's task with a ScheduleError after a while; the others finish."""
-    from tune_hydra.engine.dispatch import workers
+    from tune_hydra.engine.dispatch import room
     from tune_hydra.engine.dispatch.workers import DeviceWorker
 
-    monkeypatch.setattr(workers, "_STUCK_S", 0.5)
+    monkeypatch.setattr(room, "_STUCK_S", 0.5)
     monkeypatch.setattr(DeviceWorker, "admits", lambda self, nbytes, room: True)
     with pytest.raises(th.exceptions.TrainingError) as info:
         th.train_models(

@@ -8,9 +8,10 @@ and are parked in host memory when they would not fit. On CUDA, copies run on a
 dedicated stream and compute waits on an event; on the CPU the same bookkeeping runs with
 plain copies (or none, when ``copy=False``).
 
-The arithmetic of the budget (what is resident, reserved, waiting; what fits, what to
-evict) is the device's :class:`~tune_hydra.core.ledger.DeviceLedger`, which the trace's
-replay uses too; a worker reads and changes its ledger only under its ``_lock``.
+What may be resident on the device now, and what to evict or park for room, is the
+device's :class:`~tune_hydra.engine.dispatch.room.DeviceRoom` (its ledger, pins, grants
+and the waits for room, with its own locking note); a worker owns the threads, the queue
+of assigned ops and the leases, and asks its room.
 """
 
 from __future__ import annotations
@@ -30,16 +31,14 @@ from tune_hydra.core.ledger import DeviceLedger
 from tune_hydra.core.ops import Op
 from tune_hydra.core.trace import Trace, TraceEvent
 from tune_hydra.engine.dispatch.lease import CLAIMS, Lease
+from tune_hydra.engine.dispatch.room import _POLL_S, Carry, DeviceRoom
 from tune_hydra.engine.storage import Store
-from tune_hydra.exceptions import LeaseEndedError, LeaseTimeoutError, ScheduleError, format_bytes
+from tune_hydra.exceptions import LeaseEndedError
 
 if TYPE_CHECKING:
     from tune_hydra.engine.storage.host import HostMemory
 
 log = logging.getLogger(__name__)
-
-_POLL_S = 0.2  # every blocking wait wakes up this often to notice a close
-_STUCK_S = 10.0  # a needed copy with nothing ahead of it that could free room: a bug
 
 
 @dataclass
@@ -71,15 +70,6 @@ class Assignment:
     def stores(self) -> list[Store]:
         """Every store the assignment's op(s) use here."""
         return [self.store, *self.along] if self.along else [self.store]
-
-
-@dataclass
-class Carry:
-    """Boundary tensors (activations or gradients) a waiting task left on a device."""
-
-    nbytes: int
-    shard: int  # the shard whose op will consume them (for the trace)
-    park: Callable[[torch.device, Any], int]  # to host memory; bytes moved, 0 if busy
 
 
 @dataclass
@@ -118,27 +108,6 @@ class DeviceWorker:
         # queued op would only force tasks to alternate (and lose their warm caches).
         self.depth = 2 if prefetch and self.copy else 1
         self.intra_threads = intra_threads
-        # Device bytes for shard state + the running op's activations (None: no limit).
-        # Each task's plan fits its own shards; tasks of different sizes sharing a device
-        # are kept within it here, by what is resident at once. The ledger also holds the
-        # boundary tensors other tasks left here for their next op (set by the engine):
-        # they occupy the device too. Optional copies (a second queued op, a prefetch)
-        # that fit only without them are not made; for a needed copy, or when an op ends
-        # over budget, they are parked in host memory (those of running tasks cannot be,
-        # and are then ignored: their owners may be waiting for this very device). With
-        # recompute=False it holds the device memory each task's batch in flight here may
-        # hold (its forward graphs, kept until their backward; set by the engine): its
-        # ops' activations and boundary tensors are inside it.
-        self.ledger: DeviceLedger[Store, Carry] = DeviceLedger(budget)
-        self._op_done = threading.Condition()  # the copy thread waits here for room
-        self._incoming: Store | None = None  # the store the copy thread is bringing in
-        # Leases held here, by id of their store (pinned: never evicted to make room), and
-        # stores granted room whose copies are in flight (from any thread).
-        self._leases: dict[int, Lease] = {}
-        self._granted: dict[int, Store] = {}
-        self._room_waiters = 0  # threads waiting in _make_room (a release notifies them)
-        self.last_park_error: Exception | None = None
-        self._closing = False
         self.assigned: collections.deque[Assignment] = collections.deque()
         self.busy_s = 0.0
         # The task whose op ran here last: without copies its activations are what this
@@ -146,12 +115,24 @@ class DeviceWorker:
         self.last_task: str | None = None
         self.last_error: BaseException | None = None
         self.last_prefetch_error: BaseException | None = None  # speculative: not fatal
-        self._lock = threading.Lock()
         self._copy_q: queue.SimpleQueue[Assignment | Prefetch | None] = queue.SimpleQueue()
         self._run_q: queue.SimpleQueue[Assignment | None] = queue.SimpleQueue()
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
         self.compute_stream = torch.cuda.Stream(device) if cuda else None
+        # What is resident, leased, coming in or waiting here, within ``budget``.
+        self.room = DeviceRoom(
+            self,
+            device,
+            label,
+            trace,
+            clock,
+            self.assigned,
+            depth=self.depth,
+            budget=budget,
+            copy_stream=self.copy_stream,
+            compute_stream=self.compute_stream,
+        )
         self._threads = [
             threading.Thread(target=self._copy_loop, name=f"hydra-copy-{label}", daemon=True),
             threading.Thread(target=self._run_loop, name=f"hydra-run-{label}", daemon=True),
@@ -163,41 +144,85 @@ class DeviceWorker:
     def free_slots(self) -> int:
         return self.depth - len(self.assigned)
 
+    # -- the room's (see DeviceRoom) -------------------------------------------------------
+
+    @property
+    def ledger(self) -> DeviceLedger[Store, Carry]:
+        """The device's ledger (the room's)."""
+        return self.room.ledger
+
     @property
     def budget(self) -> int | None:
         """Device bytes for everything the ledger counts (None: no limit)."""
-        return self.ledger.budget
+        return self.room.budget
 
     @property
     def carries(self) -> dict[str, Carry]:
         """Boundary tensors other tasks left waiting here, by task (the ledger's)."""
-        return self.ledger.carries
+        return self.room.carries
 
     @carries.setter
     def carries(self, value: dict[str, Carry]) -> None:
-        with self._lock:
-            for task in list(self.ledger.carries):
-                self.ledger.set_carry(task, None)
-            for task, carry in value.items():
-                self.ledger.set_carry(task, carry)
+        self.room.carries = value
 
     @property
     def reserved(self) -> dict[str, int]:
         """Bytes reserved for each task's batch in flight here (the ledger's)."""
-        return self.ledger.reserved
+        return self.room.reserved
 
     @property
     def peak_resident_bytes(self) -> int:
         """Shard state held on the device at once, at most (measured bytes)."""
-        return self.ledger.peak_resident_bytes
+        return self.room.ledger.peak_resident_bytes
 
     @property
     def parked_bytes(self) -> int:
         """Bytes of boundary tensors parked from here in host memory, in total."""
-        return self.ledger.parked_bytes
+        return self.room.ledger.parked_bytes
+
+    @property
+    def last_park_error(self) -> Exception | None:
+        """The last failure to park boundary tensors (they stayed on the device)."""
+        return self.room.last_park_error
 
     def holds(self, store: Store) -> bool:
-        return self.ledger.holds(store)
+        return self.room.holds(store)
+
+    def fits(self, store: Store, extra: int = 0) -> bool:
+        """See :meth:`DeviceRoom.fits`."""
+        return self.room.fits(store, extra)
+
+    def reserve(self, task: str, nbytes: int | None) -> None:
+        """See :meth:`DeviceRoom.reserve`."""
+        self.room.reserve(task, nbytes)
+
+    def hold_along(self, key: object, nbytes: int | None) -> None:
+        """See :meth:`DeviceRoom.hold_along`."""
+        self.room.hold_along(key, nbytes)
+
+    def admits(self, nbytes: int, room: int) -> bool:
+        """See :meth:`DeviceRoom.admits`."""
+        return self.room.admits(nbytes, room)
+
+    def set_carry(self, task: str, carry: Carry | None) -> None:
+        """See :meth:`DeviceRoom.set_carry`."""
+        self.room.set_carry(task, carry)
+
+    def park_carries(
+        self, over: int, running: str | None, queued: set[str], stream: Any = None
+    ) -> int:
+        """See :meth:`DeviceRoom.park_carries`."""
+        return self.room.park_carries(over, running, queued, stream)
+
+    def settle(self) -> None:
+        """See :meth:`DeviceRoom.settle`."""
+        self.room.settle()
+
+    def evict(self, store: Store) -> None:
+        """See :meth:`DeviceRoom.evict` (other devices' copy threads call it here)."""
+        self.room.evict(store)
+
+    # -- the queue -------------------------------------------------------------------------
 
     def submit(self, a: Assignment) -> None:
         """Queue ``a`` (called by the dispatcher, under its lock)."""
@@ -211,9 +236,7 @@ class DeviceWorker:
             if not a.store.on_disk:
                 a.lease = self.lease(a.store, blocking=False)
             a.lend = a.lease is None
-            with self._lock:
-                self.ledger.hold(a.store)
-                self._trim()
+            self.room.place(a.store)
         self._run_q.put(a)
 
     def finished(self, a: Assignment, task: str) -> None:
@@ -235,16 +258,13 @@ class DeviceWorker:
     def release(self, store: Store) -> None:
         """Forget ``store`` without copying (another device took it, or its task left); a
         lease on it here ends."""
-        self._revoke(store)
-        with self._lock:
-            self.ledger.release(store)
+        self.room.release(store)
 
     # -- leases ---------------------------------------------------------------------------
 
     def leases(self) -> list[Lease]:
         """The leases held on this device now (the engine's ops' and callers')."""
-        with self._lock:
-            return list(self._leases.values())
+        return self.room.leases()
 
     def lease(
         self,
@@ -296,10 +316,7 @@ class DeviceWorker:
                     return None
             else:
                 store.promote(self.device, None, copy=False, owner=self)
-                with self._lock:
-                    self.ledger.hold(store)
-                    self._leases[id(store)] = lease
-                    self._trim()
+                self.room.place(store, lease)
         except BaseException:
             lease.revoke("could not be taken")
             raise
@@ -307,13 +324,7 @@ class DeviceWorker:
 
     def unpin(self, lease: Lease, *, revoke: bool = False) -> None:
         """``lease`` ended (called by it): its state may be evicted from now on."""
-        with self._lock:
-            key = id(lease._store)
-            if self._leases.get(key) is lease:
-                del self._leases[key]
-        if not revoke and self._room_waiters:
-            with self._op_done:  # a copy or a lease waiting for room may go on
-                self._op_done.notify_all()
+        self.room.unpin(lease, revoke=revoke)
 
     def fence(self) -> None:
         """Order this device's later copies after the work queued so far on the calling
@@ -323,37 +334,14 @@ class DeviceWorker:
             event.record(torch.cuda.current_stream(self.device))
             self.copy_stream.wait_event(event)
 
-    def _revoke(self, store: Store) -> None:
-        with self._lock:
-            lease = self._leases.get(id(store))
-        if lease is not None:
-            lease.revoke(
-                "was revoked: the engine took its state off the device (its task left the "
-                "engine, was checkpointed or restored, or the engine closed)"
-            )
-
     @property
     def closing(self) -> bool:
         """Whether the worker is closing (its engine closes)."""
-        return self._closing
+        return self.room.closing
 
     def what(self, store: Store) -> str:
         """How errors about leasing ``store`` here start."""
-        return f"device {self.label}: leasing shard {store.name[1]} of task {store.name[0]!r}"
-
-    def _trim(self) -> None:
-        """Forget the least recently used states beyond ``depth`` that no lease holds
-        (nothing to copy: a device computing in host memory). Under ``_lock``."""
-        resident = self.ledger.resident
-        extra = len(resident) - self.depth
-        if extra <= 0:
-            return
-        for key, s in list(resident.items()):
-            if extra <= 0:
-                break
-            if key not in self._leases:
-                self.ledger.release(s)
-                extra -= 1
+        return self.room.what(store)
 
     def _copy_in(
         self,
@@ -365,8 +353,8 @@ class DeviceWorker:
     ) -> bool:
         """Copy ``store`` in for ``lease``; False: not ``patient``, and no room now."""
         try:
-            if not self._make_room(store, ahead_of, deadline=deadline, patient=patient):
-                if not patient and not self._closing:
+            if not self.room.make_room(store, ahead_of, deadline=deadline, patient=patient):
+                if not patient and not self.room.closing:
                     return False
                 if ahead_of is None:
                     raise LeaseEndedError(f"{self.what(store)}: the engine closed while it waited")
@@ -398,16 +386,14 @@ class DeviceWorker:
                     )
                 )
             lease.moved = moved
-            self._hold(store, lease)  # no longer in flight: resident
+            self.room.land(store, lease)  # no longer in flight: resident
         except BaseException:
-            self._ungrant(store)
+            self.room.ungrant(store)
             raise
         return True
 
     def close(self) -> None:
-        self._closing = True
-        with self._op_done:
-            self._op_done.notify_all()
+        self.room.close()
         self._copy_q.put(None)
         self._run_q.put(None)
 
@@ -428,8 +414,7 @@ class DeviceWorker:
                 return
             # Counted by settle() from here on: it may run between this copy's room check
             # and its landing, when an op leaves boundary tensors behind.
-            with self._lock:
-                self._incoming = a.store
+            self.room.set_incoming(a.store)
             if isinstance(a, Prefetch):
                 try:
                     self._speculate(a)
@@ -445,8 +430,7 @@ class DeviceWorker:
                         err,
                     )
                 finally:
-                    with self._lock:
-                        self._incoming = None
+                    self.room.set_incoming(None)
                 continue
             try:
                 lease = self.lease(a.store, ahead_of=a)
@@ -455,19 +439,14 @@ class DeviceWorker:
             except BaseException as err:  # reported through the op
                 a.copy_error = err
             finally:
-                with self._lock:
-                    self._incoming = None
+                self.room.set_incoming(None)
             assert a.ready is not None
             a.ready.set()
 
     def _speculate(self, p: Prefetch) -> None:
-        with self._lock:
-            if self.ledger.holds(p.store):
-                return
-            busy = {id(x.store) for x in list(self.assigned)}
-        if len(busy) + 1 > self.depth:  # both slots taken by assigned ops
+        if not self.room.prefetch_slot(p.store):  # resident, or both slots taken
             return
-        if not self._make_room(p.store, wait=False):  # no room beside the assigned ops
+        if not self.room.make_room(p.store, wait=False):  # no room beside the assigned ops
             return
         try:
             t0 = self.clock()
@@ -475,13 +454,13 @@ class DeviceWorker:
                 # A lease on another device holds it (checked under the store's lock: that
                 # lease promotes it only after this).
                 if CLAIMS.elsewhere(p.store, self):
-                    self._ungrant(p.store)
+                    self.room.ungrant(p.store)
                     return
                 moved = p.store.try_promote(
                     self.device, self.copy_stream, copy=self.copy, owner=self
                 )
                 if moved is None:  # another device holds it, or it was retired
-                    self._ungrant(p.store)
+                    self.room.ungrant(p.store)
                     return
                 if moved:
                     self.trace.add(
@@ -497,235 +476,10 @@ class DeviceWorker:
                             ahead=True,  # a prefetch: its op is not even ready yet
                         )
                     )
-                self._hold(p.store)
+                self.room.land(p.store)
         except BaseException:
-            self._ungrant(p.store)
+            self.room.ungrant(p.store)
             raise
-
-    def _hold(self, store: Store, lease: Lease | None = None) -> None:
-        with self._lock:
-            # Sizes cached at promotion: reading a store's tensors while another
-            # thread computes with them (autograd writing .grad) is unsafe.
-            store.last_nbytes = store.nbytes()
-            self.ledger.hold(store, store.last_nbytes)
-            self._granted.pop(id(store), None)  # landed: no longer in flight
-            if lease is not None:
-                self._leases[id(store)] = lease
-
-    def _ungrant(self, store: Store) -> None:
-        """The copy granted room for ``store`` landed (counted resident) or failed."""
-        with self._lock:
-            self._granted.pop(id(store), None)
-
-    def _beside(self, store: Store | None) -> list[Store]:
-        """The states held here besides ``store`` that no eviction may take: those of
-        leases, and those granted room whose copies are in flight. Under ``_lock``."""
-        out = [le._store for le in self._leases.values()]
-        out += [s for s in self._granted.values() if s is not store]
-        return out
-
-    def fits(self, store: Store, extra: int = 0) -> bool:
-        """Whether ``store`` can be resident beside the ops already assigned here and the
-        leases held, with ``extra`` bytes more (the dispatcher asks before queueing a
-        second op behind a running one; the batcher before running an op along)."""
-        queued = [s for x in list(self.assigned) for s in x.stores()]
-        with self._lock:
-            keep = queued + [le._store for le in self._leases.values()] + [store]
-            return self.ledger.need(keep, True, extra) is None
-
-    def _need(self, keep: list[Store], carries: bool = False) -> int | None:
-        """Bytes over budget if ``keep`` were resident while each of them runs (plus the
-        boundary tensors other tasks left waiting here, with ``carries``); None if they
-        fit."""
-        with self._lock:
-            return self.ledger.need(keep, carries)
-
-    def reserve(self, task: str, nbytes: int | None) -> None:
-        """Hold ``nbytes`` for ``task``'s batch in flight here (``None``: release it)."""
-        with self._lock:
-            self.ledger.reserve(task, nbytes)
-
-    def hold_along(self, key: object, nbytes: int | None) -> None:
-        """Hold ``nbytes`` for the activations of the ops run along in batched pass
-        ``key`` (``None``: release them; see ``DeviceLedger.hold_along``)."""
-        with self._lock:
-            self.ledger.hold_along(key, nbytes)
-
-    def admits(self, nbytes: int, room: int) -> bool:
-        """Whether a task may start a batch (or run an op outside one) needing ``nbytes``
-        here beside the batches in flight, the activations of the other ops assigned here
-        and ``room`` bytes of shard state. Always on an idle device: each plan fits the
-        budget on its own."""
-        with self._lock:
-            queued = [s for a in list(self.assigned) for s in a.stores()]
-            return self.ledger.admits(nbytes, room, queued)
-
-    def set_carry(self, task: str, carry: Carry | None) -> None:
-        """Record (or, with ``None``, forget) what ``task`` left waiting here."""
-        with self._lock:
-            self.ledger.set_carry(task, carry)
-
-    def park_carries(
-        self, over: int, running: str | None, queued: set[str], stream: Any = None
-    ) -> int:
-        """Park waiting tasks' boundary tensors in host memory until ``over`` bytes are
-        freed: never those of the task about to run here (``running``: its op's input),
-        those of other tasks queued here last, largest first; returns the bytes freed.
-        On CUDA the copies run on ``stream`` and are complete on return."""
-        freed = 0
-        with self._lock:
-            waiting = self.ledger.park_order(running, queued)
-        for task, carry in waiting:
-            if freed >= over:
-                break
-            t0 = self.clock()
-            try:
-                moved = carry.park(self.device, stream)
-            except Exception as err:  # e.g. no pinned memory left: they stay, nothing lost
-                self.last_park_error = err
-                log.warning(
-                    "device %s: parking the boundary tensors of task %r failed (%s: %s); "
-                    "they stay on the device",
-                    self.label,
-                    task,
-                    type(err).__name__,
-                    err,
-                )
-                continue
-            if not moved:  # its task is running: its inputs are in use
-                continue
-            t1 = self.clock()  # before the room is freed: no copy may be traced starting in it
-            with self._lock:
-                self.ledger.drop_carry(task, carry)
-                self.ledger.note_parked(task, moved)
-            freed += carry.nbytes
-            self.trace.add(TraceEvent(self.label, task, carry.shard, "carry_out", t0, t1, moved))
-        return freed
-
-    def settle(self) -> None:
-        """After an op: park waiting boundary tensors if, beside the resident shards and
-        the next op's activations, they no longer fit the budget."""
-        if self.budget is None or not self.carries:
-            return
-        with self._lock:
-            queued = list(self.assigned)
-            # Resident, being copied in, or about to be: all there when the next op runs.
-            # (Copies granted room for a caller's lease count as the next op, if none is
-            # queued: its holder computes on it then.)
-            incoming = self._incoming
-            coming = [s for x in queued for s in x.stores()]
-            coming += [s for s in self._granted.values() if s is not incoming]
-            over = self.ledger.settle_over(coming, incoming)
-        nxt = queued[0].op.task if queued else None
-        if over > 0:  # between two ops of this thread: its own stream made them
-            self.park_carries(over, nxt, {x.op.task for x in queued}, self.compute_stream)
-
-    def _make_room(
-        self,
-        incoming: Store,
-        op: Assignment | None = None,
-        wait: bool = True,
-        deadline: float | None = None,
-        patient: bool = True,
-    ) -> bool:
-        """Evict least recently used shards so that ``incoming`` fits beside the ops that
-        run before it (those assigned ahead of ``op``, or all assigned ones for a
-        speculative prefetch or a caller's lease; with the other states of ``op``'s
-        batched pass, for one of them), the leases held and the copies granted room
-        (count and bytes). If even those do not fit, wait for an op or a lease to end
-        (``wait`` and ``patient``, until ``deadline``) or give up (returns False). On
-        success the room is granted to ``incoming`` (the caller calls :meth:`_ungrant`
-        once its copy is counted resident, or failed). ``wait=False`` is a speculative
-        copy (waiting boundary tensors count, none is parked); ``patient=False`` a needed
-        one that must not wait.
-
-        Raises:
-            LeaseTimeoutError: no room by ``deadline``.
-            ScheduleError: no room, and nothing here could free it.
-        """
-        stuck_since = None
-        while True:
-            queued = list(self.assigned)
-            if op is not None and any(x is op for x in queued):
-                at = next(i for i, x in enumerate(queued) if x is op)
-                # A state of op's batched pass: its group's states are needed with it.
-                queued = queued[: at + 1] if any(s is incoming for s in op.along) else queued[:at]
-            ahead = [s for x in queued for s in x.stores()] + [incoming]
-            with self._lock:  # checked and granted at once: callers on other threads
-                beside = self._beside(incoming)
-                keep = ahead[:-1] + beside + [incoming]
-                over = self.ledger.need(keep, not wait)
-                if over is None:
-                    self._granted[id(incoming)] = incoming
-                    break
-            if not wait or not patient or self._closing:
-                return False
-            now = time.monotonic()
-            if deadline is not None and now >= deadline:
-                raise LeaseTimeoutError(
-                    f"{self.what(incoming)}: no room within the timeout "
-                    f"({format_bytes(over)} over the device budget beside the "
-                    f"{len(queued)} op(s) queued and the {len(beside)} other state(s) "
-                    f"leased or coming in); release a lease on {self.label}, or give a "
-                    f"longer timeout"
-                )
-            # Nothing runs ahead of this op and nothing is leased, yet it does not fit:
-            # only ops queued behind it could free the room. Fail the op (its task)
-            # rather than hang every task.
-            stuck_since = (stuck_since or now) if not queued and not beside else None
-            if stuck_since is not None and now - stuck_since > _STUCK_S:
-                raise ScheduleError(
-                    f"device {self.label}: shard {incoming.name} does not fit its budget "
-                    f"({format_bytes(over)} over) beside what the device holds "
-                    f"({format_bytes(sum(self.reserved.values()))} reserved for kept "
-                    f"graphs), and nothing ahead of it will free room; this is a "
-                    f"tune_hydra bug, please report it"
-                )
-            with self._op_done:
-                self._room_waiters += 1
-                try:
-                    self._op_done.wait(
-                        _POLL_S if deadline is None else min(_POLL_S, deadline - now)
-                    )
-                finally:
-                    self._room_waiters -= 1
-        if wait:  # a needed copy: park waiting boundary tensors that leave it no room
-            over = self._need(keep, carries=True)
-            if over is not None:
-                tasks = {s.name[0] for s in ahead}
-                self.park_carries(over, ahead[0].name[0], tasks, self.copy_stream)
-        with self._lock:  # carries that could not be parked count, too
-            victims = self.ledger.victims(keep, self.depth)
-        for s in victims:  # counted as resident until their copies are done
-            self.evict(s)
-        return True
-
-    def evict(self, store: Store) -> None:
-        """Copy ``store`` back to the host if this device still holds it (safe from any
-        thread: another device's copy thread takes a shard over this way). Returns once
-        the copy is done: until then the device memory is in use, and the shard stays
-        counted here."""
-        self._revoke(store)  # only a task leaving (or checkpointed) takes a leased state
-        # Under the store's lock from the copy to the release: another device's copy thread
-        # takes a shard over through this method, and this device's own eviction of it must
-        # not free the room (and copy something into it) while that copy-out still runs,
-        # nor before its end is taken for the trace.
-        with store.lock:
-            t0 = self.clock()
-            # A device copy that changed nothing is dropped (0 bytes moved): its stay here
-            # still ends with a copy_out event (the trace's replay frees it there).
-            held = store.copied and store.owner is self
-            moved = store.demote(self.copy_stream, only_owner=self)
-            if moved:
-                store.synchronize()
-            t1 = self.clock()
-            with self._lock:
-                self.ledger.release(store)
-                if moved:
-                    self.ledger.note_spilled(store.name[0], moved)
-        if moved or held:
-            task, shard = store.name
-            self.trace.add(TraceEvent(self.label, task, shard, "copy_out", t0, t1, moved))
 
     def _run_loop(self) -> None:
         if self.device.type == "cpu":
@@ -794,12 +548,11 @@ class DeviceWorker:
             )
             try:
                 a.done(a, err)
-                self.settle()
+                self.room.settle()
             except BaseException as e:  # keep the worker alive; the engine notices
                 self.last_error = e
                 log.warning("device %s: after op %s: %r", self.label, a.op, e, exc_info=e)
-            with self._op_done:  # a copy waiting for room may go on
-                self._op_done.notify_all()
+            self.room.op_ended()  # a copy waiting for room may go on
             # Not held while waiting for the next op: a failed op's error gets its callers'
             # frames (a th.shard loop's model) once they raise it.
             a = err = None
