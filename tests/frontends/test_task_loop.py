@@ -1,0 +1,255 @@
+"""TaskLoop: a ModelTask trained as a th.shard loop equals train_plain on a deepcopy
+(float64: exact), and resumes exactly from its state (or from an engine task's).
+
+Sharded runs use 2 emulated copying devices under a budget that cuts mlp() into >= 3
+shards; torch runs on one intra-op thread (see tests/frontends/test_shard.py).
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import tune_hydra as th
+from tests.conftest import OPTIMIZERS, assert_same, make_task, mlp, plain_copy
+from tune_hydra.exceptions import EmptyDataError, ResumeStateError
+from tune_hydra.frontends.task_loop import TaskLoop
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(one_torch_thread: None) -> None:
+    """Every test here on one torch thread (see the shared fixture)."""
+
+
+def _engine(**options: Any) -> th.Engine:
+    options.setdefault("device_memory", 24_000)
+    return th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, **options)
+
+
+def _train(
+    task: th.ModelTask,
+    iterations: int,
+    *,
+    state: dict[str, Any] | None = None,
+    engine_options: dict[str, Any] | None = None,
+    seed: int = 3,
+    **options: Any,
+) -> tuple[list[dict[str, Any]], dict[str, Any], int]:
+    """``iterations`` of ``task`` as a TaskLoop (from ``state``); its results, its state
+    after them, and its shard count."""
+    with _engine(**(engine_options or {})) as engine:
+        loop = TaskLoop("a", task, engine, seed=seed, **options)
+        if state is not None:
+            loop.load_state(state)
+        history = [loop.train_iteration() for _ in range(iterations)]
+        out = loop.state()
+        shards = out["num_shards"]
+        loop.close()
+    return history, out, shards
+
+
+def _same_history(got: list[dict[str, Any]], want: list[dict[str, Any]]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want, strict=True):
+        for key, value in w.items():
+            assert g[key] == value, (key, g[key], value)
+
+
+def _step_lr(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+
+
+@pytest.mark.parametrize(
+    ("opt", "options", "engine_options"),
+    [
+        ("sgd", {}, {}),
+        ("adam", {}, {}),
+        ("adamw", {"max_grad_norm": 0.3}, {}),
+        ("adamw", {"accumulate_steps": 2}, {}),
+        ("adam", {"accumulate_steps": 3, "max_grad_norm": 0.5}, {}),
+        (
+            "adamw",
+            {"accumulate_steps": 2, "max_grad_norm": 0.5},
+            {"recompute": False, "device_memory": 40_000, "max_layers_per_shard": 3},
+        ),
+    ],
+)
+def test_a_task_equals_plain_training(
+    opt: str, options: dict[str, Any], engine_options: dict[str, Any]
+) -> None:
+    # mlp(): dropout (random numbers in ops) and BatchNorm (buffers); 5 batches, so a
+    # group of 2 or 3 is partial at the epoch's end and still steps.
+    task = make_task(mlp(), opt)
+    ref = plain_copy(task)
+    history, _, shards = _train(task, 2, engine_options=engine_options, **options)
+    want = th.train_plain(ref, 2, seed=3, **options)
+    assert shards >= 3
+    _same_history(history, want)
+    assert [h["epoch"] for h in history] == [1, 2]
+    assert [h["batches"] for h in history] == [5, 5]
+    assert_same(task.model, ref.model)
+
+
+def test_scheduler_metrics_and_a_metric_named_loss_equal_plain() -> None:
+    def accuracy(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return (out.argmax(-1) == y).double().mean()
+
+    def nll(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return nn.functional.cross_entropy(out, y)
+
+    task = make_task(mlp(), "adam")
+    task.lr_scheduler = _step_lr
+    task.metrics = {"acc": accuracy, "loss": nll}
+    ref = plain_copy(task)
+    ref.lr_scheduler, ref.metrics = _step_lr, task.metrics
+    history, _, _ = _train(task, 3, accumulate_steps=2)
+    want = th.train_plain(ref, 3, seed=3, accumulate_steps=2)
+    _same_history(history, want)
+    assert set(history[0]) >= {"acc", "loss", "train_loss", "val_loss"}
+    assert_same(task.model, ref.model)
+
+
+def test_a_hugging_face_model_with_its_own_loss_equals_plain() -> None:
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_layer=2, n_embd=16, n_head=2, vocab_size=32, n_positions=16, bos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(cfg).to(torch.float64)
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for _ in range(4):
+        ids = torch.randint(0, 32, (2, 8), generator=g)
+        data.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    task = th.ModelTask(model, None, OPTIMIZERS["adamw"], data, eval_data=data[:2])
+    ref = plain_copy(task)
+    budget = {"device_memory": 600_000}
+    history, _, shards = _train(task, 2, max_grad_norm=1.0, engine_options=budget)
+    want = th.train_plain(ref, 2, seed=3, max_grad_norm=1.0)
+    assert shards >= 2
+    _same_history(history, want)
+    assert_same(task.model, ref.model)
+    assert task.model.lm_head.weight is task.model.transformer.wte.weight
+
+
+def test_a_shuffling_dataloader_and_dropout_draw_from_the_tasks_seed() -> None:
+    from torch.utils.data import DataLoader, TensorDataset
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(24, 8, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 4, (24,), generator=g)
+    loader = DataLoader(TensorDataset(x, y), batch_size=6, shuffle=True)
+    task = th.ModelTask(mlp(), nn.CrossEntropyLoss(), OPTIMIZERS["sgd"], loader)
+    ref = plain_copy(task)
+    torch.manual_seed(99)  # the global generator is not the task's stream
+    history, _, _ = _train(task, 3, seed=11)
+    want = th.train_plain(ref, 3, seed=11)
+    _same_history(history, want)
+    assert_same(task.model, ref.model)
+
+
+def test_bf16_precision_equals_plain_autocast() -> None:
+    task = make_task(mlp(torch.float32), "adam", dtype=torch.float32)
+    ref = plain_copy(task)
+    history, _, _ = _train(task, 1, precision="bf16", engine_options={"device_memory": 12_000})
+    want = th.train_plain(ref, 1, seed=3, precision="bf16")
+    _same_history(history, want)
+    assert_same(task.model, ref.model)
+
+
+def test_resumed_between_epochs_equals_training_on() -> None:
+    options = {"accumulate_steps": 2, "max_grad_norm": 0.5}
+    first = make_task(mlp(), "adamw")
+    first.lr_scheduler = _step_lr
+    second, ref = plain_copy(first), plain_copy(first)
+    second.lr_scheduler = ref.lr_scheduler = _step_lr
+    before, state, _ = _train(first, 1, **options)
+    # Restored under another cut (another budget): the state does not depend on it.
+    after, _, _ = _train(
+        second, 1, state=state, engine_options={"device_memory": 60_000}, **options
+    )
+    want = th.train_plain(ref, 2, seed=3, **options)
+    _same_history(before + after, want)
+    assert after[0]["iteration"] == 2 and after[0]["epoch"] == 2
+    assert_same(second.model, ref.model)
+
+
+@pytest.mark.parametrize(("per_iteration", "done"), [(2, 3), (3, 2), (5, 1)])
+def test_resumed_mid_epoch_and_mid_group_equals_training_on(per_iteration: int, done: int) -> None:
+    # 5 batches an epoch, a step every 3: the state falls inside an epoch and inside an
+    # accumulation group (its gradients travel with it); the data order is replayed.
+    base = make_task(mlp(), "sgd")
+    resumed, straight = plain_copy(base), plain_copy(base)
+    _, state, _ = _train(base, done, iteration_batches=per_iteration, accumulate_steps=3)
+    left = 10 - per_iteration * done
+    _train(resumed, 1, state=state, iteration_batches=left, accumulate_steps=3)
+    _train(straight, 5, iteration_batches=2, accumulate_steps=3)
+    assert_same(resumed.model, straight.model)
+
+
+def test_an_engine_tasks_state_resumes_as_a_task_loop() -> None:
+    # The layout is the engine's (tune_hydra.engine.runtime.resume): a checkpoint of a
+    # task the engine trained goes on as a TaskLoop.
+    first = make_task(mlp(), "adam")
+    first.lr_scheduler = _step_lr
+    second, ref = plain_copy(first), plain_copy(first)
+    second.lr_scheduler = ref.lr_scheduler = _step_lr
+    with th.Engine(devices=["cpu"], device_memory=24_000) as engine:
+        engine.add_task("a", first, seed=3)
+        engine.train("a", 1).result(timeout=120)
+        state = engine.get_state("a")
+    _train(second, 1, state=state)
+    th.train_plain(ref, 2, seed=3)
+    assert_same(second.model, ref.model)
+
+
+def test_empty_data_and_bad_states_say_what_is_wrong() -> None:
+    def no_batches() -> Iterator[Any]:
+        return iter(())
+
+    class Empty:
+        def __iter__(self) -> Iterator[Any]:
+            return no_batches()
+
+    task = th.ModelTask(mlp(), nn.CrossEntropyLoss(), OPTIMIZERS["sgd"], Empty())
+    with _engine() as engine:
+        loop = TaskLoop("a", task, engine, seed=0)
+        with pytest.raises(EmptyDataError, match="train_data yielded no batch"):
+            loop.train_iteration()
+        loop.close()
+
+    good = make_task(mlp(), "sgd")
+    _, state, _ = _train(good, 1)
+    other = make_task(mlp(width=8), "sgd")
+    with _engine() as engine:
+        loop = TaskLoop("b", other, engine, seed=0)
+        with pytest.raises(ResumeStateError, match="another model"):
+            loop.load_state(state)
+        damaged = {**copy.copy(state), "iteration": -1}
+        with pytest.raises(ResumeStateError, match="'iteration'"):
+            loop.load_state(damaged)
+        loop.close()
+    scheduled = make_task(mlp(), "sgd")
+    scheduled.lr_scheduler = _step_lr
+    with _engine() as engine:
+        loop = TaskLoop("c", scheduled, engine, seed=0)
+        with pytest.raises(
+            ResumeStateError, match=r"the task has an lr_scheduler and the state none"
+        ):
+            loop.load_state(state)
+        loop.close()
+
+
+def test_results_report_the_engines_figures() -> None:
+    task = make_task(mlp(), "sgd", n=3)
+    history, _, shards = _train(task, 2)
+    first, second = history
+    assert first["num_shards"] == shards >= 3
+    assert 0 < first["device_time_s"] < second["device_time_s"]
+    assert 0 < first["bytes_spilled"] < second["bytes_spilled"]
+    assert [h["iteration"] for h in history] == [1, 2]

@@ -1,0 +1,396 @@
+"""A ``ModelTask`` trained as a ``th.shard`` loop: :class:`TaskLoop`.
+
+A task factory's task is the plain training loop, written once: the loop of
+:func:`~tune_hydra.engine.reference.train_plain` (``zero_grad`` at each accumulation
+group's start, forward, loss, ``(loss / k).backward()``, clipping, ``step`` and the
+scheduler's ``step`` at the group's end and at the epoch's; evaluation under ``eval()``
+and ``no_grad``), with the model and its optimizer sharded by ``th.shard``. So a task
+trains on the runtime users' own loops train on (one shard op, stepping, random streams
+and checks for both), and equals plain PyTorch exactly as they do.
+
+Its random numbers (a shuffling ``DataLoader``, dropout) come from a generator of its
+own, seeded with the task's seed as ``torch.manual_seed(seed)`` seeds the global one, on
+whichever thread runs an iteration (see
+:func:`~tune_hydra.engine.registration.factory.use_generator`).
+
+Its resume state (:meth:`TaskLoop.state`) has the layout of
+:mod:`tune_hydra.engine.runtime.resume` (weights, optimizer state by parameter name,
+gradients of a group in progress, the random stream, the position in the data), which
+does not depend on how the model is cut.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+
+from tune_hydra.engine.registration.factory import use_generator
+from tune_hydra.engine.registration.partition import build_optimizer
+from tune_hydra.engine.runtime import resume
+from tune_hydra.engine.runtime.boundary import split_batch
+from tune_hydra.engine.runtime.metrics import MetricTotals, add_metrics, build_scheduler
+from tune_hydra.exceptions import EmptyDataError, ResumeStateError
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.engine import Engine
+    from tune_hydra.engine.task import ModelTask
+
+_END = object()
+
+
+class TaskLoop:
+    """One task's training, iteration by iteration, as a ``th.shard`` loop on ``engine``.
+
+    Args:
+        name: the task's name (in errors).
+        task: the task; its model and an optimizer over its trainable parameters are
+            sharded here.
+        engine: the engine its ops run on.
+        seed: the seed of its random stream.
+        accumulate_steps: batches per optimizer step.
+        max_grad_norm: clip the gradients' total norm to this before each step.
+        precision: ``"bf16"``: forward and loss under bf16 autocast; ``None`` / ``"fp32"``:
+            in the model's dtype.
+        iteration_batches: batches of one iteration (going on into the next epoch when
+            the data ends first); ``None``: an iteration is an epoch.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> import tune_hydra as th
+        >>> task = th.ModelTask(nn.Sequential(nn.Linear(2, 1)), nn.MSELoss(),
+        ...                     lambda p: torch.optim.SGD(p, lr=0.1),
+        ...                     [(torch.ones(1, 2), torch.zeros(1, 1))])
+        >>> with th.Engine(devices=["cpu"]) as engine:
+        ...     loop = TaskLoop("a", task, engine, seed=0)
+        ...     sorted(loop.train_iteration())[:4]
+        ['batches', 'bytes_spilled', 'device_time_s', 'epoch']
+    """
+
+    def __init__(
+        self,
+        name: str,
+        task: ModelTask,
+        engine: Engine,
+        *,
+        seed: int,
+        accumulate_steps: int = 1,
+        max_grad_norm: float | None = None,
+        precision: str | None = None,
+        iteration_batches: int | None = None,
+    ) -> None:
+        from tune_hydra.frontends.shard import shard
+
+        self.name = name
+        self.task = task
+        self.engine = engine
+        self.seed = seed
+        self.accumulate_steps = accumulate_steps
+        self.max_grad_norm = max_grad_norm
+        self.precision = precision
+        self.iteration_batches = iteration_batches
+        self.generator = torch.Generator().manual_seed(seed)
+        self.iteration = 0  # iterations finished
+        self.epoch = 0  # epochs finished
+        self.batch_in_epoch = 0  # train batches of the current epoch trained on
+        self.history: list[dict[str, Any]] = []
+        self._train_iter: Iterator[Any] | None = None
+        self._epoch_rng = self.generator.get_state()  # where this epoch's data order began
+        self._replay: tuple[torch.Tensor, int] | None = None  # resuming mid-epoch
+        model = task.model
+        assert isinstance(model, nn.Module)
+        model.train()  # plain training's model.train(): a model given in eval mode trains
+        params = [p for p in model.parameters() if p.requires_grad]
+        with use_generator(self.generator):
+            optimizer = build_optimizer(task.optimizer, params, name, "the model's parameters")
+            self.model, self.optimizer = shard(model, optimizer, engine=engine)
+        self.scheduler = (
+            build_scheduler(task.lr_scheduler, self.optimizer, name, "the model's optimizer")
+            if task.lr_scheduler is not None
+            else None
+        )
+
+    # -- training -----------------------------------------------------------------------
+
+    def train_iteration(self) -> dict[str, Any]:
+        """Train one iteration (an epoch, or ``iteration_batches`` batches), then
+        evaluate on ``eval_data``; returns its result (also kept in :attr:`history`).
+
+        Raises:
+            EmptyDataError: ``train_data`` (or ``eval_data``) yielded no batch.
+            Exception: whatever the model, the loss or a metric raised.
+        """
+        with use_generator(self.generator):
+            losses = self._train_batches()
+            self.iteration += 1
+            result: dict[str, Any] = {
+                "loss": sum(losses) / len(losses) if losses else math.nan,
+                "iteration": self.iteration,
+                "epoch": self.epoch,
+                "batches": len(losses),
+            }
+            if self.task.eval_data is not None:
+                self._evaluate(result)
+        from tune_hydra.frontends.shard import shard_count
+
+        loop = self._loop()
+        result["num_shards"] = shard_count(self.model)
+        result["device_time_s"] = loop.device_time
+        result["bytes_spilled"] = sum(s.moved_total for s in loop.stores)
+        self.history.append(result)
+        return result
+
+    def _train_batches(self) -> list[float]:
+        k = self.accumulate_steps
+        limit = self.iteration_batches
+        losses: list[float] = []
+        while limit is None or len(losses) < limit:
+            batch = self._next_batch()
+            if batch is _END:
+                if self.batch_in_epoch == 0:
+                    raise EmptyDataError(
+                        f"task {self.name!r}: train_data yielded no batch in epoch "
+                        f"{self.epoch}; give it at least one (inputs, targets) pair"
+                    )
+                if self.batch_in_epoch % k:  # the epoch's last group, partial, steps too
+                    self._step()
+                self.epoch += 1
+                self.batch_in_epoch = 0
+                if limit is None:
+                    break
+                continue
+            x, y = split_batch(batch, self.name)
+            if self.batch_in_epoch % k == 0:
+                self.optimizer.zero_grad()
+            with self._autocast():
+                loss = self.task.compute_loss(self._call(x), y, self.name)
+            (loss / k).backward()
+            losses.append(loss.item())
+            self.batch_in_epoch += 1
+            if self.batch_in_epoch % k == 0:
+                self._step()
+        return losses
+
+    def _next_batch(self) -> Any:
+        """The epoch's next train batch, or ``_END`` when its data ended."""
+        if self._train_iter is None:
+            if self._replay is not None:  # resumed mid-epoch: that epoch's order, skipped
+                start, skip = self._replay
+                self._replay = None
+                now = self.generator.get_state()
+                self.generator.set_state(start)
+                self._train_iter = iter(self.task.train_data)
+                for done in range(skip):
+                    if next(self._train_iter, _END) is _END:
+                        raise ResumeStateError(
+                            self.name,
+                            f"the resume state's 'batch_in_epoch' is {skip}, but train_data "
+                            f"yielded only {done} batch(es) this epoch: the state was saved "
+                            f"with other data, or it is damaged. Restore it into a task with "
+                            f"the data it was trained on, or start the trial afresh",
+                        )
+                self.generator.set_state(now)
+                self._epoch_rng = start
+            else:
+                self._epoch_rng = self.generator.get_state()
+                self._train_iter = iter(self.task.train_data)
+        batch = next(self._train_iter, _END)
+        if batch is _END:
+            self._train_iter = None
+        return batch
+
+    def _step(self) -> None:
+        if self.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+        self.optimizer.step()
+        if self.scheduler is not None:
+            self.scheduler.step()
+
+    def _evaluate(self, result: dict[str, Any]) -> None:
+        self.model.eval()
+        totals = MetricTotals(self.task.metrics)
+        losses: list[float] = []
+        try:
+            with torch.no_grad(), self._autocast():
+                for e, batch in enumerate(self.task.eval_data or ()):
+                    x, y = split_batch(batch, self.name)
+                    out = self._call(x)
+                    losses.append(float(self.task.compute_loss(out, y, self.name).item()))
+                    if totals.metrics:
+                        totals.add(out, y, self.name, f"batch {e} of eval_data")
+        finally:
+            self.model.train()
+        if not losses:
+            raise EmptyDataError(f"task {self.name!r}: eval_data yielded no batch")
+        result["val_loss"] = sum(losses) / len(losses)
+        add_metrics(result, totals.means())  # a metric named "loss" takes that key
+
+    def _autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.precision != "bf16":
+            return contextlib.nullcontext()
+        return torch.autocast(self.engine.devices[0].type, dtype=torch.bfloat16)
+
+    def _call(self, inputs: Any) -> Any:
+        """``model(**inputs)`` for a dict batch (a Hugging Face collator's), else
+        ``model(inputs)``."""
+        return self.model(**inputs) if isinstance(inputs, Mapping) else self.model(inputs)
+
+    def _loop(self) -> Any:
+        return self.model.__dict__["_th_shard"].loop
+
+    # -- resume state -------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Everything needed to resume exactly, between iterations (tensors copied, on
+        the CPU), in :mod:`~tune_hydra.engine.runtime.resume`'s layout."""
+        model_state = self.model.state_dict()  # brings every shard's state home first
+        names = resume.param_names(self.model)
+        saved = self.optimizer.state_dict()
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        groups = []
+        for live, group in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
+            hyper = {k: copy.deepcopy(v) for k, v in group.items() if k not in ("params",)}
+            groups.append({**hyper, "params": [names[id(p)] for p in live["params"]]})
+        loop = self._loop()
+        cuda = None if loop is None else loop.random.stream.cuda
+        state: dict[str, Any] = {
+            "model": {k: v.detach().clone() for k, v in model_state.items()},
+            "optimizer": {
+                "state": {
+                    names[id(params[i])]: copy.deepcopy(st) for i, st in saved["state"].items()
+                },
+                "param_groups": groups,
+            },
+            "param_grads": {
+                names[id(p)]: p.grad.detach().clone()
+                for p in self.model.parameters()
+                if p.grad is not None
+            },
+            "rng": {
+                "cpu": self.generator.get_state(),
+                "cuda": None if cuda is None else cuda.clone(),
+            },
+            "epoch_rng": self._epoch_rng.clone(),
+            "seed": self.seed,
+            "iteration": self.iteration,
+            "epoch": self.epoch,
+            "batch_in_epoch": self.batch_in_epoch,
+            "num_shards": 0 if loop is None else len(loop.shards),
+        }
+        if self.scheduler is not None:
+            state["lr_scheduler"] = copy.deepcopy(self.scheduler.state_dict())
+        return state
+
+    def load_state(self, state: Mapping[str, Any]) -> None:
+        """Go on from :meth:`state`'s output (of this task, or of a ``ModelTask`` the
+        engine trained: the same layout), before or between iterations.
+
+        Raises:
+            ResumeStateError: the state is damaged, of another model, of the older
+                per-shard layout, or its scheduler state does not match the task's.
+        """
+        problem = resume.state_problem(state)
+        if problem is None and "optimizers" in state:
+            problem = ("optimizers", "is of the older per-shard layout")
+        if problem is None:
+            problem = resume._model_problem(self.model, state)
+        if problem is not None:
+            field, what = problem
+            raise ResumeStateError(
+                self.name,
+                f"the resume state's {field!r} {what}: it was made for another model, or "
+                f"it is damaged. Restore from a state this model made",
+            )
+        sd = self._optimizer_state(state.get("optimizer"))
+        saved_sched = state.get("lr_scheduler")
+        if (saved_sched is None) != (self.scheduler is None):
+            raise ResumeStateError(
+                self.name,
+                "the resume state's scheduler state does not match the task: "
+                + (
+                    "the task has an lr_scheduler and the state none"
+                    if saved_sched is None
+                    else "the state holds lr_scheduler state and the task has no lr_scheduler"
+                )
+                + "; restore it into a task built the way it was trained",
+            )
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(sd)
+        grads = state.get("param_grads") or {}
+        names = resume.param_names(self.model)
+        for p in self.model.parameters():  # at home (synced), marked written
+            g = grads.get(names[id(p)])
+            p.grad = None if g is None else g.detach().clone()
+        if self.scheduler is not None and saved_sched is not None:
+            self.scheduler.load_state_dict(copy.deepcopy(saved_sched))
+        self.generator.set_state(state["rng"]["cpu"].clone())
+        loop = self._loop()
+        cuda = state["rng"].get("cuda")
+        if loop is not None and cuda is not None:
+            loop.random.stream.cuda = cuda.clone()
+        self.iteration = state["iteration"]
+        self.epoch = state["epoch"]
+        self.batch_in_epoch = state["batch_in_epoch"]
+        self._train_iter = None
+        self._epoch_rng = state["epoch_rng"].clone()
+        self._replay = (self._epoch_rng, self.batch_in_epoch) if self.batch_in_epoch else None
+
+    def _optimizer_state(self, saved: Any) -> dict[str, Any]:
+        """The user optimizer's ``state_dict`` (torch's layout) from a state's
+        per-parameter one."""
+        if not isinstance(saved, Mapping):
+            raise ResumeStateError(
+                self.name,
+                "the resume state holds no optimizer state (no 'optimizer' entry): restore "
+                "from a state a task or engine made",
+            )
+        names = resume.param_names(self.model)
+        hyper_of: dict[str, dict[str, Any]] = {}
+        for group in saved.get("param_groups") or []:
+            hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+            for key in group["params"]:
+                hyper_of[key] = hyper
+        saved_state = saved.get("state") or {}
+        groups: list[dict[str, Any]] = []
+        out_state: dict[int, Any] = {}
+        index = 0
+        for group in self.optimizer.param_groups:
+            keys = [names[id(p)] for p in group["params"]]
+            missing = [k for k in keys if k not in hyper_of]
+            if missing:
+                raise ResumeStateError(
+                    self.name,
+                    f"the resume state has no optimizer entry for {len(missing)} "
+                    f"parameter(s) of the model ({', '.join(map(repr, missing[:4]))}): it was "
+                    f"made for another model. Restore it into the model it was made with",
+                )
+            hyper = copy.deepcopy(hyper_of[keys[0]]) if keys else {}
+            ids = list(range(index, index + len(keys)))
+            groups.append({**group, **hyper, "params": ids})
+            for i, key in zip(ids, keys, strict=True):
+                if key in saved_state:
+                    out_state[i] = resume._copy_tensors(saved_state[key])
+            index += len(keys)
+        known = {names[id(p)] for g in self.optimizer.param_groups for p in g["params"]}
+        unknown = sorted((set(hyper_of) | set(saved_state)) - known)
+        if unknown:
+            raise ResumeStateError(
+                self.name,
+                f"the resume state holds optimizer state for {len(unknown)} parameter(s) the "
+                f"model does not have ({', '.join(map(repr, unknown[:4]))}): restore it into "
+                f"the model it was made with",
+            )
+        return {"state": out_state, "param_groups": groups}
+
+    def close(self) -> None:
+        """Leave the engine (``th.unshard``): the model keeps its trained weights, on the
+        CPU, as the task's plain model."""
+        from tune_hydra.frontends.shard import unshard
+
+        unshard(self.model)
