@@ -285,21 +285,33 @@ class _Recording(Engine):
 
 
 def test_each_epoch_announces_the_pruners_next_step() -> None:
-    """MedianPruner(n_warmup_steps=1) decides at steps 1, 2, 3 (after epochs 2, 3, 4): a
-    trial starting epoch e has its next decision 2 - e epochs away, then 1, and none
-    before its last epoch (the end spares nothing), except while fewer trials than
-    n_startup_trials finished: then its end is a milestone (the search waits for it).
-    Trials 0 and 1 train the same configuration, so 1 is not pruned."""
+    """A factory's task trains as a th.shard loop: its milestones are in ops (one op is
+    one engine iteration of a loop), from the ops an epoch took. MedianPruner
+    (n_warmup_steps=1) decides at steps 1, 2, 3 (after epochs 2, 3, 4): after epoch e its
+    next decision is one epoch away (half an epoch of slack), and none before its last
+    epoch (the end spares nothing), except while fewer trials than n_startup_trials
+    finished: then its end is a milestone (the search waits for it). Nothing is ahead
+    after its last report. Its work left is announced with each milestone. Trials 0 and 1
+    train the same configuration, so 1 is not pruned; trial 0's ops per epoch are not
+    known at its cut (far: _UNKNOWN_OPS), trial 1's are (trial 0's)."""
+    from tune_hydra.frontends.optuna import _UNKNOWN_OPS
+
     study = optuna.create_study(
         sampler=optuna.samplers.RandomSampler(seed=0),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1),
     )
     for _ in range(2):
         study.enqueue_trial({"lr": 0.01, "momentum": 0.9})
-    with _Recording(devices=["cpu", "cpu"], device_memory=BUDGET, copy_on_cpu=True) as eng:
+    with _RecordingOps(devices=["cpu", "cpu"], device_memory=BUDGET, copy_on_cpu=True) as eng:
         th.optimize(study, factory({}), n_trials=2, epochs=4, max_concurrent=1, engine=eng, seed=0)
     assert _states(study) == {0: "COMPLETE", 1: "COMPLETE"}
-    assert eng.milestones == {"trial_0": [2, 1, 1, 1], "trial_1": [2, 1, 1, None]}
+    epoch = eng.ops["trial_0"][1]  # ops of one epoch
+    assert eng.ops["trial_0"] == [0, epoch, 2 * epoch, 3 * epoch, 4 * epoch]
+    step = math.ceil(1.5 * epoch)
+    assert eng.milestones == {
+        "trial_0": [_UNKNOWN_OPS, step, step, step, None],
+        "trial_1": [math.ceil(2.5 * epoch), step, step, None, None],
+    }
 
 
 class _RecordingOps(_Recording):

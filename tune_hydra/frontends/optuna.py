@@ -3,10 +3,12 @@
 :func:`optimize` drives an ``optuna.Study`` with Optuna's ask-and-tell interface: it asks
 up to ``max_concurrent`` trials at a time, builds each trial's
 :class:`~tune_hydra.ModelTask` with the user's define-by-run ``make_task(trial)`` (which
-calls ``trial.suggest_*``), adds it to one :class:`~tune_hydra.engine.Engine`, and trains
-every trial one epoch at a time while the engine multiplexes all their shards on the
-shared devices. After each epoch the trial reports the metric (``trial.report``); the
-study's pruner decides whether it goes on. Several processes or machines running
+calls ``trial.suggest_*``), and trains it, one epoch at a time, as the canned objective
+of a task: a ``th.shard`` loop (:class:`~tune_hydra.frontends.task_loop.TaskLoop`) on one
+:class:`~tune_hydra.engine.Engine`, which multiplexes the shards of every trial's loop on
+the shared devices. An objective that trains its own loop runs the same way. After each
+epoch the trial reports the metric (``trial.report``); the study's pruner decides whether
+it goes on. Several processes or machines running
 :func:`optimize` on one study through Optuna's RDB or journal storage is Optuna's own
 distributed mode: each process trains its own trials on its own devices.
 
@@ -34,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from tune_hydra.core.policies import AUTO, resolve_policy
 from tune_hydra.exceptions import (
+    InvalidModelError,
     InvalidOptionError,
     InvalidStudyError,
     InvalidTaskError,
@@ -41,10 +44,10 @@ from tune_hydra.exceptions import (
     TuneHydraError,
     UnknownMetricError,
 )
-from tune_hydra.frontends.build import TrialSet, check_task
+from tune_hydra.frontends.build import check_task
 from tune_hydra.frontends.checkpoint import save_model
 from tune_hydra.frontends.common import LOSS_METRICS, TASK_METRICS, declare_metric, task_reports
-from tune_hydra.frontends.failures import error_text
+from tune_hydra.frontends.failures import error_text, uncuttable
 from tune_hydra.frontends.milestones import Milestones, optuna_milestones
 from tune_hydra.options import (
     ENGINE_KEYS,
@@ -334,16 +337,14 @@ def optimize(
 # ----------------------------------------------------------------------- the study loop
 @dataclass
 class _Run:
-    """One trial in flight: its Optuna trial, its engine task and where it stands."""
+    """One trial in flight: its Optuna trial and where it stands."""
 
     trial: optuna.Trial
-    key: str  # its key in the driver's TrialSet: trial_<number>
-    name: str = ""  # its task's name in the engine, once built
-    stage: str = "build"  # build -> train -> (save) ; each stage is one future
-    task: ModelTask | None = None
-    epoch: int = 0  # epochs trained
-    value: float | None = None  # the metric of the last epoch
-    scope: Any = None  # an objective's th.shard scope (tune_hydra.frontends.shard)
+    key: str  # trial_<number>: its loop's name in the engine
+    epoch: int = 0  # epochs a task factory's task trained
+    value: float | None = None  # the metric of its last epoch, or the objective's value
+    scope: Any = None  # its th.shard scope (tune_hydra.frontends.shard)
+    factory: bool = False  # its function returned a ModelTask
 
 
 class _Interrupted(Exception):
@@ -376,11 +377,15 @@ def _model_task_type() -> type:
 
 @dataclass
 class _ObjectiveDone:
-    """The user's function was an objective: it trained its own loop (``th.shard``) and
-    returned the trial's value."""
+    """The trial's function returned: an objective's value (it trained its own loop with
+    ``th.shard``), or a task factory's task trained for every epoch."""
 
     value: float
     loops: int  # th.shard calls it made
+
+
+class _TaskPruned(Exception):
+    """A task factory's task was pruned after an epoch (``trial.should_prune()``)."""
 
 
 class _Driver:
@@ -423,7 +428,8 @@ class _Driver:
         self._interval: int | None = get_interval() if callable(get_interval) else None
         self._beat_at = -math.inf
         self._beaten: set[int] = set()  # trials that beat once (a new one beats at once)
-        self.trials = TrialSet(engine, task_options)  # built trials, by key
+        # TaskLoop's keywords for every factory's task (the seed is resolved per task).
+        self._opts = {k: v for k, v in task_options.items() if k != "seed"}
         self._lock = threading.Lock()  # guards _stopping (build threads read it)
         self._stopping = False
         self._warned_plain = False  # one warning for functions that never call th.shard
@@ -519,7 +525,7 @@ class _Driver:
         self.running[_in_thread(self._build, run, name=f"hydra-build-{run.key}")] = run
 
     def _advance(self, run: _Run, future: concurrent.futures.Future[Any]) -> None:
-        """Take the next step of ``run`` now that its current stage's future is done."""
+        """The trial's function ended (the future of :meth:`_build` is done): tell Optuna."""
         try:
             outcome = future.result()
         except _Interrupted:
@@ -531,24 +537,18 @@ class _Driver:
             self._tell(run, self.optuna.trial.TrialState.PRUNED)
             self.log.info("Trial %d pruned by its function: %s", run.trial.number, pruned)
             return
+        except _TaskPruned:
+            self._drop(run)
+            self._tell(run, self.optuna.trial.TrialState.PRUNED)
+            return
         except Exception as err:
             self._fail(run, err)
             return
-        if isinstance(outcome, _ObjectiveDone):
-            self._objective_done(run, outcome.value)
-        elif run.stage == "build":
-            run.trial.set_user_attr("num_shards", int(outcome))
-            run.stage = "train"
-            self._train(run)
-        elif run.stage == "train":
-            self._after_epoch(run, outcome)
-        else:  # saved
-            run.trial.set_user_attr("model_path", str(outcome))
-            self._tell(run, self.optuna.trial.TrialState.COMPLETE)
+        self._objective_done(run, outcome.value)
 
     def _objective_done(self, run: _Run, value: float) -> None:
-        """An objective returned ``value``: the trial is complete, as in
-        ``study.optimize`` (a NaN fails it, as there)."""
+        """An objective returned ``value`` (or a task trained every epoch): the trial is
+        complete, as in ``study.optimize`` (a NaN fails it, as there)."""
         if not math.isfinite(value):
             self._fail(
                 run,
@@ -561,91 +561,50 @@ class _Driver:
         run.value = value
         self._tell(run, self.optuna.trial.TrialState.COMPLETE)
 
-    def _train(self, run: _Run) -> None:
-        """Grant ``run`` its next epoch."""
-        try:
-            self.engine.set_remaining(run.name, self.epochs - run.epoch - 1)
-            self.engine.set_milestone(run.name, self.to_milestone(run.epoch))
-            future = self.engine.train(run.name, 1)
-        except Exception as err:
-            self._fail(run, err)
-            return
-        self.running[future] = run
+    def trains(self, key: str) -> bool:
+        """Whether trial ``key`` is in flight (its model is trained; see
+        :func:`~tune_hydra.frontends.trial.prepare_model`)."""
+        return any(run.key == key for run in list(self.live.values()))
 
-    def to_milestone(self, epoch: int) -> int | None:
-        """Epochs from ``epoch`` trained ones to the trial's next milestone (``None``:
-        none left, it is committed to its end).
-
-        The pruner's next step, as :func:`optuna_milestones` reads it, before the last
-        epoch (pruning after it spares nothing). While fewer trials than the pruner's or
-        sampler's ``n_startup_trials`` are COMPLETE or PRUNED, a trial's end is a
-        milestone too: the pruner prunes nothing and the sampler samples at random until
-        then, so those ends are what the search waits for.
-        """
-        at = self.milestones.next_after(epoch)
-        if at is not None and at >= self.epochs:
-            at = None
-        if at is None and self._finished < self.milestones.startup_trials:
-            at = self.epochs
-        return None if at is None else at - epoch
-
-    def loop_milestone(self, done: int, per_step: float | None) -> int | None:
+    def loop_milestone(
+        self, done: int, per_step: float | None, steps: int | None = None
+    ) -> int | None:
         """Ops of a ``th.shard`` loop (one op is one of its engine iterations) from
         ``done`` reported steps (the last ``trial.report`` step + 1) to the trial's next
         milestone, when each step takes ``per_step`` ops (``None``: not known yet).
 
-        As :meth:`to_milestone` counts epochs, but an objective's end is not known: while
-        it is a milestone (startup trials), and before ``per_step`` is known, the
+        The pruner's next step, as :func:`optuna_milestones` reads it. While fewer trials
+        than the pruner's or sampler's ``n_startup_trials`` are COMPLETE or PRUNED, a
+        trial's end is a milestone too: the pruner prunes nothing and the sampler samples
+        at random until then, so those ends are what the search waits for. A task
+        factory's trial reports ``steps`` (its epochs): no milestone lies at or past its
+        last one (pruning after it spares nothing), and its end is known. An objective's
+        end is not: while it is a milestone, and before ``per_step`` is known, the
         milestone is :data:`_UNKNOWN_OPS` away. Half a step of slack: a loop whose step
         takes an op or two more than the last one did is not taken for committed work
         before it reports."""
+        if steps is not None and done >= steps:
+            return None  # it reported its last step: nothing ahead
         at = self.milestones.next_after(done)
+        if steps is not None and at is not None and at >= steps:
+            at = None
+        if at is None and self._finished < self.milestones.startup_trials:
+            if steps is None:
+                return _UNKNOWN_OPS
+            at = steps
         if at is None:
-            return _UNKNOWN_OPS if self._finished < self.milestones.startup_trials else None
+            return None
         if per_step is None:
             return _UNKNOWN_OPS
         return max(1, math.ceil((at - done + 0.5) * per_step))
 
-    def _after_epoch(self, run: _Run, results: list[dict[str, Any]]) -> None:
-        run.epoch += 1
-        result = results[-1]
-        value = result.get(self.metric)
-        if not isinstance(value, numbers.Real) or not math.isfinite(value):
-            self._fail(
-                run,
-                InvalidTaskError(
-                    f"trial {run.trial.number}: epoch {run.epoch} gave {self.metric}={value!r},"
-                    f" not a finite number, so Optuna cannot rank it. Check the eval data "
-                    f"and loss_fn (a NaN or infinite loss on eval_data), or lower the "
-                    f"learning rate"
-                ),
-            )
-            return
-        run.value = float(value)
-        run.trial.report(run.value, run.epoch - 1)  # Optuna's steps count from 0
-        if run.trial.should_prune():
-            self._drop(run)
-            self._tell(run, self.optuna.trial.TrialState.PRUNED)
-        elif run.epoch >= self.epochs:
-            self._drop(run)  # its model keeps the trained weights, on the CPU
-            if self.folder is None:
-                self._tell(run, self.optuna.trial.TrialState.COMPLETE)
-            else:
-                run.stage = "save"
-                future = _in_thread(self._save, run, name=f"hydra-save-{run.key}")
-                self.running[future] = run
-        else:
-            self._train(run)
-
     # -- ending trials ----------------------------------------------------------------
 
     def _drop(self, run: _Run) -> None:
-        """Drop the trial's queued shard work and remove its task from the engine (an
-        objective still running is stopped at its next forward: its trial has ended)."""
+        """Stop the trial's loops at their next forward (its trial has ended; they leave
+        the engine when its function returns)."""
         if run.scope is not None:
             run.scope.stop()
-        self.trials.cancel(run.key)
-        self.trials.remove(run.key)
 
     def _fail(self, run: _Run, err: BaseException) -> None:
         self._drop(run)
@@ -660,7 +619,6 @@ class _Driver:
 
     def _tell(self, run: _Run, state: Any) -> None:
         trial = run.trial
-        run.task = None  # the model may be freed
         self.live.pop(trial.number, None)
         self._beaten.discard(trial.number)
         if state in (self.optuna.trial.TrialState.COMPLETE, self.optuna.trial.TrialState.PRUNED):
@@ -669,9 +627,9 @@ class _Driver:
             self.study.tell(trial, run.value)
             if self.log.isEnabledFor(logging.INFO):
                 how = (
-                    "returned by the objective"
-                    if run.stage == "build"
-                    else f"{self.metric} after {run.epoch} epochs"
+                    f"{self.metric} after {run.epoch} epochs"
+                    if run.factory
+                    else "returned by the objective"
                 )
                 message = (
                     f"Trial {trial.number} finished with value: {run.value} ({how}) and "
@@ -693,13 +651,12 @@ class _Driver:
                 )
 
     def abort(self, err: BaseException) -> None:
-        """End every running trial ``FAIL`` and drop its work (Ctrl-C, or a failure of the
-        loop itself), then wait a little for the builds and saves in flight, so that no
-        thread of ours is still inside torch when Python exits. Raises nothing of its own.
-        """
+        """End every running trial ``FAIL`` and stop its loops (Ctrl-C, or a failure of
+        the loop itself), then wait a little for the trials' threads, so that none of ours
+        is still inside torch when Python exits. Raises nothing of its own."""
         with self._lock:
             self._stopping = True
-        threads = [f for f, run in self.running.items() if run.stage != "train"]
+        threads = list(self.running)
         runs, self.live, self.running = list(self.live.values()), {}, {}
         for run in runs:
             with contextlib.suppress(Exception):
@@ -721,10 +678,11 @@ class _Driver:
 
     # -- work done in threads -----------------------------------------------------------
 
-    def _build(self, run: _Run) -> Any:
-        """Call the user's function for the trial. A task factory's task is added to the
-        engine (returns its number of shards); an objective that trained its own loop
-        returns an :class:`_ObjectiveDone` (its loops already off the engine)."""
+    def _build(self, run: _Run) -> _ObjectiveDone:
+        """Call the user's function for the trial: an objective trains its own loop and
+        returns its value; a task factory's task is then trained here, as a ``th.shard``
+        loop (:meth:`_train_task`). Either way the trial's loops have left the engine
+        when this returns."""
         from tune_hydra.engine.registration.factory import call_factory
         from tune_hydra.frontends.shard import engine_scope
 
@@ -738,8 +696,8 @@ class _Driver:
             # engine when the function returns or raises, whatever its frames still hold.
             with engine_scope(engine) as scope:
                 run.scope = scope
-                # An objective's loops are told their milestones as a factory's tasks
-                # are: at their cut, and at each trial.report.
+                # An objective's loops are told their milestones at their cut and at each
+                # trial.report.
                 steps = _LoopMilestones(self, trial.report)
                 scope.on_loop = steps.add
                 trial.report = steps.report  # type: ignore[method-assign]
@@ -748,7 +706,7 @@ class _Driver:
                 except pruned as err:  # not an error: returned, so that it keeps its type
                     return _PrunedByFactory(str(err), scope.sharded)
                 finally:
-                    del trial.report  # Optuna's own again (the driver reports factories')
+                    del trial.report  # Optuna's own again
                     loops = scope.sharded
                     scope.close()
             if isinstance(out, numbers.Real) and not isinstance(out, bool):
@@ -782,13 +740,64 @@ class _Driver:
         # A define-by-run factory may build no task for one trial alone: not systematic.
         task = check_task(task, str(number), takes="trial", systematic=False)
         self._check_metric(number, task)
-        trial, shards = self.trials.add(run.key, task)
-        run.name, run.task = trial.name, task
-        with self._lock:
-            if self._stopping:
-                self.trials.remove(run.key)
-                raise _Interrupted
-        return shards
+        run.factory = True
+        return self._train_task(run, task)
+
+    def _train_task(self, run: _Run, task: ModelTask) -> _ObjectiveDone:
+        """Train ``task`` for every epoch as a ``th.shard`` loop (the canned objective of
+        a task factory: :class:`~tune_hydra.frontends.task_loop.TaskLoop`), reporting
+        each epoch's metric and asking the pruner; with ``save_dir``, save its model.
+
+        Raises:
+            _TaskPruned: the pruner stopped it after an epoch.
+            InvalidTaskError: an epoch's metric is not a finite number.
+        """
+        import torch
+
+        from tune_hydra.frontends.shard import engine_scope
+        from tune_hydra.frontends.task_loop import TaskLoop
+        from tune_hydra.frontends.trial import CLAIMS, prepare_model
+
+        trial, number = run.trial, run.trial.number
+        prepare_model(task.model, self, run.key, self.engine, _Driver.trains)  # type: ignore[arg-type]
+        with engine_scope(self.engine) as scope:
+            run.scope = scope
+            with self._lock:
+                if self._stopping:
+                    raise _Interrupted
+            steps = _LoopMilestones(self, trial.report, epochs=self.epochs)
+            scope.on_loop = steps.add
+            try:
+                seed = task.seed if task.seed is not None else self.task_options["seed"]
+                seed = torch.initial_seed() if seed is None else seed
+                loop = TaskLoop(run.key, task, self.engine, seed=seed, **self._opts)
+                CLAIMS.record(task.model, self, run.key, self.engine, _Driver.trains)  # type: ignore[arg-type]
+                for epoch in range(self.epochs):
+                    try:
+                        result = loop.train_iteration()
+                    except InvalidModelError as err:  # the model's type cannot be cut
+                        raise uncuttable(run.key, task.model, err) from err
+                    if epoch == 0:
+                        trial.set_user_attr("num_shards", int(result["num_shards"]))
+                    value = result.get(self.metric)
+                    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+                        raise InvalidTaskError(
+                            f"trial {number}: epoch {epoch + 1} gave {self.metric}={value!r}, "
+                            f"not a finite number, so Optuna cannot rank it. Check the eval "
+                            f"data and loss_fn (a NaN or infinite loss on eval_data), or "
+                            f"lower the learning rate"
+                        )
+                    run.value, run.epoch = float(value), epoch + 1
+                    steps.report(run.value, epoch)  # Optuna's steps count from 0
+                    if trial.should_prune():
+                        raise _TaskPruned
+            finally:
+                scope.close()  # the loop leaves the engine; the model keeps its weights
+        if self.folder is not None:
+            path = save_model(self.folder / f"trial_{number}", task.model.state_dict())  # type: ignore[union-attr]
+            trial.set_user_attr("model_path", str(path))
+        assert run.value is not None
+        return _ObjectiveDone(run.value, 1)
 
     def _check_metric(self, number: int, task: ModelTask) -> None:
         """Refuse a task that does not report the study's metric."""
@@ -808,12 +817,6 @@ class _Driver:
                 f"th.optimize(..., metric='loss')"
             )
 
-    def _save(self, run: _Run) -> Path:
-        """Write the trial's model file atomically; returns its path."""
-        assert self.folder is not None and run.task is not None
-        model = run.task.model.state_dict()  # type: ignore[union-attr]
-        return save_model(self.folder / f"trial_{run.trial.number}", model)
-
 
 class _LoopMilestones:
     """The milestones of one objective's ``th.shard`` loops, told to the engine
@@ -821,9 +824,12 @@ class _LoopMilestones:
     cut and at each ``trial.report``; the ops a step takes are measured between reports,
     per loop (the study's last measure for a loop that has not reported yet)."""
 
-    def __init__(self, driver: _Driver, report: Callable[..., None]) -> None:
+    def __init__(
+        self, driver: _Driver, report: Callable[..., None], *, epochs: int | None = None
+    ) -> None:
         self.driver = driver
         self._report = report  # Optuna's trial.report
+        self.epochs = epochs  # a task factory's: the steps it reports (None: not known)
         self.loops: dict[str, tuple[Any, int]] = {}  # name -> (runner, ops at last report)
         self.per_step: dict[str, float] = {}  # name -> ops a step took
         self.done = 0  # steps reported: the last trial.report step + 1
@@ -851,8 +857,12 @@ class _LoopMilestones:
             self._announce(name, self.per_step.get(name, self.driver.ops_per_step))
 
     def _announce(self, name: str, per_step: float | None) -> None:
+        engine = self.driver.engine
+        milestone = self.driver.loop_milestone(self.done, per_step, self.epochs)
         with contextlib.suppress(TuneHydraError):  # the loop left (th.unshard): no hint
-            self.driver.engine.set_milestone(name, self.driver.loop_milestone(self.done, per_step))
+            engine.set_milestone(name, milestone)
+            if self.epochs is not None and per_step is not None:  # its work left, known
+                engine.set_remaining(name, math.ceil((self.epochs - self.done) * per_step))
 
 
 def _in_thread(

@@ -246,6 +246,7 @@ def shard(
     optimizer: torch.optim.Optimizer | None = None,
     *,
     engine: Engine | None = None,
+    name: str | None = None,
 ) -> Any:
     """Run ``model`` (and ``optimizer``) as shard ops on ``engine`` (default: the process's
     embedded engine), keeping the user's loop as it is.
@@ -284,6 +285,8 @@ def shard(
         engine: the engine to run on. ``None``: the one of the enclosing front end
             (an objective run by ``th.optimize`` trains on its engine), else the
             process's embedded one.
+        name: the loop's name in the engine (its trace, ``Engine.summary()``, errors);
+            ``None``: ``loop-<model class>-<n>``.
 
     Returns:
         ``(model, optimizer)``, the same objects, sharded; ``model`` alone without an
@@ -357,7 +360,9 @@ def shard(
         )
     if on:
         _bring_home(model, optimizer, on)
-    scope = _SCOPE.get() if engine is None else None
+    scope = _SCOPE.get()
+    if scope is not None and engine is not None and engine is not scope.engine:
+        scope = None  # another engine than the front end's: not the front end's loop
     if scope is not None:
         if scope.stopped:
             raise ShardClosedError(
@@ -377,6 +382,7 @@ def shard(
 
     isolate_library_state()  # loops in threads: a Trainer's Accelerate state per thread
     state = _State(model, optimizer, engine)
+    state.name = name
     if scope is not None:
         scope.states.append(state)
         state.on_loop = scope.on_loop
@@ -844,6 +850,7 @@ class _State:
         self.call: TracedCall | None = None
         self.signature: inspect.Signature | None = None
         self.on_loop: Callable[[LoopRunner], None] | None = None  # its scope's hook
+        self.name: str | None = None  # the loop's name in the engine (None: numbered)
         # Where the loop's own stream starts (used by loops in threads that draw from the
         # global generator; see tune_hydra.engine.runtime.loop): the generator's state now.
         self.rng_start = torch.get_rng_state()
@@ -916,6 +923,7 @@ class _State:
             hf=self.hf,
             rng_start=self.rng_start,
             compiler=self.compiler,
+            name=self.name,
         )
         self.tree = [
             (f"{path}.{name}" if path else name, weakref.ref(parent), name, weakref.ref(child))

@@ -34,8 +34,9 @@ from tune_hydra.engine.registration.factory import use_generator
 from tune_hydra.engine.registration.partition import build_optimizer
 from tune_hydra.engine.runtime import resume
 from tune_hydra.engine.runtime.boundary import split_batch
+from tune_hydra.engine.runtime.checks import checked_loss
 from tune_hydra.engine.runtime.metrics import MetricTotals, add_metrics, build_scheduler
-from tune_hydra.exceptions import EmptyDataError, ResumeStateError
+from tune_hydra.exceptions import EmptyDataError, NonFiniteLossError, ResumeStateError
 
 if TYPE_CHECKING:
     from tune_hydra.engine.engine import Engine
@@ -109,7 +110,7 @@ class TaskLoop:
         params = [p for p in model.parameters() if p.requires_grad]
         with use_generator(self.generator):
             optimizer = build_optimizer(task.optimizer, params, name, "the model's parameters")
-            self.model, self.optimizer = shard(model, optimizer, engine=engine)
+            self.model, self.optimizer = shard(model, optimizer, engine=engine, name=name)
         self.scheduler = (
             build_scheduler(task.lr_scheduler, self.optimizer, name, "the model's optimizer")
             if task.lr_scheduler is not None
@@ -168,10 +169,14 @@ class TaskLoop:
             x, y = split_batch(batch, self.name)
             if self.batch_in_epoch % k == 0:
                 self.optimizer.zero_grad()
+            where = f"batch {self.batch_in_epoch} of epoch {self.epoch} of train_data"
             with self._autocast():
-                loss = self.task.compute_loss(self._call(x), y, self.name)
+                loss = checked_loss(self.name, self.task, self._call(x), y, where, True)
             (loss / k).backward()
-            losses.append(loss.item())
+            value = loss.item()
+            if not math.isfinite(value):
+                raise NonFiniteLossError(self.name, self.epoch, self.batch_in_epoch, value)
+            losses.append(value)
             self.batch_in_epoch += 1
             if self.batch_in_epoch % k == 0:
                 self._step()
@@ -221,7 +226,9 @@ class TaskLoop:
                 for e, batch in enumerate(self.task.eval_data or ()):
                     x, y = split_batch(batch, self.name)
                     out = self._call(x)
-                    losses.append(float(self.task.compute_loss(out, y, self.name).item()))
+                    where = f"batch {e} of eval_data (after epoch {self.epoch})"
+                    loss = checked_loss(self.name, self.task, out, y, where, False)
+                    losses.append(float(loss.item()))
                     if totals.metrics:
                         totals.add(out, y, self.name, f"batch {e} of eval_data")
         finally:

@@ -10,7 +10,7 @@ such failures into :class:`~tune_hydra.exceptions.DataMismatchError` or
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -103,45 +103,8 @@ class BatchChecks:
         return layer_error(self.name, layer_name, module, arg, err, arg, where, note=note)
 
     def loss(self, out: Any, target: Any, batch: int, *, train: bool) -> torch.Tensor:
-        """The task's loss (``loss_fn(out, target)``), checked to be a scalar tensor
-        (that requires grad, in training); a failure with targets that do not fit the
-        output is a :class:`DataMismatchError`."""
-        try:
-            loss = self._task.compute_loss(out, target, self.name)
-        except Exception as err:
-            where = self.where(batch, train)
-            hint = "" if _not_ours(err) else _target_hint(out, target)
-            if not hint:
-                raise
-            raise DataMismatchError(
-                self.name, f"loss_fn(output, target) raised {_what(err)} on {where}: {hint}"
-            ) from err
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            self._bad_loss(loss, self.where(batch, train))
-        if train and not loss.requires_grad:
-            raise InvalidLossError(
-                self.name,
-                f"loss_fn returned a tensor that does not require grad on "
-                f"{self.where(batch, train)}, so nothing can be back-propagated. Compute it "
-                f"from the model's output, without .detach(), torch.no_grad() or a detour "
-                f"through numbers",
-            )
-        return loss
-
-    def _bad_loss(self, loss: Any, where: str) -> NoReturn:
-        if not isinstance(loss, torch.Tensor):
-            raise InvalidLossError(
-                self.name,
-                f"loss_fn returned a {type(loss).__name__}, not a tensor, on {where}. Return "
-                f"the loss tensor itself (not loss.item() or a number): the engine "
-                f"back-propagates it",
-            )
-        raise InvalidLossError(
-            self.name,
-            f"loss_fn returned a tensor of shape {list(loss.shape)}, not a scalar, on "
-            f"{where}. Reduce it to one number (loss.mean(), or reduction='mean': "
-            f"reduction='none' gives one loss per sample)",
-        )
+        """The task's loss (``loss_fn(out, target)``), checked (see :func:`checked_loss`)."""
+        return checked_loss(self.name, self._task, out, target, self.where(batch, train), train)
 
     def finite(self, value: float, batch: int) -> None:
         """Raise :class:`NonFiniteLossError` for a training loss that is NaN or infinite."""
@@ -160,6 +123,49 @@ class BatchChecks:
             self.name,
             f"the backward of the loss raised {_what(err)} on {self.where(batch, True)}: {hint}",
         )
+
+
+def checked_loss(
+    name: str, task: ModelTask, out: Any, target: Any, where: str, train: bool
+) -> torch.Tensor:
+    """Task ``name``'s loss (``task.compute_loss(out, target)``) on the batch ``where``
+    names, checked to be a scalar tensor (that requires grad, in training).
+
+    Raises:
+        DataMismatchError: ``loss_fn`` failed on targets that do not fit the output.
+        InvalidLossError: the loss is not a tensor, not a scalar, or (in training) does
+            not require grad.
+    """
+    try:
+        loss = task.compute_loss(out, target, name)
+    except Exception as err:
+        hint = "" if _not_ours(err) else _target_hint(out, target)
+        if not hint:
+            raise
+        raise DataMismatchError(
+            name, f"loss_fn(output, target) raised {_what(err)} on {where}: {hint}"
+        ) from err
+    if not isinstance(loss, torch.Tensor):
+        raise InvalidLossError(
+            name,
+            f"loss_fn returned a {type(loss).__name__}, not a tensor, on {where}. Return the "
+            f"loss tensor itself (not loss.item() or a number): the engine back-propagates it",
+        )
+    if loss.numel() != 1:
+        raise InvalidLossError(
+            name,
+            f"loss_fn returned a tensor of shape {list(loss.shape)}, not a scalar, on "
+            f"{where}. Reduce it to one number (loss.mean(), or reduction='mean': "
+            f"reduction='none' gives one loss per sample)",
+        )
+    if train and not loss.requires_grad:
+        raise InvalidLossError(
+            name,
+            f"loss_fn returned a tensor that does not require grad on {where}, so nothing "
+            f"can be back-propagated. Compute it from the model's output, without "
+            f".detach(), torch.no_grad() or a detour through numbers",
+        )
+    return loss
 
 
 def _not_ours(err: BaseException) -> bool:

@@ -1233,6 +1233,7 @@ def build_loop(
     hf: bool,
     rng_start: torch.Tensor,
     compiler: Compiler | None = None,
+    name: str | None = None,
 ) -> LoopRunner:
     """Cut ``model`` (its ``layers``, sized by a probe on ``sample``, the first batch) for
     ``engine``'s budget, build one optimizer per shard like the user's, and register the
@@ -1245,7 +1246,8 @@ def build_loop(
             (a submodule shared with another sharded model); nothing of the loop stays,
             and the optimizer keeps its state.
     """
-    name = f"loop-{type(model).__name__}-{next(_NAMES)}"
+    if name is None:
+        name = f"loop-{type(model).__name__}-{next(_NAMES)}"
     costs = loop_costs(layers, sample, user_optimizer, optimizer_class, engine.devices[0], name)
     device = engine.devices[0]
     budget = device_budget(device, engine.budget)  # as the engine's workers budget
