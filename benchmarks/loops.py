@@ -138,23 +138,62 @@ def multiplexed(cfg: Config) -> dict[str, Any]:
         last[f"loops {recompute}"] = models
         return elapsed
 
+    def task_loops(recompute: bool) -> float:
+        # The same tasks, each trained by a TaskLoop (the th.shard runtime) in a thread.
+        from tune_hydra.frontends.task_loop import TaskLoop
+
+        tasks = [
+            th.ModelTask(copy.deepcopy(m), nn.CrossEntropyLoss(), _adam(lr), data)
+            for m, lr in zip(templates, LRS, strict=True)
+        ]
+        errors: list[BaseException] = []
+        t0 = time.perf_counter()
+        with th.Engine(recompute=recompute, **options) as engine:
+
+            def one(i: int) -> None:
+                try:
+                    loop = TaskLoop(f"t{i}", tasks[i], engine, seed=0)
+                    loop.train_iteration()
+                    loop.close()
+                except BaseException as err:  # reported below
+                    errors.append(err)
+
+            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(LRS))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        elapsed = time.perf_counter() - t0
+        if errors:
+            raise errors[0]
+        last[f"task loops {recompute}"] = [t.model for t in tasks]  # type: ignore[misc]
+        return elapsed
+
     ways: dict[str, Callable[[], float]] = {
         "factories, recompute": lambda: factories(True),
         "loops, recompute": lambda: loops(True),
+        "task loops, recompute": lambda: task_loops(True),
         "factories, kept graphs": lambda: factories(False),
         "loops, kept graphs": lambda: loops(False),
+        "task loops, kept graphs": lambda: task_loops(False),
     }
     times = _interleave(ways, cfg.rounds)
     equal = {
         r: all(
-            same_weights(a, b)
-            for a, b in zip(last[f"loops {r}"], last[f"factories {r}"], strict=True)
+            same_weights(a, b) and same_weights(a, c)
+            for a, b, c in zip(
+                last[f"loops {r}"], last[f"factories {r}"], last[f"task loops {r}"], strict=True
+            )
         )
         for r in (True, False)
     }
     ratio = {
         "recompute": _ratio(times["factories, recompute"], times["loops, recompute"]),
         "kept graphs": _ratio(times["factories, kept graphs"], times["loops, kept graphs"]),
+    }
+    canned = {
+        "recompute": _ratio(times["factories, recompute"], times["task loops, recompute"]),
+        "kept graphs": _ratio(times["factories, kept graphs"], times["task loops, kept graphs"]),
     }
     print(
         f"4 loops vs 4 task factories: MLP width {cfg.width} depth {cfg.depth}, batch "
@@ -170,7 +209,13 @@ def multiplexed(cfg: Config) -> dict[str, Any]:
             f"loops throughput / factories' ({mode}): {ratio[mode]:.2f}x (goal >= 0.9x); "
             f"same weights: {'yes' if equal[mode == 'recompute'] else 'NO'}"
         )
-    return {"shards": shards, "throughput_ratio": ratio, "same_weights": equal}
+        print(f"task loops (TaskLoop) throughput / factories' ({mode}): {canned[mode]:.2f}x")
+    return {
+        "shards": shards,
+        "throughput_ratio": ratio,
+        "task_loop_ratio": canned,
+        "same_weights": equal,
+    }
 
 
 # -- one loop vs the plain loop ----------------------------------------------------------

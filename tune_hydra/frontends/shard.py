@@ -568,6 +568,30 @@ def shard_count(model: nn.Module) -> int:
     return len(loop.shards)
 
 
+def forward_loss(
+    model: nn.Module,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    loss_of: Callable[[Any, torch.device], torch.Tensor],
+    k: int = 1,
+) -> torch.Tensor:
+    """``(loss / k).backward()`` of ``loss = loss_of(model(*args, **kwargs), device)`` on a
+    sharded model, with the last shard's forward, the loss and its backward in one op
+    (:meth:`~tune_hydra.engine.runtime.loop.LoopRunner.forward_loss`): how
+    :class:`~tune_hydra.frontends.task_loop.TaskLoop` trains a batch. The model is cut on
+    its first call, as by its forward. Returns the loss, detached.
+    """
+    state: _State = model.__dict__["_th_shard"]
+    state.check()
+    inputs = _ShardedModule._th_inputs(model, state, args, kwargs)  # type: ignore[arg-type]
+    loop = state.loop
+    if loop is None:
+        loop = state.cut(model, inputs)
+    else:
+        state.check_tree()
+    return loop.forward_loss(inputs, loss_of, k)
+
+
 def first_cut(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[list[tuple[str, nn.Module]], Any]:

@@ -33,7 +33,7 @@ from torch import nn
 from tune_hydra.engine.registration.factory import use_generator
 from tune_hydra.engine.registration.partition import build_optimizer
 from tune_hydra.engine.runtime import resume
-from tune_hydra.engine.runtime.boundary import split_batch
+from tune_hydra.engine.runtime.boundary import split_batch, to_device
 from tune_hydra.engine.runtime.checks import checked_loss
 from tune_hydra.engine.runtime.metrics import MetricTotals, add_metrics, build_scheduler
 from tune_hydra.exceptions import EmptyDataError, NonFiniteLossError, ResumeStateError
@@ -148,6 +148,8 @@ class TaskLoop:
         return result
 
     def _train_batches(self) -> list[float]:
+        from tune_hydra.frontends.shard import forward_loss
+
         k = self.accumulate_steps
         limit = self.iteration_batches
         losses: list[float] = []
@@ -170,9 +172,13 @@ class TaskLoop:
             if self.batch_in_epoch % k == 0:
                 self.optimizer.zero_grad()
             where = f"batch {self.batch_in_epoch} of epoch {self.epoch} of train_data"
-            with self._autocast():
-                loss = checked_loss(self.name, self.task, self._call(x), y, where, True)
-            (loss / k).backward()
+
+            def loss_of(out: Any, device: torch.device, y: Any = y, where: str = where) -> Any:
+                return checked_loss(self.name, self.task, out, to_device(y, device), where, True)
+
+            args, kwargs = ((), dict(x)) if isinstance(x, Mapping) else ((x,), {})
+            with self._autocast():  # the loss's backward runs outside it, as plain's
+                loss = forward_loss(self.model, args, kwargs, loss_of, k)
             value = loss.item()
             if not math.isfinite(value):
                 raise NonFiniteLossError(self.name, self.epoch, self.batch_in_epoch, value)

@@ -516,7 +516,7 @@ class LoopRunner:
         # draw (a backward replays a saved state; a step draws nothing).
         hand_off = (
             self.random.choose()
-            and kind in (OpKind.FORWARD, OpKind.EVAL)
+            and kind in (OpKind.FORWARD, OpKind.EVAL, OpKind.LAST)
             and self.shards[shard].draws.get(self.model.training) is not False
         )
         gen = self.random.op_gen
@@ -550,6 +550,21 @@ class LoopRunner:
                 that the cut cannot hold within the budget (see :meth:`LoopSizing.fit`).
         """
         return self.graph.forward(self, inputs)
+
+    def forward_loss(
+        self, inputs: Any, loss_of: Callable[[Any, torch.device], torch.Tensor], k: int = 1
+    ) -> torch.Tensor:
+        """A training batch whose loss the engine computes: the forward of every shard but
+        the last as :meth:`forward`'s, then one op of the last shard (a ``ModelTask``'s
+        ``L`` op) that runs its forward, ``loss = loss_of(output, device)`` and
+        ``(loss / k).backward()``, then the backward ops of the shards before. So the
+        last shard's forward runs once, not again in a recompute. Gradients accumulate
+        as ``(loss / k).backward()`` after :meth:`forward` would leave them.
+
+        Returns:
+            The loss, detached, at home.
+        """
+        return self.graph.forward_loss(self, inputs, loss_of, k)
 
     def fit_batch(self, inputs: Any) -> None:
         """Size the plan for a training batch larger than any before it (see
@@ -743,14 +758,40 @@ class LoopGraph:
                 carry = loop.run(kind, shard.index, _PlainForward(loop, shard, carry))
         return _to(carry, user_device)  # outputs on the device of the inputs
 
-    def _forward(self, loop: LoopRunner, carry: Any) -> Any:
-        """With grad: each shard's call a node of the user's graph."""
+    def forward_loss(
+        self,
+        loop: LoopRunner,
+        inputs: Any,
+        loss_of: Callable[[Any, torch.device], torch.Tensor],
+        k: int,
+    ) -> torch.Tensor:
+        """:meth:`LoopRunner.forward_loss`."""
+        loop.sizing.fit(inputs)
+        carry = _to(inputs, loop.home)
+        *head, last = loop.shards
+        if head:
+            carry = self._forward(loop, carry, head)
+        leaves, spec = tree_flatten(carry)
+        at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        tensors = [leaves[i] for i in at]
+        op = _LossOp(loop, last, leaves, spec, at, loss_of, k)
+        loss, grads = loop.run(OpKind.LAST, last.index, op)
+        pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if g is not None]
+        if pairs:  # the backward ops of the shards before
+            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
+        loss_out: torch.Tensor = loss
+        return loss_out
+
+    def _forward(self, loop: LoopRunner, carry: Any, shards: list[LoopShard] | None = None) -> Any:
+        """With grad: each shard's call (of ``shards``, default all) a node of the user's
+        graph."""
+        shards = loop.shards if shards is None else shards
         token = torch.empty(0, requires_grad=True)  # so that every shard's node is reached
-        graph = _Reach(token, loop.shards)
+        graph = _Reach(token, shards)
         token = graph.token
         if self._keep:  # the batches before are done (or were dropped by the user)
             self._open = [r for r in self._open if (c := r()) is not None and c.kept]
-        for shard in loop.shards:
+        for shard in shards:
             call = _ShardCall(loop, shard)
             call.reach = graph
             if self._keep:
@@ -997,6 +1038,48 @@ class _ShardCall:
             wanted = [t for t in inputs if t.requires_grad]
             if pairs and wanted:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=wanted)
+
+
+class _LossOp:
+    """The compute of a batch's last-shard op (``L``): the shard's forward with grad, the
+    loss, ``(loss / k).backward()`` into its parameters and its inputs, in one op; returns
+    the loss and the inputs' gradients, at home."""
+
+    def __init__(
+        self,
+        loop: LoopRunner,
+        shard: LoopShard,
+        leaves: list[Any],
+        spec: Any,
+        at: list[int],
+        loss_of: Callable[[Any, torch.device], torch.Tensor],
+        k: int,
+    ) -> None:
+        self.loop, self.shard = loop, shard
+        self.leaves, self.spec, self.at = leaves, spec, at
+        self.loss_of = loss_of
+        self.k = k
+
+    def __call__(self, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+        loop, shard = self.loop, self.shard
+        tensors = [self.leaves[i] for i in self.at]
+        inp = _leaves(tensors, [t.requires_grad for t in tensors], device)
+        leaves = list(self.leaves)
+        for i, t in zip(self.at, inp, strict=True):
+            leaves[i] = _clone(t) if shard.writes_input is not False else t
+        arg = tree_unflatten(leaves, self.spec)
+        for store, i in shard.first_uses:
+            store.stash_grad(i)
+        with loop.random.drawing(shard, device, loop.model.training), torch.enable_grad():
+            loss = self.loss_of(shard.module(arg), device)
+        # Outside autocast, as plain training calls backward; on this thread (see
+        # _ShardCall._back_propagate).
+        with amp.entered(None), torch.autograd.set_multithreading_enabled(False):
+            (loss / self.k).backward()
+        for store, i in shard.last_uses:
+            store.unstash_grad(i)
+        grads = [None if t.grad is None else t.grad.to(loop.home) for t in inp]
+        return loss.detach().to(loop.home), grads
 
 
 class _Forward:

@@ -41,7 +41,8 @@ class OpPattern:
         batch is how many training forwards of shard 0 came before it; learnt as
         following the op before."""
         batch = self._batches
-        if kind is OpKind.FORWARD and shard == 0 and torch.is_grad_enabled():
+        starts = kind is OpKind.FORWARD or kind is OpKind.LAST  # L0: one shard's batch
+        if starts and shard == 0 and torch.is_grad_enabled():
             self._batches += 1
         op = Op(task, kind, shard, iteration, batch)
         self.learn((kind, shard))
@@ -52,7 +53,7 @@ class OpPattern:
         if self._last_key is not None:
             self._next[self._last_key] = key
         self._last_key = key
-        if key == (OpKind.FORWARD, 0):
+        if key == (OpKind.FORWARD, 0) or key == (OpKind.LAST, 0):
             if self._ops_since_batch:
                 self.ops_per_batch = self._ops_since_batch
             self._ops_since_batch = 0
