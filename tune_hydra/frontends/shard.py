@@ -577,7 +577,7 @@ def forward_loss(
 ) -> torch.Tensor:
     """``(loss / k).backward()`` of ``loss = loss_of(model(*args, **kwargs), device)`` on a
     sharded model, with the last shard's forward, the loss and its backward in one op
-    (:meth:`~tune_hydra.engine.runtime.loop.LoopRunner.forward_loss`): how
+    (:func:`~tune_hydra.engine.runtime.loop_chain.train_batch`): how
     :class:`~tune_hydra.frontends.task_loop.TaskLoop` trains a batch. The model is cut on
     its first call, as by its forward. Returns the loss, detached.
     """
@@ -589,7 +589,9 @@ def forward_loss(
         loop = state.cut(model, inputs)
     else:
         state.check_tree()
-    return loop.forward_loss(inputs, loss_of, k)
+    from tune_hydra.engine.runtime.loop_chain import train_batch
+
+    return train_batch(loop, inputs, loss_of, k)
 
 
 def first_cut(

@@ -123,6 +123,9 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _LOCAL = threading.local()  # .depth > 0: this thread computes inside an op (or a probe)
 _NAMES = itertools.count()
+# One op of LoopRunner.run_chain: its kind, shard, compute fn(device, result of the op
+# before) and the autocast state it computes under.
+ChainStep = tuple[OpKind, int, Callable[[torch.device, Any], Any], "amp.Autocast | None"]
 
 
 def in_op() -> bool:
@@ -253,6 +256,7 @@ class LoopRunner:
         self._device_time = 0.0
         # The op asked for, its compute, and the autocast state of the thread that asked.
         self._request: tuple[Op, Callable[[torch.device], Any], amp.Autocast | None] | None = None
+        self._chain: list[ChainStep] = []  # the ops of run_chain still to come
         self._running = False
         self._result: tuple[bool, Any] = (True, None)
         self._op_lock = threading.Lock()
@@ -336,9 +340,17 @@ class LoopRunner:
         self.current = None
         self._granted = 0
         self._running = False
+        self._chain = []
 
     def advance(self) -> Op | None:
-        if self._running:  # the current op completed: its one iteration ends
+        if self._running and self._chain and self._result[0]:  # the chain's next op, now
+            kind, shard, fn, autocast = self._chain.pop(0)
+            value = self._result[1]
+            op = self.pattern.next_op(self.name, kind, shard, self.reports)
+            self._request = (op, lambda device: fn(device, value), autocast)
+            self.current = op
+            return op
+        if self._running:  # the current op (chain) completed: its one iteration ends
             self._running = False
             self.current = None
             self._iteration += 1
@@ -503,21 +515,37 @@ class LoopRunner:
             ShardClosedError: the loop was closed.
             TaskFailedError: the engine failed the loop (an engine error, not the user's).
         """
+        return self.run_chain([(kind, shard, lambda device, _: fn(device), amp.current())])
+
+    def run_chain(self, steps: list[ChainStep], first: Any = None) -> Any:
+        """Run ops one after another as one of the loop's iterations: step ``i`` is op
+        ``kind`` of ``shard`` computing ``fn(device, result of step i - 1)`` (step 0 gets
+        ``first``) under ``autocast``. The engine starts each op as the one before ends
+        (:meth:`advance`, on its own thread), as a ``ModelTask``'s program runs, not after
+        a round trip through this thread. Returns the last op's result; the first error
+        ends the chain and is raised here.
+
+        Raises:
+            ShardClosedError: the loop was closed.
+            TaskFailedError: the engine failed the loop (an engine error, not the user's).
+        """
         if self.closed:
             raise ShardClosedError(
                 f"{type(self.model).__name__} was unsharded (its loop {self.name!r} is "
                 f"closed); call th.shard on a fresh model to train it on the engine again"
             )
+        kind, shard, fn, autocast = steps[0]
         op = self.pattern.next_op(self.name, kind, shard, self.reports)  # reports: __init__
         self._home_now = False
-        self._request = (op, fn, amp.current())
+        self._request = (op, lambda device: fn(device, first), autocast)
+        self._chain = list(steps[1:])
         # On the main thread (no private generator) the global generator's stream is the
-        # loop's (plain PyTorch's one stream): into the op and back. Only for ops that may
-        # draw (a backward replays a saved state; a step draws nothing).
-        hand_off = (
-            self.random.choose()
-            and kind in (OpKind.FORWARD, OpKind.EVAL, OpKind.LAST)
-            and self.shards[shard].draws.get(self.model.training) is not False
+        # loop's (plain PyTorch's one stream): into the ops and back. Only for ops that
+        # may draw (a backward replays a saved state; a step draws nothing).
+        hand_off = self.random.choose() and any(
+            k in (OpKind.FORWARD, OpKind.EVAL, OpKind.LAST)
+            and self.shards[s].draws.get(self.model.training) is not False
+            for k, s, _, _ in steps
         )
         gen = self.random.op_gen
         if self._follow_threads:
@@ -532,6 +560,7 @@ class LoopRunner:
             done.result()
         finally:
             self._request = None
+            self._chain = []
             # Taken here even when the engine failed the op: an error of the op's own kept
             # on the runner would keep its frames (and a Hugging Face stage's model).
             ok, value = self._result
@@ -550,21 +579,6 @@ class LoopRunner:
                 that the cut cannot hold within the budget (see :meth:`LoopSizing.fit`).
         """
         return self.graph.forward(self, inputs)
-
-    def forward_loss(
-        self, inputs: Any, loss_of: Callable[[Any, torch.device], torch.Tensor], k: int = 1
-    ) -> torch.Tensor:
-        """A training batch whose loss the engine computes: the forward of every shard but
-        the last as :meth:`forward`'s, then one op of the last shard (a ``ModelTask``'s
-        ``L`` op) that runs its forward, ``loss = loss_of(output, device)`` and
-        ``(loss / k).backward()``, then the backward ops of the shards before. So the
-        last shard's forward runs once, not again in a recompute. Gradients accumulate
-        as ``(loss / k).backward()`` after :meth:`forward` would leave them.
-
-        Returns:
-            The loss, detached, at home.
-        """
-        return self.graph.forward_loss(self, inputs, loss_of, k)
 
     def fit_batch(self, inputs: Any) -> None:
         """Size the plan for a training batch larger than any before it (see
@@ -758,40 +772,14 @@ class LoopGraph:
                 carry = loop.run(kind, shard.index, _PlainForward(loop, shard, carry))
         return _to(carry, user_device)  # outputs on the device of the inputs
 
-    def forward_loss(
-        self,
-        loop: LoopRunner,
-        inputs: Any,
-        loss_of: Callable[[Any, torch.device], torch.Tensor],
-        k: int,
-    ) -> torch.Tensor:
-        """:meth:`LoopRunner.forward_loss`."""
-        loop.sizing.fit(inputs)
-        carry = _to(inputs, loop.home)
-        *head, last = loop.shards
-        if head:
-            carry = self._forward(loop, carry, head)
-        leaves, spec = tree_flatten(carry)
-        at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
-        tensors = [leaves[i] for i in at]
-        op = _LossOp(loop, last, leaves, spec, at, loss_of, k)
-        loss, grads = loop.run(OpKind.LAST, last.index, op)
-        pairs = [(t, g) for t, g in zip(tensors, grads, strict=True) if g is not None]
-        if pairs:  # the backward ops of the shards before
-            torch.autograd.backward([t for t, _ in pairs], [g for _, g in pairs])
-        loss_out: torch.Tensor = loss
-        return loss_out
-
-    def _forward(self, loop: LoopRunner, carry: Any, shards: list[LoopShard] | None = None) -> Any:
-        """With grad: each shard's call (of ``shards``, default all) a node of the user's
-        graph."""
-        shards = loop.shards if shards is None else shards
+    def _forward(self, loop: LoopRunner, carry: Any) -> Any:
+        """With grad: each shard's call a node of the user's graph."""
         token = torch.empty(0, requires_grad=True)  # so that every shard's node is reached
-        graph = _Reach(token, shards)
+        graph = _Reach(token, loop.shards)
         token = graph.token
         if self._keep:  # the batches before are done (or were dropped by the user)
             self._open = [r for r in self._open if (c := r()) is not None and c.kept]
-        for shard in shards:
+        for shard in loop.shards:
             call = _ShardCall(loop, shard)
             call.reach = graph
             if self._keep:
@@ -809,6 +797,13 @@ class LoopGraph:
                 None if i in call.out_tensor_at else t for i, t in enumerate(call.out_leaves)
             ]
         return carry
+
+    def track(self, call: _ShardCall) -> None:
+        """A shard call of the batch in progress that may keep a graph (a chain's: see
+        :mod:`~tune_hydra.engine.runtime.loop_chain`)."""
+        if self._keep:
+            self._open = [r for r in self._open if (c := r()) is not None and c.kept]
+            self._open.append(weakref.ref(call))
 
     def drop(self) -> None:
         """Drop the graphs the batch in progress keeps on a device; saved inputs of a
@@ -933,6 +928,10 @@ class _ShardCall:
         # whose graph the backward op back-propagates through (once: a second backward,
         # retain_graph=True, recomputes from the saved input).
         self.kept: tuple[list[torch.Tensor], Any] | None = None
+        # Of a chain's call (tune_hydra.engine.runtime.loop_chain): the inputs it saves for
+        # the recomputing backward, and which of them need a gradient.
+        self.saved: tuple[torch.Tensor, ...] = ()
+        self.need: tuple[bool, ...] = ()
 
     def inputs(self, tensors: tuple[torch.Tensor, ...]) -> Any:
         leaves = list(self.leaves)
@@ -953,21 +952,45 @@ class _ShardCall:
         x = self.inputs(tensors)
 
         def keep(device: torch.device) -> Any:
-            inp = _leaves(tensors, need, device)
-            arg = self.inputs(
-                tuple(_clone(t) if shard.writes_input is not False else t for t in inp)
-            )
-            with (
-                loop.random.drawing(shard, device, loop.model.training) as entry,
-                torch.enable_grad(),
-            ):
-                out = shard.module(arg)
-            self.kept = (inp, out)
-            self.entry = entry  # a second backward (retain_graph=True) recomputes
-            self.steps = shard.steps
-            return _to(_detached(out), loop.home)
+            return self.keep_forward(tensors, need, device)
 
         out = loop.run(OpKind.FORWARD, shard.index, keep if loop.keep else _Forward(self, x))
+        return self.take_output(out)
+
+    def begin(self, x: Any, first: bool) -> tuple[torch.Tensor, ...]:
+        """A chain's forward op starts on ``x`` (``first``: the batch's inputs, into which
+        no gradient flows), under the request's autocast: note its inputs; returns their
+        tensors."""
+        leaves, self.spec = tree_flatten(x)
+        self.tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
+        self.leaves = leaves
+        self.saved = tuple(leaves[i] for i in self.tensor_at)
+        self.need = tuple(not first and t.is_floating_point() for t in self.saved)
+        self.training = self.loop.model.training
+        self.autocast = amp.current()
+        return self.saved
+
+    def keep_forward(
+        self, tensors: tuple[torch.Tensor, ...], need: Any, device: torch.device
+    ) -> Any:
+        """A forward op that keeps its graph on ``device`` for the backward op; returns
+        the output, detached, at home."""
+        loop, shard = self.loop, self.shard
+        inp = _leaves(tensors, need, device)
+        arg = self.inputs(tuple(_clone(t) if shard.writes_input is not False else t for t in inp))
+        with (
+            loop.random.drawing(shard, device, loop.model.training) as entry,
+            torch.enable_grad(),
+        ):
+            out = shard.module(arg)
+        self.kept = (inp, out)
+        self.entry = entry  # a second backward (retain_graph=True) recomputes
+        self.steps = shard.steps
+        return _to(_detached(out), loop.home)
+
+    def take_output(self, out: Any) -> list[torch.Tensor]:
+        """Note the forward's output structure (its backward's gradients follow it);
+        returns its tensors."""
         leaves, self.out_spec = tree_flatten(out)
         self.out_tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         self.out_leaves = leaves
@@ -983,24 +1006,10 @@ class _ShardCall:
         """The backward op; ``inputs_only``: the inputs' gradients alone, the parameters'
         ``.grad`` untouched (``torch.autograd.grad`` w.r.t. inputs)."""
         loop, shard = self.loop, self.shard
-        uses = ([], []) if inputs_only else (shard.first_uses, shard.last_uses)
+        compute = _Backward(self, saved, grads, need, inputs_only)
 
         def kept(device: torch.device) -> list[torch.Tensor | None]:
-            if self.kept is None:  # back-propagated already (retain_graph=True), or dropped
-                return compute(device)
-            inp, out = self.kept
-            for store, i in uses[0]:
-                store.stash_grad(i)
-            self._back_propagate(out, grads, device, inp if inputs_only else None)
-            for store, i in uses[1]:
-                store.unstash_grad(i)
-            self.kept = None
-            return [
-                None if t.grad is None else t.grad.to(loop.home) if n else None
-                for t, n in zip(inp, need, strict=True)
-            ]
-
-        compute = _Backward(self, saved, grads, need, inputs_only)
+            return self.kept_backward(grads, need, inputs_only, device, compute)
 
         # The input pytree's other leaves (self.leaves) stay: a retained graph's second
         # backward recomputes from them again.
@@ -1013,6 +1022,32 @@ class _ShardCall:
             return grads_in
         finally:
             self.out_leaves = []  # the graph is done with them
+
+    def kept_backward(
+        self,
+        grads: tuple[torch.Tensor | None, ...],
+        need: Any,
+        inputs_only: bool,
+        device: torch.device,
+        compute: Callable[[torch.device], list[torch.Tensor | None]],
+    ) -> list[torch.Tensor | None]:
+        """A backward op through the graph the forward kept (``compute``: the recompute,
+        when it was back-propagated already, ``retain_graph=True``, or dropped)."""
+        if self.kept is None:
+            return compute(device)
+        shard = self.shard
+        uses = ([], []) if inputs_only else (shard.first_uses, shard.last_uses)
+        inp, out = self.kept
+        for store, i in uses[0]:
+            store.stash_grad(i)
+        self._back_propagate(out, grads, device, inp if inputs_only else None)
+        for store, i in uses[1]:
+            store.unstash_grad(i)
+        self.kept = None
+        return [
+            None if t.grad is None else t.grad.to(self.loop.home) if n else None
+            for t, n in zip(inp, need, strict=True)
+        ]
 
     def _back_propagate(
         self,
@@ -1038,48 +1073,6 @@ class _ShardCall:
             wanted = [t for t in inputs if t.requires_grad]
             if pairs and wanted:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=wanted)
-
-
-class _LossOp:
-    """The compute of a batch's last-shard op (``L``): the shard's forward with grad, the
-    loss, ``(loss / k).backward()`` into its parameters and its inputs, in one op; returns
-    the loss and the inputs' gradients, at home."""
-
-    def __init__(
-        self,
-        loop: LoopRunner,
-        shard: LoopShard,
-        leaves: list[Any],
-        spec: Any,
-        at: list[int],
-        loss_of: Callable[[Any, torch.device], torch.Tensor],
-        k: int,
-    ) -> None:
-        self.loop, self.shard = loop, shard
-        self.leaves, self.spec, self.at = leaves, spec, at
-        self.loss_of = loss_of
-        self.k = k
-
-    def __call__(self, device: torch.device) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
-        loop, shard = self.loop, self.shard
-        tensors = [self.leaves[i] for i in self.at]
-        inp = _leaves(tensors, [t.requires_grad for t in tensors], device)
-        leaves = list(self.leaves)
-        for i, t in zip(self.at, inp, strict=True):
-            leaves[i] = _clone(t) if shard.writes_input is not False else t
-        arg = tree_unflatten(leaves, self.spec)
-        for store, i in shard.first_uses:
-            store.stash_grad(i)
-        with loop.random.drawing(shard, device, loop.model.training), torch.enable_grad():
-            loss = self.loss_of(shard.module(arg), device)
-        # Outside autocast, as plain training calls backward; on this thread (see
-        # _ShardCall._back_propagate).
-        with amp.entered(None), torch.autograd.set_multithreading_enabled(False):
-            (loss / self.k).backward()
-        for store, i in shard.last_uses:
-            store.unstash_grad(i)
-        grads = [None if t.grad is None else t.grad.to(loop.home) for t in inp]
-        return loss.detach().to(loop.home), grads
 
 
 class _Forward:
