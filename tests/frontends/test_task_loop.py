@@ -253,3 +253,30 @@ def test_results_report_the_engines_figures() -> None:
     assert 0 < first["device_time_s"] < second["device_time_s"]
     assert 0 < first["bytes_spilled"] < second["bytes_spilled"]
     assert [h["iteration"] for h in history] == [1, 2]
+
+
+@pytest.mark.parametrize("kept", [False, True])
+def test_an_error_inside_a_batchs_chain_of_ops_is_raised_and_leaves_nothing_behind(
+    kept: bool,
+) -> None:
+    # The loss runs inside the batch's L op, between the forward and the backward ops of
+    # the chain: its error ends the chain and reaches the task's thread as it is; the
+    # graphs the batch kept are dropped (their reservation ends with the loop's next op,
+    # or as it leaves, as for a user's loop that raises mid-batch).
+    calls = []
+
+    def loss_fn(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        calls.append(1)
+        if len(calls) == 3:
+            raise ValueError("the loss broke")
+        return nn.functional.cross_entropy(out, y)
+
+    task = th.ModelTask(mlp(), loss_fn, OPTIMIZERS["adam"], make_task(mlp()).train_data)
+    options = {"recompute": False, "device_memory": 40_000, "max_layers_per_shard": 3}
+    with _engine(**(options if kept else {})) as engine:
+        loop = TaskLoop("a", task, engine, seed=0)
+        with pytest.raises(ValueError, match="the loss broke"):
+            loop.train_iteration()
+        assert engine.runner("a").keeps_batch is False
+        loop.close()
+        assert engine.tasks() == []

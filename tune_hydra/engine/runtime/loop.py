@@ -515,7 +515,7 @@ class LoopRunner:
             ShardClosedError: the loop was closed.
             TaskFailedError: the engine failed the loop (an engine error, not the user's).
         """
-        return self.run_chain([(kind, shard, lambda device, _: fn(device), amp.current())])
+        return self._submit(kind, shard, fn, amp.current(), [], self._may_draw(kind, shard))
 
     def run_chain(self, steps: list[ChainStep], first: Any = None) -> Any:
         """Run ops one after another as one of the loop's iterations: step ``i`` is op
@@ -529,24 +529,41 @@ class LoopRunner:
             ShardClosedError: the loop was closed.
             TaskFailedError: the engine failed the loop (an engine error, not the user's).
         """
+        kind, shard, fn, autocast = steps[0]
+        draws = any(self._may_draw(k, s) for k, s, _, _ in steps)
+        return self._submit(kind, shard, lambda d: fn(d, first), autocast, steps[1:], draws)
+
+    def _may_draw(self, kind: OpKind, shard: int) -> bool:
+        """Whether an op may draw random numbers (a backward replays a saved state; a
+        step draws nothing; a shard seen not to draw does not)."""
+        return (
+            kind in (OpKind.FORWARD, OpKind.EVAL, OpKind.LAST)
+            and self.shards[shard].draws.get(self.model.training) is not False
+        )
+
+    def _submit(
+        self,
+        kind: OpKind,
+        shard: int,
+        fn: Callable[[torch.device], Any],
+        autocast: amp.Autocast | None,
+        chain: list[ChainStep],
+        draws: bool,
+    ) -> Any:
+        """Ask for op ``kind`` of ``shard`` computing ``fn(device)`` (then ``chain``) and
+        wait for it: :meth:`run`, :meth:`run_chain`."""
         if self.closed:
             raise ShardClosedError(
                 f"{type(self.model).__name__} was unsharded (its loop {self.name!r} is "
                 f"closed); call th.shard on a fresh model to train it on the engine again"
             )
-        kind, shard, fn, autocast = steps[0]
         op = self.pattern.next_op(self.name, kind, shard, self.reports)  # reports: __init__
         self._home_now = False
-        self._request = (op, lambda device: fn(device, first), autocast)
-        self._chain = list(steps[1:])
+        self._request = (op, fn, autocast)
+        self._chain = list(chain)
         # On the main thread (no private generator) the global generator's stream is the
-        # loop's (plain PyTorch's one stream): into the ops and back. Only for ops that
-        # may draw (a backward replays a saved state; a step draws nothing).
-        hand_off = self.random.choose() and any(
-            k in (OpKind.FORWARD, OpKind.EVAL, OpKind.LAST)
-            and self.shards[s].draws.get(self.model.training) is not False
-            for k, s, _, _ in steps
-        )
+        # loop's (plain PyTorch's one stream): into the ops and back, for ops that may draw.
+        hand_off = self.random.choose() and draws
         gen = self.random.op_gen
         if self._follow_threads:
             self._threads = torch.get_num_threads()  # execute computes with it
