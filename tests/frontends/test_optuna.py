@@ -292,10 +292,9 @@ def test_each_epoch_announces_the_pruners_next_step() -> None:
     epoch (the end spares nothing), except while fewer trials than n_startup_trials
     finished: then its end is a milestone (the search waits for it). Nothing is ahead
     after its last report. Its work left is announced with each milestone. Trials 0 and 1
-    train the same configuration, so 1 is not pruned; trial 0's ops per epoch are not
-    known at its cut (far: _UNKNOWN_OPS), trial 1's are (trial 0's)."""
-    from tune_hydra.frontends.optuna import _UNKNOWN_OPS
-
+    train the same configuration, so 1 is not pruned; trial 0's ops per epoch are read
+    from its task at its cut (its batches, its eval batches times its shards), trial 1's
+    are trial 0's measure."""
     study = optuna.create_study(
         sampler=optuna.samplers.RandomSampler(seed=0),
         pruner=optuna.pruners.MedianPruner(n_startup_trials=1, n_warmup_steps=1),
@@ -309,7 +308,7 @@ def test_each_epoch_announces_the_pruners_next_step() -> None:
     assert eng.ops["trial_0"] == [0, epoch, 2 * epoch, 3 * epoch, 4 * epoch]
     step = math.ceil(1.5 * epoch)
     assert eng.milestones == {
-        "trial_0": [_UNKNOWN_OPS, step, step, step, None],
+        "trial_0": [math.ceil(2.5 * epoch), step, step, step, None],
         "trial_1": [math.ceil(2.5 * epoch), step, step, None, None],
     }
 

@@ -765,7 +765,12 @@ class _Driver:
             with self._lock:
                 if self._stopping:
                     raise _Interrupted
-            steps = _LoopMilestones(self, trial.report, epochs=self.epochs)
+            steps = _LoopMilestones(
+                self,
+                trial.report,
+                epochs=self.epochs,
+                guess=lambda loop: _ops_per_epoch(task, loop, self._opts),
+            )
             scope.on_loop = steps.add
             try:
                 seed = task.seed if task.seed is not None else self.task_options["seed"]
@@ -825,11 +830,19 @@ class _LoopMilestones:
     per loop (the study's last measure for a loop that has not reported yet)."""
 
     def __init__(
-        self, driver: _Driver, report: Callable[..., None], *, epochs: int | None = None
+        self,
+        driver: _Driver,
+        report: Callable[..., None],
+        *,
+        epochs: int | None = None,
+        guess: Callable[[Any], float | None] | None = None,
     ) -> None:
         self.driver = driver
         self._report = report  # Optuna's trial.report
         self.epochs = epochs  # a task factory's: the steps it reports (None: not known)
+        # A task factory's: the ops a step (epoch) of a loop takes, read from its task and
+        # cut, for a loop that has not reported while none has in this call.
+        self._guess = guess
         self.loops: dict[str, tuple[Any, int]] = {}  # name -> (runner, ops at last report)
         self.per_step: dict[str, float] = {}  # name -> ops a step took
         self.done = 0  # steps reported: the last trial.report step + 1
@@ -837,7 +850,12 @@ class _LoopMilestones:
     def add(self, loop: Any) -> None:
         """``EngineScope.on_loop``: a loop of the objective was cut and registered."""
         self.loops[loop.name] = (loop, loop.iteration)
-        self._announce(loop.name, self.driver.ops_per_step)
+        per_step = self.driver.ops_per_step
+        if per_step is None and self._guess is not None:
+            per_step = self._guess(loop)
+            if per_step is not None:
+                self.per_step[loop.name] = per_step
+        self._announce(loop.name, per_step)
 
     def report(self, value: float, step: int) -> None:
         """``trial.report``: Optuna's, then the loops' next milestones."""
@@ -863,6 +881,21 @@ class _LoopMilestones:
             engine.set_milestone(name, milestone)
             if self.epochs is not None and per_step is not None:  # its work left, known
                 engine.set_remaining(name, math.ceil((self.epochs - self.done) * per_step))
+
+
+def _ops_per_epoch(task: ModelTask, loop: Any, options: dict[str, Any]) -> float | None:
+    """The iterations of a task's loop (:class:`~tune_hydra.frontends.task_loop.TaskLoop`:
+    a training batch is one, an eval op of each shard one, a clipped step's sync one op
+    per shard) in one epoch; ``None`` for data without a length."""
+    try:
+        batches = len(task.train_data)  # type: ignore[arg-type]
+        evals = 0 if task.eval_data is None else len(task.eval_data)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+    shards = len(loop.shards)
+    steps = math.ceil(batches / options.get("accumulate_steps", 1))
+    syncs = steps * shards if options.get("max_grad_norm") is not None else 0
+    return float(batches + evals * shards + syncs)
 
 
 def _in_thread(
