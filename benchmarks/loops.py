@@ -111,19 +111,15 @@ def multiplexed(cfg: Config) -> dict[str, Any]:
         last[f"factories {recompute}"] = [t.model for t in tasks.values()]  # type: ignore[misc]
         return elapsed
 
-    def loops(recompute: bool) -> float:
-        models = [copy.deepcopy(m) for m in templates]
+    def in_threads(recompute: bool, train: Callable[[th.Engine, int], None]) -> float:
+        """``train(engine, i)`` for the 4 models, each in a thread, on one engine."""
         errors: list[BaseException] = []
         t0 = time.perf_counter()
         with th.Engine(recompute=recompute, **options) as engine:
 
             def one(i: int) -> None:
                 try:
-                    model, opt = th.shard(
-                        models[i], _adam(LRS[i])(models[i].parameters()), engine=engine
-                    )
-                    user_loop(model, opt, data)
-                    th.unshard(model)
+                    train(engine, i)
                 except BaseException as err:  # reported below
                     errors.append(err)
 
@@ -135,6 +131,17 @@ def multiplexed(cfg: Config) -> dict[str, Any]:
         elapsed = time.perf_counter() - t0
         if errors:
             raise errors[0]
+        return elapsed
+
+    def loops(recompute: bool) -> float:
+        models = [copy.deepcopy(m) for m in templates]
+
+        def train(engine: th.Engine, i: int) -> None:
+            model, opt = th.shard(models[i], _adam(LRS[i])(models[i].parameters()), engine=engine)
+            user_loop(model, opt, data)
+            th.unshard(model)
+
+        elapsed = in_threads(recompute, train)
         last[f"loops {recompute}"] = models
         return elapsed
 
@@ -146,26 +153,13 @@ def multiplexed(cfg: Config) -> dict[str, Any]:
             th.ModelTask(copy.deepcopy(m), nn.CrossEntropyLoss(), _adam(lr), data)
             for m, lr in zip(templates, LRS, strict=True)
         ]
-        errors: list[BaseException] = []
-        t0 = time.perf_counter()
-        with th.Engine(recompute=recompute, **options) as engine:
 
-            def one(i: int) -> None:
-                try:
-                    loop = TaskLoop(f"t{i}", tasks[i], engine, seed=0)
-                    loop.train_iteration()
-                    loop.close()
-                except BaseException as err:  # reported below
-                    errors.append(err)
+        def train(engine: th.Engine, i: int) -> None:
+            loop = TaskLoop(f"t{i}", tasks[i], engine, seed=0)
+            loop.train_iteration()
+            loop.close()
 
-            threads = [threading.Thread(target=one, args=(i,)) for i in range(len(LRS))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        elapsed = time.perf_counter() - t0
-        if errors:
-            raise errors[0]
+        elapsed = in_threads(recompute, train)
         last[f"task loops {recompute}"] = [t.model for t in tasks]  # type: ignore[misc]
         return elapsed
 
