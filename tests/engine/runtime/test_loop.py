@@ -78,11 +78,11 @@ def test_graph_dropped_without_backward_is_freed(recompute: bool) -> None:
     # the device) go with it, and a kept batch's reservation ends at the loop's next op.
     import gc
 
-    from tune_hydra.engine.runtime.loop import _ShardCall
+    from tune_hydra.engine.runtime.loop import ShardCall
 
     def calls() -> int:
         gc.collect()
-        return sum(type(o) is _ShardCall for o in gc.get_objects())
+        return sum(type(o) is ShardCall for o in gc.get_objects())
 
     with th.Engine(
         devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=3, recompute=recompute

@@ -434,9 +434,9 @@ class LoopRunner:
         if req is None or req[0] is not op or req[2] is not None or self._compiler:
             return None
         fn = req[1]
-        if not isinstance(fn, (_Forward, _Backward)) or fn.call.autocast is not None:
+        if not isinstance(fn, (ForwardOp, BackwardOp)) or fn.call.autocast is not None:
             return None
-        if isinstance(fn, _Backward) and fn.inputs_only:
+        if isinstance(fn, BackwardOp) and fn.inputs_only:
             return None
         return self.shards[op.shard].batch_key()
 
@@ -445,7 +445,7 @@ class LoopRunner:
         a batched pass. Changes nothing."""
         assert self._request is not None
         fn = self._request[1]
-        assert isinstance(fn, (_Forward, _Backward))
+        assert isinstance(fn, (ForwardOp, BackwardOp))
         return fn.start(device)
 
     def take_forward(self, op: Op, start: OpStart, out: Any, cpu_after: torch.Tensor) -> None:
@@ -453,7 +453,7 @@ class LoopRunner:
         left the CPU generator at ``cpu_after``: the loop goes on as if it had run it."""
         assert self._request is not None
         fn = self._request[1]
-        assert isinstance(fn, _Forward)
+        assert isinstance(fn, ForwardOp)
         self._result = (True, fn.take(start, out, cpu_after))
 
     def take_backward(self, op: Op, start: OpStart, grads: Sequence[torch.Tensor | None]) -> None:
@@ -462,7 +462,7 @@ class LoopRunner:
         result."""
         assert self._request is not None
         fn = self._request[1]
-        assert isinstance(fn, _Backward)
+        assert isinstance(fn, BackwardOp)
         self._result = (True, fn.take(start, grads))
 
     def scratch_buffers(self, op: Op) -> contextlib.AbstractContextManager[None]:
@@ -762,7 +762,7 @@ class LoopGraph:
         self._keep = keep
         # The shard calls of the batch in progress that may keep a graph (weakly: the
         # user's autograd graph owns them).
-        self._open: list[weakref.ref[_ShardCall]] = []
+        self._open: list[weakref.ref[ShardCall]] = []
 
     def forward(self, loop: LoopRunner, inputs: Any) -> Any:
         """``loop``'s model on ``inputs``, shard by shard, computed at ``loop.home`` and
@@ -780,14 +780,14 @@ class LoopGraph:
             loop.sizing.fit(inputs)
         given = [t for t in tree_flatten(inputs)[0] if isinstance(t, torch.Tensor)]
         user_device = given[0].device if given else loop.home
-        carry = _to(inputs, loop.home)  # differentiable: the user's graph goes on from here
+        carry = moved(inputs, loop.home)  # differentiable: the user's graph goes on from here
         if grad:
             carry = self._forward(loop, carry)
         else:
             kind = OpKind.FORWARD if loop.model.training else OpKind.EVAL
             for shard in loop.shards:
                 carry = loop.run(kind, shard.index, _PlainForward(loop, shard, carry))
-        return _to(carry, user_device)  # outputs on the device of the inputs
+        return moved(carry, user_device)  # outputs on the device of the inputs
 
     def _forward(self, loop: LoopRunner, carry: Any) -> Any:
         """With grad: each shard's call a node of the user's graph."""
@@ -797,7 +797,7 @@ class LoopGraph:
         if self._keep:  # the batches before are done (or were dropped by the user)
             self._open = [r for r in self._open if (c := r()) is not None and c.kept]
         for shard in loop.shards:
-            call = _ShardCall(loop, shard)
+            call = ShardCall(loop, shard)
             call.reach = graph
             if self._keep:
                 self._open.append(weakref.ref(call))
@@ -815,7 +815,7 @@ class LoopGraph:
             ]
         return carry
 
-    def track(self, call: _ShardCall) -> None:
+    def track(self, call: ShardCall) -> None:
         """A shard call of the batch in progress that may keep a graph (a chain's: see
         :mod:`~tune_hydra.engine.runtime.loop_chain`)."""
         if self._keep:
@@ -845,10 +845,10 @@ class _PlainForward:
 
     def __call__(self, device: torch.device) -> Any:
         loop, shard = self.loop, self.shard
-        x = _to(self.x, device)
+        x = moved(self.x, device)
         with loop.random.drawing(shard, device, loop.model.training), torch.no_grad():
             out = shard.module(x)
-        return _to(out, loop.home)
+        return moved(out, loop.home)
 
 
 class _ParamsProbe(torch.autograd.Function):
@@ -923,7 +923,7 @@ class _Reach:
         return True
 
 
-class _ShardCall:
+class ShardCall:
     """One shard's part in one forward with grad: runs its forward op, keeps its input,
     and runs its backward op when autograd reaches it."""
 
@@ -971,7 +971,7 @@ class _ShardCall:
         def keep(device: torch.device) -> Any:
             return self.keep_forward(tensors, need, device)
 
-        out = loop.run(OpKind.FORWARD, shard.index, keep if loop.keep else _Forward(self, x))
+        out = loop.run(OpKind.FORWARD, shard.index, keep if loop.keep else ForwardOp(self, x))
         return self.take_output(out)
 
     def begin(self, x: Any, first: bool) -> tuple[torch.Tensor, ...]:
@@ -993,8 +993,10 @@ class _ShardCall:
         """A forward op that keeps its graph on ``device`` for the backward op; returns
         the output, detached, at home."""
         loop, shard = self.loop, self.shard
-        inp = _leaves(tensors, need, device)
-        arg = self.inputs(tuple(_clone(t) if shard.writes_input is not False else t for t in inp))
+        inp = input_leaves(tensors, need, device)
+        arg = self.inputs(
+            tuple(clone_tensors(t) if shard.writes_input is not False else t for t in inp)
+        )
         with (
             loop.random.drawing(shard, device, loop.model.training) as entry,
             torch.enable_grad(),
@@ -1003,7 +1005,7 @@ class _ShardCall:
         self.kept = (inp, out)
         self.entry = entry  # a second backward (retain_graph=True) recomputes
         self.steps = shard.steps
-        return _to(_detached(out), loop.home)
+        return moved(_detached(out), loop.home)
 
     def take_output(self, out: Any) -> list[torch.Tensor]:
         """Note the forward's output structure (its backward's gradients follow it);
@@ -1023,7 +1025,7 @@ class _ShardCall:
         """The backward op; ``inputs_only``: the inputs' gradients alone, the parameters'
         ``.grad`` untouched (``torch.autograd.grad`` w.r.t. inputs)."""
         loop, shard = self.loop, self.shard
-        compute = _Backward(self, saved, grads, need, inputs_only)
+        compute = BackwardOp(self, saved, grads, need, inputs_only)
 
         def kept(device: torch.device) -> list[torch.Tensor | None]:
             return self.kept_backward(grads, need, inputs_only, device, compute)
@@ -1092,30 +1094,30 @@ class _ShardCall:
                 torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs], inputs=wanted)
 
 
-class _Forward:
+class ForwardOp:
     """A recomputing forward op's compute: the shard without grad (its input is kept by
     the autograd node for the recompute). A batched pass may compute it with other
     loops' ops instead (:meth:`start`, then :meth:`take`)."""
 
-    def __init__(self, call: _ShardCall, x: Any) -> None:
+    def __init__(self, call: ShardCall, x: Any) -> None:
         self.call = call
         self.x = x
 
     def __call__(self, device: torch.device) -> Any:
         call = self.call
         loop, shard = call.loop, call.shard
-        arg = _to(self.x, device)
+        arg = moved(self.x, device)
         if shard.writes_input is not False:  # the saved input must stay as it was
-            arg = _clone(arg)
+            arg = clone_tensors(arg)
         with loop.random.drawing(shard, device, loop.model.training) as entry, torch.no_grad():
             out = shard.module(arg)
         call.entry = entry
         call.steps = shard.steps
-        return _to(out, loop.home)
+        return moved(out, loop.home)
 
     def start(self, device: torch.device) -> OpStart:
         gen = self.call.loop.random.op_gen
-        return OpStart(_detached(_to(self.x, device)), rng.RngState(gen.get_state()))
+        return OpStart(_detached(moved(self.x, device)), rng.RngState(gen.get_state()))
 
     def take(self, start: OpStart, out: Any, cpu_after: torch.Tensor) -> Any:
         call = self.call
@@ -1126,10 +1128,10 @@ class _Forward:
         # share (rotary cos/sin) is one tensor for all of them, and a tensor returned by
         # this loop's autograd node must not be another loop's node's output too (its
         # grad_fn would be the last one's: one loop's backward would run another's op).
-        return _to(_detached(out), call.loop.home)
+        return moved(_detached(out), call.loop.home)
 
 
-class _Backward:
+class BackwardOp:
     """A recomputing backward op's compute: the shard's forward again, with grad, on the
     random numbers and under the autocast of its forward, back-propagated from the
     output's gradient. A batched pass may compute it with other loops' ops instead
@@ -1137,7 +1139,7 @@ class _Backward:
 
     def __init__(
         self,
-        call: _ShardCall,
+        call: ShardCall,
         saved: tuple[torch.Tensor, ...],
         grads: tuple[torch.Tensor | None, ...],
         need: Any,
@@ -1165,8 +1167,8 @@ class _Backward:
         loop, shard = call.loop, call.shard
         uses = ([], []) if self.inputs_only else (shard.first_uses, shard.last_uses)
         self._check_steps()
-        inp = _leaves(self.saved, self.need, device)
-        arg = call.inputs(tuple(_clone(t) if shard.writes_input else t for t in inp))
+        inp = input_leaves(self.saved, self.need, device)
+        arg = call.inputs(tuple(clone_tensors(t) if shard.writes_input else t for t in inp))
         for store, i in uses[0]:
             store.stash_grad(i)
         with (
@@ -1187,7 +1189,7 @@ class _Backward:
     def start(self, device: torch.device) -> OpStart:
         call = self.call
         self._check_steps()
-        inp = self._inp = _leaves(self.saved, self.need, device)
+        inp = self._inp = input_leaves(self.saved, self.need, device)
         entry = call.entry
         # A forward that drew nothing recorded no state: its recompute draws nothing.
         cpu = entry.cpu if entry is not None and entry.cpu is not None else None
@@ -1229,10 +1231,10 @@ def _scratch_buffers(shard: LoopShard) -> Iterator[None]:
 
 
 class _ShardFunction(torch.autograd.Function):
-    """A shard in the user's autograd graph (see :class:`_ShardCall`)."""
+    """A shard in the user's autograd graph (see :class:`ShardCall`)."""
 
     @staticmethod
-    def forward(ctx: Any, call: _ShardCall, token: torch.Tensor, *tensors: torch.Tensor) -> Any:
+    def forward(ctx: Any, call: ShardCall, token: torch.Tensor, *tensors: torch.Tensor) -> Any:
         outs = call.forward(tensors, ctx.needs_input_grad[2:])
         ctx.call = call
         # The token too: autograd frees what is saved after a backward without
@@ -1247,7 +1249,7 @@ class _ShardFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, *grads: Any) -> Any:
-        call: _ShardCall = ctx.call
+        call: ShardCall = ctx.call
         # Raises torch's "Trying to backward through the graph a second time" once a
         # backward without retain_graph=True freed them.
         saved = ctx.saved_tensors
@@ -1257,7 +1259,7 @@ class _ShardFunction(torch.autograd.Function):
         return (None, None, *got)
 
 
-def _to(obj: Any, device: torch.device) -> Any:
+def moved(obj: Any, device: torch.device) -> Any:
     leaves, spec = tree_flatten(obj)
     if not any(isinstance(t, torch.Tensor) and t.device != device for t in leaves):
         return obj
@@ -1265,7 +1267,7 @@ def _to(obj: Any, device: torch.device) -> Any:
     return tree_unflatten(moved, spec)
 
 
-def _leaves(tensors: Any, need: Any, device: torch.device) -> list[torch.Tensor]:
+def input_leaves(tensors: Any, need: Any, device: torch.device) -> list[torch.Tensor]:
     """A shard's inputs on ``device`` as leaves of its graph (those whose gradient is
     needed require it)."""
     return [
@@ -1281,7 +1283,7 @@ def _detached(obj: Any) -> Any:
     return tree_unflatten([t.detach() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
 
-def _clone(obj: Any) -> Any:
+def clone_tensors(obj: Any) -> Any:
     leaves, spec = tree_flatten(obj)
     return tree_unflatten([t.clone() if isinstance(t, torch.Tensor) else t for t in leaves], spec)
 
@@ -1468,12 +1470,19 @@ def keeps_graphs(engine: Engine, plan: ShardPlan) -> bool:
 
 
 __all__ = [
+    "BackwardOp",
+    "ChainStep",
+    "ForwardOp",
     "LoopGraph",
     "LoopRunner",
     "LoopShard",
+    "ShardCall",
     "build_loop",
+    "clone_tensors",
     "in_op",
+    "input_leaves",
     "inside_op",
     "keeps_graphs",
     "loop_costs",
+    "moved",
 ]

@@ -26,13 +26,13 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from tune_hydra.core.ops import OpKind
 from tune_hydra.engine.runtime import amp
 from tune_hydra.engine.runtime.loop import (
+    BackwardOp,
     ChainStep,
-    _Backward,
-    _clone,
-    _Forward,
-    _leaves,
-    _ShardCall,
-    _to,
+    ForwardOp,
+    ShardCall,
+    clone_tensors,
+    input_leaves,
+    moved,
 )
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ def train_batch(loop: LoopRunner, inputs: Any, loss_of: LossOf, k: int = 1) -> t
     """
     loop.sizing.fit(inputs)
     *head, last = loop.shards
-    calls = [_ShardCall(loop, shard) for shard in head]
+    calls = [ShardCall(loop, shard) for shard in head]
     autocast = amp.current()  # the forward's and the loss's; backward runs outside it
     losses: list[torch.Tensor] = []
     steps: list[ChainStep] = []
@@ -63,7 +63,7 @@ def train_batch(loop: LoopRunner, inputs: Any, loss_of: LossOf, k: int = 1) -> t
     steps.append((OpKind.LAST, last.index, _LossStep(loop, last, loss_of, k, losses), autocast))
     steps.extend((OpKind.BACKWARD, c.shard.index, _BackwardStep(c), None) for c in reversed(calls))
     try:
-        loop.run_chain(steps, _to(inputs, loop.home))
+        loop.run_chain(steps, moved(inputs, loop.home))
     except BaseException:
         loop.graph.drop()
         raise
@@ -74,7 +74,7 @@ class _ForwardStep:
     """A forward op of the chain: the shard on the op before's output (the batch's
     inputs for the first), recomputing or keeping its graph as the loop does."""
 
-    def __init__(self, call: _ShardCall, first: bool) -> None:
+    def __init__(self, call: ShardCall, first: bool) -> None:
         self.call = call
         self.first = first  # the batch's inputs: no gradient flows into them
 
@@ -84,7 +84,7 @@ class _ForwardStep:
         if call.loop.keep:
             out = call.keep_forward(tensors, call.need, device)
         else:
-            out = _Forward(call, call.inputs(tensors))(device)
+            out = ForwardOp(call, call.inputs(tensors))(device)
         call.take_output(out)
         return out
 
@@ -107,9 +107,9 @@ class _LossStep:
         at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         tensors = [leaves[i] for i in at]
         first = len(loop.shards) == 1  # the batch's inputs: no gradient flows into them
-        inp = _leaves(tensors, [not first for _ in tensors], device)
+        inp = input_leaves(tensors, [not first for _ in tensors], device)
         for i, t in zip(at, inp, strict=True):
-            leaves[i] = _clone(t) if shard.writes_input is not False else t
+            leaves[i] = clone_tensors(t) if shard.writes_input is not False else t
         arg = tree_unflatten(leaves, spec)
         for store, j in shard.first_uses:
             store.stash_grad(j)
@@ -130,12 +130,12 @@ class _BackwardStep:
     (the op before's result), through its kept graph or recomputing its forward; its
     result is its inputs' gradients."""
 
-    def __init__(self, call: _ShardCall) -> None:
+    def __init__(self, call: ShardCall) -> None:
         self.call = call
 
     def __call__(self, device: torch.device, grads: list[Any]) -> list[torch.Tensor | None]:
         call = self.call
-        compute = _Backward(call, call.saved, tuple(grads), call.need, False)
+        compute = BackwardOp(call, call.saved, tuple(grads), call.need, False)
         if call.loop.keep and call.kept is not None:
             return call.kept_backward(tuple(grads), call.need, False, device, compute)
         return compute(device)
