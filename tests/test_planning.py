@@ -401,3 +401,22 @@ def test_executor_plan_uses_its_options_without_starting_ray(
     (report,) = gpu.plan(make_task, CONFIGS[0], max_layers_per_shard=2)
     assert len(report.shards) >= 5 and "on a GPU the engine also measures" in report.notes[-1]
     assert "90%" in report.notes[-1]
+
+
+@pytest.mark.parametrize("precision", [None, "bf16"])
+def test_plan_equals_the_cut_of_a_task_trained_as_a_loop(precision: str | None) -> None:
+    # th.optimize trains a factory's task as a th.shard loop (TaskLoop), cut on its first
+    # batch: the same cut, layer for layer and byte for byte, as th.plan foretells.
+    from tune_hydra.frontends.task_loop import TaskLoop
+
+    for config in CONFIGS:
+        (report,) = th.plan(make_task, config, precision=precision)
+        total = sum(c.total_bytes for c in report.layers)
+        budget = (report.min_device_memory + total) // 2
+        (at,) = th.plan(make_task, config, device_memory=budget, precision=precision)
+        with Engine("cpu", device_memory=budget) as eng:
+            loop = TaskLoop("t", make_task(config), eng, seed=0, precision=precision)
+            loop.train_iteration()
+            plan = eng.plan("t")
+            loop.close()
+        assert _spans(at.shards) == _spans(plan.shards), (config, precision)
