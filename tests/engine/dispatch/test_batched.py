@@ -375,6 +375,54 @@ def test_engine_batch_shared_trains_as_each_alone(
         )
 
 
+def test_task_loops_batch_shared_train_as_each_alone(saved: dict[str, Path]) -> None:
+    """The same 4 LoRA tasks trained as TaskLoops (th.optimize's runtime), each in its
+    thread: each batch's chain of ops (F.., L, B..) batches on the shared base as the
+    tasks' did, and each task equals it trained alone in plain PyTorch within 1e-12
+    relative (float64)."""
+    import threading
+
+    import tune_hydra as th
+    from tune_hydra.engine import Engine
+    from tune_hydra.frontends.task_loop import TaskLoop
+
+    tasks = {f"t{i}": lora_task("llama", saved["llama"], i) for i in range(4)}
+    refs = {
+        k: th.ModelTask(copy.deepcopy(t.model), None, t.optimizer, t.train_data)
+        for k, t in tasks.items()
+    }
+    results: dict[str, list[dict[str, Any]]] = {}
+    with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
+
+        def train(name: str) -> None:
+            loop = TaskLoop(name, tasks[name], eng, seed=3)
+            results[name] = [loop.train_iteration() for _ in range(2)]
+            loop.close()
+
+        threads = [threading.Thread(target=train, args=(n,)) for n in tasks]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=600)
+        assert eng.batcher is not None
+        passes, ops = eng.batcher.passes, eng.batcher.batched_ops
+    assert set(results) == set(tasks)
+    assert passes > 0 and ops > passes  # batched passes ran, of 2 tasks' ops or more
+    for name, task in tasks.items():
+        threads_before = torch.get_num_threads()
+        torch.set_num_threads(max(1, threads_before // 2))  # as an emulated device runs it
+        try:
+            want = th.train_plain(refs[name], 2, seed=3)
+        finally:
+            torch.set_num_threads(threads_before)
+        for got, w in zip(results[name], want, strict=True):
+            assert abs(got["loss"] - w["loss"]) / abs(w["loss"]) <= TOL, name
+        mine = dict(task.model.named_parameters())
+        for n, p in refs[name].model.named_parameters():
+            if p.requires_grad:
+                assert rel(mine[n].detach(), p.detach()) <= TOL, n
+
+
 def test_engine_batch_shared_needs_recompute() -> None:
     from tune_hydra.engine import Engine
     from tune_hydra.exceptions import InvalidOptionError

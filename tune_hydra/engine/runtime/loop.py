@@ -78,7 +78,7 @@ import time
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -123,9 +123,18 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 _LOCAL = threading.local()  # .depth > 0: this thread computes inside an op (or a probe)
 _NAMES = itertools.count()
-# One op of LoopRunner.run_chain: its kind, shard, compute fn(device, result of the op
-# before) and the autocast state it computes under.
-ChainStep = tuple[OpKind, int, Callable[[torch.device, Any], Any], "amp.Autocast | None"]
+
+
+class ChainOp(Protocol):
+    """One op of :meth:`LoopRunner.run_chain`, bound to the op before's result when that
+    one ends: ``bind(value)`` returns the op's compute, ``fn(device)`` (an op object a
+    batched pass may compute, such as :class:`ForwardOp`, or any callable)."""
+
+    def bind(self, value: Any) -> Callable[[torch.device], Any]: ...
+
+
+# One op of LoopRunner.run_chain: its kind, shard, the op and its autocast state.
+ChainStep = tuple[OpKind, int, ChainOp, "amp.Autocast | None"]
 
 
 def in_op() -> bool:
@@ -345,9 +354,13 @@ class LoopRunner:
     def advance(self) -> Op | None:
         if self._running and self._chain and self._result[0]:  # the chain's next op, now
             kind, shard, fn, autocast = self._chain.pop(0)
-            value = self._result[1]
+            try:
+                compute = fn.bind(self._result[1])
+            except BaseException as err:  # the chain ends with this error
+                self._result, self._chain = (False, err), []
+                return self.advance()
             op = self.pattern.next_op(self.name, kind, shard, self.reports)
-            self._request = (op, lambda device: fn(device, value), autocast)
+            self._request = (op, compute, autocast)
             self.current = op
             return op
         if self._running:  # the current op (chain) completed: its one iteration ends
@@ -519,7 +532,7 @@ class LoopRunner:
 
     def run_chain(self, steps: list[ChainStep], first: Any = None) -> Any:
         """Run ops one after another as one of the loop's iterations: step ``i`` is op
-        ``kind`` of ``shard`` computing ``fn(device, result of step i - 1)`` (step 0 gets
+        ``kind`` of ``shard`` computing ``op.bind(result of step i - 1)`` (step 0 binds
         ``first``) under ``autocast``. The engine starts each op as the one before ends
         (:meth:`advance`, on its own thread), as a ``ModelTask``'s program runs, not after
         a round trip through this thread. Returns the last op's result; the first error
@@ -531,7 +544,7 @@ class LoopRunner:
         """
         kind, shard, fn, autocast = steps[0]
         draws = any(self._may_draw(k, s) for k, s, _, _ in steps)
-        return self._submit(kind, shard, lambda d: fn(d, first), autocast, steps[1:], draws)
+        return self._submit(kind, shard, fn.bind(first), autocast, steps[1:], draws)
 
     def _may_draw(self, kind: OpKind, shard: int) -> bool:
         """Whether an op may draw random numbers (a backward replays a saved state; a
@@ -974,9 +987,9 @@ class ShardCall:
         out = loop.run(OpKind.FORWARD, shard.index, keep if loop.keep else ForwardOp(self, x))
         return self.take_output(out)
 
-    def begin(self, x: Any, first: bool) -> tuple[torch.Tensor, ...]:
-        """A chain's forward op starts on ``x`` (``first``: the batch's inputs, into which
-        no gradient flows), under the request's autocast: note its inputs; returns their
+    def begin(self, x: Any, first: bool, autocast: amp.Autocast | None) -> tuple[torch.Tensor, ...]:
+        """A chain's forward op will run on ``x`` (``first``: the batch's inputs, into
+        which no gradient flows) under ``autocast``: note its inputs; returns their
         tensors."""
         leaves, self.spec = tree_flatten(x)
         self.tensor_at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
@@ -984,7 +997,7 @@ class ShardCall:
         self.saved = tuple(leaves[i] for i in self.tensor_at)
         self.need = tuple(not first and t.is_floating_point() for t in self.saved)
         self.training = self.loop.model.training
-        self.autocast = amp.current()
+        self.autocast = autocast
         return self.saved
 
     def keep_forward(
@@ -1471,6 +1484,7 @@ def keeps_graphs(engine: Engine, plan: ShardPlan) -> bool:
 
 __all__ = [
     "BackwardOp",
+    "ChainOp",
     "ChainStep",
     "ForwardOp",
     "LoopGraph",

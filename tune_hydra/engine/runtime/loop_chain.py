@@ -57,10 +57,14 @@ def train_batch(loop: LoopRunner, inputs: Any, loss_of: LossOf, k: int = 1) -> t
     autocast = amp.current()  # the forward's and the loss's; backward runs outside it
     losses: list[torch.Tensor] = []
     steps: list[ChainStep] = []
-    for i, call in enumerate(calls):
+    before: ShardCall | None = None  # the forward whose output a step takes
+    for call in calls:
         loop.graph.track(call)
-        steps.append((OpKind.FORWARD, call.shard.index, _ForwardStep(call, i == 0), autocast))
-    steps.append((OpKind.LAST, last.index, _LossStep(loop, last, loss_of, k, losses), autocast))
+        step = _ForwardStep(call, before, autocast)
+        steps.append((OpKind.FORWARD, call.shard.index, step, autocast))
+        before = call
+    loss_step = _LossStep(loop, last, before, loss_of, k, losses)
+    steps.append((OpKind.LAST, last.index, loss_step, autocast))
     steps.extend((OpKind.BACKWARD, c.shard.index, _BackwardStep(c), None) for c in reversed(calls))
     try:
         loop.run_chain(steps, moved(inputs, loop.home))
@@ -71,22 +75,23 @@ def train_batch(loop: LoopRunner, inputs: Any, loss_of: LossOf, k: int = 1) -> t
 
 
 class _ForwardStep:
-    """A forward op of the chain: the shard on the op before's output (the batch's
-    inputs for the first), recomputing or keeping its graph as the loop does."""
+    """A forward op of the chain, on the output of the forward before it (the batch's
+    inputs for the first): the shard recomputing (a :class:`ForwardOp`, which a batched
+    pass may compute) or keeping its graph, as the loop does."""
 
-    def __init__(self, call: ShardCall, first: bool) -> None:
-        self.call = call
-        self.first = first  # the batch's inputs: no gradient flows into them
+    def __init__(
+        self, call: ShardCall, before: ShardCall | None, autocast: amp.Autocast | None
+    ) -> None:
+        self.call, self.before, self.autocast = call, before, autocast
 
-    def __call__(self, device: torch.device, x: Any) -> Any:
+    def bind(self, x: Any) -> Callable[[torch.device], Any]:
         call = self.call
-        tensors = call.begin(x, self.first)
+        if self.before is not None:
+            self.before.take_output(x)
+        tensors = call.begin(x, self.before is None, self.autocast)
         if call.loop.keep:
-            out = call.keep_forward(tensors, call.need, device)
-        else:
-            out = ForwardOp(call, call.inputs(tensors))(device)
-        call.take_output(out)
-        return out
+            return lambda device: call.keep_forward(tensors, call.need, device)
+        return ForwardOp(call, call.inputs(tensors))
 
 
 class _LossStep:
@@ -95,18 +100,29 @@ class _LossStep:
     inputs' gradients (the loss goes to ``losses``)."""
 
     def __init__(
-        self, loop: LoopRunner, shard: LoopShard, loss_of: LossOf, k: int, losses: list[Any]
+        self,
+        loop: LoopRunner,
+        shard: LoopShard,
+        before: ShardCall | None,
+        loss_of: LossOf,
+        k: int,
+        losses: list[Any],
     ) -> None:
-        self.loop, self.shard = loop, shard
+        self.loop, self.shard, self.before = loop, shard, before
         self.loss_of, self.k = loss_of, k
         self.losses = losses
 
-    def __call__(self, device: torch.device, x: Any) -> list[torch.Tensor | None]:
+    def bind(self, x: Any) -> Callable[[torch.device], Any]:
+        if self.before is not None:
+            self.before.take_output(x)
+        return lambda device: self._compute(device, x)
+
+    def _compute(self, device: torch.device, x: Any) -> list[torch.Tensor | None]:
         loop, shard = self.loop, self.shard
         leaves, spec = tree_flatten(x)
         at = [i for i, t in enumerate(leaves) if isinstance(t, torch.Tensor)]
         tensors = [leaves[i] for i in at]
-        first = len(loop.shards) == 1  # the batch's inputs: no gradient flows into them
+        first = self.before is None  # the batch's inputs: no gradient flows into them
         inp = input_leaves(tensors, [not first for _ in tensors], device)
         for i, t in zip(at, inp, strict=True):
             leaves[i] = clone_tensors(t) if shard.writes_input is not False else t
@@ -126,19 +142,21 @@ class _LossStep:
 
 
 class _BackwardStep:
-    """A backward op of the chain: the shard's backward from its output's gradients
-    (the op before's result), through its kept graph or recomputing its forward; its
-    result is its inputs' gradients."""
+    """A backward op of the chain, from its output's gradients (the op before's
+    result): through the graph its forward kept, or recomputing it (a
+    :class:`BackwardOp`, which a batched pass may compute); its result is its inputs'
+    gradients."""
 
     def __init__(self, call: ShardCall) -> None:
         self.call = call
 
-    def __call__(self, device: torch.device, grads: list[Any]) -> list[torch.Tensor | None]:
+    def bind(self, grads: list[Any]) -> Callable[[torch.device], Any]:
         call = self.call
         compute = BackwardOp(call, call.saved, tuple(grads), call.need, False)
         if call.loop.keep and call.kept is not None:
-            return call.kept_backward(tuple(grads), call.need, False, device, compute)
-        return compute(device)
+            g = tuple(grads)
+            return lambda device: call.kept_backward(g, call.need, False, device, compute)
+        return compute
 
 
 __all__ = ["train_batch"]
