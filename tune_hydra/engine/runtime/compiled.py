@@ -41,7 +41,7 @@ import re
 import threading
 import time
 import types
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -282,6 +282,33 @@ def global_cpu_stream(gen: torch.Generator) -> Iterator[Drew]:
             default.set_state(saved)
 
 
+def recompile(
+    current: ShardCompiler | None,
+    compiler: Compiler | None,
+    shards: Sequence[tuple[nn.Module, int]],
+    name: str,
+    hf: bool,
+) -> ShardCompiler | None:
+    """A loop's shards (``(module, index)``) compiled with ``compiler`` (the user's
+    ``torch.compile`` settings; ``None``: eager again) instead of ``current``: what an op
+    calls, ``shard.module(arg)``, runs compiled code; the engine's steps around it stay
+    eager. Returns the loop's new compiler."""
+    if current is not None:
+        current.uninstall()
+    if compiler is None:
+        return None
+    new = ShardCompiler(compiler, name)
+    blocks = sum(new.install(module, index) for module, index in shards)
+    if hf:
+        log.info(
+            "%s: torch.compile compiles each of the model's %d blocks (its embed and head "
+            "stages run its own forward eagerly; see tune_hydra.engine.runtime.compiled)",
+            name,
+            blocks,
+        )
+    return new
+
+
 __all__ = [
     "GATE",
     "Compiler",
@@ -290,4 +317,5 @@ __all__ = [
     "ShardCompiler",
     "compile_targets",
     "global_cpu_stream",
+    "recompile",
 ]

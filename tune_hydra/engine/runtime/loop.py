@@ -97,7 +97,7 @@ from tune_hydra.engine.registration.partition import (
 from tune_hydra.engine.registration.shared import SharedParams
 from tune_hydra.engine.runtime import amp, loop_home, rng
 from tune_hydra.engine.runtime.boundary import backward as backward_from
-from tune_hydra.engine.runtime.compiled import Compiler, ShardCompiler
+from tune_hydra.engine.runtime.compiled import Compiler, ShardCompiler, recompile
 from tune_hydra.engine.runtime.loop_optim import LoopOptimizer, optimizer_like
 from tune_hydra.engine.runtime.loop_pattern import OpPattern
 from tune_hydra.engine.runtime.loop_random import Entry, LoopRandom
@@ -521,14 +521,9 @@ class LoopRunner:
     # -- ops, from the user's thread ----------------------------------------------------
 
     def run(self, kind: OpKind, shard: int, fn: Callable[[torch.device], Any]) -> Any:
-        """Run ``fn(device)`` as op ``kind`` of ``shard`` when the engine schedules it, on
-        the device it picks, and return its result (or raise its error) here.
-
-        Raises:
-            ShardClosedError: the loop was closed.
-            TaskFailedError: the engine failed the loop (an engine error, not the user's).
-        """
-        return self._submit(kind, shard, fn, amp.current(), [], self._may_draw(kind, shard))
+        """Run ``fn(device)`` as op ``kind`` of ``shard`` on the device the engine picks;
+        its result, or its error raised here (see :meth:`run_chain`)."""
+        return self.run_chain([(kind, shard, _Given(fn), amp.current())])
 
     def run_chain(self, steps: list[ChainStep], first: Any = None) -> Any:
         """Run ops one after another as one of the loop's iterations: step ``i`` is op
@@ -542,41 +537,19 @@ class LoopRunner:
             ShardClosedError: the loop was closed.
             TaskFailedError: the engine failed the loop (an engine error, not the user's).
         """
-        kind, shard, fn, autocast = steps[0]
-        draws = any(self._may_draw(k, s) for k, s, _, _ in steps)
-        return self._submit(kind, shard, fn.bind(first), autocast, steps[1:], draws)
-
-    def _may_draw(self, kind: OpKind, shard: int) -> bool:
-        """Whether an op may draw random numbers (a backward replays a saved state; a
-        step draws nothing; a shard seen not to draw does not)."""
-        return (
-            kind in (OpKind.FORWARD, OpKind.EVAL, OpKind.LAST)
-            and self.shards[shard].draws.get(self.model.training) is not False
-        )
-
-    def _submit(
-        self,
-        kind: OpKind,
-        shard: int,
-        fn: Callable[[torch.device], Any],
-        autocast: amp.Autocast | None,
-        chain: list[ChainStep],
-        draws: bool,
-    ) -> Any:
-        """Ask for op ``kind`` of ``shard`` computing ``fn(device)`` (then ``chain``) and
-        wait for it: :meth:`run`, :meth:`run_chain`."""
         if self.closed:
             raise ShardClosedError(
                 f"{type(self.model).__name__} was unsharded (its loop {self.name!r} is "
                 f"closed); call th.shard on a fresh model to train it on the engine again"
             )
+        kind, shard, first_op, autocast = steps[0]
         op = self.pattern.next_op(self.name, kind, shard, self.reports)  # reports: __init__
         self._home_now = False
-        self._request = (op, fn, autocast)
-        self._chain = list(chain)
+        self._request = (op, first_op.bind(first), autocast)
+        self._chain = list(steps[1:])
         # On the main thread (no private generator) the global generator's stream is the
         # loop's (plain PyTorch's one stream): into the ops and back, for ops that may draw.
-        hand_off = self.random.choose() and draws
+        hand_off = self.random.choose() and any(_may_draw(self, k, s) for k, s, _, _ in steps)
         gen = self.random.op_gen
         if self._follow_threads:
             self._threads = torch.get_num_threads()  # execute computes with it
@@ -609,11 +582,6 @@ class LoopRunner:
                 that the cut cannot hold within the budget (see :meth:`LoopSizing.fit`).
         """
         return self.graph.forward(self, inputs)
-
-    def fit_batch(self, inputs: Any) -> None:
-        """Size the plan for a training batch larger than any before it (see
-        :meth:`LoopSizing.fit`)."""
-        self.sizing.fit(inputs)
 
     # -- the optimizer's part (tune_hydra.engine.runtime.loop_optim) ----------------------
 
@@ -691,24 +659,11 @@ class LoopRunner:
     # -- torch.compile ----------------------------------------------------------------------
 
     def compile(self, compiler: Compiler | None) -> None:
-        """Compile every shard's forward with ``compiler`` (the user's ``torch.compile``
-        settings; ``None``: eager again), from the next op on: what an op calls,
-        ``shard.module(arg)``, runs compiled code, the engine's own steps around it stay
-        eager (see :mod:`tune_hydra.engine.runtime.compiled`)."""
-        if self._compiler is not None:
-            self._compiler.uninstall()
-        self._compiler = None if compiler is None else ShardCompiler(compiler, self.name)
+        """Compile every shard's forward with ``compiler`` (``None``: eager again), from
+        the next op on (see :func:`~tune_hydra.engine.runtime.compiled.recompile`)."""
+        shards = [(s.module, s.index) for s in self.shards]
+        self._compiler = recompile(self._compiler, compiler, shards, self.name, self._hf)
         self.random.set_compiled(self._compiler is not None)  # compiled code: global stream
-        if self._compiler is None:
-            return
-        blocks = sum(self._compiler.install(s.module, s.index) for s in self.shards)
-        if self._hf:
-            log.info(
-                "%s: torch.compile compiles each of the model's %d blocks (its embed and "
-                "head stages run its own forward eagerly; see tune_hydra.engine.runtime.compiled)",
-                self.name,
-                blocks,
-            )
 
     # -- leaving ---------------------------------------------------------------------------
 
@@ -1270,6 +1225,25 @@ class _ShardFunction(torch.autograd.Function):
         inputs_only = call.reach is not None and call.reach.inputs_only()
         got = call.backward(saved[1:], grads, need, inputs_only)
         return (None, None, *got)
+
+
+class _Given:
+    """The :class:`ChainOp` of :meth:`LoopRunner.run`'s one op: its compute as given."""
+
+    def __init__(self, fn: Callable[[torch.device], Any]) -> None:
+        self.fn = fn
+
+    def bind(self, value: Any) -> Callable[[torch.device], Any]:
+        return self.fn
+
+
+def _may_draw(loop: LoopRunner, kind: OpKind, shard: int) -> bool:
+    """Whether an op may draw random numbers (a backward replays a saved state; a step
+    draws nothing; a shard seen not to draw does not)."""
+    return (
+        kind in (OpKind.FORWARD, OpKind.EVAL, OpKind.LAST)
+        and loop.shards[shard].draws.get(loop.model.training) is not False
+    )
 
 
 def moved(obj: Any, device: torch.device) -> Any:
