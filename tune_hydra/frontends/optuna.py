@@ -81,7 +81,8 @@ ENGINE_OPTIONS = tuple(
 :class:`~tune_hydra.options.EngineOptions` but ``devices`` and ``device_memory``, which are
 arguments of their own, and those ``NOT_OFFERED["optimize"]`` names)."""
 TASK_OPTIONS = tuple(k for k in _TASK_FIELDS if k not in NOT_OFFERED["optimize"])
-"""``train_opts`` given to every trial's task (see ``Engine.add_task``)."""
+"""``train_opts`` given to every trial's task (see
+:class:`~tune_hydra.frontends.task_loop.TaskLoop`)."""
 OTHER_OPTIONS = ("factory_timeout_s",)
 """Other ``train_opts``: the most seconds one ``make_task(trial)`` call may take."""
 
