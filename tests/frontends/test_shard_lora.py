@@ -308,7 +308,9 @@ def test_a_loop_writing_a_shared_base_tensor_fails_alone(folder: Path, tmp_path:
         results = run_loops(eng, [(m, o) for m, o, _, _ in trials])
     err = results[1]
     assert isinstance(err, FrozenTensorModifiedError), err
-    assert err.tensor.endswith("layers.0.mlp.gate_proj.weight") and err.others == 2
+    # The loops sharing the base when the write was found: both others, or one when the
+    # other had finished all its batches and left by then (seen beside a CPU hog).
+    assert err.tensor.endswith("layers.0.mlp.gate_proj.weight") and err.others in (1, 2)
     for i in (0, 2):
         model, _, ref, ref_opt = trials[i]
         assert results[i] == plain(ref, ref_opt, i), i
