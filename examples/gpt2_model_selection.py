@@ -161,12 +161,15 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output).resolve()
     out.mkdir(parents=True, exist_ok=True)
     ray_tmp = tempfile.mkdtemp(prefix="thg2", dir="/tmp")
-    ray.init(
-        resources={"hydra_slot": args.slots},
-        _temp_dir=ray_tmp,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    if os.environ.get("RAY_ADDRESS"):  # a running cluster (`ray job submit` sets it): join it
+        ray.init(log_to_driver=False)
+    else:
+        ray.init(
+            resources={"hydra_slot": args.slots},
+            _temp_dir=ray_tmp,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     devices: Any = args.devices if args.devices in ("auto", "cpu") else args.devices.split(",")
     executor = th.HydraExecutor(
         devices=devices, device_memory=args.device_memory, precision=args.precision

@@ -171,13 +171,16 @@ def search_with_ray(args: argparse.Namespace, setup: dict[str, Any], out: Path) 
     from ray.tune.search.optuna import OptunaSearch
 
     ray_tmp = tempfile.mkdtemp(prefix="thlora", dir="/tmp")  # short: Ray's sockets live here
-    ray.init(
-        num_cpus=os.cpu_count(),
-        resources={"hydra_slot": args.concurrent},  # trials at once; they reserve no CPU
-        _temp_dir=ray_tmp,
-        include_dashboard=False,
-        log_to_driver=False,
-    )
+    if os.environ.get("RAY_ADDRESS"):  # a running cluster (`ray job submit` sets it): join it
+        ray.init(log_to_driver=False)
+    else:
+        ray.init(
+            num_cpus=os.cpu_count(),
+            resources={"hydra_slot": args.concurrent},  # trials at once; they reserve no CPU
+            _temp_dir=ray_tmp,
+            include_dashboard=False,
+            log_to_driver=False,
+        )
     try:
         analysis = th.run(
             tune.with_parameters(make_task, setup=setup),

@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import copy
 import os
-from collections.abc import Callable, Mapping
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -136,6 +144,48 @@ def shards_3(recompute: bool, budget: int = 24_000) -> dict[str, int]:
     if recompute:
         return {"device_memory": budget}
     return {"device_memory": 40_000, "max_layers_per_shard": 3}
+
+
+@pytest.fixture(scope="session")
+def ray_address() -> Iterator[str]:
+    """The address of a local Ray cluster for the example and benchmark scripts that the
+    tests run as subprocesses (their ``RAY_ADDRESS``: each joins it, as a script joins a
+    cluster under ``ray job submit``, instead of booting a Ray of its own, ~4 s a boot).
+    One per xdist worker, started on first use as ``ray start --head --block`` (2 CPUs,
+    8 ``hydra_slot`` slots) in a process of its own, and stopped by SIGTERM (it drains and
+    stops every process it started) at the end of the session."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    tmp = tempfile.mkdtemp(prefix="thhead", dir="/tmp")  # short: Ray's socket paths
+    env = dict(os.environ, RAY_AUTH_MODE="disabled")
+    env.pop("RAY_ADDRESS", None)
+    log = open(Path(tmp) / "head.log", "w")  # noqa: SIM115 (closed at teardown)
+    head = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block",
+         f"--port={port}", "--num-cpus=2", '--resources={"hydra_slot": 8}',
+         f"--temp-dir={tmp}", "--include-dashboard=false", "--disable-usage-stats"],
+        stdout=log, stderr=subprocess.STDOUT, env=env,
+    )  # fmt: skip
+    try:
+        raylet = Path(tmp) / "session_latest" / "sockets" / "raylet"
+        for _ in range(600):  # the raylet's socket is made once the node is up
+            if raylet.exists() or head.poll() is not None:
+                break
+            time.sleep(0.1)
+        if not raylet.exists():
+            said = (Path(tmp) / "head.log").read_text()
+            raise RuntimeError(f"ray start --head did not start:\n{said}")
+        yield f"127.0.0.1:{port}"
+    finally:
+        head.send_signal(signal.SIGTERM)
+        try:
+            head.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            head.kill()
+            head.wait()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 # The longest single tests (each example or benchmark script in its own subprocess) go

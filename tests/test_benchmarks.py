@@ -20,10 +20,12 @@ ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 
 
-def _run(script: str, *args: str, timeout: float = HANG_S) -> str:
+def _run(script: str, *args: str, timeout: float = HANG_S, code: str = "") -> str:
+    """The script's stdout (it must exit 0); ``code``: run ``python -c code args``
+    instead."""
     env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     proc = subprocess.run(
-        [sys.executable, str(BENCH / script), *args],
+        [sys.executable, *(["-c", code] if code else [str(BENCH / script)]), *args],
         cwd=ROOT,
         env=env,
         capture_output=True,
@@ -34,16 +36,31 @@ def _run(script: str, *args: str, timeout: float = HANG_S) -> str:
     return proc.stdout
 
 
+def _run_each(script: str, *argvs: list[str]) -> list[str]:
+    """The stdout of ``script``'s ``main(argv)`` for each of ``argvs``, called one after
+    another in one process (one import of torch and transformers rather than one each,
+    ~5 s apiece); every call must return 0."""
+    marker = "=== next run ==="
+    code = (
+        f"import sys; sys.path.insert(0, {str(BENCH)!r}); import {Path(script).stem} as m\n"
+        f"for argv in {[list(a) for a in argvs]!r}:\n"
+        f"    assert m.main(argv) == 0, argv\n"
+        f"    print({marker!r}, flush=True)\n"
+    )
+    out = _run(script, code=code)
+    return out.split(marker + "\n")[: len(argvs)]
+
+
 def test_lora_batched_tiny() -> None:
     pytest.importorskip("peft")
-    out = _run("lora_batched.py", "--tiny", timeout=HANG_S)
+    out, engine, loops = _run_each(
+        "lora_batched.py", ["--tiny"], ["--engine", "--tiny"], ["--loops", "--tiny"]
+    )
     assert "one after another:" in out and "batched:" in out
     assert float(out.split("batched / one after another: ")[1].split("x")[0]) > 0
-    out = _run("lora_batched.py", "--engine", "--tiny", timeout=HANG_S)
-    passes = int(out.split("batch_shared=True : ")[1].split("; ")[2].split()[0])
-    assert passes > 0 and "engine batched / not: " in out  # the engine batched ops
-    out = _run("lora_batched.py", "--loops", "--tiny", timeout=HANG_S)
-    assert "th.shard loops" in out and "engine batched / not: " in out
+    passes = int(engine.split("batch_shared=True : ")[1].split("; ")[2].split()[0])
+    assert passes > 0 and "engine batched / not: " in engine  # the engine batched ops
+    assert "th.shard loops" in loops and "engine batched / not: " in loops
 
 
 def test_overhead_quick() -> None:

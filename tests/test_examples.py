@@ -1,4 +1,9 @@
-"""The examples run end to end in their small modes (each starts its own local Ray)."""
+"""The examples run end to end in their small modes (``TUNE_HYDRA_SMOKE=1``).
+
+Ours join one local Ray cluster per test worker (the ``ray_address`` fixture), except the
+quickstart, the README's main job, which starts its own as a user's first run does; Ray's
+own examples, run unchanged, call ``ray.init(num_cpus=...)`` themselves, and Ray refuses
+CPU counts from a script that joins a running cluster, so they start their own too."""
 
 from __future__ import annotations
 
@@ -28,8 +33,12 @@ pytestmark = pytest.mark.integration
 SMOKE = {"TUNE_HYDRA_SMOKE": "1"}  # the examples' one switch to their smoke size
 
 
-def _run(script: str, *args: str, timeout: float = HANG_S) -> str:
+def _run(script: str, *args: str, timeout: float = HANG_S, ray_address: str = "") -> str:
+    """The example's stdout (it must exit 0), at its smoke size; ``ray_address``: the
+    cluster it joins (the ``ray_address`` fixture's) rather than booting a Ray of its own."""
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), **SMOKE)
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / script), *args],
         capture_output=True,
@@ -119,12 +128,12 @@ def _gpt2_config(example: Any, argv: list[str], lr: float, batch_size: int) -> d
     return {"lr": lr, "batch_size": batch_size, "model": model}
 
 
-def test_gpt2_model_selection_tiny(tmp_path: Path) -> None:
+def test_gpt2_model_selection_tiny(tmp_path: Path, ray_address: str) -> None:
     """transformers' GPT2LMHeadModel, dict batches, its own loss: every model is cut into
     >= 3 shards (the tied lm_head / wte in the first and the last), and the best model.pt
     loads strictly into a fresh model, still tied, and gives the printed val_loss."""
     pytest.importorskip("transformers")
-    out = _run("gpt2_model_selection.py", "--output", str(tmp_path))
+    out = _run("gpt2_model_selection.py", "--output", str(tmp_path), ray_address=ray_address)
     assert "4 GPT-2-like models" in out
     assert "best config: lr=" in out
     assert _model_pt(out).is_file()
@@ -204,11 +213,11 @@ def test_optuna_study_tiny(tmp_path: Path) -> None:
     assert shards == "[2]", shards
 
 
-def test_tune_mnist_tiny(tmp_path: Path) -> None:
+def test_tune_mnist_tiny(tmp_path: Path, ray_address: str) -> None:
     """Ray Tune's getting-started search in the literal form: the tutorial's ConvNet class
     as written, mean_accuracy as the metric; its model.pt loads strictly into a fresh
     ConvNet() and gives the printed accuracy on the evaluation data."""
-    out = _run("tune_mnist.py", "--storage", str(tmp_path))
+    out = _run("tune_mnist.py", "--storage", str(tmp_path), ray_address=ray_address)
     assert "best config: {'lr': " in out
     path = _model_pt(out)
     assert path.is_file() and tmp_path in path.parents
@@ -281,14 +290,14 @@ def _check_lora_best(out: str, tmp_path: Path) -> tuple[dict[str, Any], float]:
     return params, printed
 
 
-def test_lora_search_ray_smoke(tmp_path: Path) -> None:
+def test_lora_search_ray_smoke(tmp_path: Path, ray_address: str) -> None:
     """th.run with OptunaSearch + ASHA over LoRA trials on a saved tiny Llama: every trial
     terminates after 1..2 epochs (ASHA stops some at its rung; the first to reach it goes
     on), each model is cut in 4 shards, and the printed best epoch is the lowest
     perplexity in any trial's progress.csv, its model.pt and adapter reloading to it."""
     pytest.importorskip("peft")
     pytest.importorskip("transformers")
-    out = _run("lora_search.py", "--output", str(tmp_path), timeout=HANG_S)
+    out = _run("lora_search.py", "--output", str(tmp_path), ray_address=ray_address)
     assert "4 trials: {'TERMINATED': 4}" in out
     epochs = ast.literal_eval(_line(out, "4 trials: {'TERMINATED': 4}; epochs run: "))
     assert len(epochs) == 4 and all(1 <= e <= 2 for e in epochs) and 2 in epochs, epochs
@@ -323,13 +332,14 @@ def test_lora_search_optuna_smoke(tmp_path: Path) -> None:
     _check_lora_best(out, tmp_path)
 
 
-def test_hf_bf16_loop_ray_smoke(tmp_path: Path) -> None:
+def test_hf_bf16_loop_ray_smoke(tmp_path: Path, ray_address: str) -> None:
     """A user's own Hugging Face loop (warmup schedule, accumulation, clipping) under bf16
     autocast, a Tune grid search under HydraExecutor: every trial reports."""
     pytest.importorskip("transformers")
     home = tmp_path / "home"
     home.mkdir()
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), HOME=str(home), **SMOKE)
+    env["RAY_ADDRESS"] = ray_address
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "hf_bf16_loop.py")],
         capture_output=True,
@@ -431,9 +441,14 @@ if shard._ENGINE is not None:
 )
 
 
-def _run_python(code: str, *args: str, cwd: Path = ROOT, home: Path | None = None) -> str:
-    """``python -c code args`` at the smoke size; stdout and stderr together."""
+def _run_python(
+    code: str, *args: str, cwd: Path = ROOT, home: Path | None = None, ray_address: str = ""
+) -> str:
+    """``python -c code args`` at the smoke size; stdout and stderr together
+    (``ray_address`` as :func:`_run`'s)."""
     env = dict(os.environ, RAY_AUTH_MODE="disabled", PYTHONPATH=str(ROOT), **SMOKE)
+    if ray_address:
+        env["RAY_ADDRESS"] = ray_address
     if home is not None:
         home.mkdir(parents=True, exist_ok=True)
         env["HOME"] = str(home)
@@ -538,7 +553,7 @@ for lr in sys.argv[2:]:
 """
 
 
-def test_hf_trainer_tune_ray_smoke(tmp_path: Path) -> None:
+def test_hf_trainer_tune_ray_smoke(tmp_path: Path, ray_address: str) -> None:
     """A Trainer fine-tuning as a tune.Tuner function trainable over ex.trainable(...):
     both trials' models trained on the engine (each as two loops: its first step's, before
     Trainer's optimizer was adopted, and the rest), and every trial's per-epoch eval_loss
@@ -546,7 +561,9 @@ def test_hf_trainer_tune_ray_smoke(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
     home = tmp_path / "home"
     script = ROOT / "examples" / "hf_trainer_tune.py"
-    out = _run_python(_TRACE_RAY_EXAMPLE, str(script), cwd=tmp_path, home=home)
+    out = _run_python(
+        _TRACE_RAY_EXAMPLE, str(script), cwd=tmp_path, home=home, ray_address=ray_address
+    )
     assert "best config: {'learning_rate'" in out and "best eval_loss:" in out
     tasks = ast.literal_eval(_line(out, "engine tasks "))
     assert len(tasks) == 4 and all("GPT2LMHeadModel" in task for task in tasks), tasks
