@@ -524,7 +524,9 @@ def test_a_trial_restores_exactly_and_keeps_a_mutated_configs_hyperparameters(
     with Engine("cpu", device_memory=24_000) as two, Engine("cpu") as one:
         two.add_task("a", _sgd_task(0, 0.05), seed=3)
         two.train("a", 1).result(timeout=120)
-        manifest = ck.save_trial(two, "a", tmp_path, trial_id="trial-a", config={"lr": 0.05})
+        manifest = ck.save_trial(
+            ck.EngineTask(two, "a"), tmp_path, trial_id="trial-a", config={"lr": 0.05}
+        )
         assert manifest["trial_id"] == "trial-a" and manifest["iteration"] == 1
         assert manifest["config_digest"] == config_digest({"lr": 0.05})
         assert manifest["num_shards"] == len(two.plan("a")) >= 2
@@ -533,7 +535,7 @@ def test_a_trial_restores_exactly_and_keeps_a_mutated_configs_hyperparameters(
 
         one.add_task("b", _sgd_task(9, 0.05), seed=3)  # other weights: the checkpoint's win
         assert len(one.plan("b")) == 1
-        ck.restore_trial(one, "b", tmp_path, trial_id="b", config={"lr": 0.05})
+        ck.restore_trial(ck.EngineTask(one, "b"), tmp_path, trial_id="b", config={"lr": 0.05})
         one.train("b", 1).result(timeout=120)
         got = one.get_state("b")
         for k, v in want["model"].items():
@@ -541,7 +543,9 @@ def test_a_trial_restores_exactly_and_keeps_a_mutated_configs_hyperparameters(
         assert _lrs(one, "b") == {0.05}
 
         one.add_task("c", _sgd_task(9, 0.2), seed=3)
-        ck.restore_trial(one, "c", tmp_path, trial_id="c", config={"lr": 0.2})  # exploit
+        ck.restore_trial(
+            ck.EngineTask(one, "c"), tmp_path, trial_id="c", config={"lr": 0.2}
+        )  # exploit
         saved = torch.load(tmp_path / STATE_FILE, weights_only=True)["optimizer"]["state"]
         restored = one.get_state("c")["optimizer"]["state"]
         assert _lrs(one, "c") == {0.2} and sorted(restored) == sorted(saved)
@@ -553,7 +557,7 @@ def test_a_checkpoint_of_another_task_is_refused_and_nothing_loads(tmp_path: Pat
     with Engine("cpu") as engine:
         engine.add_task("a", _sgd_task(0, 0.1))
         engine.train("a", 1).result(timeout=120)
-        ck.save_trial(engine, "a", tmp_path, trial_id="a", config={})
+        ck.save_trial(ck.EngineTask(engine, "a"), tmp_path, trial_id="a", config={})
         import tune_hydra as th
 
         wide = th.ModelTask(
@@ -563,7 +567,7 @@ def test_a_checkpoint_of_another_task_is_refused_and_nothing_loads(tmp_path: Pat
         engine.add_task("w", wide)
         before = engine.get_state("w")
         with pytest.raises(CheckpointError, match="does not fit trial w's task") as info:
-            ck.restore_trial(engine, "w", tmp_path, trial_id="w", config={})
+            ck.restore_trial(ck.EngineTask(engine, "w"), tmp_path, trial_id="w", config={})
         assert info.value.file == STATE_FILE
         after = engine.get_state("w")
         assert after["iteration"] == 0
@@ -576,7 +580,7 @@ def test_both_front_ends_write_the_same_model_file(tmp_path: Path) -> None:
     with Engine("cpu") as engine:
         engine.add_task("a", _sgd_task(0, 0.1))
         engine.train("a", 1).result(timeout=120)
-        ck.save_trial(engine, "a", tmp_path / "ckpt", trial_id="a", config={})
+        ck.save_trial(ck.EngineTask(engine, "a"), tmp_path / "ckpt", trial_id="a", config={})
         model_state = engine.get_state("a")["model"]
     path = ck.save_model(tmp_path / "trial_0", model_state)
     assert path == tmp_path / "trial_0" / MODEL_FILE and _listing(path.parent) == [MODEL_FILE]

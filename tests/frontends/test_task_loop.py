@@ -208,6 +208,66 @@ def test_an_engine_tasks_state_resumes_as_a_task_loop() -> None:
     assert_same(second.model, ref.model)
 
 
+def _per_shard(engine: th.Engine, name: str) -> dict[str, Any]:
+    """Task ``name``'s state in the per-shard layout older tune_hydra versions wrote (one
+    optimizer state_dict and one gradient list per shard)."""
+    engine.get_state(name)  # offloads every shard
+    state = engine.get_state(name)
+    del state["optimizer"], state["param_grads"]
+    shards = engine.runner(name).shards  # type: ignore[attr-defined]
+    state["optimizers"] = [
+        None if s.optimizer is None else copy.deepcopy(s.optimizer.state_dict()) for s in shards
+    ]
+    state["grads"] = [
+        [None if p.grad is None else p.grad.clone() for p in s.params] for s in shards
+    ]
+    return state
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_an_older_per_shard_state_resumes_under_any_cut_given_its_own(opt: str) -> None:
+    # Saved mid-epoch and mid-group (gradients per shard travel with it), cut into >= 3
+    # shards; resumed as a loop cut another way (the saved cut given, as a checkpoint's
+    # manifest lists it), and as a loop cut the same way (one shard, no cut given).
+    options: dict[str, Any] = {"accumulate_steps": 2, "iteration_batches": 3}
+    base = make_task(mlp(), opt)
+    straight = plain_copy(base)
+    _train(straight, 3, **options)
+    for saved_under, loop_under in ((24_000, None), (None, None), (None, 24_000)):
+        task, resumed = plain_copy(base), plain_copy(base)
+        with th.Engine(devices=["cpu"], device_memory=saved_under) as engine:
+            engine.add_task("a", task, seed=3, **options)
+            engine.train("a", 2).result(timeout=120)
+            state = _per_shard(engine, "a")
+            cut = [list(spec.layer_names) for spec in engine.plan("a").shards]
+        assert "optimizer" not in state and len(state["optimizers"]) == len(cut)
+        given = cut if saved_under != loop_under else None
+        with _engine(device_memory=loop_under) as engine:
+            loop = TaskLoop("a", resumed, engine, seed=3, **options)
+            loop.load_state(state, cut=given)
+            assert (len(loop.cut()) == len(cut)) == (saved_under == loop_under)
+            loop.train_iteration()
+            loop.close()
+        assert_same(resumed.model, straight.model)
+
+
+def test_a_per_shard_state_without_its_cut_loads_only_under_the_same_one() -> None:
+    task = make_task(mlp(), "sgd")
+    with th.Engine(devices=["cpu"], device_memory=24_000) as engine:
+        engine.add_task("a", task, seed=3)
+        engine.train("a", 1).result(timeout=120)
+        state = _per_shard(engine, "a")
+    with _engine(device_memory=None) as engine:  # one shard
+        loop = TaskLoop("a", make_task(mlp(seed=5), "sgd"), engine, seed=3)
+        before = loop.state()
+        with pytest.raises(ResumeStateError, match=r"per shard.*give the cut it was saved"):
+            loop.load_state(state)
+        with pytest.raises(ResumeStateError, match=r"naming layers this model does not"):
+            loop.load_state(state, cut=[["0", "1"], ["nope"]])
+        assert_same(loop.state()["model"], before["model"])  # nothing was loaded
+        loop.close()
+
+
 def test_empty_data_and_bad_states_say_what_is_wrong() -> None:
     def no_batches() -> Iterator[Any]:
         return iter(())

@@ -43,7 +43,7 @@ import shutil
 import uuid
 from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from tune_hydra.exceptions import CheckpointError, ForeignCheckpointFileError
 
@@ -652,28 +652,71 @@ def read_checkpoint(
 
 
 # -------------------------------------------------------------------- a trial's checkpoint
-# What a front end saves and restores: a trial of an engine (``engine.get_state`` /
-# ``set_state``) into and out of the files above. The engine's state dict is the engine's
-# (``tune_hydra.engine.runtime.resume``); which of its entries go where, and what a restore under
-# another config or another cut needs, is decided here alone.
+# What a front end saves and restores: a trial (a TaskLoop, or a task of an engine) into
+# and out of the files above. The state dict is the engine's
+# (``tune_hydra.engine.runtime.resume``); which of its entries go where, and what a restore
+# under another config or another cut needs, is decided here alone.
 _LEGACY_OPTIMIZERS = "optimizers"  # the engine's older per-shard optimizer layout
 
 
+class Resumable(Protocol):
+    """What :func:`save_trial` and :func:`restore_trial` need of a trial: a
+    :class:`~tune_hydra.frontends.task_loop.TaskLoop`, or a task of an engine
+    (:class:`EngineTask`)."""
+
+    def state(self) -> dict[str, Any]:
+        """Everything needed to resume exactly (``tune_hydra.engine.runtime.resume``)."""
+        ...
+
+    def load_state(self, state: Mapping[str, Any], cut: list[list[str]] | None = None) -> None:
+        """Go on from ``state``; ``cut``: the layer names of each shard of the cut it was
+        saved with (a state of the older per-shard layout needs it)."""
+        ...
+
+    def cut(self) -> list[list[str]] | None:
+        """The layer names of each shard (None: not known)."""
+        ...
+
+
+class EngineTask:
+    """Task ``name`` of ``engine`` (``Engine.add_task``) as a :class:`Resumable`."""
+
+    def __init__(self, engine: Any, name: str) -> None:
+        self.engine = engine
+        self.name = name
+
+    def state(self) -> dict[str, Any]:
+        return dict(self.engine.get_state(self.name))
+
+    def load_state(self, state: Mapping[str, Any], cut: list[list[str]] | None = None) -> None:
+        own = self.cut()
+        if _LEGACY_OPTIMIZERS in state and cut is not None and own is not None and cut != own:
+            raise _LegacyCutError(_plan_diff(cut, own))
+        self.engine.set_state(self.name, state)
+
+    def cut(self) -> list[list[str]] | None:
+        plan_of = getattr(self.engine, "plan", None)  # test engines may not have one
+        return plan_layers(plan_of(self.name)) if callable(plan_of) else None
+
+
+class _LegacyCutError(Exception):
+    """An engine task cannot take a per-shard state of another cut (its runner keeps
+    optimizer state per shard of its own cut)."""
+
+
 def save_trial(
-    engine: Any,
-    name: str,
+    trial: Resumable,
     path: str | os.PathLike[str],
     *,
     trial_id: str,
     config: Mapping[str, Any],
 ) -> dict[str, Any]:
-    """Write the checkpoint of the engine's task ``name`` into ``path`` (atomic files,
-    manifest last; see :func:`write_checkpoint`). The manifest records a digest of the
-    trial's config, not the config itself.
+    """Write the checkpoint of ``trial`` into ``path`` (atomic files, manifest last; see
+    :func:`write_checkpoint`). The manifest records a digest of the trial's config, not
+    the config itself.
 
     Args:
-        engine: the engine training the trial (``get_state``, and ``plan`` when it has one).
-        name: the trial's task name in the engine.
+        trial: the trial (a ``TaskLoop``, or ``EngineTask(engine, name)``).
         path: the checkpoint directory.
         trial_id: the trial's id, for the manifest.
         config: the trial's config (only its digest is stored).
@@ -684,67 +727,63 @@ def save_trial(
     Raises:
         CheckpointError: a file could not be written.
     """
-    state = dict(engine.get_state(name))
+    state = trial.state()
     model = state.pop("model")
     return write_checkpoint(
-        path, model, state, trial_id=trial_id, config=config, shards=_plan(engine, name)
+        path, model, state, trial_id=trial_id, config=config, shards=trial.cut()
     )
 
 
 def restore_trial(
-    engine: Any,
-    name: str,
+    trial: Resumable,
     path: str | os.PathLike[str],
     *,
     trial_id: str,
     config: Mapping[str, Any],
 ) -> None:
-    """Verify the checkpoint in ``path`` and restore the engine's task ``name`` from it.
+    """Verify the checkpoint in ``path`` and restore ``trial`` from it.
 
     Written under another config (a PBT exploit), the optimizers keep the new config's
     hyperparameters (:func:`merge_hyperparameters`). Made with the model cut another way
-    (another ``device_memory`` or device count), it restores exactly: the engine keeps
-    optimizer state per parameter and rebuilds each shard's from it. Only a checkpoint of
-    the engine's older per-shard layout needs the cut it was made with.
+    (another ``device_memory`` or device count), it restores exactly: the state keeps
+    optimizer state per parameter. A checkpoint of the engine's older per-shard layout
+    restores into a ``TaskLoop`` under any cut (its manifest names the cut it was made
+    with), into an engine's task under that cut only.
 
     Raises:
-        CheckpointError: the checkpoint fails verification, is of the older layout under
-            another cut, or does not fit the trial's task; nothing of it was loaded.
+        CheckpointError: the checkpoint fails verification, does not fit the trial's
+            task, or is of the older layout under a cut the trial cannot take; nothing
+            of it was loaded.
     """
     model, state, manifest = read_checkpoint(path)  # CheckpointError: nothing loaded
-    saved_plan, plan = manifest.get("shards"), _plan(engine, name)
+    saved_plan, plan = manifest.get("shards"), trial.cut()
     legacy = _LEGACY_OPTIMIZERS in state  # one optimizer state_dict per shard
     if saved_plan is not None and plan is not None and saved_plan != plan:
         diff = _plan_diff(saved_plan, plan)
-        if legacy:
-            raise CheckpointError(
-                str(path), STATE_FILE,
-                f"keeps optimizer state per shard (an older tune_hydra wrote it), and trial "
-                f"{trial_id}'s model is now cut another way ({diff})",
-                "Restore it once with the device_memory of the run that wrote it and save "
-                "a new checkpoint: those restore under any device_memory",
-            )  # fmt: skip
         logger.info("tune_hydra: trial %s: re-sharding checkpoint %s (%s)", trial_id, path, diff)
     state["model"] = model
     saved_digest = manifest.get("config_digest")
     key = _LEGACY_OPTIMIZERS if legacy else "optimizer"
     if saved_digest is not None and saved_digest != config_digest(config) and key in state:
-        fresh = engine.get_state(name)
+        fresh = trial.state()
         state[key] = merge_hyperparameters(state[key], fresh.get("optimizer"))
     from tune_hydra.exceptions import ResumeStateError
 
     try:
-        engine.set_state(name, state)  # checks the state against the task first
+        trial.load_state(state, cut=saved_plan)  # checks the state against the task first
+    except _LegacyCutError as err:
+        raise CheckpointError(
+            str(path), STATE_FILE,
+            f"keeps optimizer state per shard (an older tune_hydra wrote it), and trial "
+            f"{trial_id}'s model is now cut another way ({err})",
+            "Restore it once with the device_memory of the run that wrote it and save "
+            "a new checkpoint: those restore under any device_memory",
+        ) from None  # fmt: skip
     except ResumeStateError as err:
         raise CheckpointError(
             str(path), STATE_FILE, f"does not fit trial {trial_id}'s task: {err.detail}",
             "Nothing of the checkpoint was loaded into the trial",
         ) from None  # fmt: skip
-
-
-def _plan(engine: Any, name: str) -> list[list[str]] | None:
-    plan_of = getattr(engine, "plan", None)  # test engines may not have one
-    return plan_layers(plan_of(name)) if callable(plan_of) else None
 
 
 def _plan_diff(saved: list[list[str]], now: list[list[str]]) -> str:

@@ -594,6 +594,18 @@ def forward_loss(
     return train_batch(loop, inputs, loss_of, k)
 
 
+def cut_now(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> LoopRunner:
+    """Cut a sharded ``model`` now, as its first forward ``model(*args, **kwargs)`` would
+    (nothing runs but the cut's probe), and return its loop; the loop it has if it was
+    cut already."""
+    state: _State = model.__dict__["_th_shard"]
+    state.check()
+    if state.loop is not None:
+        return state.loop
+    inputs = _ShardedModule._th_inputs(model, state, args, kwargs)  # type: ignore[arg-type]
+    return state.cut(model, inputs)
+
+
 def first_cut(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> tuple[list[tuple[str, nn.Module]], Any]:

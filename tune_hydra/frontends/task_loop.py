@@ -188,6 +188,36 @@ class TaskLoop:
                 self._step()
         return losses
 
+    def cut(self) -> list[list[str]]:
+        """The layer names of each shard; the model is cut now, on the first train batch,
+        if no iteration cut it yet (as the first would: nothing is trained, and the
+        task's random stream is left where it was).
+
+        Raises:
+            EmptyDataError: ``train_data`` yielded no batch.
+            InvalidModelError, DataMismatchError: what the first forward's cut raises.
+        """
+        loop = self._loop()
+        if loop is None:
+            from tune_hydra.frontends.shard import cut_now
+
+            start = self.generator.get_state()
+            try:
+                with use_generator(self.generator):
+                    batch = next(iter(self.task.train_data), _END)
+                    if batch is _END:
+                        raise EmptyDataError(
+                            f"task {self.name!r}: train_data yielded no batch; give it at "
+                            f"least one (inputs, targets) pair"
+                        )
+                    x, _ = split_batch(batch, self.name)
+                    args, kwargs = ((), dict(x)) if isinstance(x, Mapping) else ((x,), {})
+                    with self._autocast():  # as the first forward cuts it
+                        loop = cut_now(self.model, args, kwargs)
+            finally:
+                self.generator.set_state(start)
+        return [list(spec.layer_names) for spec in loop.plan.shards]
+
     def _next_batch(self) -> Any:
         """The epoch's next train batch, or ``_END`` when its data ended."""
         if self._train_iter is None:
@@ -300,17 +330,23 @@ class TaskLoop:
             state["lr_scheduler"] = copy.deepcopy(self.scheduler.state_dict())
         return state
 
-    def load_state(self, state: Mapping[str, Any]) -> None:
+    def load_state(self, state: Mapping[str, Any], cut: list[list[str]] | None = None) -> None:
         """Go on from :meth:`state`'s output (of this task, or of a ``ModelTask`` the
         engine trained: the same layout), before or between iterations.
 
+        A state of the older per-shard layout (one optimizer state per shard) loads too,
+        under any cut, given ``cut``: the layer names of each shard of the cut it was
+        saved with (a checkpoint's manifest lists them); without it, only into a model
+        cut into as many shards (the model is cut now if it was not yet).
+
         Raises:
-            ResumeStateError: the state is damaged, of another model, of the older
-                per-shard layout, or its scheduler state does not match the task's.
+            ResumeStateError: the state is damaged, of another model, of the per-shard
+                layout under an unknown cut, or its scheduler state does not match the
+                task's.
         """
         problem = resume.state_problem(state)
         if problem is None and "optimizers" in state:
-            problem = ("optimizers", "is of the older per-shard layout")
+            state = self._from_per_shard(state, cut)
         if problem is None:
             problem = resume._model_problem(self.model, state)
         if problem is not None:
@@ -353,6 +389,56 @@ class TaskLoop:
         self._train_iter = None
         self._epoch_rng = state["epoch_rng"].clone()
         self._replay = (self._epoch_rng, self.batch_in_epoch) if self.batch_in_epoch else None
+
+    def _from_per_shard(
+        self, state: Mapping[str, Any], cut: list[list[str]] | None
+    ) -> dict[str, Any]:
+        """A state of the older per-shard layout in this one: which parameters each
+        shard's optimizer held is worked out from the cut it was saved with, as the
+        runner of that version assigned them (a tied parameter to its first user)."""
+        own = self.cut()
+        saved = own if cut is None else [list(names) for names in cut]
+        loop = self._loop()
+        layers: dict[str, nn.Module] = {}
+        for spec, shard in zip(loop.plan.shards, loop.shards, strict=True):
+            layers.update(zip(spec.layer_names, shard.module, strict=True))
+        unknown = [n for names in saved for n in names if n not in layers]
+        if unknown:
+            raise ResumeStateError(
+                self.name,
+                f"the resume state keeps optimizer state per shard (an older tune_hydra wrote "
+                f"it) of a cut naming layers this model does not have "
+                f"({', '.join(map(repr, unknown[:4]))}): restore it into the model it was "
+                f"made with",
+            )
+        from tune_hydra.engine.registration.shared import SharedParams
+
+        parts = [nn.Sequential(*(layers[n] for n in names)) for names in saved]
+        shared = SharedParams(parts)
+        names = resume.param_names(self.model)
+        held: list[list[str]] = []
+        graded: list[list[str]] = []
+        for i, part in enumerate(parts):
+            params = shared.steps(i, part)
+            graded.append([names[id(p)] for p in params])
+            # The optimizer's own order of them (a factory may group them).
+            opt = (
+                build_optimizer(self.task.optimizer, params, self.name, "a shard")
+                if params
+                else None
+            )
+            held.append(
+                [] if opt is None else [names[id(p)] for g in opt.param_groups for p in g["params"]]
+            )
+        try:
+            return resume.from_per_shard(state, held, graded)
+        except ValueError as err:
+            how = "" if cut is not None else "; give the cut it was saved with (its manifest's)"
+            raise ResumeStateError(
+                self.name,
+                f"the resume state keeps optimizer state per shard (an older tune_hydra wrote "
+                f"it), which does not fit this model's parameters under its cut: {err}{how}",
+            ) from None
 
     def _optimizer_state(self, saved: Any) -> dict[str, Any]:
         """The user optimizer's ``state_dict`` (torch's layout) from a state's

@@ -28,6 +28,7 @@ from tune_hydra.frontends.checkpoint import (
     META_FILE,
     MODEL_FILE,
     STATE_FILE,
+    EngineTask,
     config_digest,
     is_temp_name,
     restore_trial,
@@ -232,12 +233,14 @@ def _trial(actor: Any, key: str, config: dict[str, Any], iterations: int = 0) ->
 
 def _save(actor: Any, reg: Any, path: str) -> dict[str, Any]:
     """What the actor's ``save`` runs for ``reg`` (the kit's one way to save a trial)."""
-    return save_trial(actor._engine, reg.name, path, trial_id=reg.key, config=reg.config)
+    return save_trial(
+        EngineTask(actor._engine, reg.name), path, trial_id=reg.key, config=reg.config
+    )
 
 
 def _load(actor: Any, reg: Any, path: str) -> None:
     """What the actor's ``load`` runs for ``reg``."""
-    restore_trial(actor._engine, reg.name, path, trial_id=reg.key, config=reg.config)
+    restore_trial(EngineTask(actor._engine, reg.name), path, trial_id=reg.key, config=reg.config)
 
 
 def _lrs(actor: Any, key: str) -> list[float]:

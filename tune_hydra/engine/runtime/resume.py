@@ -467,6 +467,71 @@ def _restore_per_shard(runner: TaskRunner, state: Mapping[str, Any]) -> None:
             p.grad = None if g is None else g.to(p.device, copy=True)
 
 
+def from_per_shard(
+    state: Mapping[str, Any], held: list[list[str]], graded: list[list[str]]
+) -> dict[str, Any]:
+    """``state`` of the older per-shard layout (``"optimizers"``: one optimizer
+    ``state_dict`` per shard, ``"grads"``: one gradient list per shard) in this layout,
+    which no longer depends on the cut.
+
+    Args:
+        state: the older state.
+        held: for each shard of the cut it was saved with, the names of the parameters
+            its optimizer held, in its ``state_dict``'s order.
+        graded: for each shard, the names of the parameters its gradient list follows.
+
+    Raises:
+        ValueError: the lists do not match the state's (another cut, or another model);
+            the message says how.
+
+    Example:
+        >>> import torch
+        >>> old = {"optimizers": [{"state": {0: {"step": torch.tensor(1.0)}},
+        ...                        "param_groups": [{"lr": 0.1, "params": [0]}]}],
+        ...        "grads": [[None]], "iteration": 1}
+        >>> new = from_per_shard(old, [["0.weight"]], [["0.weight"]])
+        >>> new["optimizer"]["param_groups"], sorted(new["optimizer"]["state"])
+        ([{'lr': 0.1, 'params': ['0.weight']}], ['0.weight'])
+    """
+    optimizers = list(state["optimizers"])
+    grads = list(state.get("grads") or [[] for _ in optimizers])
+    if not len(optimizers) == len(grads) == len(held) == len(graded):
+        raise ValueError(
+            f"it keeps {len(optimizers)} shard optimizer state(s) and {len(grads)} gradient "
+            f"list(s), for a cut into {len(held)} shard(s)"
+        )
+    groups: list[dict[str, Any]] = []
+    per_name: dict[str, Any] = {}
+    param_grads: dict[str, torch.Tensor] = {}
+    for shard, (sd, names, grad_names, gs) in enumerate(
+        zip(optimizers, held, graded, grads, strict=True)
+    ):
+        if sd is not None:
+            for group in sd["param_groups"]:
+                ids = [int(i) for i in group["params"]]
+                if any(i >= len(names) for i in ids):
+                    raise ValueError(
+                        f"shard {shard}'s optimizer holds {sum(map(len, sd['param_groups']))} "
+                        f"parameter(s); the cut puts {len(names)} in that shard"
+                    )
+                hyper = {k: v for k, v in group.items() if k != "params"}
+                groups.append({**hyper, "params": [names[i] for i in ids]})
+            for i, st in sd["state"].items():
+                per_name[names[int(i)]] = st
+        if len(gs) != len(grad_names):
+            raise ValueError(
+                f"shard {shard} keeps {len(gs)} gradient(s); the cut puts {len(grad_names)} "
+                f"parameter(s) in that shard"
+            )
+        for name, g in zip(grad_names, gs, strict=True):
+            if g is not None:
+                param_grads[name] = g
+    out = {k: v for k, v in state.items() if k not in ("optimizers", "grads")}
+    out["optimizer"] = {"state": per_name, "param_groups": groups}
+    out["param_grads"] = param_grads
+    return out
+
+
 def _copy_tensors(obj: Any) -> Any:
     """``obj`` with every tensor cloned (containers rebuilt, other values shared)."""
     if isinstance(obj, torch.Tensor):

@@ -33,7 +33,7 @@ import ray
 
 from tune_hydra.exceptions import TuneHydraError
 from tune_hydra.frontends.build import Trial, TrialSet, check_task
-from tune_hydra.frontends.checkpoint import restore_trial, save_trial
+from tune_hydra.frontends.checkpoint import EngineTask, restore_trial, save_trial
 from tune_hydra.frontends.failures import portable
 from tune_hydra.frontends.ray.builds import PendingBuilds
 from tune_hydra.frontends.ray.class_relay import ClassRelay
@@ -546,7 +546,11 @@ class EngineActor:
         reg = self._owned(key, token)
         return dict(
             await self._offload(
-                save_trial, self._engine, reg.name, path, trial_id=reg.key, config=reg.config
+                save_trial,
+                EngineTask(self._engine, reg.name),
+                path,
+                trial_id=reg.key,
+                config=reg.config,
             )
         )
 
@@ -556,7 +560,11 @@ class EngineActor:
         config, a PBT exploit, it keeps this trial's hyperparameters)."""
         reg = self._owned(key, token)
         await self._offload(
-            restore_trial, self._engine, reg.name, path, trial_id=reg.key, config=reg.config
+            restore_trial,
+            EngineTask(self._engine, reg.name),
+            path,
+            trial_id=reg.key,
+            config=reg.config,
         )
 
     @ray.method(concurrency_group=CONTROL_GROUP)
