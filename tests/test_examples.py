@@ -564,7 +564,7 @@ def test_hf_trainer_tune_ray_smoke(tmp_path: Path, ray_address: str) -> None:
     out = _run_python(
         _TRACE_RAY_EXAMPLE, str(script), cwd=tmp_path, home=home, ray_address=ray_address
     )
-    assert "best config: {'learning_rate'" in out and "best eval_loss:" in out
+    assert "best config: {'learning_rate'" in out and "best eval_loss:" in out, out[-6000:]
     tasks = ast.literal_eval(_line(out, "engine tasks "))
     assert len(tasks) == 4 and all("GPT2LMHeadModel" in task for task in tasks), tasks
     trials = {}

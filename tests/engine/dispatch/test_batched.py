@@ -564,12 +564,18 @@ def _loop_trial(kind: str, folder: Path, i: int) -> tuple[nn.Module, torch.optim
     return model, torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
 
 
-def _train_loop(model: nn.Module, opt: torch.optim.Optimizer, i: int) -> list[float]:
-    """A user's LoRA loop: 2 epochs of 3 batches, then an evaluation."""
+def _train_loop(
+    model: nn.Module, opt: torch.optim.Optimizer, i: int, together: Any = None
+) -> list[float]:
+    """A user's LoRA loop: 2 epochs of 3 batches, then an evaluation; ``together``: a
+    ``threading.Barrier`` the loops meet at before each batch (so that their ops are ready
+    at once, whatever else the machine runs: the batcher groups ops only then)."""
     losses = []
     for _ in range(2):
         model.train()
         for j in range(3):
+            if together is not None:
+                together.wait(120)
             opt.zero_grad()
             loss = model(**batch(100 * i + j, SIZES[i])).loss
             loss.backward()
@@ -638,6 +644,7 @@ def _four_loops(kind: str, budget: int | None, saved: dict[str, Path]) -> tuple[
     refs = [copy.deepcopy(m) for m, _ in trials]
     results: dict[int, Any] = {}
     lock = threading.Lock()
+    together = threading.Barrier(4)
     acts: dict[tuple[str, int], int] = {}
     with Engine(
         ["cpu", "cpu"],
@@ -652,12 +659,13 @@ def _four_loops(kind: str, budget: int | None, saved: dict[str, Path]) -> tuple[
                 with lock:  # the loop's stream (adapter dropout) starts from this seed
                     torch.manual_seed(100 + i)
                     m, o = th.shard(*trials[i], engine=eng)
-                results[i] = _train_loop(m, o, i)
+                results[i] = _train_loop(m, o, i, together)
                 name = m.__dict__["_th_shard"].loop.name
                 for spec in eng.plan(name).shards:
                     acts[(name, spec.index)] = spec.activation_bytes
                 th.unshard(m)
             except BaseException as err:
+                together.abort()  # the others do not wait for this one
                 results[i] = err
 
         threads = [threading.Thread(target=loop, args=(i,)) for i in range(4)]

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any
 from tune_hydra.core.dispatch import decide, offer
 from tune_hydra.core.ops import Op
 from tune_hydra.core.policies import BasePolicy, Candidate
+from tune_hydra.engine.dispatch.anticipate import Anticipation
 from tune_hydra.engine.dispatch.workers import _POLL_S, Assignment, Carry, DeviceWorker
 from tune_hydra.engine.records import PendingIterations, TaskRecord
 from tune_hydra.engine.runtime.kept import KeptGraphs
@@ -84,6 +85,7 @@ class Dispatcher:
         self._op_sum = 0.0  # all measured op durations, for unmeasured tasks' estimates
         self._op_n = 0
         self._held = 0  # hold() depth: no decision while > 0
+        self._waits = Anticipation()  # devices waiting for a loop about to come back
         self._closed = False
         self._broken: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="hydra-dispatch", daemon=True)
@@ -130,6 +132,7 @@ class Dispatcher:
                 )
                 return fut
             entry.pending.append(PendingIterations(fut, iterations))
+            self._waits.came(entry, self.clock())
             entry.runner.grant(iterations)
             entry.candidate = None  # more work left: a new estimate
             if entry.runner.current is None and entry.assigned is None:
@@ -156,6 +159,7 @@ class Dispatcher:
             self.offload(entry, leave=True)
             self.note_carry(entry, None)
             self.policy.forget(entry.name)
+            self._waits.forget(entry.name)
 
     def reset(self, entry: TaskRecord) -> None:
         """Before ``entry`` gets a restored runner: its futures, batch and carry are gone."""
@@ -286,6 +290,9 @@ class Dispatcher:
                 entry.ready_since = self.clock()
             self.note_carry(entry, worker, 0 if failed else a.left)
             wake = failed or entry.cancelled or self._closed
+            if not wake and worker is not None and self._kept.active:
+                # A loop between ops: its device waits (anticipate.py), graphs kept only.
+                wake = self._waits.after_op(entry, worker, self.clock())
             if not self._closed and self._broken is None:
                 # Dispatch right here instead of waking the dispatcher thread: one thread
                 # hand-off less per operation. A policy error resurfaces in _loop.
@@ -338,7 +345,7 @@ class Dispatcher:
                     self._kept.audit(self._tasks, self.workers)
                     self._spill_failures()
                     self._dispatch()
-                    self._cv.wait(_POLL_S)
+                    self._cv.wait(self._waits.timeout(_POLL_S, self.clock()))
         except BaseException as err:  # surface to every waiting caller
             with self._cv:
                 self._broken = err
@@ -413,13 +420,17 @@ class Dispatcher:
         # Engine(batch_shared=True): with every device busy, an op of a shared shard runs
         # along with the same op of another task queued already (on an idle device it
         # runs now instead: the ops ready with it go along there).
+        now = self.clock()
+        waits_for = None if w.assigned else self._waits.holder(w, now)
         batcher = self.batcher
-        if batcher is not None and not all(x.assigned for x in self.workers):
+        if batcher is not None and not self._waits.all_busy(self.workers, now):
             batcher = None
         for e in self._tasks.values():
             op = e.runner.current
             if e.assigned is not None or e.error is not None or e.cancelled or op is None:
                 continue
+            if not self._waits.may_take(e, w, waits_for, now):
+                continue  # w waits for another loop, or another device for this one
             if batcher is not None and batcher.join(self, e, op):
                 continue
             c = e.candidate
@@ -437,9 +448,11 @@ class Dispatcher:
             cands.append(c)
             entries.append(e)
         if not cands:
-            return False
+            return waits_for is not None  # waiting is not "nothing ready anywhere"
         i = decide(self.policy, w.index, cands)
         if i is not None:
+            if entries[i] is waits_for:
+                self._waits.release(w)
             self._assign(w, entries[i], cands[i].op)
         return True
 

@@ -217,10 +217,10 @@ class LoopRunner:
     """The :class:`~tune_hydra.engine.protocol.Runner` of one user-driven loop.
 
     Build it with :func:`build_loop` (which cuts the model on its first batch); the
-    user's thread calls :meth:`forward`, :meth:`step`, :meth:`zero_grad` and
-    :meth:`sync`.
+    user's thread calls :meth:`forward`, :meth:`step`, :meth:`zero_grad` and :meth:`sync`.
     """
 
+    comes_back = True  # its thread issues its next op soon: a device waits (anticipate.py)
     _compiler: ShardCompiler | None = None  # compile(): the shards' torch.compile
 
     def __init__(
