@@ -30,7 +30,9 @@ ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.integration
 
 
-SMOKE = {"TUNE_HYDRA_SMOKE": "1"}  # the examples' one switch to their smoke size
+# The examples' one switch to their smoke size; their prints unbuffered (a buffered line is
+# lost when a process is ended without flushing, which a test would read as not printed).
+SMOKE = {"TUNE_HYDRA_SMOKE": "1", "PYTHONUNBUFFERED": "1"}
 
 
 def _run(script: str, *args: str, timeout: float = HANG_S, ray_address: str = "") -> str:
