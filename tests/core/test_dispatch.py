@@ -241,6 +241,10 @@ class EngineStub:
         self.host = Flag()
         self.batcher = None  # Engine(batch_shared=False)
         self.assigned: list[Op] = []
+        self.clock = lambda: 0.0
+        from tune_hydra.engine.dispatch.anticipate import Anticipation
+
+        self._waits = Anticipation()  # no device waits for a loop here
 
     def _assign(self, w: Worker, entry: Entry, op: Op) -> None:
         self.assigned.append(op)
