@@ -99,34 +99,33 @@ class _Run:
 
 def test_claims_refuse_an_ended_trials_modules_and_parameters() -> None:
     claims = TrialClaims()
-    first, second, engine = _Run(), _Run(), object()
+    first, second = _Run(), _Run()
     model = mlp()
-    claims.check(model, first, "t1", engine, _Run.trains)
-    claims.record(model, first, "t1", engine, _Run.trains)
+    claims.check(model, first, "t1", _Run.trains)
+    claims.record(model, first, "t1", _Run.trains)
     first.live.add("t1")
-    claims.check(model, first, "t1", engine, _Run.trains)  # the same trial: fine
-    claims.check(model, second, "t1", engine, _Run.trains)  # live on this engine: its call
-    with pytest.raises(SharedModelError):  # live on another engine of this process
-        claims.check(model, second, "t1", object(), _Run.trains)
+    claims.check(model, first, "t1", _Run.trains)  # the same trial: fine
+    with pytest.raises(SharedModelError):  # live: another trial trains it now
+        claims.check(model, second, "t1", _Run.trains)
     first.live.clear()
     with pytest.raises(ReusedModelError) as info:
-        claims.check(model, second, "t9", engine, _Run.trains)
+        claims.check(model, second, "t9", _Run.trains)
     assert info.value.owner == "t1" and ("", "") in info.value.tensors
     # one module-level parameter in a fresh module
     fresh = mlp()
     fresh[0].weight = model[0].weight
     with pytest.raises(ReusedModelError) as info:
-        claims.check(fresh, second, "t9", engine, _Run.trains)
+        claims.check(fresh, second, "t9", _Run.trains)
     assert info.value.tensors == [("0.weight", "")]
     # one module-level buffer tensor (BatchNorm's running mean) in a fresh module
     fresh = mlp()
     fresh[3].running_mean = model[3].running_mean
     with pytest.raises(ReusedModelError) as info:
-        claims.check(fresh, second, "t9", engine, _Run.trains)
+        claims.check(fresh, second, "t9", _Run.trains)
     assert info.value.tensors == [("3.running_mean", "")]
     del first  # a run that is gone trains nothing
     with pytest.raises(ReusedModelError):
-        claims.check(model, second, "t9", engine, _Run.trains)
+        claims.check(model, second, "t9", _Run.trains)
 
 
 # ---------------------------------------------------------------- th.optimize

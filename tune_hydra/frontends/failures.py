@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import pickle
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 from tune_hydra.exceptions import (
@@ -116,6 +117,30 @@ def error_text(err: BaseException, limit: int | None = 20_000) -> str:
     return text
 
 
+def check_task(
+    task: Any,
+    trial: str,
+    *,
+    takes: str = "config",
+    trainable: Callable[[], str | None] | None = None,
+    systematic: bool = True,
+) -> Any:
+    """``task`` if it is a :class:`~tune_hydra.ModelTask`, else the error of
+    :func:`~tune_hydra.frontends.failures.not_a_task` (``trainable()`` tells how a
+    function trainable passed as the factory reports, if it was one; asked only then).
+
+    Raises:
+        NotATaskError: with ``systematic`` (every trial would repeat it).
+        TaskFactoryError: without (that trial alone fails).
+    """
+    from tune_hydra.engine.task import ModelTask
+
+    if isinstance(task, ModelTask):
+        return task
+    call = trainable() if trainable is not None else None
+    raise not_a_task(trial, task, takes=takes, trainable=call or "", systematic=systematic)
+
+
 def portable(err: BaseException) -> BaseException:
     """``err`` if it survives pickling (Ray ships it to the trial's process), else an
     :class:`~tune_hydra.exceptions.EngineError` carrying its type, message and the
@@ -140,4 +165,4 @@ def portable(err: BaseException) -> BaseException:
         return EngineError(text)
 
 
-__all__ = ["RUNS_THE_LOOP", "error_text", "not_a_task", "portable", "uncuttable"]
+__all__ = ["RUNS_THE_LOOP", "check_task", "error_text", "not_a_task", "portable", "uncuttable"]

@@ -44,10 +44,9 @@ from tune_hydra.exceptions import (
     TuneHydraError,
     UnknownMetricError,
 )
-from tune_hydra.frontends.build import check_task
 from tune_hydra.frontends.checkpoint import save_model
 from tune_hydra.frontends.common import LOSS_METRICS, TASK_METRICS, declare_metric, task_reports
-from tune_hydra.frontends.failures import error_text, uncuttable
+from tune_hydra.frontends.failures import check_task, error_text, uncuttable
 from tune_hydra.frontends.milestones import Milestones, optuna_milestones
 from tune_hydra.options import (
     ENGINE_KEYS,
@@ -760,7 +759,7 @@ class _Driver:
         from tune_hydra.frontends.trial import CLAIMS, prepare_model
 
         trial, number = run.trial, run.trial.number
-        prepare_model(task.model, self, run.key, self.engine, _Driver.trains)  # type: ignore[arg-type]
+        prepare_model(task.model, self, run.key, _Driver.trains)  # type: ignore[arg-type]
         with engine_scope(self.engine) as scope:
             run.scope = scope
             with self._lock:
@@ -770,14 +769,14 @@ class _Driver:
                 self,
                 trial.report,
                 epochs=self.epochs,
-                guess=lambda loop: _ops_per_epoch(task, loop, self._opts),
+                guess=lambda _runner: loop.ops_per_iteration(),
             )
             scope.on_loop = steps.add
             try:
                 seed = task.seed if task.seed is not None else self.task_options["seed"]
                 seed = torch.initial_seed() if seed is None else seed
                 loop = TaskLoop(run.key, task, self.engine, seed=seed, **self._opts)
-                CLAIMS.record(task.model, self, run.key, self.engine, _Driver.trains)  # type: ignore[arg-type]
+                CLAIMS.record(task.model, self, run.key, _Driver.trains)  # type: ignore[arg-type]
                 for epoch in range(self.epochs):
                     try:
                         result = loop.train_iteration()
@@ -882,21 +881,6 @@ class _LoopMilestones:
             engine.set_milestone(name, milestone)
             if self.epochs is not None and per_step is not None:  # its work left, known
                 engine.set_remaining(name, math.ceil((self.epochs - self.done) * per_step))
-
-
-def _ops_per_epoch(task: ModelTask, loop: Any, options: dict[str, Any]) -> float | None:
-    """The iterations of a task's loop (:class:`~tune_hydra.frontends.task_loop.TaskLoop`:
-    a training batch is one, an eval op of each shard one, a clipped step's sync one op
-    per shard) in one epoch; ``None`` for data without a length."""
-    try:
-        batches = len(task.train_data)  # type: ignore[arg-type]
-        evals = 0 if task.eval_data is None else len(task.eval_data)  # type: ignore[arg-type]
-    except TypeError:
-        return None
-    shards = len(loop.shards)
-    steps = math.ceil(batches / options.get("accumulate_steps", 1))
-    syncs = steps * shards if options.get("max_grad_norm") is not None else 0
-    return float(batches + evals * shards + syncs)
 
 
 def _in_thread(

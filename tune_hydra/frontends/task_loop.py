@@ -218,6 +218,25 @@ class TaskLoop:
                 self.generator.set_state(start)
         return [list(spec.layer_names) for spec in loop.plan.shards]
 
+    def ops_per_iteration(self) -> float | None:
+        """The engine ops of one iteration once cut (a train batch is one op, an eval
+        batch one per shard, a clipped step's sync one per shard); None for data without
+        a length, or before the cut."""
+        loop = self._loop()
+        try:
+            batches = len(self.task.train_data)  # type: ignore[arg-type]
+            evals = 0 if self.task.eval_data is None else len(self.task.eval_data)  # type: ignore[arg-type]
+        except TypeError:
+            return None
+        if loop is None:
+            return None
+        if self.iteration_batches is not None:
+            batches = self.iteration_batches
+        shards = len(loop.shards)
+        steps = math.ceil(batches / self.accumulate_steps)
+        syncs = steps * shards if self.max_grad_norm is not None else 0
+        return float(batches + evals * shards + syncs)
+
     def _next_batch(self) -> Any:
         """The epoch's next train batch, or ``_END`` when its data ended."""
         if self._train_iter is None:

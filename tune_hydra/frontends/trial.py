@@ -125,7 +125,6 @@ class _Owner:
 
     key: str
     run: weakref.ReferenceType[Any]
-    engine: int  # id() of the run's engine
     live: Callable[[Any, str], bool]
 
     def same(self, run: Any, key: str) -> bool:
@@ -154,18 +153,15 @@ class TrialClaims:
         model: nn.Module,
         run: Any,
         key: str,
-        engine: Any,
         live: Callable[[Any, str], bool],
     ) -> None:
         """Refuse ``model`` for trial ``key`` of ``run`` if another trial trained (or
         trains) any of its modules or trained tensors.
 
-        A trial that the same engine still trains is left for the engine to refuse
-        (:class:`~tune_hydra.exceptions.SharedModelError`, naming the shared tensors).
-
         Raises:
             ReusedModelError: an ended trial (of any run in this process) trained them.
-            SharedModelError: a live trial of another engine of this process trains them.
+            SharedModelError: a live trial of this process trains them (``th.shard``
+                would refuse the model with a less helpful error).
         """
         found: dict[int, tuple[_Owner, list[tuple[str, str]]]] = {}
         with self._lock:
@@ -180,19 +176,17 @@ class TrialClaims:
         for owner, names in found.values():
             if not owner.training():
                 raise ReusedModelError(key, owner.key, names)
-            if owner.engine != id(engine):
-                raise SharedModelError(key, owner.key, [(n, n) for n, _ in names])
+            raise SharedModelError(key, owner.key, [(n, n) for n, _ in names])
 
     def record(
         self,
         model: nn.Module,
         run: Any,
         key: str,
-        engine: Any,
         live: Callable[[Any, str], bool],
     ) -> None:
         """Note that trial ``key`` of ``run`` trains ``model`` (its modules and tensors)."""
-        owner = _Owner(key, weakref.ref(run), id(engine), live)
+        owner = _Owner(key, weakref.ref(run), live)
         with self._lock:
             for module in model.modules():
                 self._modules[module] = owner
@@ -208,7 +202,6 @@ def prepare_model(
     model: nn.Module,
     run: Any,
     key: str,
-    engine: Any,
     live: Callable[[Any, str], bool],
 ) -> None:
     """Make a freshly built trial model safe to train in this shared process: refuse
@@ -219,7 +212,7 @@ def prepare_model(
         ReusedModelError: see :meth:`TrialClaims.check`.
         SharedModelError: see :meth:`TrialClaims.check`.
     """
-    CLAIMS.check(model, run, key, engine, live)
+    CLAIMS.check(model, run, key, live)
     copied = own_storage(model)
     if copied:
         shown = ", ".join(map(repr, copied[:6])) + (" ..." if len(copied) > 6 else "")

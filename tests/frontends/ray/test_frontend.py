@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,31 @@ def _call(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
+def _start(
+    a: Any,
+    key: str,
+    token: str,
+    config: dict[str, Any],
+    params: dict[str, Any] | None = None,
+    *,
+    factory: str = BLOB,
+    secret: str = SECRET,
+    task: dict[str, Any] | None = None,
+) -> None:
+    """A factory trial's start, as its proxy makes it (its canned class's setup runs)."""
+    context = {"task": task} if task is not None else {}
+    _call(a.cls_start(key, token, factory, config, params, secret, context))
+
+
+def _steps(a: Any, token: str, n: int = 1) -> list[dict[str, Any]]:
+    return [_call(a.cls_call(token, "step", (), {})) for _ in range(n)]
+
+
+def _loop(a: Any, token: str) -> Any:
+    """The TaskLoop of the proxy ``token``'s trial."""
+    return a._classes._run(token).instance.loop
+
+
 @pytest.fixture
 def actor() -> Any:
     a = EngineActor(ENGINE, {"seed": 5}, factories=FACTORIES, secret=SECRET)
@@ -48,52 +74,52 @@ def actor() -> Any:
     _call(a.close(SECRET))
 
 
-def test_register_train_save_load_with_mutated_config(actor: Any, tmp_path: Path) -> None:
-    assert _call(actor.register("a", "t1", BLOB, {"lr": 0.01}, secret=SECRET)) == 2
-    results = _call(actor.train("a", "t1", 2))
-    assert [r["iteration"] for r in results] == [1, 2]
-    meta = _call(actor.save("a", "t1", str(tmp_path)))
-    assert meta["iteration"] == 2
+def test_start_step_save_load_with_mutated_config(actor: Any, tmp_path: Path) -> None:
+    _start(actor, "a", "t1", {"lr": 0.01})
+    results = _steps(actor, "t1", 2)
+    assert [r["epoch"] for r in results] == [1, 2] and results[0]["num_shards"] == 2
+    _call(actor.cls_call("t1", "save_checkpoint", (str(tmp_path),), {}))
     saved = torch.load(tmp_path / MODEL_FILE)
     model = tune_tasks.build_model(16, torch.float32)
     model.load_state_dict(saved)  # the user's own keys
 
     # PBT: another trial with a mutated lr restores this checkpoint
-    _call(actor.register("b", "t2", BLOB, {"lr": 0.05}, secret=SECRET))
-    _call(actor.load("b", "t2", str(tmp_path)))
-    state = actor._engine.get_state(actor._trials.get("b").name)
+    _start(actor, "b", "t2", {"lr": 0.05})
+    _call(actor.cls_call("t2", "load_checkpoint", (str(tmp_path),), {}))
+    state = _loop(actor, "t2").state()
     groups = state["optimizer"]["param_groups"]
     assert groups and all(g["lr"] == 0.05 for g in groups)
     assert all(torch.equal(state["model"][k], saved[k]) for k in saved)
     assert state["iteration"] == 2
     # same config: everything, lr included, comes from the checkpoint
-    _call(actor.register("c", "t3", BLOB, {"lr": 0.01}, secret=SECRET))
-    _call(actor.load("c", "t3", str(tmp_path)))
-    state_c = actor._engine.get_state(actor._trials.get("c").name)
+    _start(actor, "c", "t3", {"lr": 0.01})
+    _call(actor.cls_call("t3", "load_checkpoint", (str(tmp_path),), {}))
+    state_c = _loop(actor, "t3").state()
     assert all(g["lr"] == 0.01 for g in state_c["optimizer"]["param_groups"])
 
 
 def test_ownership_token(actor: Any) -> None:
-    _call(actor.register("a", "old", BLOB, {"lr": 0.01}, secret=SECRET))
-    _call(actor.register("a", "new", BLOB, {"lr": 0.01}, secret=SECRET))  # a newer copy takes over
-    with pytest.raises(TrialNotRegisteredError, match="newer copy"):
-        _call(actor.train("a", "old", 1))
+    _start(actor, "a", "old", {"lr": 0.01})
+    _start(actor, "a", "new", {"lr": 0.01})  # a newer copy takes over
     assert _call(actor.deregister("a", "old")) is False  # the stale copy cannot free it
     assert _call(actor.registered(SECRET))["trials"] == ["a"]
-    assert len(_call(actor.train("a", "new", 1))) == 1
+    assert len(_steps(actor, "new")) == 1
     assert _call(actor.deregister("a", "new")) is True
-    assert _call(actor.registered(SECRET)) == {"trials": [], "engine_tasks": []}
-    with pytest.raises(TrialNotRegisteredError, match="does not know"):
-        _call(actor.train("a", "new", 1))
+    _call(actor.cls_end("old"))
+    assert _call(actor.registered(SECRET))["trials"] == []
+    with pytest.raises(TrialNotRegisteredError, match=r"no longer runs|does not run"):
+        _steps(actor, "new")
 
 
 def test_factory_errors_are_clear(actor: Any) -> None:
     with pytest.raises(TaskFactoryError, match=r"(?s)Factory traceback.*factory exploded"):
-        _call(actor.register("f", "t", BLOB, {"fail": "factory"}, secret=SECRET))
+        _start(actor, "f", "t1", {"fail": "factory"})
     with pytest.raises(TaskFactoryError, match=r"not a tune_hydra\.ModelTask"):
-        _call(actor.register("g", "t", BLOB, {"fail": "type"}, secret=SECRET))
+        _start(actor, "g", "t2", {"fail": "type"})
+    _start(actor, "h", "t3", {"width": 512})  # the model is cut on its first batch
     with pytest.raises(Exception, match="Raise device_memory"):
-        _call(actor.register("h", "t", BLOB, {"width": 512}, secret=SECRET))
+        _steps(actor, "t3")
+    _call(actor.cls_end("t3"))
     assert _call(actor.registered(SECRET)) == {"trials": [], "engine_tasks": []}
 
 
@@ -108,14 +134,13 @@ def test_hints_reach_the_engine(actor: Any, monkeypatch: pytest.MonkeyPatch) -> 
         forward(self, name, iterations)
 
     monkeypatch.setattr(Engine, "set_remaining", recording)
-    _call(actor.set_remaining("a", SECRET, 7))  # before registration: kept for later
+    _call(actor.set_remaining("a", SECRET, 7))  # before the trial started: kept for later
     assert given == []
-    _call(actor.register("a", "t", BLOB, {"lr": 0.01}, secret=SECRET))
-    name = actor._trials.get("a").name
-    assert given == [(name, 7)]
-    _call(actor.cancel("a", SECRET))
-    with pytest.raises(Exception, match="cancelled"):
-        _call(actor.train("a", "t", 1))
+    _start(actor, "a", "t", {"lr": 0.01})
+    _steps(actor, "t")  # cut on its first batch: the loop's ops per iteration are known
+    per = _loop(actor, "t").ops_per_iteration()
+    assert given[0] == ("a", math.ceil(8 * per))  # (7 + 1) iterations of ops
+    _call(actor.cancel("a", SECRET))  # nothing being built: nothing to stop
 
 
 def test_milestones_reach_the_engine(actor: Any, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -129,16 +154,17 @@ def test_milestones_reach_the_engine(actor: Any, monkeypatch: pytest.MonkeyPatch
         forward(self, name, iterations)
 
     monkeypatch.setattr(Engine, "set_milestone", recording)
-    _call(actor.set_milestone("a", SECRET, 2))  # before registration: kept for later
-    _call(actor.register("a", "t", BLOB, {"lr": 0.01}, secret=SECRET))
-    name = actor._trials.get("a").name
-    assert given == [(name, 2)]
-    _call(actor.train("a", "t", 1))
+    _call(actor.set_milestone("a", SECRET, 2))  # before the trial started: kept for later
+    _start(actor, "a", "t", {"lr": 0.01})
+    _steps(actor, "t")
+    per = _loop(actor, "t").ops_per_iteration()
+    assert given[0] == ("a", math.ceil(2.5 * per))  # its first ops: 2 iterations ahead
     _call(actor.set_milestone("a", SECRET, None))  # past its last milestone
-    _call(actor.set_milestone("b", SECRET, 1))  # not registered: kept, not sent
-    assert given == [(name, 2), (name, None)]
+    _call(actor.set_milestone("b", SECRET, 1))  # not started: kept, not sent
+    assert given[-1] == ("a", None) and all(name == "a" for name, _ in given)
     summary = _call(actor.summary(SECRET))
-    assert summary["policy"] == "lrtf" and summary["milestones_given"] == 2
+    # the one given to its run (the first waited in the hints, before the run)
+    assert summary["policy"] == "lrtf" and summary["milestones_given"] == 1
     with pytest.raises(NotOwnerError):
         _call(actor.set_milestone("a", "stranger", 1))
 
@@ -197,23 +223,19 @@ def test_check_task_factory() -> None:
 def test_concurrent_registrations_build_identical_models(actor: Any) -> None:
     # The factory seeds torch's global generator; builds running at once in the actor's
     # thread pool must not interleave their draws (it broke exact resume parity once).
-    async def register_all() -> None:
+    async def start_all() -> None:
+        config = {"lr": 0.01, "width": 24}
         await asyncio.gather(
-            *[
-                actor.register(f"t{i}", "tok", BLOB, {"lr": 0.01, "width": 24}, secret=SECRET)
-                for i in range(8)
-            ]
+            *[actor.cls_start(f"t{i}", f"tok{i}", BLOB, config, None, SECRET, {}) for i in range(8)]
         )
 
     for _ in range(3):
-        _call(register_all())
-        states = [
-            actor._engine.get_state(actor._trials.get(f"t{i}").name)["model"] for i in range(8)
-        ]
+        _call(start_all())
+        states = [_loop(actor, f"tok{i}").state()["model"] for i in range(8)]
         for state in states[1:]:
             assert all(torch.equal(state[k], states[0][k]) for k in state)
         for i in range(8):
-            _call(actor.deregister(f"t{i}", "tok"))
+            _call(actor.cls_end(f"tok{i}"))
 
 
 def test_recompute_reaches_the_engine() -> None:
@@ -225,9 +247,9 @@ def test_recompute_reaches_the_engine() -> None:
         dataclasses.replace(ENGINE, recompute=True), {"seed": 5}, factories=FACTORIES, secret=SECRET
     )
     try:
-        assert _call(a.register("a", "t1", BLOB, {"lr": 0.01}, secret=SECRET)) == 2
+        _start(a, "a", "t1", {"lr": 0.01})
         assert a._engine.recompute is True
-        assert [r["iteration"] for r in _call(a.train("a", "t1", 1))] == [1]
+        assert [r["num_shards"] for r in _steps(a, "t1")] == [2]
     finally:
         _call(a.close(SECRET))
 
@@ -337,45 +359,40 @@ def test_disk_tier_options_reach_each_engine_actor(
 
 
 def test_driver_calls_need_the_executors_secret(actor: Any) -> None:
-    _call(actor.register("a", "tok", BLOB, {"lr": 0.01}, secret=SECRET))
+    _start(actor, "a", "tok", {"lr": 0.01})
     for call in (
-        lambda: actor.cancel("a", "stranger"),
         lambda: actor.set_remaining("a", "stranger", 3),
         lambda: actor.registered("stranger"),
         lambda: actor.abort_builds("stranger"),
         lambda: actor.release_factory("stranger", BLOB),
-        lambda: actor.train("a", "stranger", 1),
-    ):
-        with pytest.raises(TrialNotRegisteredError):
-            _call(call())
-    for call in (
-        # issue 23, item 6: the timeline, the figures, closing, re-registering
+        # issue 23, item 6: the timeline, the figures, closing, re-starting
         lambda: actor.trace(),
         lambda: actor.trace("stranger"),
         lambda: actor.summary("stranger"),
         lambda: actor.close("stranger"),
-        lambda: actor.register("a", "evil", BLOB, {"lr": 0.01}),
-        lambda: actor.register("a", "evil", BLOB, {"lr": 0.01}, None, "stranger"),
+        lambda: actor.cls_start("a", "evil", BLOB, {"lr": 0.01}, None, "", {}),
+        lambda: actor.cls_start("a", "evil", BLOB, {"lr": 0.01}, None, "stranger", {}),
     ):
         with pytest.raises(NotOwnerError, match="key of the experiment"):
             _call(call())
+    with pytest.raises(TrialNotRegisteredError):
+        _steps(actor, "stranger")  # a proxy reaches its own run only
     assert _call(actor.registered(SECRET))["trials"] == ["a"]
-    assert actor._trials.get("a").token == "tok"  # the owner's registration is untouched
     assert _call(actor.deregister("a", "stranger")) is False
     assert _call(actor.registered(SECRET))["trials"] == ["a"]
-    assert len(_call(actor.train("a", SECRET, 1))) == 1  # the driver may act for a trial
-    assert _call(actor.deregister("a", SECRET)) is True
+    assert len(_steps(actor, "tok")) == 1  # the owner's run is untouched
+    assert _call(actor.deregister("a", SECRET)) is True  # the driver may stop any trial
 
 
 def test_a_released_factory_says_the_experiment_ended(actor: Any) -> None:
-    _call(actor.register("a", "tok", BLOB, {"lr": 0.01}, secret=SECRET))
+    _start(actor, "a", "tok", {"lr": 0.01})
     _call(actor.release_factory(SECRET, BLOB))
     backup = dict(FACTORIES)
     FACTORIES.clear()  # the driver freed it in the cluster store too
     try:
         with pytest.raises(TaskFactoryError, match="experiment ended"):
-            _call(actor.register("b", "tok", BLOB, {"lr": 0.01}, secret=SECRET))
-        assert len(_call(actor.train("a", "tok", 1))) == 1  # registered trials go on
+            _start(actor, "b", "tok2", {"lr": 0.01})
+        assert len(_steps(actor, "tok")) == 1  # started trials go on
     finally:
         FACTORIES.update(backup)
 
@@ -386,17 +403,18 @@ def test_a_factory_wait_is_aborted_by_its_owner_or_the_driver(tmp_path: Path) ->
 
     async def scenario(aborter: str) -> BaseException:
         started = tmp_path / f"started-{aborter}"
-        reg = asyncio.ensure_future(
-            a.register("k", "tok", "h", {"hang": True, "started": str(started)}, secret=SECRET)
-        )
+        config = {"hang": True, "started": str(started)}
+        reg = asyncio.ensure_future(a.cls_start("k", "tok", "h", config, None, SECRET, {}))
         while not started.exists():
             await asyncio.sleep(0.05)
         with pytest.raises(TrialNotRegisteredError):
-            await a.cancel("k", "stranger")  # not its owner
+            await a.cancel("k", "stranger")  # not its experiment's driver
         if aborter == "driver":
             assert await a.abort_builds(SECRET) == 1
+        elif aborter == "scheduler":
+            await a.cancel("k", SECRET)  # Tune stopped or paused it
         else:
-            await a.cancel("k", "tok")
+            await a.cls_end("tok")  # its proxy's cleanup
         try:
             await asyncio.wait_for(reg, 10)
         except BaseException as err:
@@ -404,7 +422,7 @@ def test_a_factory_wait_is_aborted_by_its_owner_or_the_driver(tmp_path: Path) ->
         raise AssertionError("the registration was not aborted")
 
     try:
-        for aborter in ("owner", "driver"):
+        for aborter in ("owner", "driver", "scheduler"):
             err = _call(scenario(aborter))
             assert isinstance(err, EngineUnavailableError) and "stopped while" in str(err)
         assert _call(a.registered(SECRET))["trials"] == []
@@ -417,7 +435,7 @@ def test_a_hung_factory_times_out() -> None:
     a = EngineActor(ENGINE, {"seed": 5}, factories=hang, secret=SECRET, factory_timeout_s=0.5)
     try:
         with pytest.raises(TaskFactoryTimeoutError, match=r"within 0\.5 s"):
-            _call(a.register("k", "tok", "h", {"hang": True}, secret=SECRET))
+            _start(a, "k", "tok", {"hang": True}, factory="h")
     finally:
         _call(a.close(SECRET))
 
@@ -428,18 +446,16 @@ def test_a_module_level_model_is_refused_live_or_reused() -> None:
     shared = {"s": cloudpickle.dumps(tune_tasks.make_shared_task)}
     a = EngineActor(ENGINE, {"seed": 5}, factories=shared, secret=SECRET)
     try:
-        _call(a.register("t1", "tok", "s", {"lr": 0.01}, secret=SECRET))
+        _start(a, "t1", "tok", {"lr": 0.01}, factory="s")
         with pytest.raises(SharedModelError, match="inside make_task") as info:
-            _call(a.register("t2", "tok", "s", {"lr": 0.02}, secret=SECRET))
+            _start(a, "t2", "tok2", {"lr": 0.02}, factory="s")
         assert not isinstance(info.value, ReusedModelError)  # t1 is live: the engine says
-        _call(a.train("t1", "tok", 1))
-        assert _call(a.deregister("t1", "tok")) is True
+        _steps(a, "tok")
+        assert _call(a.deregister("t1", "tok")) is True  # its run ends
         with pytest.raises(ReusedModelError, match=r"trial 't1' already trained"):
-            _call(a.register("t3", "tok", "s", {"lr": 0.02}, secret=SECRET))
+            _start(a, "t3", "tok3", {"lr": 0.02}, factory="s")
         assert _call(a.registered(SECRET))["trials"] == []
-        _call(
-            a.register("t1", "tok2", "s", {"lr": 0.01}, secret=SECRET)
-        )  # the same trial again: allowed
+        _start(a, "t1", "tok4", {"lr": 0.01}, factory="s")  # the same trial again: allowed
     finally:
         _call(a.close(SECRET))
 
@@ -591,24 +607,26 @@ def test_systematic_mistakes_are_marked_and_config_ones_are_not() -> None:
     a = EngineActor(ENGINE, {"seed": 5}, factories=factories, secret=SECRET)
     try:
         with pytest.raises(NotATaskError) as info:
-            _call(a.register("t1", "tok", "make_no_task", {"lr": 0.01}, secret=SECRET))
+            _start(a, "t1", "tok1", {"lr": 0.01}, factory="make_no_task")
         err = info.value
         assert isinstance(err, TaskFactoryError) and isinstance(err, TypeError)
         assert err.trial == "t1" and "returned NoneType, not a tune_hydra.ModelTask" in str(err)
         assert "function trainable passed by mistake" in str(err)
         assert "experiment stops at the first one" in str(err)
         with pytest.raises(NotATaskError, match="function trainable"):
-            _call(a.register("t2", "tok", "hidden_train_fn", {"lr": 0.01}, secret=SECRET))
+            _start(a, "t2", "tok2", {"lr": 0.01}, factory="hidden_train_fn")
+        _start(a, "t3", "tok3", {"lr": 0.01}, factory="make_net_task")
         with pytest.raises(UncuttableModelError, match=r"nn\.Sequential") as cut:
-            _call(a.register("t3", "tok", "make_net_task", {"lr": 0.01}, secret=SECRET))
+            _steps(a, "tok3")  # cut on its first batch
         # a search space may choose the architecture: that trial alone
         assert isinstance(cut.value, InvalidModelError)
         assert not isinstance(cut.value, SystematicTaskError)
         assert "trial t3:" in str(cut.value) and "the other trials go on" in str(cut.value)
         # config-dependent: that trial alone
-        for config in ({"fail": "factory"}, {"width": 512}):
+        for i, config in enumerate(({"fail": "factory"}, {"width": 512})):
             with pytest.raises(Exception) as other:
-                _call(a.register("t4", "tok", "make_task", config, secret=SECRET))
+                _start(a, "t4", f"tok4{i}", config, factory="make_task")
+                _steps(a, f"tok4{i}")
             assert not isinstance(other.value, SystematicTaskError)
         assert isinstance(other.value, ShardTooLargeError)
         # with the budget to give (issue 32), as it reaches the trial
@@ -617,11 +635,9 @@ def test_systematic_mistakes_are_marked_and_config_ones_are_not() -> None:
         # what tune.with_parameters around the trainable sends: keyword arguments
         data = tune_tasks.dataset(n_batches=2)
         factories["with"] = cloudpickle.dumps(tune_tasks.make_task_with)  # the store
-        assert (
-            _call(a.register("t5", "tok", "with", {"lr": 0.01}, {"data": data}, secret=SECRET)) == 2
-        )
-        assert len(_call(a.train("t5", "tok", 1))) == 1
-        assert _call(a.registered(SECRET))["trials"] == ["t5"]
+        _start(a, "t5", "tok5", {"lr": 0.01}, {"data": data}, factory="with")
+        assert [r["num_shards"] for r in _steps(a, "tok5")] == [2]
+        assert "t5" in _call(a.registered(SECRET))["trials"]
     finally:
         _call(a.close(SECRET))
 
@@ -772,10 +788,10 @@ def test_restore_refuses_a_planted_dict_checkpoint_before_ray_unpickles_it(
 
     from tune_hydra.exceptions import CheckpointError, ForeignCheckpointFileError
 
-    _call(actor.register("a", "t", BLOB, {"lr": 0.01}, secret=SECRET))
-    _call(actor.train("a", "t", 1))
+    _start(actor, "a", "t", {"lr": 0.01})
+    _steps(actor, "t")
     ckpt = tmp_path / "checkpoint_000000"
-    _call(actor.save("a", "t", str(ckpt)))
+    _call(actor.cls_call("t", "save_checkpoint", (str(ckpt),), {}))
     marker = tmp_path / "payload-ran"
     (ckpt / _DICT_CHECKPOINT_FILE_NAME).write_bytes(pickle.dumps(_Payload(marker)))
     given: Any = str(ckpt)
@@ -808,7 +824,7 @@ def test_an_engine_lost_mid_train_is_the_engine_unavailable_error(
             return "ref"
 
     class _Engine:
-        train = _Method()
+        cls_call = _Method()
 
     def unavailable(ref: Any, **kw: Any) -> Any:
         raise ray.exceptions.ActorUnavailableError("The actor is temporarily unavailable", None)
@@ -821,6 +837,7 @@ def test_an_engine_lost_mid_train_is_the_engine_unavailable_error(
     monkeypatch.setattr(ray, "get_runtime_context", lambda: _Context())
     proxy = _bare_proxy()
     proxy._actor = _Engine()
-    with pytest.raises(EngineUnavailableError, match=r"(?s)node-1.*'train'.*max_failures") as info:
-        proxy._call("train", "a", "tok", 1, retry=False)
+    lost = r"(?s)node-1.*'cls_call'.*max_failures"
+    with pytest.raises(EngineUnavailableError, match=lost) as info:
+        proxy._call("cls_call", "tok", "step", (), {}, retry=False)
     assert not isinstance(info.value, ray.exceptions.RayError)

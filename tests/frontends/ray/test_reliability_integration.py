@@ -175,32 +175,33 @@ def test_another_executor_cannot_touch_this_ones_trials(ray_session: Any) -> Non
         node = next(iter(mine.engines()))
         handle = mine.engines()[node]
         config = {"lr": 0.01}
-        assert ray.get(handle.register.remote("k", "tok", factory_id, config, None, mine._secret))
+        ray.get(handle.cls_start.remote("k", "tok", factory_id, config, None, mine._secret, {}))
         # the other experiment's driver finds the actor by name, but cannot use it
         stranger = ray.get_actor(engine_actor_name(mine.run_id, node))
         assert ray.get(stranger.deregister.remote("k", other._secret)) is False
         assert ray.get(stranger.deregister.remote("k", "guess")) is False
+        assert ray.get(stranger.cls_end.remote("guess")) is False  # no run of that proxy
         for call in (
             stranger.cancel.remote("k", other._secret),
             stranger.set_remaining.remote("k", other._secret, 3),
             stranger.registered.remote(other._secret),
-            stranger.train.remote("k", other._secret, 1),
-            stranger.save.remote("k", "guess", "/tmp/x"),
+            stranger.cls_call.remote("guess", "step", (), {}),
+            stranger.cls_call.remote("guess", "save_checkpoint", ("/tmp/x",), {}),
             # issue 23, item 6: reading the timeline and figures, closing the engine, and
-            # re-registering the owner's trial id under another token
+            # re-starting the owner's trial id under another token
             stranger.trace.remote(),
             stranger.summary.remote(other._secret),
             stranger.close.remote("guess"),
-            stranger.register.remote("k", "evil", factory_id, config),
-            stranger.register.remote("k", "evil", factory_id, config, None, other._secret),
+            stranger.cls_start.remote("k", "evil", factory_id, config, None, "", {}),
+            stranger.cls_start.remote("k", "evil", factory_id, config, None, other._secret, {}),
         ):
             with pytest.raises(ray.exceptions.RayTaskError) as info:
                 ray.get(call)
             assert isinstance(info.value.cause, TrialNotRegisteredError)
         with pytest.raises(ray.exceptions.RayTaskError, match="key of the experiment"):
-            ray.get(stranger.register.remote("k", "evil", factory_id, config))
-        # the owner's trial is untouched and trains (not "queued work was cancelled")
-        assert [r["iteration"] for r in ray.get(handle.train.remote("k", "tok", 1))] == [1]
+            ray.get(stranger.cls_start.remote("k", "evil", factory_id, config, None, "", {}))
+        # the owner's trial is untouched and trains
+        assert ray.get(handle.cls_call.remote("tok", "step", (), {}))["epoch"] == 1
         assert len(mine.trace().events) > 0 and mine.summary()[node]["devices"]
         assert mine.registered_trials()[node]["trials"] == ["k"]
         assert ray.get(handle.deregister.remote("k", "tok")) is True
@@ -345,7 +346,7 @@ def test_another_driver_cannot_read_or_replace_the_factory(
         kv._internal_kv_put(key, cloudpickle.dumps(Payload()), namespace="tune_hydra")
         handle = next(iter(mine.engines().values()))
         with pytest.raises(ray.exceptions.RayTaskError, match="not sealed with the experiment"):
-            ray.get(handle.register.remote("k", "tok", factory_id, {}, None, mine._secret))
+            ray.get(handle.cls_start.remote("k", "tok", factory_id, {}, None, mine._secret, {}))
         assert not marker.exists()
         mine.release(trainable)
 

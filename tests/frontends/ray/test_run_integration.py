@@ -140,7 +140,7 @@ def test_failing_trials_error_alone(ray_session: Any, storage: str) -> None:
         "factory": ["factory exploded on purpose", "Factory traceback", "make_task"],
         "nan": ["nan"],
         "big": ["ShardTooLargeError", "Raise device_memory"],
-        "raise": ["injected failure", "Original traceback", "tune_tasks.py"],
+        "raise": ["injected failure", "training its task", "tune_tasks.py"],
     }
     for case, needles in expected.items():
         trial = by_case[case]

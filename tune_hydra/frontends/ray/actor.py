@@ -1,13 +1,13 @@
 """The engine actor: one async Ray actor per node, hosting one :class:`Engine` for every
 trial that runs on that node.
 
-Why an *async* actor: each trial's ``step`` awaits its engine future, so many trials wait
-at once while the engine interleaves their shard operations on the node's devices (a
-synchronous actor would serialise the trials completely). Compute never runs inside a
-coroutine: the engine runs it in its own device threads, and slow control work (building a
-model, reading or writing a checkpoint) runs in a small thread pool, so the event loops stay
-responsive. Control calls use their own concurrency group, so a burst of ``train`` calls
-never delays a ``save`` or ``deregister``.
+Every trial runs in a thread of this process: a task factory's and a class trainable's
+as a class run (:mod:`tune_hydra.frontends.ray.classes`), a function trainable's as a
+function run (:mod:`tune_hydra.frontends.ray.function`). Why an *async* actor: each
+trial's proxy awaits its run's next result, so many trials wait at once while the engine
+interleaves their shard operations on the node's devices. Compute never runs inside a
+coroutine, and control calls use their own concurrency group, so a burst of ``step``
+calls never delays a ``deregister``.
 
 This module imports neither torch nor the engine at import time: trial processes import it
 (for the actor's name) and must stay light.
@@ -32,22 +32,15 @@ from typing import Any
 import ray
 
 from tune_hydra.exceptions import TuneHydraError
-from tune_hydra.frontends.build import Trial, TrialSet, check_task
-from tune_hydra.frontends.checkpoint import EngineTask, restore_trial, save_trial
 from tune_hydra.frontends.failures import portable
-from tune_hydra.frontends.ray.builds import PendingBuilds
 from tune_hydra.frontends.ray.class_relay import ClassRelay
-from tune_hydra.frontends.ray.errors import (
-    RETRY,
-    EngineUnavailableError,
-    NotOwnerError,
-    TrialNotRegisteredError,
-)
+from tune_hydra.frontends.ray.errors import NotOwnerError
 from tune_hydra.frontends.ray.factories import BoundFactory as BoundFactory  # its old home
 from tune_hydra.frontends.ray.factories import FactoryCache, closure
 from tune_hydra.frontends.ray.function_relay import FunctionRelay
-from tune_hydra.frontends.ray.hints import NO_MILESTONE, TrialHints
+from tune_hydra.frontends.ray.hints import TrialHints
 from tune_hydra.frontends.ray.names import engine_actor_name as engine_actor_name
+from tune_hydra.frontends.ray.task_trainable import PendingBuilds, TaskTrainable
 from tune_hydra.options import EngineOptions
 
 CONTROL_GROUP = "control"
@@ -184,12 +177,12 @@ class EngineActor:
     """Hosts one engine for the trials of one node. Created by
     :class:`~tune_hydra.HydraExecutor`; not meant to be used directly.
 
-    Its jobs have owners of their own: the trials it trains are a
-    :class:`~tune_hydra.frontends.build.TrialSet` (building, naming, guarding their
-    models), their checkpoints are :mod:`tune_hydra.frontends.checkpoint`'s, the
-    experiments' factories a :class:`~tune_hydra.frontends.ray.factories.FactoryCache`,
-    the factories still running :class:`~tune_hydra.frontends.ray.builds.PendingBuilds`,
-    the driver's hints a :class:`~tune_hydra.frontends.ray.hints.TrialHints`, and the
+    Its jobs have owners of their own: a task factory's trial is a
+    :class:`~tune_hydra.frontends.ray.task_trainable.TaskTrainable` (building, guarding
+    and training its task, its checkpoints), the experiments' factories a
+    :class:`~tune_hydra.frontends.ray.factories.FactoryCache`, the factories still running
+    :class:`~tune_hydra.frontends.ray.task_trainable.PendingBuilds`, the driver's hints a
+    :class:`~tune_hydra.frontends.ray.hints.TrialHints`, and the
     trials that train themselves in threads of this process a
     :class:`~tune_hydra.frontends.ray.function_relay.FunctionRelay` (function trainables)
     and a :class:`~tune_hydra.frontends.ray.class_relay.ClassRelay` (class trainables).
@@ -197,7 +190,7 @@ class EngineActor:
 
     Args:
         engine_options: the options of the engine (``Engine(**engine_options.kwargs())``).
-        task_options: keyword arguments of ``Engine.add_task`` shared by every trial (seed,
+        task_options: the task options shared by every factory's trial (seed,
             max_grad_norm, accumulate_steps, precision, iteration_batches).
         engine_class: ``"module:Class"`` of the engine (tests may swap in a stub).
         torch_threads: ``torch.set_num_threads`` for CPU work; None leaves torch's default.
@@ -233,7 +226,6 @@ class EngineActor:
         self._secret = secret
         self._factory_timeout_s = factory_timeout_s
         self._engine: Any = None
-        self._trials: TrialSet | None = None  # with the engine
         self._lock = threading.RLock()  # the engine may be asked for from several threads
         self._hints = TrialHints()
         self._milestones_given = 0  # set_milestone calls that reached the engine
@@ -256,12 +248,7 @@ class EngineActor:
                 module, _, attr = self._engine_class.partition(":")
                 cls = getattr(importlib.import_module(module), attr)
                 self._engine = cls(**self._engine_options.kwargs())
-                self._trials = TrialSet(self._engine, self._task_options)
             return self._engine
-
-    def _trial(self, key: str) -> Trial | None:
-        trials = self._trials
-        return trials.get(key) if trials is not None else None
 
     async def _offload(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """Run blocking work in the control pool, re-raising errors Ray can ship."""
@@ -284,93 +271,12 @@ class EngineActor:
     def _is_driver(self, token: str) -> bool:
         return bool(self._secret) and hmac.compare_digest(str(token), self._secret)
 
-    def _owned(self, key: str, token: str) -> Trial:
-        reg = self._trial(key)
-        if reg is not None and self._is_driver(token):
-            return reg  # the executor's own driver
-        if reg is None or reg.token != token:
-            why = (
-                "the engine does not know it (the engine actor restarted, or the trial "
-                "was deregistered)"
-                if reg is None
-                else "a newer copy of the trial took it over"
-            )
-            raise TrialNotRegisteredError(
-                f"trial {key!r} is not registered with this engine: {why}. {RETRY}; set "
-                f"checkpoint_freq/checkpoint_config so that nothing is lost."
-            )
-        return reg
-
-    def _add(self, key: str, token: str, task: Any, config: dict[str, Any], factory_id: str) -> int:
-        """Check the trial's freshly built task and add it to the engine, replacing any
-        older copy of the trial (blocking); returns its number of shards."""
-        self._ensure_engine()
-        assert self._trials is not None
-
-        def trainable() -> str | None:
-            factory = self._factories.cached(factory_id)
-            return tune_report_call(factory) if factory is not None else None
-
-        task = check_task(task, key, trainable=trainable)
-        trial, shards = self._trials.add(key, task, token=token, config=config)
-        hint, milestone = self._hints.get(key)
-        if hint is not None:
-            self._engine.set_remaining(trial.name, hint)
-        if milestone is not NO_MILESTONE:
-            self._engine.set_milestone(trial.name, milestone)
-            self._milestones_given += 1
-        return shards
-
     # ------------------------------------------------------------ actor methods
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def start(self) -> dict[str, Any]:
         """Build the engine now (so bad options fail at start, not in the first trial)."""
         await self._offload(self._ensure_engine)
         return {"node_id": ray.get_runtime_context().get_node_id(), "pid": os.getpid()}
-
-    @ray.method(concurrency_group=CONTROL_GROUP)
-    async def register(
-        self,
-        key: str,
-        token: str,
-        factory_id: str,
-        config: dict[str, Any],
-        params: dict[str, Any] | None = None,
-        secret: str = "",
-    ) -> int:
-        """Build trial ``key``'s task with the experiment's factory ``factory_id`` and add
-        it to the engine; it replaces any older registration of ``key`` (a retried or
-        newer copy of the trial) and belongs to ``token`` from now on. Returns the number
-        of shards.
-
-        The factory runs in its own thread, on a private RNG (no lock is held, so a slow
-        factory delays no other trial), awaited at most ``factory_timeout_s`` or until
-        the trial is cancelled. ``params``: keyword arguments for the factory from
-        ``tune.with_parameters`` around the trainable (``ObjectRef``s, fetched once per
-        engine, or values). ``secret``: the experiment's secret; a registration without
-        it (another experiment's driver re-registering one of our trial ids) is refused
-        before it touches anything.
-
-        Raises:
-            NotOwnerError: ``secret`` is not the experiment's.
-            NotATaskError: the factory returned no ModelTask (systematic).
-            UncuttableModelError: the model's type cannot be cut (this trial alone).
-        """
-        from tune_hydra.engine.registration.factory import start_factory
-
-        self._driver(secret)  # before anything: the owner's trial keeps running
-        factory = await self._offload(self._factories.bind, factory_id, params or {})
-        what = f"trial {key} (config {config!r})"
-        future = start_factory(
-            factory, dict(config), what=what, seed=self._task_options.get("seed")
-        )
-        try:
-            task = await self._builds.wait(
-                key, token, future, timeout_s=self._factory_timeout_s, what=what
-            )
-        except TuneHydraError as err:
-            raise portable(err) from None
-        return int(await self._offload(self._add, key, token, task, config, factory_id))
 
     # ------------------------------------------------------ function trainables
     @ray.method(concurrency_group=CONTROL_GROUP)
@@ -453,6 +359,20 @@ class EngineActor:
         self._driver(secret)
         bound = await self._offload(self._factories.bind, factory_id, params or {})
         cls, values = await self._offload(class_and_parameters, bound)
+        if not isinstance(cls, type):  # a task factory: its canned class trainable
+            task = dict(context.get("task") or {})
+            cls, values = (
+                TaskTrainable.for_factory(
+                    bound,
+                    task_options=self._task_options,
+                    builds=self._builds,
+                    timeout_s=self._factory_timeout_s,
+                    trials=self._functions,
+                    required=tuple(task.get("required") or ()),
+                    checkpoint=task.get("checkpoint"),
+                ),
+                {},
+            )
         engine = await self._offload(self._ensure_engine)
         await self._classes.start(
             cls,
@@ -495,12 +415,6 @@ class EngineActor:
         return await self._classes.end(token)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def task_metrics(self, key: str, token: str) -> list[str]:
-        """The names of the trial's task's own ``metrics`` (its results carry them)."""
-        reg = self._owned(key, token)
-        return self._ensure_engine().metric_names(reg.name)
-
-    @ray.method(concurrency_group=CONTROL_GROUP)
     async def abort_builds(self, secret: str) -> int:
         """Stop waiting for every factory still running (the driver was interrupted), so
         that those trials end at once instead of when their factories return. Returns how
@@ -515,58 +429,6 @@ class EngineActor:
         self._driver(secret)
         self._factories.release(factory_id)
 
-    async def train(self, key: str, token: str, iterations: int = 1) -> list[dict[str, Any]]:
-        """Train ``iterations`` iterations of the trial; one metrics dict per iteration."""
-        reg = self._owned(key, token)
-        try:
-            fut = self._ensure_engine().train(reg.name, iterations)
-        except TuneHydraError as err:
-            raise portable(err) from None
-        try:
-            return list(await asyncio.wrap_future(fut))
-        except (asyncio.CancelledError, concurrent.futures.CancelledError):
-            # A cancelled asyncio task would read as a Ray task cancellation; say why.
-            now = self._trial(key)
-            if now is not None and now.token != token:
-                raise TrialNotRegisteredError(
-                    f"trial {key!r}: a newer copy of this trial (of the same experiment: "
-                    f"Tune retried or re-created it) registered it again, which dropped "
-                    f"this copy's queued work"
-                ) from None
-            raise EngineUnavailableError(
-                f"trial {key!r}: its queued work was cancelled (Tune stopped or paused it, "
-                f"or it was deregistered)"
-            ) from None
-        except TuneHydraError as err:
-            raise portable(err) from None
-
-    @ray.method(concurrency_group=CONTROL_GROUP)
-    async def save(self, key: str, token: str, path: str) -> dict[str, Any]:
-        """Write the trial's checkpoint files into ``path`` (a directory on this node)."""
-        reg = self._owned(key, token)
-        return dict(
-            await self._offload(
-                save_trial,
-                EngineTask(self._engine, reg.name),
-                path,
-                trial_id=reg.key,
-                config=reg.config,
-            )
-        )
-
-    @ray.method(concurrency_group=CONTROL_GROUP)
-    async def load(self, key: str, token: str, path: str) -> None:
-        """Restore the trial from the checkpoint directory ``path`` (written under another
-        config, a PBT exploit, it keeps this trial's hyperparameters)."""
-        reg = self._owned(key, token)
-        await self._offload(
-            restore_trial,
-            EngineTask(self._engine, reg.name),
-            path,
-            trial_id=reg.key,
-            config=reg.config,
-        )
-
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def set_remaining(self, key: str, secret: str, iterations: int) -> None:
         """LRTF hint from the driver: iterations the trial still has after those already
@@ -574,11 +436,6 @@ class EngineActor:
         self._driver(secret)
         self._hints.set_remaining(key, int(iterations))
         self._functions.hint(key, remaining=int(iterations))
-        reg = self._trial(key)
-        if reg is not None and self._engine is not None:
-            # The task may go away meanwhile; a hint is not worth an error.
-            with contextlib.suppress(TuneHydraError):
-                self._engine.set_remaining(reg.name, int(iterations))
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def set_milestone(self, key: str, secret: str, iterations: int | None) -> None:
@@ -590,53 +447,37 @@ class EngineActor:
         self._hints.set_milestone(key, value)
         if self._functions.hint(key, milestone=value):
             self._milestones_given += 1
-        reg = self._trial(key)
-        if reg is not None and self._engine is not None:
-            with contextlib.suppress(TuneHydraError):  # as set_remaining: not worth an error
-                self._engine.set_milestone(reg.name, value)
-                self._milestones_given += 1
 
     @ray.method(concurrency_group=CONTROL_GROUP)
-    async def cancel(self, key: str, token: str) -> None:
-        """Drop the trial's granted-but-unstarted work (Tune stopped or paused it), or stop
-        waiting for its factory if it is still being built; needs the trial's token or the
-        executor's secret."""
-        self._builds.abort(key, token)
-        reg = self._trial(key)
-        if reg is None:
-            return
-        self._owned(key, token)
-        if self._engine is not None:
-            with contextlib.suppress(TuneHydraError):
-                self._engine.cancel(reg.name)
+    async def cancel(self, key: str, secret: str) -> None:
+        """Tune stopped or paused trial ``key``: stop waiting for its factory if it is
+        still being built (its setup then fails); for the executor's driver only (a
+        trial's proxy ends its own wait with its cleanup). A trial between two steps has
+        no work queued in the engine."""
+        self._driver(secret)
+        self._builds.abort(key, secret)
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def deregister(self, key: str, token: str, completed: bool = False) -> bool:
-        """Forget trial ``key`` if ``token`` owns it (or is the executor's secret). True if
-        removed; False for a trial that is not registered or belongs to someone else.
-        ``completed``: the trial completed (the driver's callback), which leaves a class
-        trainable's instance to its proxy (Tune may reset it for another trial)."""
+        """Stop trial ``key``'s run if ``token`` owns it (or is the executor's secret).
+        True if it was stopped; False for a trial that does not run here or belongs to
+        someone else. ``completed``: the trial completed, which leaves a class
+        trainable's run (a task factory's too) to its proxy (Tune may reset it for
+        another trial)."""
         stopped = self._functions.stop(key, token, completed)
-        if stopped:  # the function trial ended: its hints go with it
+        if stopped:  # the trial ended: its hints go with it
             self._hints.forget(key)
-        reg = self._trial(key)
-        if reg is None or not (reg.token == token or self._is_driver(token)):
-            return stopped
-        assert self._trials is not None
-        removed = await self._offload(self._trials.remove, key, only=reg)
-        if removed is None:
-            return False  # a newer copy took it over meanwhile
-        self._hints.forget(key)
-        return True
+            with contextlib.suppress(TuneHydraError):  # someone else's: theirs to stop
+                self._builds.abort(key, token)
+        return stopped
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def registered(self, secret: str) -> dict[str, list[str]]:
-        """``{"trials": registered trial ids, "engine_tasks": the engine's task names}``
-        (for the executor's driver only)."""
+        """``{"trials": the trial ids with a run here, "engine_tasks": the engine's task
+        names}`` (for the executor's driver only)."""
         self._driver(secret)
-        trials = self._trials.keys() if self._trials is not None else []
         tasks = sorted(self._engine.tasks()) if self._engine is not None else []
-        return {"trials": trials, "engine_tasks": tasks}
+        return {"trials": self._functions.running(), "engine_tasks": tasks}
 
     @ray.method(concurrency_group=CONTROL_GROUP)
     async def trace(self, secret: str = "") -> list[Any]:
@@ -676,6 +517,3 @@ class EngineActor:
         if self._engine is not None:
             await self._offload(self._engine.close)
             self._engine = None
-        if self._trials is not None:
-            self._trials.clear()
-            self._trials = None

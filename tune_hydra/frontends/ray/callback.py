@@ -56,15 +56,21 @@ _LOCK = threading.Lock()
 
 
 def _class_trial(trial: Any) -> bool:
-    """Whether ``trial`` runs a class trainable (its checkpoints are the user's, as Tune
-    asks for them: ``HydraExecutor(checkpoint=...)`` adds none)."""
+    """Whether ``trial`` runs a user's class trainable (its checkpoints are the user's, as
+    Tune asks for them: ``HydraExecutor(checkpoint=...)`` adds none; a task factory's
+    canned class is ours)."""
     from tune_hydra.frontends.ray.classes import HydraClassTrainable
+    from tune_hydra.frontends.ray.trainable import HydraTrainable
 
     try:
         cls = trial.get_trainable_cls()
     except Exception:  # not registered in this process: not ours
         return False
-    return isinstance(cls, type) and issubclass(cls, HydraClassTrainable)
+    return (
+        isinstance(cls, type)
+        and issubclass(cls, HydraClassTrainable)
+        and not issubclass(cls, HydraTrainable)
+    )
 
 
 def check_checkpoint(checkpoint: Any) -> str | None:

@@ -79,7 +79,16 @@ class ClassRelay:
         if old is not None:
             old.stop()
         self._functions.launch(key, run)
-        await self._result(run.call("setup"))
+        try:
+            await self._result(run.call("setup"))
+        except BaseException:
+            # Nothing to train: the run ends now rather than at its proxy's cleanup.
+            with self._lock:
+                if self._runs.get(token) is run:
+                    del self._runs[token]
+            self._functions.discard(run)
+            run.stop()
+            raise
 
     def _run(self, token: str) -> ClassRun:
         with self._lock:
@@ -119,7 +128,9 @@ class ClassRelay:
         what ``reset_config`` returned."""
         run = self._run(token)
         old_key = run.key
-        ok = bool(await self._result(run.call("reset", (dict(config), context), counters)))
+        ok = bool(
+            await self._result(run.call("reset", (dict(config), context, new_key), counters))
+        )
         if ok and new_key != old_key:
             self._functions.rekey(run, old_key, new_key)
         return ok
@@ -131,6 +142,7 @@ class ClassRelay:
             run = self._runs.get(token)
         if run is None:
             return False
+        run.abort_setup()  # a factory still running: the stop need not wait for it
         try:
             await self._result(run.call("stop"))
         finally:

@@ -49,6 +49,7 @@ from ray import tune
 from ray.tune.result import TRIAL_INFO
 
 from tune_hydra.exceptions import SystematicTaskError, TuneHydraError
+from tune_hydra.frontends.ray.client import EngineClient
 from tune_hydra.frontends.ray.errors import (
     RETRY,
     NoShardError,
@@ -56,7 +57,6 @@ from tune_hydra.frontends.ray.errors import (
     TrialNotRegisteredError,
 )
 from tune_hydra.frontends.ray.function import _UNSET, FunctionRun
-from tune_hydra.frontends.ray.trainable import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -149,6 +149,8 @@ class ClassRun(FunctionRun):
         self._jobs: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._open = True  # takes jobs (under self._lock)
         self._cleaned = False  # the user's cleanup ran
+        # Ends what a setup in progress waits for (a task factory's call), set by it.
+        self.on_abort: Any = None
 
     def _name(self) -> str:
         return repr(getattr(self.fn, "__name__", "Trainable"))
@@ -185,7 +187,19 @@ class ClassRun(FunctionRun):
         """End the run from outside (never blocks): a call in progress ends at its next
         forward, the user's ``cleanup`` runs, the thread ends."""
         super().stop()
+        self.abort_setup()
         self._jobs.put(None)
+
+    def abort_setup(self) -> None:
+        """Stop waiting for what a ``setup`` in progress waits for (a task factory)."""
+        hook = self.on_abort
+        if hook is not None:
+            try:
+                hook()
+            except Exception:
+                logger.warning(
+                    "tune_hydra: aborting trial %s's setup failed", self.key, exc_info=True
+                )
 
     def _gone(self) -> TrialNotRegisteredError:
         return TrialNotRegisteredError(
@@ -266,7 +280,8 @@ class ClassRun(FunctionRun):
             self._measure()
             return result
         if method == "reset":
-            config, context = args
+            config, context, new_key = args
+            old_key, self.key = self.key, new_key  # the instance's reset builds for it
             self.trial_info = context.get("trial_info")
             self.storage = context.get("storage")
             self.cwd = context.get("cwd")
@@ -274,7 +289,13 @@ class ClassRun(FunctionRun):
                 self._milestone = _UNSET
                 self._remaining = None
             new_config = {**config, TRIAL_INFO: self.trial_info}
-            return bool(instance.reset(new_config, storage=self.storage))
+            ok = False
+            try:
+                ok = bool(instance.reset(new_config, storage=self.storage))
+            finally:
+                if not ok:
+                    self.key = old_key
+            return ok
         if method == "stop":
             self._cleaned = True
             instance.stop()  # Tune's Trainable.stop: the user's cleanup()
@@ -295,14 +316,19 @@ class ClassRun(FunctionRun):
         self.instance = cls(config=config, storage=self.storage)
 
     def _error(self, method: str, err: BaseException) -> BaseException:
-        if isinstance(err, (SystematicTaskError, TrialFunctionError)):
-            return err
+        canned = getattr(self.fn, "describe_call", None)  # a task factory's trial
+        if isinstance(err, (SystematicTaskError, TrialFunctionError)) or (
+            canned is not None and isinstance(err, TuneHydraError)
+        ):
+            return err  # tune_hydra's own error says what to do
         text = "".join(traceback.format_exception(err))
-        what = "__init__/setup" if method == "setup" else method
-        return TrialFunctionError(
-            f"trial {self.key}: {what}() of the class trainable {self._name()} raised in the "
-            f"engine process:\n{text}"
+        what = (
+            canned(method)
+            if canned is not None
+            else f"{'__init__/setup' if method == 'setup' else method}() of the class "
+            f"trainable {self._name()}"
         )
+        return TrialFunctionError(f"trial {self.key}: {what} raised in the engine process:\n{text}")
 
 
 # ------------------------------------------------------------------- trial process side
@@ -314,7 +340,7 @@ class HydraClassTrainable(EngineClient, tune.Trainable):
     ``setup`` (``step``, or ``load_checkpoint`` of a restore), with an ownership token:
     Tune may build a proxy it throws away (PBT, ``reuse_actors``).
 
-    Class attributes: as :class:`~tune_hydra.frontends.ray.trainable.HydraTrainable`'s
+    Class attributes: as :class:`~tune_hydra.frontends.ray.client.EngineClient`'s
     (``_factory_id`` names the stored class); ``_name`` the user's class name (Tune names
     the experiment with it); ``_has_reset_config``: the user's class overrides
     ``reset_config``.

@@ -52,6 +52,7 @@ import threading
 import traceback
 import uuid
 from collections import deque
+from collections.abc import Callable
 from numbers import Number
 from typing import Any, ClassVar
 
@@ -60,12 +61,12 @@ from ray.tune.result import DEFAULT_METRIC, RESULT_DUPLICATE
 from ray.tune.trainable.function_trainable import FunctionTrainable
 
 from tune_hydra.exceptions import SystematicTaskError
+from tune_hydra.frontends.ray.client import EngineClient
 from tune_hydra.frontends.ray.errors import (
     NoShardError,
     ReportThreadError,
     TrialFunctionError,
 )
-from tune_hydra.frontends.ray.trainable import EngineClient
 
 logger = logging.getLogger(__name__)
 
@@ -246,6 +247,9 @@ class FunctionRun:
         self._per_report: dict[str, float] = {}  # name -> ops between two reports
         self._milestone: Any = _UNSET  # reports to the next milestone (None: none left)
         self._remaining: int | None = None  # reports after the current one
+        # The ops a report of a new loop will take, where the trial knows it before the
+        # loop's first report (a task factory's loop: from its task and cut).
+        self.guess: Callable[[Any], float | None] | None = None
 
     # -- Ray's session attributes ----------------------------------------------------
     @property
@@ -316,8 +320,11 @@ class FunctionRun:
     # -- the engine's hints: Tune's budget and milestones, in ops of the loops ----------
     def add_loop(self, loop: Any) -> None:
         """``EngineScope.on_loop``: a loop of the function was cut and registered."""
+        per = self.guess(loop) if self.guess is not None else None
         with self._lock:
             self._loops[loop.name] = (loop, loop.iteration)
+            if per is not None:
+                self._per_report.setdefault(loop.name, per)
         self._announce()
 
     def hint(self, *, milestone: Any = _UNSET, remaining: int | None = None) -> None:
@@ -486,7 +493,7 @@ class HydraFunctionTrainable(EngineClient, FunctionTrainable):
     <tune_hydra.HydraExecutor.trainable>`): a Tune ``FunctionTrainable`` whose function
     relays the user's function running in the engine actor (see the module docstring).
 
-    Class attributes: as :class:`~tune_hydra.frontends.ray.trainable.HydraTrainable`'s
+    Class attributes: as :class:`~tune_hydra.frontends.ray.client.EngineClient`'s
     (``_factory_id`` names the stored function); ``_param_refs`` the references of
     ``tune.with_parameters`` around this class.
     """

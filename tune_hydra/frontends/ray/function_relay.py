@@ -142,6 +142,11 @@ class FunctionRelay:
         run.stop()
         return True
 
+    def running(self) -> list[str]:
+        """The trial ids with a run here (not stopped, not ended by its proxy)."""
+        with self._lock:
+            return sorted(self._runs)
+
     def alive(self) -> list[str]:
         """The trial ids whose run's thread still runs (a stopped one until it reached
         its next forward or report)."""

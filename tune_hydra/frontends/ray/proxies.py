@@ -4,8 +4,9 @@ wrapped in its proxy class (:func:`proxy_class`) that reserves one engine slot p
 (:func:`slotted`).
 
 * a task factory ``make_task(config) -> ModelTask``:
-  :class:`~tune_hydra.frontends.ray.trainable.HydraTrainable` (the engine actor builds
-  and trains the task),
+  :class:`~tune_hydra.frontends.ray.trainable.HydraTrainable`, the proxy of a canned
+  class trainable (:class:`~tune_hydra.frontends.ray.task_trainable.TaskTrainable`,
+  whose instance in the engine process builds and trains the task),
 * a function trainable ``train(config)`` that reports:
   :class:`~tune_hydra.frontends.ray.function.HydraFunctionTrainable` (the function runs
   in the engine process),
@@ -58,7 +59,7 @@ def check_task_factory(make_task: Any) -> bool:
     if inspect.isclass(make_task) and issubclass(make_task, tune.Trainable):
         from ray.tune.trainable import FunctionTrainable
 
-        from tune_hydra.frontends.ray.trainable import EngineClient
+        from tune_hydra.frontends.ray.client import EngineClient
 
         if make_task is tune.Trainable:
             raise NotATaskFactoryError(

@@ -234,7 +234,7 @@ def run(
             kwargs.get("scheduler"), stop=kwargs.get("stop"), search_alg=_searcher(kwargs)
         )
         trainable = ex.trainable(run_or_experiment)
-        # Checked by each trial's first registration (see HydraTrainable._required_metrics).
+        # Checked by each trial's setup (see HydraTrainable._required_metrics).
         trainable._required_metrics = required
         kwargs["stop"] = ex.stopper(kwargs.get("stop"))
         kwargs["callbacks"] = [*(kwargs.get("callbacks") or []), *ex.callbacks()]
@@ -279,7 +279,7 @@ def tuner_configs(
     ``stop`` by :meth:`HydraExecutor.stopper`, the executor's :meth:`~HydraExecutor.callbacks`
     added, ``max_concurrent_trials`` the engines' slots unless set, and ``reuse_actors``
     on for the proxies of task factories and function trainables (``trainable``; see
-    :class:`~tune_hydra.frontends.ray.trainable.EngineClient`). What is already the
+    :class:`~tune_hydra.frontends.ray.client.EngineClient`). What is already the
     executor's is kept as it is, so passing them by hand changes nothing. The user's
     configs are copied, not changed.
     """
