@@ -140,7 +140,7 @@ class TaskLoop:
                 self._evaluate(result)
         from tune_hydra.frontends.shard import shard_count
 
-        loop = self._loop()
+        loop = self.runner
         result["num_shards"] = shard_count(self.model)
         result["device_time_s"] = loop.device_time
         result["bytes_spilled"] = sum(s.moved_total for s in loop.stores)
@@ -197,7 +197,7 @@ class TaskLoop:
             EmptyDataError: ``train_data`` yielded no batch.
             InvalidModelError, DataMismatchError: what the first forward's cut raises.
         """
-        loop = self._loop()
+        loop = self.runner
         if loop is None:
             from tune_hydra.frontends.shard import cut_now
 
@@ -222,7 +222,7 @@ class TaskLoop:
         """The engine ops of one iteration once cut (a train batch is one op, an eval
         batch one per shard, a clipped step's sync one per shard); None for data without
         a length, or before the cut."""
-        loop = self._loop()
+        loop = self.runner
         try:
             batches = len(self.task.train_data)  # type: ignore[arg-type]
             evals = 0 if self.task.eval_data is None else len(self.task.eval_data)  # type: ignore[arg-type]
@@ -303,7 +303,9 @@ class TaskLoop:
         ``model(inputs)``."""
         return self.model(**inputs) if isinstance(inputs, Mapping) else self.model(inputs)
 
-    def _loop(self) -> Any:
+    @property
+    def runner(self) -> Any:
+        """The engine's runner of this loop (a ``LoopRunner``), None before the cut."""
         return self.model.__dict__["_th_shard"].loop
 
     # -- resume state -------------------------------------------------------------------
@@ -319,7 +321,7 @@ class TaskLoop:
         for live, group in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
             hyper = {k: copy.deepcopy(v) for k, v in group.items() if k not in ("params",)}
             groups.append({**hyper, "params": [names[id(p)] for p in live["params"]]})
-        loop = self._loop()
+        loop = self.runner
         cuda = None if loop is None else loop.random.stream.cuda
         state: dict[str, Any] = {
             "model": {k: v.detach().clone() for k, v in model_state.items()},
@@ -398,7 +400,7 @@ class TaskLoop:
         if self.scheduler is not None and saved_sched is not None:
             self.scheduler.load_state_dict(copy.deepcopy(saved_sched))
         self.generator.set_state(state["rng"]["cpu"].clone())
-        loop = self._loop()
+        loop = self.runner
         cuda = state["rng"].get("cuda")
         if loop is not None and cuda is not None:
             loop.random.stream.cuda = cuda.clone()
@@ -417,7 +419,7 @@ class TaskLoop:
         runner of that version assigned them (a tied parameter to its first user)."""
         own = self.cut()
         saved = own if cut is None else [list(names) for names in cut]
-        loop = self._loop()
+        loop = self.runner
         layers: dict[str, nn.Module] = {}
         for spec, shard in zip(loop.plan.shards, loop.shards, strict=True):
             layers.update(zip(spec.layer_names, shard.module, strict=True))

@@ -162,11 +162,7 @@ class TaskRegistry:
         )
         # Digested and matched here, outside the engine's lock (it reads every frozen byte).
         prepared = self.frozen.prepare(name, task.model)  # type: ignore[arg-type]
-        host = self._host.budget
-        if host is not None:
-            big = max(plan.shards, key=lambda spec: spec.state_bytes)
-            if big.state_bytes > host:
-                raise HostBudgetError(name, big.index, big.state_bytes, host)
+        self._check_host(name, plan)
         with self._cv:
             if name in self.tasks:
                 raise InvalidTaskError(
@@ -243,6 +239,7 @@ class TaskRegistry:
         try:
             if claim is not None:
                 _check_shared(name, claim, others, claims)
+            self._check_host(name, plan)
             # It shares its frozen tensors as a ModelTask does; digested here, outside the
             # engine's lock.
             prepared = self.frozen.prepare(name, model) if model is not None else None
@@ -269,6 +266,15 @@ class TaskRegistry:
                     if self._adding.get(name) is claim:
                         del self._adding[name]
         return len(plan)
+
+    def _check_host(self, name: str, plan: ShardPlan) -> None:
+        """Refuse a plan whose largest shard state is over the host-memory budget (it
+        could never be held between its visits, however much the others spill)."""
+        host = self._host.budget
+        if host is not None:
+            big = max(plan.shards, key=lambda spec: spec.state_bytes)
+            if big.state_bytes > host:
+                raise HostBudgetError(name, big.index, big.state_bytes, host)
 
     def shared_cuts(self, model: torch.nn.Module, layers: list[str]) -> list[list[tuple[int, int]]]:
         """The cuts (``(start, stop)`` per shard) of the registered tasks likely to share

@@ -128,9 +128,7 @@ class ClassRelay:
         what ``reset_config`` returned."""
         run = self._run(token)
         old_key = run.key
-        ok = bool(
-            await self._result(run.call("reset", (dict(config), context, new_key), counters))
-        )
+        ok = bool(await self._result(run.call("reset", (dict(config), context, new_key), counters)))
         if ok and new_key != old_key:
             self._functions.rekey(run, old_key, new_key)
         return ok
