@@ -340,3 +340,73 @@ def test_an_error_inside_a_batchs_chain_of_ops_is_raised_and_leaves_nothing_behi
         assert engine.runner("a").keeps_batch is False
         loop.close()
         assert engine.tasks() == []
+
+
+# -- a task's mistakes, named as the task runtime names them ---------------------------
+
+
+def _data(n: int = 2, dtype: torch.dtype = torch.float64) -> list[Any]:
+    g = torch.Generator().manual_seed(5)
+    return [
+        (torch.randn(6, 8, generator=g, dtype=dtype), torch.randint(0, 4, (6,), generator=g))
+        for _ in range(n)
+    ]
+
+
+def _refused(task: th.ModelTask, **engine_options: Any) -> BaseException:
+    with _engine(**engine_options) as engine, pytest.raises(Exception) as info:
+        loop = TaskLoop("a", task, engine, seed=0)
+        loop.train_iteration()
+    return info.value
+
+
+def _plain_task(model: nn.Module, **kw: Any) -> th.ModelTask:
+    base: dict[str, Any] = dict(
+        model=model,
+        loss_fn=nn.CrossEntropyLoss(),
+        optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+        train_data=_data(),
+    )
+    base.update(kw)
+    return th.ModelTask(**base)
+
+
+def test_a_model_that_cannot_train_is_refused_before_anything_is_built() -> None:
+    err = _refused(_plain_task(nn.Sequential()))
+    assert isinstance(err, th.exceptions.InvalidModelError) and "no layers" in str(err)
+    assert "task 'a'" in str(err)
+    err = _refused(_plain_task(mlp().requires_grad_(False), loss_fn=lambda out, y: out.sum()))
+    assert isinstance(err, th.exceptions.InvalidModelError) and "nothing to train" in str(err)
+
+
+def test_data_at_fault_is_named_with_its_batch_and_layer() -> None:
+    data = _data(3)
+    data[1] = (data[1][0].float(), data[1][1])  # the second batch: another dtype
+    err = _refused(_plain_task(mlp(), train_data=data))
+    assert isinstance(err, th.exceptions.DataMismatchError)
+    assert "batch 1 of epoch 0 of train_data" in str(err) and "layer '0'" in str(err)
+    assert "the batch probed when the task was added: float64[6, 8]" in str(err)
+    assert isinstance(err.__cause__, RuntimeError)
+    evals = [(x.float(), y) for x, y in _data(1)]
+    err = _refused(_plain_task(mlp(), eval_data=evals))
+    assert isinstance(err, th.exceptions.DataMismatchError) and "batch 0 of eval_data" in str(err)
+    # float32 targets for a float64 output: HuberLoss fails in its backward
+    g = torch.Generator().manual_seed(3)
+    data = [(torch.randn(6, 8, generator=g, dtype=torch.float64), torch.randn(6, 4)) for _ in "ab"]
+    err = _refused(_plain_task(mlp(), loss_fn=nn.HuberLoss(), train_data=data))
+    assert isinstance(err, th.exceptions.DataMismatchError)
+    assert "the backward of the loss raised RuntimeError" in str(err)
+    assert "target.to(torch.float64)" in str(err)
+
+
+def test_dict_batches_and_a_model_another_loop_trains_are_refused() -> None:
+    data = [{"x": x, "labels": y} for x, y in _data(1)]
+    err = _refused(_plain_task(mlp(), train_data=data))
+    assert isinstance(err, th.exceptions.InvalidTaskError) and "keyword inputs" in str(err)
+    model = mlp()
+    with _engine() as engine:
+        TaskLoop("first", _plain_task(model), engine, seed=0).train_iteration()
+        with pytest.raises(th.exceptions.SharedModelError) as info:
+            TaskLoop("second", _plain_task(model), engine, seed=0)
+        assert info.value.owner == "first" and info.value.task == "second"
+        assert ("3.running_mean", "3.running_mean") in info.value.tensors

@@ -775,7 +775,10 @@ class _Driver:
             try:
                 seed = task.seed if task.seed is not None else self.task_options["seed"]
                 seed = torch.initial_seed() if seed is None else seed
-                loop = TaskLoop(run.key, task, self.engine, seed=seed, **self._opts)
+                try:
+                    loop = TaskLoop(run.key, task, self.engine, seed=seed, **self._opts)
+                except InvalidModelError as err:  # the model's type cannot be cut
+                    raise uncuttable(run.key, task.model, err) from err
                 CLAIMS.record(task.model, self, run.key, _Driver.trains)  # type: ignore[arg-type]
                 for epoch in range(self.epochs):
                     try:

@@ -32,11 +32,24 @@ from torch import nn
 
 from tune_hydra.engine.registration.factory import use_generator
 from tune_hydra.engine.registration.partition import build_optimizer
+from tune_hydra.engine.registration.registry import check_keyword_batch, check_trainable
 from tune_hydra.engine.runtime import resume
 from tune_hydra.engine.runtime.boundary import split_batch, to_device
-from tune_hydra.engine.runtime.checks import checked_loss
+from tune_hydra.engine.runtime.checks import (
+    backward_mismatch,
+    batch_signature,
+    checked_loss,
+    data_mismatch,
+)
 from tune_hydra.engine.runtime.metrics import MetricTotals, add_metrics, build_scheduler
-from tune_hydra.exceptions import EmptyDataError, NonFiniteLossError, ResumeStateError
+from tune_hydra.engine.task import describe, model_layers
+from tune_hydra.exceptions import (
+    AlreadyShardedError,
+    EmptyDataError,
+    NonFiniteLossError,
+    ResumeStateError,
+    SharedModelError,
+)
 
 if TYPE_CHECKING:
     from tune_hydra.engine.engine import Engine
@@ -106,11 +119,21 @@ class TaskLoop:
         self._replay: tuple[torch.Tensor, int] | None = None  # resuming mid-epoch
         model = task.model
         assert isinstance(model, nn.Module)
+        _check_not_sharded(name, model)
+        # Refused before anything is built, naming the task: what cannot be cut, and a
+        # model with nothing to train.
+        model_layers(model, name)
+        check_trainable(name, model)
+        self._probed: tuple[Any, str] | None = None  # the first batch's inputs, described
         model.train()  # plain training's model.train(): a model given in eval mode trains
         params = [p for p in model.parameters() if p.requires_grad]
         with use_generator(self.generator):
             optimizer = build_optimizer(task.optimizer, params, name, "the model's parameters")
-            self.model, self.optimizer = shard(model, optimizer, engine=engine, name=name)
+            try:
+                self.model, self.optimizer = shard(model, optimizer, engine=engine, name=name)
+            except AlreadyShardedError:  # another task's loop took it meanwhile
+                _check_not_sharded(name, model)
+                raise
         self.scheduler = (
             build_scheduler(task.lr_scheduler, self.optimizer, name, "the model's optimizer")
             if task.lr_scheduler is not None
@@ -169,16 +192,34 @@ class TaskLoop:
                     break
                 continue
             x, y = split_batch(batch, self.name)
+            if self._probed is None:
+                check_keyword_batch(self.name, self.task.model, x)  # type: ignore[arg-type]
             if self.batch_in_epoch % k == 0:
                 self.optimizer.zero_grad()
             where = f"batch {self.batch_in_epoch} of epoch {self.epoch} of train_data"
 
-            def loss_of(out: Any, device: torch.device, y: Any = y, where: str = where) -> Any:
-                return checked_loss(self.name, self.task, out, to_device(y, device), where, True)
+            seen: list[Any] = []  # the output and target, for an error of the backward
+
+            def loss_of(
+                out: Any, device: torch.device, y: Any = y, where: str = where, seen: Any = seen
+            ) -> Any:
+                target = to_device(y, device)
+                seen[:] = [out, target]
+                return checked_loss(self.name, self.task, out, target, where, True)
 
             args, kwargs = ((), dict(x)) if isinstance(x, Mapping) else ((x,), {})
-            with self._autocast():  # the loss's backward runs outside it, as plain's
-                loss = forward_loss(self.model, args, kwargs, loss_of, k)
+            try:
+                with self._autocast():  # the loss's backward runs outside it, as plain's
+                    loss = forward_loss(self.model, args, kwargs, loss_of, k)
+            except Exception as err:
+                blamed = self._blamed(err, x, where, seen)
+                if blamed is err:
+                    raise
+                raise blamed from err
+            finally:
+                seen.clear()
+            if self._probed is None:
+                self._probed = (batch_signature(x), describe(x))
             value = loss.item()
             if not math.isfinite(value):
                 raise NonFiniteLossError(self.name, self.epoch, self.batch_in_epoch, value)
@@ -280,8 +321,14 @@ class TaskLoop:
             with torch.no_grad(), self._autocast():
                 for e, batch in enumerate(self.task.eval_data or ()):
                     x, y = split_batch(batch, self.name)
-                    out = self._call(x)
                     where = f"batch {e} of eval_data (after epoch {self.epoch})"
+                    try:
+                        out = self._call(x)
+                    except Exception as err:
+                        blamed = self._blamed(err, x, where, [])
+                        if blamed is err:
+                            raise
+                        raise blamed from err
                     loss = checked_loss(self.name, self.task, out, y, where, False)
                     losses.append(float(loss.item()))
                     if totals.metrics:
@@ -292,6 +339,24 @@ class TaskLoop:
             raise EmptyDataError(f"task {self.name!r}: eval_data yielded no batch")
         result["val_loss"] = sum(losses) / len(losses)
         add_metrics(result, totals.means())  # a metric named "loss" takes that key
+
+    def _blamed(self, err: Exception, x: Any, where: str, seen: list[Any]) -> Exception:
+        """``err``, raised while training or evaluating on the batch ``x``, as a
+        :class:`~tune_hydra.exceptions.DataMismatchError` when the data is at fault (a
+        first layer that cannot take it, a batch unlike the first one, targets that do not
+        fit the output), else ``err`` itself."""
+        runner = self.runner
+        if runner is not None:
+            first = runner.plan.shards[0]
+            layers = list(zip(first.layer_names, runner.shards[0].module, strict=True))
+            found = data_mismatch(self.name, layers, x, err, where, self._probed)
+            if found is not None:
+                return found
+        if seen:  # the loss was computed: its backward raised
+            found = backward_mismatch(self.name, err, seen[0], seen[1], where)
+            if found is not None:
+                return found
+        return err
 
     def _autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.precision != "bf16":
@@ -377,7 +442,7 @@ class TaskLoop:
                 f"the resume state's {field!r} {what}: it was made for another model, or "
                 f"it is damaged. Restore from a state this model made",
             )
-        sd = self._optimizer_state(state.get("optimizer"))
+        sd = _optimizer_state(self.name, self.model, self.optimizer, state.get("optimizer"))
         saved_sched = state.get("lr_scheduler")
         if (saved_sched is None) != (self.scheduler is None):
             raise ResumeStateError(
@@ -461,56 +526,75 @@ class TaskLoop:
                 f"it), which does not fit this model's parameters under its cut: {err}{how}",
             ) from None
 
-    def _optimizer_state(self, saved: Any) -> dict[str, Any]:
-        """The user optimizer's ``state_dict`` (torch's layout) from a state's
-        per-parameter one."""
-        if not isinstance(saved, Mapping):
-            raise ResumeStateError(
-                self.name,
-                "the resume state holds no optimizer state (no 'optimizer' entry): restore "
-                "from a state a task or engine made",
-            )
-        names = resume.param_names(self.model)
-        hyper_of: dict[str, dict[str, Any]] = {}
-        for group in saved.get("param_groups") or []:
-            hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-            for key in group["params"]:
-                hyper_of[key] = hyper
-        saved_state = saved.get("state") or {}
-        groups: list[dict[str, Any]] = []
-        out_state: dict[int, Any] = {}
-        index = 0
-        for group in self.optimizer.param_groups:
-            keys = [names[id(p)] for p in group["params"]]
-            missing = [k for k in keys if k not in hyper_of]
-            if missing:
-                raise ResumeStateError(
-                    self.name,
-                    f"the resume state has no optimizer entry for {len(missing)} "
-                    f"parameter(s) of the model ({', '.join(map(repr, missing[:4]))}): it was "
-                    f"made for another model. Restore it into the model it was made with",
-                )
-            hyper = copy.deepcopy(hyper_of[keys[0]]) if keys else {}
-            ids = list(range(index, index + len(keys)))
-            groups.append({**group, **hyper, "params": ids})
-            for i, key in zip(ids, keys, strict=True):
-                if key in saved_state:
-                    out_state[i] = resume._copy_tensors(saved_state[key])
-            index += len(keys)
-        known = {names[id(p)] for g in self.optimizer.param_groups for p in g["params"]}
-        unknown = sorted((set(hyper_of) | set(saved_state)) - known)
-        if unknown:
-            raise ResumeStateError(
-                self.name,
-                f"the resume state holds optimizer state for {len(unknown)} parameter(s) the "
-                f"model does not have ({', '.join(map(repr, unknown[:4]))}): restore it into "
-                f"the model it was made with",
-            )
-        return {"state": out_state, "param_groups": groups}
-
     def close(self) -> None:
         """Leave the engine (``th.unshard``): the model keeps its trained weights, on the
         CPU, as the task's plain model."""
         from tune_hydra.frontends.shard import unshard
 
         unshard(self.model)
+
+
+def _check_not_sharded(name: str, model: nn.Module) -> None:
+    """Refuse a model another task's loop trains (a module-level model that every factory
+    call returns).
+
+    Raises:
+        SharedModelError: naming that task and the model's trained tensors.
+    """
+    state = model.__dict__.get("_th_shard")
+    if state is None:
+        return
+    owner = state.name or "a th.shard loop"
+    shared = [(n, n) for n, p in nn.Module.named_parameters(model) if p.requires_grad]
+    shared += [(n, n) for n, _ in nn.Module.named_buffers(model)]
+    raise SharedModelError(name, owner, shared or [("<the whole model>",) * 2])
+
+
+def _optimizer_state(
+    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Any
+) -> dict[str, Any]:
+    """Task ``name``'s ``optimizer``'s ``state_dict`` (torch's layout) from a state's
+    per-parameter one (``model``: its parameters' names)."""
+    if not isinstance(saved, Mapping):
+        raise ResumeStateError(
+            name,
+            "the resume state holds no optimizer state (no 'optimizer' entry): restore "
+            "from a state a task or engine made",
+        )
+    names = resume.param_names(model)
+    hyper_of: dict[str, dict[str, Any]] = {}
+    for group in saved.get("param_groups") or []:
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        for key in group["params"]:
+            hyper_of[key] = hyper
+    saved_state = saved.get("state") or {}
+    groups: list[dict[str, Any]] = []
+    out_state: dict[int, Any] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        keys = [names[id(p)] for p in group["params"]]
+        missing = [k for k in keys if k not in hyper_of]
+        if missing:
+            raise ResumeStateError(
+                name,
+                f"the resume state has no optimizer entry for {len(missing)} "
+                f"parameter(s) of the model ({', '.join(map(repr, missing[:4]))}): it was "
+                f"made for another model. Restore it into the model it was made with",
+            )
+        hyper = copy.deepcopy(hyper_of[keys[0]]) if keys else {}
+        ids = list(range(index, index + len(keys)))
+        groups.append({**group, **hyper, "params": ids})
+        for i, key in zip(ids, keys, strict=True):
+            if key in saved_state:
+                out_state[i] = resume._copy_tensors(saved_state[key])
+        index += len(keys)
+    known = {names[id(p)] for g in optimizer.param_groups for p in g["params"]}
+    unknown = sorted((set(hyper_of) | set(saved_state)) - known)
+    if unknown:
+        raise ResumeStateError(
+            name,
+            f"the resume state holds optimizer state for {len(unknown)} parameter(s) the "
+            f"model does not have ({', '.join(map(repr, unknown[:4]))}): restore it into "
+            f"the model it was made with",
+        )
+    return {"state": out_state, "param_groups": groups}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
@@ -69,6 +70,34 @@ def test_sync_brings_every_state_home_and_unshard_leaves(engine: th.Engine) -> N
     th.unshard(model)
     assert engine.tasks() == []
     assert not any(s.copied for s in runner.stores)
+
+
+def test_the_state_at_home_is_held_from_the_disk_tier_until_the_next_op(
+    tmp_path: Path,
+) -> None:
+    """Between a sync and the loop's next op the user's thread may write into the state
+    (clip_grad_norm_ scales the gradients in place): no spill may write or drop a store
+    then, and what the thread wrote makes the host copy and the spill file stale. (A spill
+    of another loop's making in that window once put the unclipped gradients to disk and
+    the step read them back: two GPT-2 loops with host_memory trained inexactly.)"""
+    with th.Engine(
+        devices=["cpu", "cpu"],
+        copy_on_cpu=True,
+        max_layers_per_shard=3,
+        host_memory=10**7,
+        spill_dir=tmp_path,
+    ) as engine:
+        runner, model, opt = _loop(engine)
+        parts = [p for s in runner.shards for p in s.store.parts()]
+        assert not any(engine.host.busy(p) for p in parts)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.01)  # a sync, then writes
+        assert all(engine.host.busy(p) for p in parts)  # held: never a spill's victim
+        assert not any(p.changes.file_valid for p in parts)  # written: stale files
+        x, y = batches(1)[0]
+        opt.zero_grad()
+        F.cross_entropy(model(x), y).backward()  # the next ops: the hold ended
+        assert not any(engine.host.busy(p) for p in parts)
+        th.unshard(model)
 
 
 @pytest.mark.parametrize("recompute", [True, False])

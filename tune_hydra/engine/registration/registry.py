@@ -149,7 +149,7 @@ class TaskRegistry:
                     f"(inputs, targets) pair"
                 ) from None
             x, _ = split_batch(sample, name)
-            _check_keyword_batch(name, task.model, x)  # type: ignore[arg-type]
+            check_keyword_batch(name, task.model, x)  # type: ignore[arg-type]
             device = self._devices[0]
             costs = layer_costs(layers, task.optimizer, x, dtype, device=device, task=name)
         plan = plan_shards(
@@ -399,7 +399,7 @@ def _check_shared(
             raise SharedModelError(name, owner, shared)
 
 
-def _check_keyword_batch(name: str, model: torch.nn.Module, inputs: Any) -> None:
+def check_keyword_batch(name: str, model: torch.nn.Module, inputs: Any) -> None:
     """A dict batch is the model's keyword inputs (``model(**batch)``, as plain training
     calls it); only a Hugging Face model's cut takes them (a traced ``forward`` takes its
     one input)."""

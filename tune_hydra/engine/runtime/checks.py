@@ -53,7 +53,7 @@ class BatchChecks:
     def note_probe(self, inputs: Any) -> None:
         """Remember the structure, dtypes and shapes of the inputs the model was probed
         with (not the tensors: a batch can be large)."""
-        self.probed = (_signature(inputs), describe(inputs))
+        self.probed = (batch_signature(inputs), describe(inputs))
 
     def where(self, batch: int, train: bool) -> str:
         """Which batch of which data, in words."""
@@ -77,30 +77,10 @@ class BatchChecks:
     ) -> DataMismatchError | None:
         """The error to raise for ``err`` from the first shard's forward on ``arg``, when
         the data can be told to be at fault; ``None`` otherwise (it is raised as is)."""
-        if shard.index != 0 or _not_ours(err):
+        if shard.index != 0:
             return None
-        layers = {id(m): (n, m) for n, m in zip(self._layer_names, shard.module, strict=True)}
-        found = None
-        tb = err.__traceback__
-        while tb is not None:  # the innermost frame of one of the shard's layers
-            obj = tb.tb_frame.f_locals.get("self")
-            hit = layers.get(id(obj))
-            if hit is not None and hit[1] is obj:
-                found = hit
-            tb = tb.tb_next
-        if found is None:
-            return None
-        layer_name, module = found
-        first = module is shard.module[0]
-        hint = mismatch_hint(arg, module, shapes=first)
-        probed = self.probed
-        unlike = probed is not None and _signature(arg) != probed[0]
-        if not hint and not unlike:
-            return None
-        note = (
-            f"; the batch probed when the task was added: {probed[1]}" if probed and unlike else ""
-        )
-        return layer_error(self.name, layer_name, module, arg, err, arg, where, note=note)
+        layers = list(zip(self._layer_names, shard.module, strict=True))
+        return data_mismatch(self.name, layers, arg, err, where, self.probed)
 
     def loss(self, out: Any, target: Any, batch: int, *, train: bool) -> torch.Tensor:
         """The task's loss (``loss_fn(out, target)``), checked (see :func:`checked_loss`)."""
@@ -116,13 +96,56 @@ class BatchChecks:
     ) -> DataMismatchError | None:
         """The error to raise for ``err`` from the loss's backward when the targets do
         not fit the output; ``None`` otherwise (it is raised as is)."""
-        hint = "" if _not_ours(err) else _target_hint(out, target)
-        if not hint:
-            return None
-        return DataMismatchError(
-            self.name,
-            f"the backward of the loss raised {_what(err)} on {self.where(batch, True)}: {hint}",
-        )
+        return backward_mismatch(self.name, err, out, target, self.where(batch, True))
+
+
+def data_mismatch(
+    name: str,
+    layers: list[tuple[str, torch.nn.Module]],
+    arg: Any,
+    err: BaseException,
+    where: str,
+    probed: tuple[Any, str] | None,
+) -> DataMismatchError | None:
+    """The error to raise for ``err``, raised by the forward of the model's first layers
+    (``layers``: names and modules of the first shard) on the batch inputs ``arg``, when
+    the data can be told to be at fault (the layer's dtype or width, or a batch unlike the
+    one ``probed``: its :func:`batch_signature` and description); ``None`` otherwise (it
+    is raised as is)."""
+    if _not_ours(err):
+        return None
+    by_id = {id(m): (n, m) for n, m in layers}
+    found = None
+    tb = err.__traceback__
+    while tb is not None:  # the innermost frame of one of the shard's layers
+        obj = tb.tb_frame.f_locals.get("self")
+        hit = by_id.get(id(obj))
+        if hit is not None and hit[1] is obj:
+            found = hit
+        tb = tb.tb_next
+    if found is None:
+        return None
+    layer_name, module = found
+    first = module is layers[0][1]
+    hint = mismatch_hint(arg, module, shapes=first)
+    unlike = probed is not None and batch_signature(arg) != probed[0]
+    if not hint and not unlike:
+        return None
+    note = f"; the batch probed when the task was added: {probed[1]}" if probed and unlike else ""
+    return layer_error(name, layer_name, module, arg, err, arg, where, note=note)
+
+
+def backward_mismatch(
+    name: str, err: BaseException, out: Any, target: Any, where: str
+) -> DataMismatchError | None:
+    """The error to raise for ``err`` from the loss's backward when the targets do not
+    fit the output; ``None`` otherwise (it is raised as is)."""
+    hint = "" if _not_ours(err) else _target_hint(out, target)
+    if not hint:
+        return None
+    return DataMismatchError(
+        name, f"the backward of the loss raised {_what(err)} on {where}: {hint}"
+    )
 
 
 def checked_loss(
@@ -178,7 +201,7 @@ def _what(err: BaseException) -> str:
     return f"{type(err).__name__}: {text[0] if text else ''}".rstrip(": ")
 
 
-def _signature(obj: Any) -> Any:
+def batch_signature(obj: Any) -> Any:
     """A batch's structure, dtypes and shapes but for the batch dimension (the last
     batch of an epoch may be smaller)."""
     flat, spec = tree_flatten(obj)

@@ -252,10 +252,9 @@ class LoopRunner:
         self.optim = LoopOptimizer(shards, user_optimizer, optimizer_class)
         self._wrappers = wrappers  # modules of the cut that are not the user's
         self._hf = hf
-        # Where the boundary tensors wait between ops, and where the user's autograd graph
-        # of the shards lives: host memory, so that loss.backward() runs the shards' nodes
-        # on the user's thread (a CUDA node would run on autograd's one thread per device,
-        # shared by every loop of the process, and block it while waiting for its turn).
+        # Where boundary tensors wait between ops and the user's autograd graph of the
+        # shards lives: host memory, so that loss.backward() runs the shards' nodes on the
+        # user's thread (a CUDA node would block autograd's one thread per device).
         self.home = torch.device("cpu")
         self.current: Op | None = None
         self.on_iteration: Callable[[dict[str, Any]], None] | None = None
@@ -273,7 +272,7 @@ class LoopRunner:
         # trial.report calls), which the milestone policy reads as the loop's progress.
         self.reports = 0
         self.pattern = OpPattern(len(shards))  # its ops' order, learnt as they run
-        self._home_now = True  # every state is home (sync), nothing pending
+        self._home = loop_home.HomeWindow(shards, engine.host)  # the user's at home
         self.closed = False
         self.keep = keep  # forward ops keep their graphs for the backward (no recompute)
         self.graph = LoopGraph(keep)  # the forward as ops, the user's graph of them
@@ -544,7 +543,7 @@ class LoopRunner:
             )
         kind, shard, first_op, autocast = steps[0]
         op = self.pattern.next_op(self.name, kind, shard, self.reports)  # reports: __init__
-        self._home_now = False
+        self._home.leave()
         self._request = (op, first_op.bind(first), autocast)
         self._chain = list(steps[1:])
         # On the main thread (no private generator) the global generator's stream is the
@@ -599,13 +598,13 @@ class LoopRunner:
         """Record an optimizer step for every shard, with the hyperparameters the user's
         param groups have now."""
         self.optim.step(self.sync)
-        self._home_now = False
+        self._home.leave()
 
     def zero_grad(self, set_to_none: bool = True, *, optimizer: bool = False) -> None:
         """Record ``zero_grad`` for every shard: of every parameter (the model's), or with
         ``optimizer`` of the user's optimizer's parameters only (as its ``zero_grad()``)."""
         self.optim.zero_grad(set_to_none, optimizer, self.sync)
-        self._home_now = False
+        self._home.leave()
 
     def follow_groups(self) -> None:
         """Give the shards' optimizers the param groups the user's optimizer gained since
@@ -628,22 +627,22 @@ class LoopRunner:
         model's parameters, gradients and buffers, and the optimizers' state.
 
         Raises:
-            Exception: a deferred ``optimizer.step()`` (or ``zero_grad``) raised: its
-                error, as the next forward would raise it (once every other shard's
-                pending work is applied and every state is home).
+            Exception: a deferred ``optimizer.step()`` (or ``zero_grad``) raised: as the
+                next forward would raise it (once every other shard's work is applied).
         """
-        if self._home_now or in_op() or self.closed:
+        if self._home.now or in_op() or self.closed:
             return
-        error = loop_home.bring_home(self.shards, self.engine.workers, self.run)
-        # What a failed step left pending (recorded after it) applies at a later sync.
-        self._home_now = not any(s.pending for s in self.shards)
+        error = loop_home.apply_pending(self.shards, self.run)  # ops: they end a hold
+        self._home.enter()  # before: nothing of it is spilled on its way home either
+        loop_home.bring_home(self.shards, self.engine.workers)
+        self._home.now = not any(s.pending for s in self.shards)  # a failed step's: later
         if error is not None:
             raise error
 
     def touched(self) -> None:
         """The user's thread wrote into the model's or the optimizer's tensors at home:
         their host copies and spill files are stale (see ``ShardStore.begin_op``)."""
-        loop_home.touched(self.shards)
+        self._home.wrote()
 
     def before_load(self, state_dict: Any) -> list[tuple[ShardStore, int]]:
         """Before ``load_state_dict(state_dict)`` writes into the model at home (after
@@ -689,6 +688,7 @@ class LoopRunner:
             self.sync()
         except Exception as err:
             error = err
+        self._home.leave()
         self.closed = True
         if self._compiler is not None:  # the user's modules (blocks) called eagerly again
             self.compile(None)

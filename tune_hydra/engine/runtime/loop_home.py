@@ -24,13 +24,11 @@ if TYPE_CHECKING:
     from tune_hydra.engine.storage import ShardStore
 
 
-def bring_home(
-    shards: list[LoopShard],
-    workers: list[DeviceWorker],
-    run: Callable[[OpKind, int, Callable[[torch.device], Any]], Any],
+def apply_pending(
+    shards: list[LoopShard], run: Callable[[OpKind, int, Callable[[torch.device], Any]], Any]
 ) -> Exception | None:
     """Apply what each shard has pending as a step op (``run``: the loop's, whose
-    ``execute`` applies it), then bring every shard's state home from ``workers``.
+    ``execute`` applies it).
 
     Returns:
         The first error a pending step raised (the other shards' steps still apply), or
@@ -43,6 +41,11 @@ def bring_home(
                 run(OpKind.STEP, s.index, lambda dev: None)  # execute applies them
             except Exception as err:  # the other shards' steps still apply
                 error = error or err
+    return error
+
+
+def bring_home(shards: list[LoopShard], workers: list[DeviceWorker]) -> None:
+    """Bring every shard's state home from ``workers``."""
     for s in shards:
         store = s.store
         for part in store.parts():
@@ -54,7 +57,53 @@ def bring_home(
         for w in workers:
             for part in store.parts():
                 w.release(part)
-    return error
+
+
+class HomeWindow:
+    """The user's thread's time with a loop's state at home: from a sync (the state
+    brought home, see :func:`bring_home`) to the loop's next op. The user's thread may
+    read and write the model's and optimizers' tensors then (``clip_grad_norm_`` scales
+    the gradients in place), so the window holds every store in use in host memory: no
+    spill writes, drops or reads back a state while the user's thread changes it. A write
+    announced in it (:meth:`wrote`) makes the host copies and spill files stale again as
+    it ends, after whatever the user's thread wrote last.
+
+    Design note: the hold is the one of ops (``HostMemory.use``), so a store of the
+    window is never a victim; the window ends before the loop's next op marks it in use
+    itself.
+
+    Args:
+        shards: the loop's shards.
+        host: the engine's host memory (``use``).
+    """
+
+    def __init__(self, shards: list[LoopShard], host: Any) -> None:
+        self._shards = shards
+        self._host = host
+        self.now = True  # every state is home, nothing pending (registered at home)
+        self._held: list[Any] = []  # the stores held in use, while open
+        self._wrote = False
+
+    def enter(self) -> None:
+        """The state was brought home: hold it there until :meth:`leave`."""
+        if not self._held:
+            self._held = [p for s in self._shards for p in s.store.parts()]
+            self._host.use(self._held, 1)
+
+    def wrote(self) -> None:
+        """The user's thread writes into the state at home: stale copies from now on."""
+        touched(self._shards)
+        self._wrote = True
+
+    def leave(self) -> None:
+        """The loop's next op (or step, or zero_grad) comes: the hold ends."""
+        self.now = False
+        held, self._held = self._held, []
+        if held:
+            if self._wrote:
+                touched(self._shards)  # what it wrote after announcing it
+            self._host.use(held, -1)
+        self._wrote = False
 
 
 def touched(shards: list[LoopShard]) -> None:

@@ -225,7 +225,10 @@ class TaskTrainable(tune.Trainable):
             n += 1
             name = f"{key}~{n}"
         self.task = task
-        self.loop = TaskLoop(name, task, run.engine, seed=seed, **options)
+        try:
+            self.loop = TaskLoop(name, task, run.engine, seed=seed, **options)
+        except InvalidModelError as err:  # the model's type cannot be cut
+            raise uncuttable(key, task.model, err) from err
         run.guess = lambda _loop: self.loop.ops_per_iteration()
         CLAIMS.record(task.model, self._trials, key, _trains)
 
