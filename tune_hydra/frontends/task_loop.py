@@ -430,18 +430,12 @@ class TaskLoop:
                 layout under an unknown cut, or its scheduler state does not match the
                 task's.
         """
-        problem = resume.state_problem(state)
-        if problem is None and "optimizers" in state:
+        resume.refuse(
+            self.name, resume.state_problem(state) or resume.position_problem(self.task, state)
+        )
+        if "optimizers" in state:
             state = self._from_per_shard(state, cut)
-        if problem is None:
-            problem = resume._model_problem(self.model, state)
-        if problem is not None:
-            field, what = problem
-            raise ResumeStateError(
-                self.name,
-                f"the resume state's {field!r} {what}: it was made for another model, or "
-                f"it is damaged. Restore from a state this model made",
-            )
+        resume.refuse(self.name, resume._model_problem(self.model, state), fits=True)
         sd = _optimizer_state(self.name, self.model, self.optimizer, state.get("optimizer"))
         saved_sched = state.get("lr_scheduler")
         if (saved_sched is None) != (self.scheduler is None):

@@ -28,14 +28,13 @@ from tune_hydra.frontends.checkpoint import (
     META_FILE,
     MODEL_FILE,
     STATE_FILE,
-    EngineTask,
     config_digest,
     is_temp_name,
     restore_trial,
     save_trial,
 )
 from tune_hydra.frontends.ray import HydraExecutor
-from tune_hydra.frontends.ray.actor import EngineActor
+from tune_hydra.frontends.task_loop import TaskLoop
 from tune_hydra.options import EngineOptions
 
 pytestmark = pytest.mark.integration
@@ -209,53 +208,46 @@ def test_engine_killed_during_save_leaves_no_temp_files(ray_session: Any, storag
     assert json.loads((final / META_FILE).read_text())["iteration"] == 2
 
 
-# ------------------------- a trial saved and restored the engine actor's way, in-process
+# ------------- a trial saved and restored as its TaskTrainable does, in-process (no Ray)
 ENGINE = EngineOptions(devices="cpu", device_memory=BUDGET, policy="lrtf", prefetch=True)
 
 
 @pytest.fixture
-def actor() -> Any:
-    a = EngineActor(ENGINE, {"seed": SEED})
-    yield a
-    if a._engine is not None:
-        a._engine.close()
+def engine() -> Any:
+    with th.Engine(options=ENGINE) as eng:
+        yield eng
 
 
-def _trial(actor: Any, key: str, config: dict[str, Any], iterations: int = 0) -> Any:
-    """Add trial ``key`` straight to the actor's engine; what ``_save``/``_load`` read of a
-    registration (trial id, engine task name, config)."""
-    eng = actor._ensure_engine()
-    eng.add_task(key, tune_tasks.make_task(config), seed=SEED)
-    if iterations:
-        eng.train(key, iterations).result(timeout=120)
-    return SimpleNamespace(key=key, token="t", name=key, config=config)
+def _trial(engine: Any, key: str, config: dict[str, Any], iterations: int = 0) -> Any:
+    """Trial ``key``'s task as a factory's trial trains it (a ``TaskLoop``), after
+    ``iterations``; with what ``_save``/``_load`` read of a trial (its id and config)."""
+    loop = TaskLoop(key, tune_tasks.make_task(config), engine, seed=SEED)
+    for _ in range(iterations):
+        loop.train_iteration()
+    return SimpleNamespace(key=key, loop=loop, config=config)
 
 
-def _save(actor: Any, reg: Any, path: str) -> dict[str, Any]:
-    """What the actor's ``save`` runs for ``reg`` (the kit's one way to save a trial)."""
-    return save_trial(
-        EngineTask(actor._engine, reg.name), path, trial_id=reg.key, config=reg.config
-    )
+def _save(trial: Any, path: str) -> dict[str, Any]:
+    """What ``TaskTrainable.save_checkpoint`` runs for ``trial``."""
+    return save_trial(trial.loop, path, trial_id=trial.key, config=trial.config)
 
 
-def _load(actor: Any, reg: Any, path: str) -> None:
-    """What the actor's ``load`` runs for ``reg``."""
-    restore_trial(EngineTask(actor._engine, reg.name), path, trial_id=reg.key, config=reg.config)
+def _load(trial: Any, path: str) -> None:
+    """What ``TaskTrainable.load_checkpoint`` runs for ``trial``."""
+    restore_trial(trial.loop, path, trial_id=trial.key, config=trial.config)
 
 
-def _lrs(actor: Any, key: str) -> list[float]:
-    state = actor._engine.get_state(key)
-    return [g["lr"] for g in state["optimizer"]["param_groups"]]
+def _lrs(trial: Any) -> list[float]:
+    return [g["lr"] for g in trial.loop.state()["optimizer"]["param_groups"]]
 
 
-def test_actor_writes_a_verified_manifest_without_the_config(actor: Any, tmp_path: Path) -> None:
+def test_a_trial_writes_a_verified_manifest_without_the_config(engine: Any, tmp_path: Path) -> None:
     config = {"lr": 0.01, "note": object()}  # not something a checkpoint may pickle
-    reg = _trial(actor, "a", config, iterations=2)
-    manifest = _save(actor, reg, str(tmp_path))
+    trial = _trial(engine, "a", config, iterations=2)
+    manifest = _save(trial, str(tmp_path))
     assert manifest["format"] == 2 and manifest["iteration"] == 2 and manifest["trial_id"] == "a"
-    plan = actor._engine.plan("a")
-    assert manifest["shards"] == [list(s.layer_names) for s in plan.shards]
-    assert manifest["num_shards"] == len(plan.shards) == 2
+    assert manifest["shards"] == trial.loop.cut()
+    assert manifest["num_shards"] == len(trial.loop.cut()) == 2
     assert manifest["config_digest"] == config_digest(config)
     assert json.loads((tmp_path / META_FILE).read_text()) == manifest
     assert sorted(os.listdir(tmp_path)) == sorted([META_FILE, MODEL_FILE, STATE_FILE])
@@ -263,104 +255,88 @@ def test_actor_writes_a_verified_manifest_without_the_config(actor: Any, tmp_pat
     assert "_tune_config" not in state and state["iteration"] == 2
 
 
-def test_actor_load_merges_hyperparameters_only_for_another_config(
-    actor: Any, tmp_path: Path
+def test_a_restore_merges_hyperparameters_only_for_another_config(
+    engine: Any, tmp_path: Path
 ) -> None:
-    _save(actor, _trial(actor, "a", {"lr": 0.01}, iterations=2), str(tmp_path))
-    moments = actor._engine.get_state("a")["optimizer"]["state"]
+    first = _trial(engine, "a", {"lr": 0.01}, iterations=2)
+    _save(first, str(tmp_path))
+    moments = first.loop.state()["optimizer"]["state"]
     # Mark the checkpoint's own hyperparameters, to tell where a trial's lr came from.
     state = torch.load(tmp_path / STATE_FILE, weights_only=True)
     for group in state["optimizer"]["param_groups"]:
         group["lr"] = 0.3
     replace_file(tmp_path, STATE_FILE, state, update_manifest=True)
     # PBT: a trial with a mutated lr takes the checkpoint: moments from it, lr its own
-    _load(actor, _trial(actor, "b", {"lr": 0.05}), str(tmp_path))
-    state_b = actor._engine.get_state("b")
+    b = _trial(engine, "b", {"lr": 0.05})
+    _load(b, str(tmp_path))
+    state_b = b.loop.state()
     assert state_b["iteration"] == 2
-    assert _lrs(actor, "b") and set(_lrs(actor, "b")) == {0.05}
+    assert _lrs(b) and set(_lrs(b)) == {0.05}
     assert sorted(state_b["optimizer"]["state"]) == sorted(moments)
     for k, v in moments.items():
         assert torch.equal(
             state_b["optimizer"]["state"][k]["momentum_buffer"], v["momentum_buffer"]
         )
     # the same config (another dict, same digest) is a resume: lr from the checkpoint
-    _load(actor, _trial(actor, "c", {"lr": 0.01}), str(tmp_path))
-    assert set(_lrs(actor, "c")) == {0.3}
+    c = _trial(engine, "c", {"lr": 0.01})
+    _load(c, str(tmp_path))
+    assert set(_lrs(c)) == {0.3}
 
 
-def test_actor_restores_a_checkpoint_cut_differently(tmp_path: Path) -> None:
-    """A checkpoint written under one budget restores into an engine of another, and a
-    PBT exploit across the two still takes the new config's lr; a checkpoint of the
-    older per-shard layout cut differently is refused with the fix."""
-    actors = [
-        EngineActor(dataclasses.replace(ENGINE, device_memory=b), {"seed": SEED})
-        for b in (BUDGET, None)
-    ]
-    try:
-        two, one = actors
-        reg = _trial(two, "a", {"lr": 0.01}, iterations=1)
-        _save(two, reg, str(tmp_path))
-        two._engine.train("a", 1).result(timeout=120)
-        want = two._engine.get_state("a")
-        assert len(two._engine.plan("a")) == 2
-        back = _trial(one, "b", {"lr": 0.01})
-        assert len(one._engine.plan("b")) == 1
-        _load(one, back, str(tmp_path))
-        one._engine.train("b", 1).result(timeout=120)
-        got = one._engine.get_state("b")
+def test_a_checkpoint_cut_differently_restores_exactly(tmp_path: Path) -> None:
+    """A checkpoint written under one budget restores into an engine of another (and a
+    PBT exploit across the two still takes the new config's lr), in both layouts: by
+    parameter name, and the older per shard (its manifest names its cut)."""
+    with (
+        th.Engine(options=ENGINE) as two_shards,
+        th.Engine(options=dataclasses.replace(ENGINE, device_memory=None)) as one_shard,
+    ):
+        a = _trial(two_shards, "a", {"lr": 0.01}, iterations=1)
+        _save(a, str(tmp_path))
+        a.loop.train_iteration()
+        want = a.loop.state()
+        assert len(a.loop.cut()) == 2
+        back = _trial(one_shard, "b", {"lr": 0.01})
+        assert len(back.loop.cut()) == 1
+        _load(back, str(tmp_path))
+        back.loop.train_iteration()
+        got = back.loop.state()
         for k, v in want["model"].items():
             assert torch.equal(got["model"][k], v), k
         for k, v in want["optimizer"]["state"].items():
             assert torch.equal(
                 got["optimizer"]["state"][k]["momentum_buffer"], v["momentum_buffer"]
             )
-        _load(one, _trial(one, "c", {"lr": 0.07}), str(tmp_path))  # PBT: the new lr
-        assert set(_lrs(one, "c")) == {0.07}
-
-        # the older layout: one optimizer state_dict per shard, restorable under its cut only
-        state = torch.load(tmp_path / STATE_FILE, weights_only=True)
-        runner = two._engine.runner("a")
-        state["optimizers"] = [s.optimizer.state_dict() for s in runner.shards]
-        state["grads"] = [[None] * len(s.params) for s in runner.shards]
-        del state["optimizer"], state["param_grads"]
-        replace_file(tmp_path, STATE_FILE, state, update_manifest=True)
-        with pytest.raises(CheckpointError, match=r"(?s)older tune_hydra.*device_memory of the"):
-            _load(one, _trial(one, "d", {"lr": 0.01}), str(tmp_path))
-        assert one._engine.get_state("d")["iteration"] == 0  # nothing was loaded
-        _load(two, _trial(two, "e", {"lr": 0.05}), str(tmp_path))  # same cut: loads, PBT lr
-        assert two._engine.get_state("e")["iteration"] == 1 and set(_lrs(two, "e")) == {0.05}
-    finally:
-        for a in actors:
-            if a._engine is not None:
-                a._engine.close()
+        c = _trial(one_shard, "c", {"lr": 0.07})
+        _load(c, str(tmp_path))  # PBT: the new lr
+        assert set(_lrs(c)) == {0.07}
 
 
-def test_actor_names_the_checkpoint_of_an_interrupted_save(actor: Any, tmp_path: Path) -> None:
-    reg = _trial(actor, "a", {"lr": 0.01})
-    _save(actor, reg, str(tmp_path))
+def test_the_checkpoint_of_an_interrupted_save_is_named(engine: Any, tmp_path: Path) -> None:
+    trial = _trial(engine, "a", {"lr": 0.01})
+    _save(trial, str(tmp_path))
     (tmp_path / META_FILE).unlink()
     with pytest.raises(CheckpointError, match="interrupted") as info:
-        _load(actor, reg, str(tmp_path))
+        _load(trial, str(tmp_path))
     assert info.value.checkpoint == str(tmp_path) and info.value.file == META_FILE
     assert isinstance(info.value, th.TuneHydraError)
 
 
-def test_actor_names_a_position_past_the_data_as_a_damaged_checkpoint(
-    actor: Any, tmp_path: Path
+def test_a_position_past_the_data_is_named_as_a_damaged_checkpoint(
+    engine: Any, tmp_path: Path
 ) -> None:
     """Issue 23, item 8: batch_in_epoch past the task's data (digests updated) was a
     TaskFailedError: StopIteration in the next epoch; now the load is refused naming the
     field, and the trial keeps what it had."""
-    reg = _trial(actor, "a", {"lr": 0.01}, iterations=1)
-    _save(actor, reg, str(tmp_path))
+    _save(_trial(engine, "a", {"lr": 0.01}, iterations=1), str(tmp_path))
     state = torch.load(tmp_path / STATE_FILE, weights_only=True)
     replace_file(tmp_path, STATE_FILE, {**state, "batch_in_epoch": 99}, update_manifest=True)
-    back = _trial(actor, "b", {"lr": 0.01})
-    before = actor._engine.get_state("b")
+    back = _trial(engine, "b", {"lr": 0.01})
+    before = back.loop.state()
     with pytest.raises(CheckpointError, match=r"'batch_in_epoch' is 99, past the end") as info:
-        _load(actor, back, str(tmp_path))
+        _load(back, str(tmp_path))
     assert info.value.checkpoint == str(tmp_path) and info.value.file == STATE_FILE
     assert "tampered" in str(info.value)
-    after = actor._engine.get_state("b")
+    after = back.loop.state()
     assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
-    assert len(actor._engine.train("b", 1).result(timeout=120)) == 1
+    assert back.loop.train_iteration()["epoch"] == 1

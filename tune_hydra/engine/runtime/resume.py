@@ -65,6 +65,7 @@ from tune_hydra.exceptions import ResumeStateError
 
 if TYPE_CHECKING:
     from tune_hydra.engine.runtime.runner import ShardRuntime, TaskRunner
+    from tune_hydra.engine.task import ModelTask
 
 # Per-parameter keys of torch's param_groups, never hyperparameters of a group.
 _NOT_HYPER = ("params", "param_names")
@@ -133,10 +134,10 @@ def restore(runner: TaskRunner, state: dict[str, Any]) -> None:
     assert isinstance(model, nn.Module)
     # Everything is checked before anything is loaded: a damaged or tampered state must
     # not leave the model half restored, nor fail later inside training.
-    _refuse(runner, state_problem(state) or _position_problem(runner, state))
+    refuse(runner.name, state_problem(state) or position_problem(runner.task, state))
     if "optimizers" in state:  # the per-shard layout of older checkpoints
         _check_legacy(runner, state)
-        _refuse(runner, _model_problem(model, state), fits=True)
+        refuse(runner.name, _model_problem(model, state), fits=True)
         model.load_state_dict(state["model"])
         _restore_per_shard(runner, state)
     else:
@@ -150,7 +151,7 @@ def restore(runner: TaskRunner, state: dict[str, Any]) -> None:
                 "tune_hydra checkpoint",
             )
         shard_states = rebuild_optimizer_states(runner, optimizer, names)
-        _refuse(runner, _model_problem(model, state), fits=True)
+        refuse(runner.name, _model_problem(model, state), fits=True)
         model.load_state_dict(state["model"])
         for s, sd in zip(runner.shards, shard_states, strict=True):
             if s.optimizer is not None and sd is not None:
@@ -237,9 +238,10 @@ def state_problem(state: Mapping[str, Any]) -> tuple[str, str] | None:
     return None
 
 
-def _refuse(runner: TaskRunner, problem: tuple[str, str] | None, *, fits: bool = False) -> None:
-    """Raise the :class:`ResumeStateError` of ``problem`` (None: nothing to refuse).
-    ``fits``: the problem is how the state fits the model (it may be another model's)."""
+def refuse(name: str, problem: tuple[str, str] | None, *, fits: bool = False) -> None:
+    """Raise task ``name``'s :class:`ResumeStateError` of ``problem`` (None: nothing to
+    refuse). ``fits``: the problem is how the state fits the model (it may be another
+    model's)."""
     if problem is None:
         return
     field, what = problem
@@ -251,14 +253,14 @@ def _refuse(runner: TaskRunner, problem: tuple[str, str] | None, *, fits: bool =
         "damaged or was tampered with. Restore from an earlier checkpoint, or start the "
         "task afresh"
     )
-    raise ResumeStateError(runner.name, f"the resume state's {field!r} {what}: {why}")
+    raise ResumeStateError(name, f"the resume state's {field!r} {what}: {why}")
 
 
-def _position_problem(runner: TaskRunner, state: Mapping[str, Any]) -> tuple[str, str] | None:
-    """The position in the data past the end of the task's ``train_data`` (when it has
+def position_problem(task: ModelTask, state: Mapping[str, Any]) -> tuple[str, str] | None:
+    """The position in the data past the end of ``task``'s ``train_data`` (when it has
     a length), or None."""
     try:
-        batches = len(runner.task.train_data)  # type: ignore[arg-type]
+        batches = len(task.train_data)  # type: ignore[arg-type]
     except TypeError:  # an iterable without a length: checked as the epoch replays
         batches = None
     if batches is not None and state["batch_in_epoch"] > batches:
