@@ -412,12 +412,6 @@ class Engine:
             self._dispatcher.retire(entry)
             self._registry.remove(name)
 
-    def metric_names(self, name: str) -> list[str]:
-        """The names of task ``name``'s own ``metrics``, reported with each iteration."""
-        with self._cv:
-            task = self._entry(name).task
-            return [] if task is None else list(task.metrics or {})
-
     def get_state(self, name: str) -> dict[str, Any]:
         """A checkpoint of a task between iterations: everything needed to resume exactly."""
         with self._cv:

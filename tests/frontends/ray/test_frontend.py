@@ -101,6 +101,8 @@ def test_start_step_save_load_with_mutated_config(actor: Any, tmp_path: Path) ->
 def test_ownership_token(actor: Any) -> None:
     _start(actor, "a", "old", {"lr": 0.01})
     _start(actor, "a", "new", {"lr": 0.01})  # a newer copy takes over
+    # each copy's loop is registered at its setup, the newer under a free name
+    assert sorted(actor._engine.tasks()) == ["a", "a~1"]
     assert _call(actor.deregister("a", "old")) is False  # the stale copy cannot free it
     assert _call(actor.registered(SECRET))["trials"] == ["a"]
     assert len(_steps(actor, "new")) == 1
@@ -116,10 +118,8 @@ def test_factory_errors_are_clear(actor: Any) -> None:
         _start(actor, "f", "t1", {"fail": "factory"})
     with pytest.raises(TaskFactoryError, match=r"not a tune_hydra\.ModelTask"):
         _start(actor, "g", "t2", {"fail": "type"})
-    _start(actor, "h", "t3", {"width": 512})  # the model is cut on its first batch
     with pytest.raises(Exception, match="Raise device_memory"):
-        _steps(actor, "t3")
-    _call(actor.cls_end("t3"))
+        _start(actor, "h", "t3", {"width": 512})  # cut at setup, as a task was registered
     assert _call(actor.registered(SECRET)) == {"trials": [], "engine_tasks": []}
 
 
@@ -137,7 +137,7 @@ def test_hints_reach_the_engine(actor: Any, monkeypatch: pytest.MonkeyPatch) -> 
     _call(actor.set_remaining("a", SECRET, 7))  # before the trial started: kept for later
     assert given == []
     _start(actor, "a", "t", {"lr": 0.01})
-    _steps(actor, "t")  # cut on its first batch: the loop's ops per iteration are known
+    _steps(actor, "t")
     per = _loop(actor, "t").ops_per_iteration()
     assert given[0] == ("a", math.ceil(8 * per))  # (7 + 1) iterations of ops
     _call(actor.cancel("a", SECRET))  # nothing being built: nothing to stop
@@ -466,7 +466,7 @@ def test_a_module_level_model_is_refused_live_or_reused() -> None:
 def test_a_function_trainable_is_recognised_before_any_trial() -> None:
     """A function trainable (it calls tune.report) is no longer refused (#20): it is told
     apart from a task factory by its code, before any engine starts."""
-    from tune_hydra.frontends.ray.actor import tune_report_call
+    from tune_hydra.frontends.ray.reports import tune_report_call
 
     assert tune_report_call(tune_tasks.train_fn) == "ray.tune.report"
     assert tune_report_call(tune_tasks.make_task) is None
@@ -512,7 +512,7 @@ def test_reports_in_a_callback_class_or_behind_wrappers_are_recognised() -> None
     """#32: a function whose tune.report is in a method of a class of its module (a
     Hugging Face TrainerCallback's on_log), and Hugging Face's Ray-backend trainable, are
     function trainables, not task factories."""
-    from tune_hydra.frontends.ray.actor import tune_report_call
+    from tune_hydra.frontends.ray.reports import tune_report_call
 
     assert tune_report_call(_train_with_reporting_callback) == "ray.tune.report"
     hf_style = _hf_style_trainable()
@@ -625,7 +625,6 @@ def test_systematic_mistakes_are_marked_and_config_ones_are_not() -> None:
         for i, config in enumerate(({"fail": "factory"}, {"width": 512})):
             with pytest.raises(Exception) as other:
                 _start(a, "t4", f"tok4{i}", config, factory="make_task")
-                _steps(a, f"tok4{i}")
             assert not isinstance(other.value, SystematicTaskError)
         assert isinstance(other.value, ShardTooLargeError)
         # with the budget to give (issue 32), as it reaches the trial

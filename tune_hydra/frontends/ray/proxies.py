@@ -26,16 +26,16 @@ from typing import Any
 
 from ray import tune
 
-from tune_hydra.frontends.ray.actor import tune_report_call
 from tune_hydra.frontends.ray.errors import NotATaskFactoryError
 from tune_hydra.frontends.ray.factories import closure, unwrap_with_parameters
+from tune_hydra.frontends.ray.reports import tune_report_call
 
 
 def check_task_factory(make_task: Any) -> bool:
     """Raise unless ``make_task`` looks like ``make_task(config) -> ModelTask``, a
     function trainable ``train(config)`` that calls ``tune.report``, or a ``tune.Trainable``
     subclass; True for what reports its own results: a function trainable (read from its
-    code, see :func:`~tune_hydra.frontends.ray.actor.tune_report_call`) or a class.
+    code, see :func:`~tune_hydra.frontends.ray.reports.tune_report_call`) or a class.
 
     ``tune.with_parameters(make_task, data=...)`` is called as ``make_task(config,
     data=...)``.

@@ -30,6 +30,7 @@ from tune_hydra.exceptions import InvalidModelError, TaskFactoryTimeoutError, Un
 from tune_hydra.frontends.common import REPORTED, declare_metric, task_reports, trial_result
 from tune_hydra.frontends.failures import check_task, uncuttable
 from tune_hydra.frontends.ray.errors import EngineUnavailableError, TrialNotRegisteredError
+from tune_hydra.frontends.ray.reports import tune_report_call
 
 
 class PendingBuilds:
@@ -192,7 +193,6 @@ class TaskTrainable(tune.Trainable):
         import torch
 
         from tune_hydra.engine.registration.factory import start_factory
-        from tune_hydra.frontends.ray.actor import tune_report_call
         from tune_hydra.frontends.task_loop import TaskLoop
         from tune_hydra.frontends.trial import CLAIMS, prepare_model
         from tune_hydra.options import check_seed
@@ -225,11 +225,14 @@ class TaskTrainable(tune.Trainable):
             n += 1
             name = f"{key}~{n}"
         self.task = task
+        run.guess = lambda _runner: self.loop.ops_per_iteration()  # told at its cut
         try:
             self.loop = TaskLoop(name, task, run.engine, seed=seed, **options)
+            # Cut and registered now, as a task was at registration: a model that does not
+            # fit fails the trial here, and the loop's name is taken before its first step.
+            self.loop.cut()
         except InvalidModelError as err:  # the model's type cannot be cut
             raise uncuttable(key, task.model, err) from err
-        run.guess = lambda _loop: self.loop.ops_per_iteration()
         CLAIMS.record(task.model, self._trials, key, _trains)
 
     def _check_metrics(self, key: str, task: Any) -> None:
@@ -248,11 +251,7 @@ class TaskTrainable(tune.Trainable):
             )
 
     def step(self) -> dict[str, Any]:
-        try:
-            figures = self.loop.train_iteration()
-        except InvalidModelError as err:  # the model's type cannot be cut
-            raise uncuttable(self.loop.name, self.task.model, err) from err
-        out = trial_result(figures, self.task.metrics or {})
+        out = trial_result(self.loop.train_iteration(), self.task.metrics or {})
         if self._checkpoint == "every":
             out[SHOULD_CHECKPOINT] = True  # Tune saves one now (HydraExecutor(checkpoint=))
         return out
