@@ -38,7 +38,7 @@ from tune_hydra.frontends.ray.factories import FactoryCache
 from tune_hydra.frontends.ray.function_relay import FunctionRelay
 from tune_hydra.frontends.ray.hints import TrialHints
 from tune_hydra.frontends.ray.names import engine_actor_name as engine_actor_name
-from tune_hydra.frontends.ray.task_trainable import PendingBuilds, TaskTrainable
+from tune_hydra.frontends.ray.task_trainable import PendingBuilds, TaskSpec, TaskTrainable
 from tune_hydra.options import EngineOptions
 
 CONTROL_GROUP = "control"
@@ -233,20 +233,19 @@ class EngineActor:
         self._driver(secret)
         bound = await self._offload(self._factories.bind, factory_id, params or {})
         cls, values = await self._offload(class_and_parameters, bound)
-        if not isinstance(cls, type):  # a task factory: its canned class trainable
+        spec = None
+        if not isinstance(cls, type):  # a task factory: the canned class trainable
             task = dict(context.get("task") or {})
-            cls, values = (
-                TaskTrainable.for_factory(
-                    bound,
-                    task_options=self._task_options,
-                    builds=self._builds,
-                    timeout_s=self._factory_timeout_s,
-                    trials=self._functions,
-                    required=tuple(task.get("required") or ()),
-                    checkpoint=task.get("checkpoint"),
-                ),
-                {},
+            spec = TaskSpec(
+                bound,
+                self._task_options,
+                self._builds,
+                self._factory_timeout_s,
+                self._functions,
+                required=tuple(task.get("required") or ()),
+                checkpoint=task.get("checkpoint"),
             )
+            cls, values = TaskTrainable, {}
         engine = await self._offload(self._ensure_engine)
         await self._classes.start(
             cls,
@@ -257,6 +256,7 @@ class EngineActor:
             engine=engine,
             context=context,
             seed=self._task_options.get("seed"),
+            spec=spec,
         )
 
     async def cls_call(

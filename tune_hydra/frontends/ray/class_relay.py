@@ -52,10 +52,12 @@ class ClassRelay:
         engine: Any,
         context: dict[str, Any],
         seed: int | None,
+        spec: Any = None,
     ) -> None:
         """Build trial ``key``'s instance of ``cls`` (its ``setup`` runs, with
-        ``params``) on a thread of its own, on ``engine``, for the proxy ``token``; it
-        replaces (stops) an older run of the proxy and of the trial.
+        ``params``; a canned class reads ``spec`` from its run) on a thread of its own,
+        on ``engine``, for the proxy ``token``; it replaces (stops) an older run of the
+        proxy and of the trial.
 
         Raises:
             TrialFunctionError: the class's ``__init__`` / ``setup`` raised.
@@ -71,6 +73,7 @@ class ClassRelay:
             context=context,
             seed=seed,
             params=params,
+            spec=spec,
         )
         with self._lock:
             old = self._runs.get(token)

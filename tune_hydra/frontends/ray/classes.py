@@ -139,7 +139,9 @@ class ClassRun(FunctionRun):
         context: dict[str, Any],
         seed: int | None = None,
         params: dict[str, Any] | None = None,
+        spec: Any = None,
     ) -> None:
+        self.spec = spec  # what a canned class reads in setup (a task factory's TaskSpec)
         super().__init__(
             cls, config, key=key, token=token, engine=engine, context=context, seed=seed
         )
@@ -153,7 +155,7 @@ class ClassRun(FunctionRun):
         self.on_abort: Any = None
 
     def _name(self) -> str:
-        return repr(getattr(self.fn, "__name__", "Trainable"))
+        return repr(getattr(self.spec, "name", None) or getattr(self.fn, "__name__", "Trainable"))
 
     def report(self, metrics: dict[str, Any], checkpoint: Any = None) -> None:
         """``tune.report`` in a class trainable: as in plain Tune (no function session),
@@ -203,7 +205,7 @@ class ClassRun(FunctionRun):
 
     def _gone(self) -> TrialNotRegisteredError:
         return TrialNotRegisteredError(
-            f"trial {self.key!r}: its class trainable {self._name()} no longer runs in this "
+            f"trial {self.key!r}: its class trainable {self.title} no longer runs in this "
             f"engine (it was cleaned up, or stopped: the trial ended, failed or was "
             f"replaced). {RETRY}"
         )
@@ -245,10 +247,11 @@ class ClassRun(FunctionRun):
                     logger.warning(
                         "tune_hydra: cleanup() of trial %s's %s raised",
                         self.key,
-                        self._name(),
+                        self.title,
                         exc_info=True,
                     )
             self.instance = None  # the model goes with it (its loops leave the engine)
+            self.spec = self.on_abort = None
 
     def _run(self, method: str, args: tuple[Any, ...], counters: dict[str, Any] | None) -> Any:
         if method == "setup":
@@ -259,7 +262,7 @@ class ClassRun(FunctionRun):
             if method == "stop":
                 return None  # its setup failed: nothing to clean up
             raise TrialFunctionError(
-                f"trial {self.key}: the class trainable {self._name()} has no instance in "
+                f"trial {self.key}: the class trainable {self.title} has no instance in "
                 f"the engine (its setup failed)"
             )
         for name, value in (counters or {}).items():
@@ -270,7 +273,7 @@ class ClassRun(FunctionRun):
             if self.scope is not None and not self.scope.sharded:
                 raise NoShardError(
                     self.key,
-                    f"the class trainable {self._name()} stepped without calling th.shard, "
+                    f"the class trainable {self.title} stepped without calling th.shard, "
                     f"so it trained plainly beside the engine (one trial at a time per node "
                     f"gains nothing from a HydraExecutor)",
                     f"Add `{SHARD_LINE}` at the end of its setup(), or run the class "
@@ -316,7 +319,7 @@ class ClassRun(FunctionRun):
         self.instance = cls(config=config, storage=self.storage)
 
     def _error(self, method: str, err: BaseException) -> BaseException:
-        canned = getattr(self.fn, "describe_call", None)  # a task factory's trial
+        canned = getattr(self.spec, "describe_call", None)  # a task factory's trial
         if isinstance(err, (SystematicTaskError, TrialFunctionError)) or (
             canned is not None and isinstance(err, TuneHydraError)
         ):
@@ -326,7 +329,7 @@ class ClassRun(FunctionRun):
             canned(method)
             if canned is not None
             else f"{'__init__/setup' if method == 'setup' else method}() of the class "
-            f"trainable {self._name()}"
+            f"trainable {self.title}"
         )
         return TrialFunctionError(f"trial {self.key}: {what} raised in the engine process:\n{text}")
 

@@ -223,6 +223,7 @@ class FunctionRun:
         seed: int | None = None,
     ) -> None:
         self.fn = fn
+        self.title = self._name()  # for messages, also once fn is dropped
         self.config = config
         self.key = key
         self.token = token
@@ -302,7 +303,7 @@ class FunctionRun:
         if RESULT_DUPLICATE not in metrics and self.scope is not None and not self.scope.sharded:
             err = NoShardError(
                 self.key,
-                f"the function trainable {self._name()} reported without calling th.shard, "
+                f"the function trainable {self.title} reported without calling th.shard, "
                 f"so it trained plainly beside the engine (one trial at a time per node "
                 f"gains nothing from a HydraExecutor)",
                 f"Add `{SHARD_LINE}` after building the model and the optimizer, or run it "
@@ -450,12 +451,17 @@ class FunctionRun:
                 text = "".join(traceback.format_exception(err))
                 item = (
                     "error",
-                    f"trial {self.key}: the function trainable {self._name()} raised in the "
+                    f"trial {self.key}: the function trainable {self.title} raised in the "
                     f"engine process:\n{text}",
                     err if isinstance(err, SystematicTaskError) else None,
                 )
         finally:
             router.unbind()
+            # A run lives on in a reference cycle with its thread until the collector
+            # runs: what it ran (a closure over a dataset) is freed with the trial.
+            self.fn = self.guess = None
+            with self._lock:
+                self._loops.clear()
             self._put(item)
 
     def _finish(self) -> None:

@@ -21,7 +21,8 @@ from __future__ import annotations
 import concurrent.futures
 import hmac
 import threading
-from typing import Any, ClassVar
+from dataclasses import dataclass
+from typing import Any
 
 from ray import tune
 from ray.tune.result import SHOULD_CHECKPOINT, TRIAL_INFO
@@ -110,61 +111,38 @@ class PendingBuilds:
         return len(keys)
 
 
-class TaskTrainable(tune.Trainable):
-    """The engine-process instance of a task factory's trial (see the module docstring);
-    :meth:`for_factory` makes the class of one stored factory.
+@dataclass(frozen=True)
+class TaskSpec:
+    """What a task factory's trials are made of, given to each trial's run (one class,
+    :class:`TaskTrainable`, for every factory: no class is made per trial, so nothing of
+    a factory outlives its trials but the actor's factory cache).
 
-    Class attributes (set on the subclass):
-        _factory: the factory (``tune.with_parameters`` bound), called with the config.
-        _task_options: the executor's task options (``seed``, ``max_grad_norm``,
+    Attributes:
+        factory: the factory (``tune.with_parameters`` bound), called with the config.
+        task_options: the executor's task options (``seed``, ``max_grad_norm``,
             ``accumulate_steps``, ``precision``, ``iteration_batches``).
-        _builds: the actor's factories still running (aborted by a stop or the driver).
-        _timeout_s: the most seconds one factory call may take (None: no limit).
-        _required: metric names of the run that only a task's ``metrics`` can give.
-        _checkpoint: ``"every"``: ask Tune for a checkpoint after every iteration.
-        _trials: the actor's trials (its ``FunctionRelay``): who trains a model is
+        builds: the actor's factories still running (aborted by a stop or the driver).
+        timeout_s: the most seconds one factory call may take (None: no limit).
+        trials: the actor's trials (its ``FunctionRelay``): who trains a model is
             recorded per actor and trial id, so a retried trial may reuse its own.
+        required: metric names of the run that only a task's ``metrics`` can give.
+        checkpoint: ``"every"``: ask Tune for a checkpoint after every iteration.
     """
 
-    _factory: ClassVar[Any] = None
-    _task_options: ClassVar[dict[str, Any]] = {}
-    _builds: ClassVar[PendingBuilds | None] = None
-    _timeout_s: ClassVar[float | None] = None
-    _required: ClassVar[tuple[str, ...]] = ()
-    _checkpoint: ClassVar[str | None] = None
-    _trials: ClassVar[Any] = None
+    factory: Any
+    task_options: dict[str, Any]
+    builds: PendingBuilds
+    timeout_s: float | None
+    trials: Any
+    required: tuple[str, ...] = ()
+    checkpoint: str | None = None
 
-    @classmethod
-    def for_factory(
-        cls,
-        factory: Any,
-        *,
-        task_options: dict[str, Any],
-        builds: PendingBuilds,
-        timeout_s: float | None,
-        trials: Any,
-        required: tuple[str, ...] = (),
-        checkpoint: str | None = None,
-    ) -> type[TaskTrainable]:
-        """The class of one factory's trials (see the class attributes)."""
-        name = getattr(getattr(factory, "fn", factory), "__name__", "make_task")
-        return type(
-            str(name),
-            (cls,),
-            {
-                "_factory": staticmethod(factory),  # called with the config alone
-                "_task_options": dict(task_options),
-                "_builds": builds,
-                "_timeout_s": timeout_s,
-                "_required": tuple(required),
-                "_checkpoint": checkpoint,
-                "_trials": trials,
-                "__module__": cls.__module__,
-            },
-        )
+    @property
+    def name(self) -> str:
+        """The factory's name."""
+        return str(getattr(getattr(self.factory, "fn", self.factory), "__name__", "make_task"))
 
-    @classmethod
-    def describe_call(cls, method: str) -> str:
+    def describe_call(self, method: str) -> str:
         """What a trial was doing in ``method``, for an error it raised."""
         doing = {
             "setup": "building its task",
@@ -173,7 +151,12 @@ class TaskTrainable(tune.Trainable):
             "save_checkpoint": "saving its checkpoint",
             "load_checkpoint": "restoring its checkpoint",
         }.get(method, method)
-        return f"{doing} (the task factory {cls.__name__!r})"
+        return f"{doing} (the task factory {self.name!r})"
+
+
+class TaskTrainable(tune.Trainable):
+    """The engine-process instance of a task factory's trial (see the module docstring);
+    its run's ``spec`` (a :class:`TaskSpec`) says which factory and how."""
 
     def setup(self, config: dict[str, Any]) -> None:
         self.loop: Any = None
@@ -198,27 +181,27 @@ class TaskTrainable(tune.Trainable):
         from tune_hydra.options import check_seed
 
         key, run = self._trial()
+        spec: TaskSpec = run.spec
         self.plain_config = {k: v for k, v in config.items() if k != TRIAL_INFO}
         what = f"trial {key} (config {self.plain_config!r})"
-        seed = self._task_options.get("seed")
+        seed = spec.task_options.get("seed")
         future = start_factory(
-            _on_trial(run, self._factory), dict(self.plain_config), what=what, seed=seed
+            _on_trial(run, spec.factory), dict(self.plain_config), what=what, seed=seed
         )
-        builds = self._builds
-        assert builds is not None
+        builds = spec.builds
         run.on_abort = lambda: builds.abort(key, run.token)
         try:
-            task = builds.wait(key, run.token, future, timeout_s=self._timeout_s, what=what)
+            task = builds.wait(key, run.token, future, timeout_s=spec.timeout_s, what=what)
         finally:
             run.on_abort = None
-        factory = getattr(self._factory, "fn", self._factory)
+        factory = getattr(spec.factory, "fn", spec.factory)
         task = check_task(task, key, trainable=lambda: tune_report_call(factory))
-        self._check_metrics(key, task)
-        prepare_model(task.model, self._trials, key, _trains)
+        self._check_metrics(key, task, spec.required)
+        prepare_model(task.model, spec.trials, key, _trains)
         task_seed = check_seed(task.seed, option="ModelTask.seed", where=f"trial {key}")
         seed = task_seed if task_seed is not None else seed
         seed = torch.initial_seed() if seed is None else seed
-        options = {k: v for k, v in self._task_options.items() if k != "seed"}
+        options = {k: v for k, v in spec.task_options.items() if k != "seed"}
         taken = set(run.engine.tasks())
         name, n = key, 0
         while name in taken:  # an older copy of the trial still leaving the engine
@@ -233,13 +216,14 @@ class TaskTrainable(tune.Trainable):
             self.loop.cut()
         except InvalidModelError as err:  # the model's type cannot be cut
             raise uncuttable(key, task.model, err) from err
-        CLAIMS.record(task.model, self._trials, key, _trains)
+        CLAIMS.record(task.model, spec.trials, key, _trains)
+        self._every = spec.checkpoint == "every"
 
-    def _check_metrics(self, key: str, task: Any) -> None:
+    def _check_metrics(self, key: str, task: Any, required: tuple[str, ...]) -> None:
         """Refuse a task that does not report a metric the run optimises (systematic)."""
         declared = list(task.metrics or {})
         reported = task_reports(declared)
-        missing = [m for m in self._required if m not in reported]
+        missing = [m for m in required if m not in reported]
         if missing:
             raise UndeclaredMetricError(
                 key,
@@ -252,7 +236,7 @@ class TaskTrainable(tune.Trainable):
 
     def step(self) -> dict[str, Any]:
         out = trial_result(self.loop.train_iteration(), self.task.metrics or {})
-        if self._checkpoint == "every":
+        if self._every:
             out[SHOULD_CHECKPOINT] = True  # Tune saves one now (HydraExecutor(checkpoint=))
         return out
 
@@ -305,4 +289,4 @@ def _trains(trials: Any, key: str) -> bool:
     return key in trials.running()
 
 
-__all__ = ["PendingBuilds", "TaskTrainable"]
+__all__ = ["PendingBuilds", "TaskSpec", "TaskTrainable"]
