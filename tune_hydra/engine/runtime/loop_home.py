@@ -64,9 +64,9 @@ class HomeWindow:
     brought home, see :func:`bring_home`) to the loop's next op. The user's thread may
     read and write the model's and optimizers' tensors then (``clip_grad_norm_`` scales
     the gradients in place), so the window holds every store in use in host memory: no
-    spill writes, drops or reads back a state while the user's thread changes it. A write
-    announced in it (:meth:`wrote`) makes the host copies and spill files stale again as
-    it ends, after whatever the user's thread wrote last.
+    spill writes, drops or reads back a state while the user's thread may change it. A
+    write is announced (:meth:`wrote`) before it is made, which voids the host copies and
+    spill files; the hold keeps a spill from making them valid again before it is made.
 
     Design note: the hold is the one of ops (``HostMemory.use``), so a store of the
     window is never a victim; the window ends before the loop's next op marks it in use
@@ -82,28 +82,23 @@ class HomeWindow:
         self._host = host
         self.now = True  # every state is home, nothing pending (registered at home)
         self._held: list[Any] = []  # the stores held in use, while open
-        self._wrote = False
 
     def enter(self) -> None:
-        """The state was brought home: hold it there until :meth:`leave`."""
+        """The state is coming home: hold it there until :meth:`leave`."""
         if not self._held:
             self._held = [p for s in self._shards for p in s.store.parts()]
             self._host.use(self._held, 1)
 
     def wrote(self) -> None:
-        """The user's thread writes into the state at home: stale copies from now on."""
+        """The user's thread is about to write into the state at home: stale copies."""
         touched(self._shards)
-        self._wrote = True
 
     def leave(self) -> None:
         """The loop's next op (or step, or zero_grad) comes: the hold ends."""
         self.now = False
         held, self._held = self._held, []
         if held:
-            if self._wrote:
-                touched(self._shards)  # what it wrote after announcing it
             self._host.use(held, -1)
-        self._wrote = False
 
 
 def touched(shards: list[LoopShard]) -> None:
