@@ -411,3 +411,35 @@ def test_dropped_model_leaves_even_if_no_thread_can_start(
         gc.collect()
     assert ref() is None
     assert_gone(engine, [ref])
+
+
+# -- a loop leaves by identity, never by its name -------------------------------------------
+
+
+def test_a_loop_that_left_never_takes_the_next_owner_of_its_name_along(
+    engine: th.Engine,
+) -> None:
+    """A trial's run unshards its model (a class trainable's cleanup), its retried copy
+    shards a new model under the same name, then the first run's scope closes: the name's
+    new owner stays (before: the scope removed the name again, and the new copy's next
+    op failed with "no task named ...")."""
+    from tune_hydra.frontends.shard import engine_scope
+
+    def loop() -> tuple[nn.Module, torch.optim.Optimizer]:
+        model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
+        model, opt = th.shard(model, torch.optim.SGD(model.parameters(), lr=0.1), name="t")
+        nn.functional.mse_loss(model(torch.randn(3, 4)), torch.zeros(3, 2)).backward()
+        opt.step()
+        return model, opt
+
+    with engine_scope(engine) as first:
+        old, _ = loop()
+        th.unshard(old)
+    with engine_scope(engine) as second:
+        new, opt = loop()
+        first.close()
+        assert engine.tasks() == ["t"]
+        nn.functional.mse_loss(new(torch.randn(3, 4)), torch.zeros(3, 2)).backward()
+        opt.step()
+        second.close()
+    assert engine.tasks() == []

@@ -403,11 +403,13 @@ class Engine:
                 return
             self._dispatcher.cancel(entry)
 
-    def remove_task(self, name: str) -> None:
-        """Cancel the task and forget it (its model keeps its current weights, on the CPU)."""
+    def remove_task(self, name: str, *, runner: Runner | None = None) -> None:
+        """Cancel the task and forget it (its model keeps its current weights, on the CPU).
+        ``runner``: only while it is this runner's (a loop leaving late must not take
+        the name's next owner with it)."""
         with self._cv:
             entry = self._tasks.get(name)
-            if entry is None:
+            if entry is None or (runner is not None and entry.runner is not runner):
                 return
             self._dispatcher.retire(entry)
             self._registry.remove(name)

@@ -635,7 +635,7 @@ def _close_state(state: _State, *, raise_errors: bool = True) -> None:
     if loop.closed:
         # Its model was collected (_forget queued the removal for the remover thread):
         # removed here too, so that the loop has left when the front end's call returns.
-        loop.engine.remove_task(loop.name)
+        loop.engine.remove_task(loop.name, runner=loop)
         return
     loop.close(raise_errors=raise_errors)
 
@@ -648,12 +648,13 @@ def _forget(state: _State) -> None:
     loop = state.loop
     if loop is not None:
         loop.closed = True
-        _REMOVALS.put((loop.engine, loop.name))
+        # By identity: the name may belong to another loop by the time it is removed.
+        _REMOVALS.put((loop.engine, loop.name, weakref.ref(loop)))
 
 
 # The loops whose model was garbage-collected, removed from their engines by one thread
 # (started by th.shard, again after a fork).
-_REMOVALS: queue.SimpleQueue[tuple[Engine, str]] = queue.SimpleQueue()
+_REMOVALS: queue.SimpleQueue[tuple[Engine, str, weakref.ref[LoopRunner]]] = queue.SimpleQueue()
 _REMOVER: threading.Thread | None = None
 
 
@@ -667,12 +668,14 @@ def _start_remover() -> None:
 
 def _remove_forgotten() -> None:
     while True:
-        engine, name = _REMOVALS.get()
+        engine, name, ref = _REMOVALS.get()
+        loop = ref()  # gone: it was no longer registered (the engine holds its runners)
         try:
-            engine.remove_task(name)
+            if loop is not None:
+                engine.remove_task(name, runner=loop)
         except Exception:  # the next ones go on
             log.warning("th.shard: removing loop %r from its engine failed", name, exc_info=True)
-        engine = None  # type: ignore[assignment]  # not kept alive while waiting
+        engine = loop = None  # type: ignore[assignment]  # not kept alive while waiting
 
 
 def attach_optimizer(

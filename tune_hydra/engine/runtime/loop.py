@@ -696,7 +696,7 @@ class LoopRunner:
             self.optim.hand_back()
         finally:
             try:
-                self.engine.remove_task(self.name)
+                self.engine.remove_task(self.name, runner=self)
             except Exception:
                 log.warning("loop %r did not leave its engine", self.name, exc_info=True)
         if error is None:

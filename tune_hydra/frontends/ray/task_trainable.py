@@ -210,12 +210,20 @@ class TaskTrainable(tune.Trainable):
         self.task = task
         run.guess = lambda _runner: self.loop.ops_per_iteration()  # told at its cut
         try:
-            self.loop = TaskLoop(name, task, run.engine, seed=seed, **options)
-            # Cut and registered now, as a task was at registration: a model that does not
-            # fit fails the trial here, and the loop's name is taken before its first step.
-            self.loop.cut()
+            loop = TaskLoop(name, task, run.engine, seed=seed, **options)
         except InvalidModelError as err:  # the model's type cannot be cut
             raise uncuttable(key, task.model, err) from err
+        try:
+            # Cut and registered now, as a task was at registration: a model that does not
+            # fit fails the trial here, and the loop's name is taken before its first step.
+            self.loop = loop
+            loop.cut()
+        except BaseException as err:
+            self.loop = None
+            loop.close()  # the model back to the user's class, nothing left registered
+            if isinstance(err, InvalidModelError):
+                raise uncuttable(key, task.model, err) from err
+            raise
         CLAIMS.record(task.model, spec.trials, key, _trains)
         self._every = spec.checkpoint == "every"
 
