@@ -192,7 +192,7 @@ def _offers(front_end: str) -> set[str]:
             inspect.signature(Engine.add_task).parameters
         )
     if front_end == "train_models":
-        from tune_hydra.engine.train import train_models
+        from tune_hydra.frontends.train import train_models
 
         return set(inspect.signature(train_models).parameters)
     pytest.importorskip("ray")
@@ -350,7 +350,7 @@ def test_front_ends_forward_every_option_or_say_why_not(front_end: str) -> None:
         k: p.default for k, p in inspect.signature(check_task_options).parameters.items()
     }
     from tune_hydra.engine import Engine
-    from tune_hydra.engine.train import train_models
+    from tune_hydra.frontends.train import train_models
 
     if front_end == "HydraExecutor":
         from tune_hydra.frontends.ray.executor import HydraExecutor

@@ -13,19 +13,12 @@ from tune_hydra import exceptions
 from tune_hydra.exceptions import TuneHydraError
 
 if TYPE_CHECKING:
-    from tune_hydra.engine import (
-        Engine,
-        History,
-        ModelTask,
-        plot_timeline,
-        save_trace,
-        train_models,
-        train_plain,
-    )
+    from tune_hydra.engine import Engine, ModelTask, plot_timeline, save_trace, train_plain
     from tune_hydra.frontends.lightning import HydraStrategy
     from tune_hydra.frontends.optuna import optimize
     from tune_hydra.frontends.ray import HydraExecutor, patch_tune, run, unpatch_tune
     from tune_hydra.frontends.shard import configure, shard, shard_count, unshard
+    from tune_hydra.frontends.train import History, train_models
     from tune_hydra.planning import PlanReport, plan
 
 __version__ = "0.1.0"
@@ -35,11 +28,11 @@ __version__ = "0.1.0"
 # work where Ray is not installed).
 _LAZY = {
     "Engine": "tune_hydra.engine",
-    "History": "tune_hydra.engine",
+    "History": "tune_hydra.frontends.train",
     "ModelTask": "tune_hydra.engine",
     "plot_timeline": "tune_hydra.engine",
     "save_trace": "tune_hydra.engine",
-    "train_models": "tune_hydra.engine",
+    "train_models": "tune_hydra.frontends.train",
     "train_plain": "tune_hydra.engine",
     "optimize": "tune_hydra.frontends.optuna",
     "HydraStrategy": "tune_hydra.frontends.lightning",

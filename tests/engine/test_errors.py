@@ -320,8 +320,9 @@ def test_an_optimizer_factory_that_returns_no_optimizer(factory: Any, says: str)
     assert says in str(err) and "not a torch.optim.Optimizer" in str(err)
 
 
-def test_an_optimizer_factory_that_fails_on_a_shard() -> None:
-    """The factory passes the probe but raises when given a shard's parameters."""
+def test_an_optimizer_factory_that_fails_on_the_models_parameters() -> None:
+    """The factory is called once, with every trainable parameter of the model, as plain
+    PyTorch calls it (the optimizer is sharded afterwards): its error names that call."""
 
     def picky(params: list[nn.Parameter]) -> torch.optim.Optimizer:
         if len(params) > 1:
@@ -330,7 +331,7 @@ def test_an_optimizer_factory_that_fails_on_a_shard() -> None:
 
     err = _refusal(_task(optimizer=picky))
     assert isinstance(err, ex.InvalidOptimizerError)
-    assert "the parameters of shard 0 (layers 0, 1," in str(err)
+    assert "raised RuntimeError: only one tensor please when called with the model's " in str(err)
 
 
 def test_a_bad_seed() -> None:

@@ -17,7 +17,6 @@ from tune_hydra.engine.reference import train_plain
 from tune_hydra.engine.registration.partition import LayerCost, ShardPlan, ShardSpec, plan_shards
 from tune_hydra.engine.storage import ShardStore
 from tune_hydra.engine.task import ModelTask, model_layers
-from tune_hydra.engine.train import History, train_models
 from tune_hydra.engine.units import parse_bytes, resolve_devices
 
 __all__ = [
@@ -25,7 +24,6 @@ __all__ = [
     "Candidate",
     "Engine",
     "FIFOPolicy",
-    "History",
     "LRTFPolicy",
     "LayerCost",
     "ModelTask",
@@ -44,6 +42,5 @@ __all__ = [
     "plot_timeline",
     "resolve_devices",
     "save_trace",
-    "train_models",
     "train_plain",
 ]

@@ -1,9 +1,16 @@
-"""``train_models``: the engine's one-call user API."""
+"""``train_models``: many ``ModelTask`` s trained at once on one engine, in one call.
+
+Each task is trained by a :class:`~tune_hydra.frontends.task_loop.TaskLoop` (a
+``th.shard`` loop) in a thread of its own; the engine multiplexes their shard ops over
+its devices, and tells the policy each task's work left (its epochs, in ops).
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import threading
 import traceback
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +29,7 @@ from tune_hydra.options import (
     EngineOptions,
     check_option_names,
     check_positive_int,
+    check_seed,
     check_task_options,
 )
 
@@ -197,31 +205,28 @@ def train_models(
     history = History({name: [] for name in tasks})  # in the order of ``tasks``
     errors: dict[str, BaseException] = {}
     with Engine(options=engine_options) as engine:
-        added = []
-        for name, task in tasks.items():
-            try:
-                if not isinstance(task, ModelTask):
-                    raise InvalidTaskError(
-                        f"tasks[{name!r}] must be a tune_hydra.ModelTask, not {type(task).__name__}"
-                    )
-                engine.add_task(name, task, **task_options)
-            except Exception as err:  # a bad task is reported; the others train
-                errors[name] = _as_task_error(name, err)
-            else:
-                added.append(name)
-        futures = {name: engine.train(name, epochs) for name in added}
-        for name, fut in futures.items():
-            try:
-                history[name] = fut.result()
-            except Exception as err:  # one task's failure is reported, not fatal
-                errors[name] = err
-                history[name] = list(engine._tasks[name].runner.history)
-        history.plans = {name: engine.plan(name) for name in added}
+        trainers = [
+            _Trainer(name, task, engine, epochs, task_options) for name, task in tasks.items()
+        ]
+        threads = [
+            threading.Thread(target=t.run, name=f"hydra-train-{t.name}", daemon=True)
+            for t in trainers
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        cut = [t for t in trainers if t.loop is not None and t.loop.runner is not None]
+        history.plans = {t.name: engine.plan(t.name) for t in cut}
         history.summary = engine.summary()
         history.trace = engine.trace
         history.kept_graphs = engine.keeps_graphs
+        for t in trainers:
+            t.close()  # its model back on the CPU, in RAM (read back from the disk tier)
+            history[t.name] = t.history
+            if t.error is not None:
+                errors[t.name] = t.error
         if engine.host.active:
-            _take_models_back(engine, added, errors)
             # The read-back is in the trace: the disk figures count it too.
             after = engine.summary()["host"]
             for key in ("read_bytes", "loads", "disk_wait_s"):
@@ -231,27 +236,82 @@ def train_models(
     return history
 
 
-def _take_models_back(engine: Engine, names: list[str], errors: dict[str, BaseException]) -> None:
-    """Remove the tasks from the engine, so that every model's tensors are plain RAM
-    tensors: those of states still on the disk tier are read back (``Engine.close()``
-    would leave them memory-mapped views of the removed spill files, holding their disk
-    space as long as the user keeps the models). A task whose state cannot be read back
-    fails with ``SpillReadError`` (its model keeps views of what was on disk)."""
-    for name in names:
+class _Trainer:
+    """One task of a ``train_models`` call: its loop, trained on a thread of its own."""
+
+    def __init__(
+        self, name: str, task: Any, engine: Engine, epochs: int, options: dict[str, Any]
+    ) -> None:
+        self.name = name
+        self.task = task
+        self.engine = engine
+        self.epochs = epochs
+        self.options = options
+        self.loop: Any = None
+        self.history: list[dict[str, Any]] = []
+        self.error: BaseException | None = None
+        self._per_epoch: float | None = None  # its ops in one epoch, once cut
+
+    def run(self) -> None:
+        from tune_hydra.frontends.shard import engine_scope
+        from tune_hydra.frontends.task_loop import TaskLoop
+
+        when = "when added"
         try:
-            engine.remove_task(name)
+            if not isinstance(self.task, ModelTask):
+                raise InvalidTaskError(
+                    f"tasks[{self.name!r}] must be a tune_hydra.ModelTask, not "
+                    f"{type(self.task).__name__}"
+                )
+            options = {k: v for k, v in self.options.items() if k != "seed"}
+            task_seed = check_seed(
+                self.task.seed, option="ModelTask.seed", where=f"task {self.name!r}"
+            )
+            seed = self.options.get("seed") if task_seed is None else task_seed
+            seed = torch.initial_seed() if seed is None else seed
+            with engine_scope(self.engine) as scope:
+                scope.on_loop = self._cut
+                self.loop = TaskLoop(self.name, self.task, self.engine, seed=seed, **options)
+                when = ""
+                for done in range(1, self.epochs + 1):
+                    self.history.append(self.loop.train_iteration())
+                    self._announce(done)
+        except Exception as err:  # one task's failure is reported, not fatal
+            self.error = _as_task_error(self.name, err, when)
+        if self.loop is not None:
+            self.history = list(self.loop.history)
+
+    def _cut(self, runner: Any) -> None:
+        """``EngineScope.on_loop``: the loop was cut; the policy learns its work."""
+        self._per_epoch = self.loop.ops_per_iteration()
+        self._announce(0)
+
+    def _announce(self, done: int) -> None:
+        if self._per_epoch is not None:
+            left = math.ceil((self.epochs - done) * self._per_epoch)
+            self.engine.set_remaining(self.name, max(left, 0))
+
+    def close(self) -> None:
+        """The loop leaves the engine: the model keeps its trained weights, on the CPU, in
+        RAM (states on the disk tier are read back; nothing maps a spill file). A state
+        that cannot be read back fails the task with ``SpillReadError``."""
+        if self.loop is None:
+            return
+        try:
+            self.loop.close()
         except Exception as err:  # that task's model is not whole in RAM: its error
-            log.warning("task %r: reading its model back failed: %s", name, err)
-            if name not in errors:
-                errors[name] = _as_task_error(name, err)
+            log.warning("task %r: reading its model back failed: %s", self.name, err)
+            if self.error is None:
+                self.error = _as_task_error(self.name, err, "")
 
 
-def _as_task_error(name: str, err: Exception) -> TuneHydraError:
-    """``err`` from registering task ``name``, as a :class:`TuneHydraError` (an error of
-    tune_hydra's own as it is; any other one wrapped, with its traceback)."""
+def _as_task_error(name: str, err: Exception, when: str) -> TuneHydraError:
+    """``err`` of task ``name`` as a :class:`TuneHydraError` (an error of tune_hydra's own
+    as it is; any other one wrapped, with its traceback)."""
     if isinstance(err, TuneHydraError):
         return err
     tb = "".join(traceback.format_exception(type(err), err, err.__traceback__))
-    wrapped = TaskFailedError(name, f"{type(err).__name__}: {err} (when added)", tb)
+    said = f" ({when})" if when else ""
+    wrapped = TaskFailedError(name, f"{type(err).__name__}: {err}{said}", tb)
     wrapped.__cause__ = err
     return wrapped
