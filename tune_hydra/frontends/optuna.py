@@ -752,8 +752,6 @@ class _Driver:
             _TaskPruned: the pruner stopped it after an epoch.
             InvalidTaskError: an epoch's metric is not a finite number.
         """
-        import torch
-
         from tune_hydra.frontends.shard import engine_scope
         from tune_hydra.frontends.task_loop import TaskLoop
         from tune_hydra.frontends.trial import CLAIMS, prepare_model
@@ -773,8 +771,7 @@ class _Driver:
             )
             scope.on_loop = steps.add
             try:
-                seed = task.seed if task.seed is not None else self.task_options["seed"]
-                seed = torch.initial_seed() if seed is None else seed
+                seed = self.task_options["seed"]  # the task's own wins (TaskLoop)
                 try:
                     loop = TaskLoop(run.key, task, self.engine, seed=seed, **self._opts)
                 except InvalidModelError as err:  # the model's type cannot be cut

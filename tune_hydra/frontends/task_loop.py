@@ -21,9 +21,11 @@ does not depend on how the model is cut.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
 import math
+import threading
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -46,10 +48,12 @@ from tune_hydra.engine.task import describe, model_layers
 from tune_hydra.exceptions import (
     AlreadyShardedError,
     EmptyDataError,
+    InvalidTaskError,
     NonFiniteLossError,
     ResumeStateError,
     SharedModelError,
 )
+from tune_hydra.options import check_seed
 
 if TYPE_CHECKING:
     from tune_hydra.engine.engine import Engine
@@ -66,7 +70,8 @@ class TaskLoop:
         task: the task; its model and an optimizer over its trainable parameters are
             sharded here.
         engine: the engine its ops run on.
-        seed: the seed of its random stream.
+        seed: the seed of its random stream when the task has none (``ModelTask.seed``
+            wins); ``None``: ``torch.initial_seed()``.
         accumulate_steps: batches per optimizer step.
         max_grad_norm: clip the gradients' total norm to this before each step.
         precision: ``"bf16"``: forward and loss under bf16 autocast; ``None`` / ``"fp32"``:
@@ -93,7 +98,7 @@ class TaskLoop:
         task: ModelTask,
         engine: Engine,
         *,
-        seed: int,
+        seed: int | None = None,
         accumulate_steps: int = 1,
         max_grad_norm: float | None = None,
         precision: str | None = None,
@@ -104,12 +109,14 @@ class TaskLoop:
         self.name = name
         self.task = task
         self.engine = engine
-        self.seed = seed
+        task_seed = check_seed(task.seed, option="ModelTask.seed", where=f"task {name!r}")
+        seed = task_seed if task_seed is not None else check_seed(seed, where=f"task {name!r}")
+        self.seed = torch.initial_seed() if seed is None else seed
         self.accumulate_steps = accumulate_steps
         self.max_grad_norm = max_grad_norm
         self.precision = precision
         self.iteration_batches = iteration_batches
-        self.generator = torch.Generator().manual_seed(seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
         self.iteration = 0  # iterations finished
         self.epoch = 0  # epochs finished
         self.batch_in_epoch = 0  # train batches of the current epoch trained on
@@ -117,6 +124,7 @@ class TaskLoop:
         self._train_iter: Iterator[Any] | None = None
         self._epoch_rng = self.generator.get_state()  # where this epoch's data order began
         self._replay: tuple[torch.Tensor, int] | None = None  # resuming mid-epoch
+        self._training = threading.Lock()  # one thread trains it at a time
         model = task.model
         assert isinstance(model, nn.Module)
         _check_not_sharded(name, model)
@@ -142,14 +150,50 @@ class TaskLoop:
 
     # -- training -----------------------------------------------------------------------
 
+    def start(self, iterations: int = 1) -> concurrent.futures.Future[list[dict[str, Any]]]:
+        """Train ``iterations`` iterations on a thread of its own (several loops of one
+        engine then train at once); the future gets their results, or the first error.
+
+        Raises:
+            InvalidTaskError: ``iterations`` is not an int >= 1.
+        """
+        if isinstance(iterations, bool) or not isinstance(iterations, int) or iterations < 1:
+            raise InvalidTaskError(f"task {self.name!r}: iterations must be an int >= 1")
+        future: concurrent.futures.Future[list[dict[str, Any]]] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                results = [self.train_iteration() for _ in range(iterations)]
+            except BaseException as err:  # the caller's future gets it
+                future.set_exception(err)
+            else:
+                future.set_result(results)
+
+        threading.Thread(target=run, name=f"hydra-task-{self.name}", daemon=True).start()
+        return future
+
     def train_iteration(self) -> dict[str, Any]:
         """Train one iteration (an epoch, or ``iteration_batches`` batches), then
         evaluate on ``eval_data``; returns its result (also kept in :attr:`history`).
 
         Raises:
             EmptyDataError: ``train_data`` (or ``eval_data``) yielded no batch.
+            InvalidTaskError: another thread is training this loop.
             Exception: whatever the model, the loss or a metric raised.
         """
+        if not self._training.acquire(blocking=False):
+            raise InvalidTaskError(
+                f"task {self.name!r}: another thread is training it; wait for its "
+                f"iteration (the future of start()) first"
+            )
+        try:
+            return self._iteration()
+        finally:
+            self._training.release()
+
+    def _iteration(self) -> dict[str, Any]:
         with use_generator(self.generator):
             losses = self._train_batches()
             self.iteration += 1

@@ -29,7 +29,6 @@ from tune_hydra.options import (
     EngineOptions,
     check_option_names,
     check_positive_int,
-    check_seed,
     check_task_options,
 )
 
@@ -263,15 +262,9 @@ class _Trainer:
                     f"tasks[{self.name!r}] must be a tune_hydra.ModelTask, not "
                     f"{type(self.task).__name__}"
                 )
-            options = {k: v for k, v in self.options.items() if k != "seed"}
-            task_seed = check_seed(
-                self.task.seed, option="ModelTask.seed", where=f"task {self.name!r}"
-            )
-            seed = self.options.get("seed") if task_seed is None else task_seed
-            seed = torch.initial_seed() if seed is None else seed
             with engine_scope(self.engine) as scope:
                 scope.on_loop = self._cut
-                self.loop = TaskLoop(self.name, self.task, self.engine, seed=seed, **options)
+                self.loop = TaskLoop(self.name, self.task, self.engine, **self.options)
                 when = ""
                 for done in range(1, self.epochs + 1):
                     self.history.append(self.loop.train_iteration())

@@ -173,12 +173,9 @@ class TaskTrainable(tune.Trainable):
 
     def _build(self, config: dict[str, Any]) -> None:
         """Call the factory for ``config`` and make its task's loop."""
-        import torch
-
         from tune_hydra.engine.registration.factory import start_factory
         from tune_hydra.frontends.task_loop import TaskLoop
         from tune_hydra.frontends.trial import CLAIMS, prepare_model
-        from tune_hydra.options import check_seed
 
         key, run = self._trial()
         spec: TaskSpec = run.spec
@@ -198,9 +195,6 @@ class TaskTrainable(tune.Trainable):
         task = check_task(task, key, trainable=lambda: tune_report_call(factory))
         self._check_metrics(key, task, spec.required)
         prepare_model(task.model, spec.trials, key, _trains)
-        task_seed = check_seed(task.seed, option="ModelTask.seed", where=f"trial {key}")
-        seed = task_seed if task_seed is not None else seed
-        seed = torch.initial_seed() if seed is None else seed
         options = {k: v for k, v in spec.task_options.items() if k != "seed"}
         taken = set(run.engine.tasks())
         name, n = key, 0
