@@ -51,6 +51,7 @@ from tune_hydra.exceptions import (
     ShardTooLargeError,
     TrainingError,
 )
+from tune_hydra.frontends.task_loop import TaskLoop
 
 
 def make_task(seed: int, width: int, depth: int, batch: int, dropout: bool, bn: bool) -> Any:
@@ -117,9 +118,10 @@ SKIPPED = "skipped"
 
 def largest_state(tasks: dict[str, Any], cfg: dict[str, Any]) -> tuple[int, int]:
     """The largest shard state of ``tasks`` as the round's engine will cut them (from the
-    plans of deepcopies registered in an engine without a host budget), and the most
-    boundary tensors they may park in host memory at once: one boundary per task (a
-    ``batch x width`` float32 activation or gradient per micro-batch of a group)."""
+    plans of deepcopies cut, as ``train_models``' loops cut them, in an engine without a
+    host budget), and the most boundary tensors they may park in host memory at once:
+    one boundary per task (a ``batch x width`` float32 activation or gradient per
+    micro-batch of a group)."""
     with Engine(
         ["cpu"],
         cfg["budget_mib"] * 2**20,
@@ -128,9 +130,15 @@ def largest_state(tasks: dict[str, Any], cfg: dict[str, Any]) -> tuple[int, int]
         copy_on_cpu=True,
         max_layers_per_shard=cfg["max_layers_per_shard"],
     ) as engine:
-        for name, task in tasks.items():
-            engine.add_task(name, copy.deepcopy(task), seed=0)
-        largest = max(s.state_bytes for name in tasks for s in engine.plan(name).shards)
+        loops: list[TaskLoop] = []
+        try:
+            for name, task in tasks.items():
+                loops.append(TaskLoop(name, copy.deepcopy(task), engine, seed=0))
+                loops[-1].cut()  # registered with its plan now, as its first batch would
+            largest = max(s.state_bytes for name in tasks for s in engine.plan(name).shards)
+        finally:
+            for loop in loops:
+                loop.close()
     group = cfg["accumulate_steps"]
     parked = sum(group * spec[3] * spec[1] * 4 for spec in cfg["tasks"])
     return largest, parked

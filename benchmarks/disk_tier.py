@@ -14,10 +14,10 @@ model into >= 4 shards, twice in one run:
 
 Each configuration runs in its own subprocess (so one's memory does not pollute the
 other's RSS): data built, baseline RSS read, then the engine started, the models built
-and added one by one, all trained, and the weights saved (``torch.save``) for the
-parent to compare. Reported:
+and cut (each task a ``TaskLoop``, registered by its ``cut()``) one by one, all trained,
+and the weights saved (``torch.save``) for the parent to compare. Reported:
 
-- **throughput**: samples/s of the training (from the ``train`` calls to the last
+- **throughput**: samples/s of the training (from the loops' ``start`` calls to the last
   result), and (a)/(b);
 - **disk bytes/s** of (a): ``summary()["host"]`` written and read bytes over that wall
   time, against the machine's sequential bandwidth measured in the same run in
@@ -75,6 +75,7 @@ import tune_hydra as th
 from tune_hydra.engine import Engine
 from tune_hydra.engine.registration.partition import layer_costs, plan_shards
 from tune_hydra.engine.task import model_layers
+from tune_hydra.frontends.task_loop import TaskLoop
 
 MiB = 2**20
 LRS = (1e-3, 7e-4, 5e-4, 3e-4, 2e-4, 1e-4, 7e-5, 5e-5)
@@ -291,14 +292,16 @@ def warm_up(cfg: Config, spill_dir: str | None) -> None:
         host_memory=64 * 1024 if spill_dir else None,  # < the 4 tasks' ~160 KiB
         spill_dir=spill_dir,
     ) as engine:
-        names = [f"w{i}" for i in range(4)]
-        for i, name in enumerate(names):
+        loops = []
+        for i in range(4):
             task = th.ModelTask(
                 make_mlp(32, 2), nn.CrossEntropyLoss(), _adam(1e-3), make_data(32, 4, 2, i)
             )
-            engine.add_task(name, task, seed=i)
-        for future in [engine.train(name, 1) for name in names]:
+            loops.append(TaskLoop(f"w{i}", task, engine, seed=i))
+        for future in [loop.start(1) for loop in loops]:
             future.result(timeout=600)
+        for loop in loops:
+            loop.close()
 
 
 def child(spec: dict[str, Any]) -> dict[str, Any]:
@@ -320,21 +323,23 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         host_memory=host_memory,
         spill_dir=spill_dir,
     )
+    models: dict[str, nn.Module] = {}
+    loops: list[TaskLoop] = []
     try:
         t_setup = time.perf_counter()
-        models: dict[str, nn.Module] = {}
         for i in range(cfg.tasks):
-            # Built one at a time, so only the engine decides where earlier ones' states
-            # live; the same initial weights in every configuration.
+            # Built and cut (registered) one at a time, so only the engine decides where
+            # earlier ones' states live; the same initial weights in every configuration.
             torch.manual_seed(i)
             models[f"t{i}"] = make_mlp(cfg.width, cfg.depth)
             task = th.ModelTask(models[f"t{i}"], nn.CrossEntropyLoss(), _adam(LRS[i]), data[i])
-            engine.add_task(f"t{i}", task, seed=i)
+            loops.append(TaskLoop(f"t{i}", task, engine, seed=i))
+            loops[-1].cut()
         names = list(models)
         setup_s = time.perf_counter() - t_setup
         disk0 = block_bytes(stat)
         t0 = time.perf_counter()
-        futures = [engine.train(name, 1) for name in names]
+        futures = [loop.start(1) for loop in loops]
         results = {name: f.result(timeout=3600) for name, f in zip(names, futures, strict=True)}
         wall = time.perf_counter() - t0
         disk1 = block_bytes(stat)
@@ -362,7 +367,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     finally:
         if sampler.is_alive():
             sampler.stop()
-        engine.close()  # brings every model back to the CPU (from disk too)
+        for loop in loops:
+            loop.close()  # its model back on the CPU, in RAM (read back from disk too)
+        engine.close()
     torch.save({n: m.state_dict() for n, m in models.items()}, spec["weights"])
     return out
 

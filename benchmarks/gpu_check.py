@@ -76,6 +76,7 @@ from torch import nn
 import tune_hydra as th
 from tune_hydra.engine.registration.partition import layer_costs
 from tune_hydra.engine.task import model_layers
+from tune_hydra.frontends.task_loop import TaskLoop
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import gpu_check_loops
@@ -410,8 +411,10 @@ class Check:
         cfg = self.cfg
         models = [make_gpt(cfg, cfg.task_layers) for _ in range(cfg.tasks)]
         with th.Engine(devices=[self.device], recompute=False, **self.engine_kw) as eng:
-            eng.add_task("probe", self._task(copy.deepcopy(models[0])), precision="bf16")
+            probe = TaskLoop("probe", self._task(copy.deepcopy(models[0])), eng, precision="bf16")
+            probe.cut()  # its plan, sized on its first batch as training would size it
             budget = int(1.5 * eng.plan("probe").kept_peak_bytes())
+            probe.close()
         for recompute in (False, True):
             key = "multitask_recompute" if recompute else "multitask_kept"
             self.results[key] = self._multitask_run(models, budget, recompute=recompute)
@@ -581,11 +584,13 @@ class Check:
                 **self.engine_kw,
             ) as eng:
                 names = [f"l{i}" for i in range(n)]
+                loops = []
                 for i, (name, model) in enumerate(zip(names, models, strict=True)):
                     task = th.ModelTask(model, nn.CrossEntropyLoss(), adam, datas[i])
-                    eng.add_task(name, task, seed=i)
+                    loops.append(TaskLoop(name, task, eng, seed=i))
+                    loops[-1].cut()  # all registered (cut) before any trains, as before
                 t0 = time.perf_counter()
-                futures = [eng.train(name, 1) for name in names]
+                futures = [loop.start(1) for loop in loops]
                 for future in futures:
                     future.result(timeout=600)
                 wall = time.perf_counter() - t0
@@ -602,6 +607,8 @@ class Check:
                     "cuts": [[(s.start, s.stop) for s in eng.plan(nm).shards] for nm in names],
                     "pool_bytes": eng._registry.frozen.held_bytes(),
                 }
+                for loop in loops:
+                    loop.close()  # its model back on the CPU, the user's class again
             weights[key] = [m.state_dict() for m in models]
         equal, worst = True, 0.0
         for a, b in zip(weights["shared"], weights["unshared"], strict=True):
@@ -652,11 +659,13 @@ class Check:
                     **self.engine_kw,
                 ) as eng:
                     names = [f"d{i}" for i in range(cfg.disk_tasks)]
+                    loops = []
                     for i, (name, model) in enumerate(zip(names, copies, strict=True)):
                         task = th.ModelTask(model, nn.CrossEntropyLoss(), _disk_adam, data[i])
-                        eng.add_task(name, task, seed=i)
+                        loops.append(TaskLoop(name, task, eng, seed=i))
+                        loops[-1].cut()  # all registered (cut) before any trains
                     t0 = time.perf_counter()
-                    futures = [eng.train(name, 1) for name in names]
+                    futures = [loop.start(1) for loop in loops]
                     for future in futures:
                         future.result(timeout=600)
                     wall = time.perf_counter() - t0
@@ -675,8 +684,8 @@ class Check:
                         # by up to (devices + 1) x it (documented slack): within that?
                         slack = (1 + 1) * r["max_shard_state"]  # one device
                         r[key]["trace_host_with_slack"] = _host_replay(eng.trace, host + slack)
-                # After close() every model is on the CPU (a state still on disk reads
-                # from its removed, still mapped file).
+                    for loop in loops:
+                        loop.close()  # its model back on the CPU, in RAM (read from disk)
                 weights[key] = [m.state_dict() for m in copies]
         finally:
             shutil.rmtree(folder, ignore_errors=True)

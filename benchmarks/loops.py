@@ -7,10 +7,12 @@ warm-up of each), reported as the median over the rounds of the per-round ratio:
   (``devices=["cpu", "cpu"], copy_on_cpu=True``, a ``device_memory`` that cuts each model
   into >= 2 shards): 4 MLPs (Adam, 4 learning rates) trained for one epoch of the same
   batches, either as 4 user loops (``th.shard``, one Python thread each, one engine) or
-  as 4 ``ModelTask`` s in one ``th.train_models`` call. Both recompute (the default on
-  copying devices), and both keep their graphs (``recompute=False``). Throughput ratio =
-  factory time / loops time (goal >= 0.9x). The loops' final weights are compared with
-  the factories' (both are exact to plain PyTorch, so they must be equal).
+  as 4 ``ModelTask`` s in one ``th.train_models`` call (which trains each as a
+  ``TaskLoop``, a ``th.shard`` loop of the package's own, on a thread of its own). Both
+  recompute (the default on copying devices), and both keep their graphs
+  (``recompute=False``). Throughput ratio = factory time / loops time (goal >= 0.9x).
+  The loops' final weights are compared with the factories' (both are exact to plain
+  PyTorch, so they must be equal).
 - **one loop vs the plain loop** on one CPU device (the CPU default: it computes in host
   memory), the model cut into >= 3 shards: the same loop with and without the
   ``th.shard`` line, keeping activations (``recompute=False``, goal <= 1.15x) and
@@ -145,49 +147,23 @@ def multiplexed(cfg: Config) -> dict[str, Any]:
         last[f"loops {recompute}"] = models
         return elapsed
 
-    def task_loops(recompute: bool) -> float:
-        # The same tasks, each trained by a TaskLoop (the th.shard runtime) in a thread.
-        from tune_hydra.frontends.task_loop import TaskLoop
-
-        tasks = [
-            th.ModelTask(copy.deepcopy(m), nn.CrossEntropyLoss(), _adam(lr), data)
-            for m, lr in zip(templates, LRS, strict=True)
-        ]
-
-        def train(engine: th.Engine, i: int) -> None:
-            loop = TaskLoop(f"t{i}", tasks[i], engine, seed=0)
-            loop.train_iteration()
-            loop.close()
-
-        elapsed = in_threads(recompute, train)
-        last[f"task loops {recompute}"] = [t.model for t in tasks]  # type: ignore[misc]
-        return elapsed
-
     ways: dict[str, Callable[[], float]] = {
         "factories, recompute": lambda: factories(True),
         "loops, recompute": lambda: loops(True),
-        "task loops, recompute": lambda: task_loops(True),
         "factories, kept graphs": lambda: factories(False),
         "loops, kept graphs": lambda: loops(False),
-        "task loops, kept graphs": lambda: task_loops(False),
     }
     times = _interleave(ways, cfg.rounds)
     equal = {
         r: all(
-            same_weights(a, b) and same_weights(a, c)
-            for a, b, c in zip(
-                last[f"loops {r}"], last[f"factories {r}"], last[f"task loops {r}"], strict=True
-            )
+            same_weights(a, b)
+            for a, b in zip(last[f"loops {r}"], last[f"factories {r}"], strict=True)
         )
         for r in (True, False)
     }
     ratio = {
         "recompute": _ratio(times["factories, recompute"], times["loops, recompute"]),
         "kept graphs": _ratio(times["factories, kept graphs"], times["loops, kept graphs"]),
-    }
-    canned = {
-        "recompute": _ratio(times["factories, recompute"], times["task loops, recompute"]),
-        "kept graphs": _ratio(times["factories, kept graphs"], times["task loops, kept graphs"]),
     }
     print(
         f"4 loops vs 4 task factories: MLP width {cfg.width} depth {cfg.depth}, batch "
@@ -203,13 +179,7 @@ def multiplexed(cfg: Config) -> dict[str, Any]:
             f"loops throughput / factories' ({mode}): {ratio[mode]:.2f}x (goal >= 0.9x); "
             f"same weights: {'yes' if equal[mode == 'recompute'] else 'NO'}"
         )
-        print(f"task loops (TaskLoop) throughput / factories' ({mode}): {canned[mode]:.2f}x")
-    return {
-        "shards": shards,
-        "throughput_ratio": ratio,
-        "task_loop_ratio": canned,
-        "same_weights": equal,
-    }
+    return {"shards": shards, "throughput_ratio": ratio, "same_weights": equal}
 
 
 # -- one loop vs the plain loop ----------------------------------------------------------

@@ -102,6 +102,7 @@ def one(args: argparse.Namespace, share: bool) -> dict[str, Any]:
 
     import tune_hydra as th  # noqa: F401
     from tune_hydra.engine import Engine
+    from tune_hydra.frontends.task_loop import TaskLoop
 
     folder = Path(args.folder)
     base_bytes = int(args.base_bytes)
@@ -121,19 +122,21 @@ def one(args: argparse.Namespace, share: bool) -> dict[str, Any]:
     ):
         own = 0
         models = []  # the users' models: kept after their trials finish, as users do
+        loops = []
         for i in range(args.trials):
             task = trial(folder, i, args.batches, args.seq, args.vocab)
             trainable = sum(
                 p.numel() * p.element_size() for p in task.model.parameters() if p.requires_grad
             )
             own += 4 * trainable  # weights, gradients, AdamW's two moments
-            eng.add_task(f"t{i}", task, seed=i)
+            loops.append(TaskLoop(f"t{i}", task, eng, seed=i))
+            loops[-1].cut()  # registered now (its states in the host ledger), not at batch 1
             models.append(task.model)
             del task
         registered = rss()
         held = eng.summary()["host"]["held_bytes"]
         t0 = time.perf_counter()
-        futures = [eng.train(f"t{i}", 1) for i in range(args.trials)]
+        futures = [loop.start(1) for loop in loops]
         for f in futures:
             f.result(timeout=3600)
         wall = time.perf_counter() - t0
@@ -144,8 +147,9 @@ def one(args: argparse.Namespace, share: bool) -> dict[str, Any]:
         peak = host["peak_held_bytes"]
         # All trials finish (leave the engine), their models kept: shared, a finished
         # model reads the pool's base until the user writes it (no copy per trial).
-        for i in range(args.trials):
-            eng.remove_task(f"t{i}")
+        for loop in loops:
+            loop.close()
+        del loops  # the loops go; the users' models stay
         finished = rss()
     samples = args.trials * args.batches * 4
     return {

@@ -49,6 +49,7 @@ from torch import nn
 
 import tune_hydra as th
 from tune_hydra.engine import Engine, LRTFPolicy
+from tune_hydra.frontends.task_loop import TaskLoop
 
 
 @dataclass
@@ -149,12 +150,25 @@ def dispatch_path(tasks: int, measured: bool, calls: int = 3000, repeats: int = 
 
     cfg = Config(layers=4, batches=4)
     with Engine(["cpu"], policy=Decline(), max_layers_per_shard=1) as engine:
-        for name, task in make_tasks(cfg, tasks).items():
-            engine.add_task(name, task, seed=0)
-            engine.train(name, 1)
+        # Each task a TaskLoop on a thread of its own: its first op asked for, never
+        # assigned (the policy declines), so it stays ready for every decision; closing
+        # the engine cancels it (each future ends with CancelledError).
+        loops = [
+            TaskLoop(name, task, engine, seed=0) for name, task in make_tasks(cfg, tasks).items()
+        ]
+        futures = [loop.start(1) for loop in loops]
         w = engine.workers[0]
         # Internals, on purpose: one decision, without the threads around it.
         dispatcher = engine._dispatcher
+        deadline = time.monotonic() + 60
+        while True:
+            with engine._cv:
+                ready = sum(e.runner.current is not None for e in engine._tasks.values())
+            if ready == tasks:
+                break
+            if time.monotonic() > deadline or any(f.done() for f in futures):
+                raise RuntimeError(f"only {ready} of {tasks} tasks got an op ready")
+            time.sleep(0.01)
         with engine._cv:
             if measured:
                 for e in engine._tasks.values():

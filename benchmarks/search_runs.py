@@ -4,10 +4,11 @@ Three runs on 2 emulated CPU devices that really copy shard state (``copy_on_cpu
 ``prefetch=True``: the GPU's way), tiny MLPs cut into 2 shards, the same seeds for every
 policy (``lrtf``, ``fifo``, ``auto``):
 
-* ``engine``: 16 equal trials of 4 epochs registered together on one ``Engine``, each
-  granted one epoch at a time by a small driver that announces the milestones of
-  ``ASHAScheduler(grace_period=1, reduction_factor=2, max_t=4)`` (rungs 1 and 2) as
-  ``HydraScheduler`` does (nothing is stopped: all 16 trials run their 4 epochs);
+* ``engine``: 16 equal trials of 4 epochs (each a ``TaskLoop``) cut and registered
+  together on one ``Engine``, each trained one epoch at a time by a small driver that
+  announces the milestones of ``ASHAScheduler(grace_period=1, reduction_factor=2,
+  max_t=4)`` (rungs 1 and 2) as ``HydraScheduler`` does, in the loops' ops (nothing is
+  stopped: all 16 trials run their 4 epochs);
 * ``tune``: ``th.run`` with that ASHA scheduler, 16 trials (a grid over the trial index,
   each trial's learning rate drawn from the seed), all admitted at once;
 * ``optuna``: ``th.optimize`` with ``TPESampler(seed)`` + ``MedianPruner()``, 8 trials, 8
@@ -60,6 +61,7 @@ from tune_hydra.core.policies import resolve_policy
 from tune_hydra.core.trace import Trace, TraceEvent
 from tune_hydra.engine import Engine
 from tune_hydra.frontends.milestones import optuna_milestones, tune_milestones
+from tune_hydra.frontends.task_loop import TaskLoop
 
 POLICIES = ("lrtf", "fifo", "auto")
 DEVICES = ["cpu", "cpu"]
@@ -198,8 +200,10 @@ def figures(trace: Trace, stopped: int = 0, best: float = math.nan) -> Figures:
 
 
 def engine_run(policy: str, seed: int, trials: int = 16) -> Figures:
-    """16 equal trials registered together, granted one epoch at a time, with the
-    milestones of ASHA (grace 1, rf 2, max_t 4) announced as ``HydraScheduler`` does."""
+    """16 equal trials (each a ``TaskLoop``) cut and registered together, each trained
+    one epoch at a time, with the milestones of ASHA (grace 1, rf 2, max_t 4) announced
+    as ``HydraScheduler`` does, in the loops' ops (an op per train batch, one per shard
+    per eval batch: ``TaskLoop.ops_per_iteration``)."""
     from ray.tune.schedulers import ASHAScheduler
 
     m = tune_milestones(ASHAScheduler(metric="val_loss", mode="min", **ASHA))
@@ -210,15 +214,26 @@ def engine_run(policy: str, seed: int, trials: int = 16) -> Figures:
         return None if at is None or at >= EPOCHS else at - done
 
     with _engine(chosen) as eng:
-        for i in range(trials):
-            eng.add_task(f"t{i}", make_task({"lr": lr_of(seed, i)}), seed=seed)
-        done = dict.fromkeys(eng.tasks(), 0)
+        loops = {
+            f"t{i}": TaskLoop(f"t{i}", make_task({"lr": lr_of(seed, i)}), eng, seed=seed)
+            for i in range(trials)
+        }
+        for loop in loops.values():
+            loop.cut()  # registered now: the engine takes hints for it
+        done = dict.fromkeys(loops, 0)
         running: dict[concurrent.futures.Future[Any], str] = {}
 
         def grant(name: str) -> None:
-            eng.set_remaining(name, EPOCHS - done[name] - 1)
-            eng.set_milestone(name, to_milestone(done[name]))
-            running[eng.train(name, 1)] = name
+            loop = loops[name]
+            per = loop.ops_per_iteration()
+            assert per is not None  # cut, and its data has a length
+            epochs = to_milestone(done[name])
+            # Its ops' iteration in the trace is its epoch (as the front ends count
+            # reports): the milestone policy reads it as the trial's progress.
+            loop.runner.reports = done[name]
+            eng.set_remaining(name, math.ceil((EPOCHS - done[name]) * per))
+            eng.set_milestone(name, None if epochs is None else math.ceil(epochs * per))
+            running[loop.start(1)] = name
 
         for name in done:
             grant(name)
@@ -233,7 +248,10 @@ def engine_run(policy: str, seed: int, trials: int = 16) -> Figures:
                 done[name] += 1
                 if done[name] < EPOCHS:
                     grant(name)
-        return figures(eng.trace, best=best)
+        result = figures(eng.trace, best=best)
+        for loop in loops.values():
+            loop.close()
+        return result
 
 
 # --- (b) th.run with ASHA --------------------------------------------------------------------

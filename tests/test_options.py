@@ -174,7 +174,8 @@ _WHERE = re.compile(r"^(Engine|train_models|optimize|HydraExecutor|task 'a'): ")
 
 def _offers(front_end: str) -> set[str]:
     """The engine, task and other options ``front_end`` takes (its signature; Engine's
-    per-task options are those of ``Engine.add_task``; th.optimize's train_opts)."""
+    per-task options are those of the ``TaskLoop`` that trains a task on it;
+    th.optimize's train_opts)."""
     if front_end == "optimize":
         from tune_hydra.frontends import optuna as th_optuna
 
@@ -187,9 +188,10 @@ def _offers(front_end: str) -> set[str]:
         }
     if front_end == "Engine":
         from tune_hydra.engine import Engine
+        from tune_hydra.frontends.task_loop import TaskLoop
 
         return set(inspect.signature(Engine).parameters) | set(
-            inspect.signature(Engine.add_task).parameters
+            inspect.signature(TaskLoop.__init__).parameters
         )
     if front_end == "train_models":
         from tune_hydra.frontends.train import train_models
@@ -203,19 +205,24 @@ def _offers(front_end: str) -> set[str]:
 
 def _call(front_end: str, options: dict[str, Any]) -> None:
     """Give ``front_end`` ``options`` (on one CPU device unless they say otherwise); a
-    call that accepts them trains one tiny task (or, for HydraExecutor, starts nothing)."""
+    call that accepts them trains one tiny task (Engine: cuts one, a TaskLoop's; for
+    HydraExecutor, starts nothing)."""
     import torch
     from torch import nn
 
     import tune_hydra as th
     from tune_hydra.engine import Engine
+    from tune_hydra.frontends.task_loop import TaskLoop
 
     task = th.ModelTask(nn.Linear(2, 1), nn.MSELoss(), torch.optim.SGD, [(torch.ones(1, 2),) * 2])
     kw = {"devices": "cpu", **options}
     if front_end == "Engine":
         add = {k: kw.pop(k) for k in TASK_OPTIONS if k in kw}
         with Engine(**kw) as engine:
-            engine.add_task("a", task, **add)
+            # A bad task option is refused when the loop is built: before any cut or training.
+            loop = TaskLoop("a", task, engine, **add)
+            loop.cut()
+            loop.close()
     elif front_end == "train_models":
         th.train_models({"a": task}, **kw)
     elif front_end == "optimize":
@@ -360,7 +367,9 @@ def test_front_ends_forward_every_option_or_say_why_not(front_end: str) -> None:
         fn = Engine if front_end == "Engine" else train_models
     params = dict(inspect.signature(fn).parameters)
     if front_end == "Engine":
-        params.update(inspect.signature(Engine.add_task).parameters)
+        from tune_hydra.frontends.task_loop import TaskLoop
+
+        params.update(inspect.signature(TaskLoop.__init__).parameters)
     for name, default in {**engine_defaults, **task_defaults}.items():
         if name in params:
             assert params[name].default == default, (front_end, name)

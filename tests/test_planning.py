@@ -1,5 +1,6 @@
 """``th.plan``: the cut and the smallest budget of each config, found on the meta device,
-equal what ``Engine.add_task`` finds for the same budget, without allocating weights."""
+equal the cut a task's ``TaskLoop`` makes on its first batch for the same budget, without
+allocating weights."""
 
 from __future__ import annotations
 
@@ -25,6 +26,7 @@ from tune_hydra.exceptions import (
     format_bytes,
     format_bytes_up,
 )
+from tune_hydra.frontends.task_loop import TaskLoop
 from tune_hydra.planning import PlanReport, PlanReports, expand_configs, min_device_memory
 
 
@@ -98,10 +100,14 @@ CONFIGS = [
 
 
 def _engine_plan(config: dict[str, Any], budget: int | None, **task_options: Any) -> Any:
+    """The engine's plan of the cut that ``config``'s task, trained as a TaskLoop, makes
+    on its first batch (cut now, nothing trained)."""
     with Engine("cpu", device_memory=budget) as eng:
-        n = eng.add_task("t", make_task(config), **task_options)
+        loop = TaskLoop("t", make_task(config), eng, seed=0, **task_options)
+        cut = loop.cut()
         plan = eng.plan("t")
-    assert n == len(plan)
+        loop.close()
+    assert cut == [list(s.layer_names) for s in plan.shards]
     return plan
 
 
@@ -110,7 +116,7 @@ def _spans(shards: Any) -> list[tuple[int, int, tuple[str, ...], int, int]]:
 
 
 @pytest.mark.parametrize("precision", [None, "bf16"])
-def test_plan_on_meta_equals_what_add_task_does(precision: str | None) -> None:
+def test_plan_on_meta_equals_the_cut_of_a_task_loop(precision: str | None) -> None:
     reports = th.plan(make_task, CONFIGS, precision=precision)
     assert isinstance(reports, PlanReports) and len(reports) == len(CONFIGS)
     for config, report in zip(CONFIGS, reports, strict=True):
@@ -119,7 +125,7 @@ def test_plan_on_meta_equals_what_add_task_does(precision: str | None) -> None:
         # every layer's figures, as the engine measured them with real data on the CPU
         assert list(report.layers) == list(engine.layers), config
         assert report.state_bytes == sum(c.state_bytes for c in engine.layers)
-        # the same cut as add_task, at a budget a few shards wide and at the smallest one
+        # the same cut as the loop's, at a budget a few shards wide and at the smallest one
         total = sum(c.total_bytes for c in engine.layers)
         for budget in (
             report.min_device_memory,
@@ -146,13 +152,15 @@ def test_min_device_memory_fits_and_one_byte_less_does_not() -> None:
             # the error names the budget to give (issue 32): the plan's smallest one
             assert info.value.min_device_memory == smallest
             with Engine("cpu", device_memory=smallest, prefetch=prefetch) as eng:
-                eng.add_task("t", make_task(report.config))
+                loop = TaskLoop("t", make_task(report.config), eng, seed=0)
+                loop.cut()
                 assert eng.plan("t").peak_bytes() <= smallest
+                loop.close()
             with (
                 Engine("cpu", device_memory=smallest - 1, prefetch=prefetch) as eng,
                 pytest.raises(ShardTooLargeError) as info,
             ):
-                eng.add_task("t", make_task(report.config))
+                TaskLoop("t", make_task(report.config), eng, seed=0).cut()
             assert info.value.min_device_memory == smallest
             assert f"give device_memory >= {format_bytes_up(smallest)}" in str(info.value)
     # with prefetch, the largest layer state comes twice: a layer's own bytes plus that
@@ -248,8 +256,10 @@ def test_meta_failures_fall_back_to_the_cpu_with_a_note() -> None:
     assert "Tensor.item() cannot be called on meta tensors" in report.notes[0]
     assert "fix" not in report.notes[0].replace("nothing to fix", "")
     with Engine("cpu", device_memory=6000) as eng:
-        eng.add_task("t", gated({}))
+        loop = TaskLoop("t", gated({}), eng, seed=0)
+        loop.cut()
         assert list(report.layers) == list(eng.plan("t").layers)
+        loop.close()
 
     def explicit(config: dict[str, Any]) -> th.ModelTask:  # real weights despite the default
         with torch.device("cpu"):
@@ -407,8 +417,6 @@ def test_executor_plan_uses_its_options_without_starting_ray(
 def test_plan_equals_the_cut_of_a_task_trained_as_a_loop(precision: str | None) -> None:
     # th.optimize trains a factory's task as a th.shard loop (TaskLoop), cut on its first
     # batch: the same cut, layer for layer and byte for byte, as th.plan foretells.
-    from tune_hydra.frontends.task_loop import TaskLoop
-
     for config in CONFIGS:
         (report,) = th.plan(make_task, config, precision=precision)
         total = sum(c.total_bytes for c in report.layers)

@@ -509,7 +509,7 @@ class InvalidSchedulerError(_TaskInputError, TypeError):
 
 
 class ResumeStateError(_TaskInputError):
-    """A resume state (``Engine.get_state()``, a checkpoint) does not fit the task it is
+    """A resume state (``TaskLoop.state()``, a checkpoint) does not fit the task it is
     restored into: it names parameters the model does not have or lacks some, or it is of
     the older per-shard layout and the model is now cut into another number of shards.
     The message says which, and what to restore it into instead."""

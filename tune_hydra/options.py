@@ -394,7 +394,7 @@ def check_task_options(
     iteration_batches: Any = None,
     where: str = "",
 ) -> dict[str, Any]:
-    """Validate the per-task training options (those of ``Engine.add_task``).
+    """Validate the per-task training options (those of ``TaskLoop``).
 
     Args:
         seed: ``None`` or an int.
@@ -449,7 +449,7 @@ def check_max_layers_per_shard(value: Any, *, where: str = "") -> int | None:
 class TrainOptions:
     """One task's training options, checked and normalized (see ``train_models``).
 
-    ``seed`` is the task's resolved seed (``Engine.add_task`` picks it from
+    ``seed`` is the task's resolved seed (``TaskLoop`` picks it from
     ``ModelTask.seed``, its ``seed`` argument or ``torch.initial_seed()``), so it is an
     int here. Frozen: derive a changed copy with ``dataclasses.replace``.
 
@@ -493,7 +493,7 @@ iteration_batches=None, recompute=False)
             raise InvalidOptionError(
                 "seed",
                 None,
-                "give an int in [-2**63, 2**64 - 1] (Engine.add_task resolves seed=None to one)",
+                "give an int in [-2**63, 2**64 - 1] (TaskLoop resolves seed=None to one)",
                 where,
             )
         for name, value in checked.items():  # normalized: ints as ints, fp32 as None
@@ -593,7 +593,7 @@ class EngineOptions:
 
 #: The fields of :class:`EngineOptions`, in order: what ``Engine(...)`` takes.
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineOptions) if f.init)
-#: The per-task options of ``Engine.add_task`` (:func:`check_task_options`), in order.
+#: The per-task options of ``TaskLoop`` (:func:`check_task_options`), in order.
 TASK_OPTIONS = ("seed", "max_grad_norm", "accumulate_steps", "precision", "iteration_batches")
 
 

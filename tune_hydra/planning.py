@@ -7,7 +7,7 @@ model plans in seconds on a laptop), probes one batch through the layers and run
 engine's own cost model on it (:func:`~tune_hydra.engine.registration.partition.layer_costs`
 for the state bytes of every layer,
 :func:`~tune_hydra.engine.registration.partition.plan_shards` for the cut), so its numbers
-are the ones ``Engine.add_task`` finds for the same budget on a CPU device.
+are the ones a ``TaskLoop`` of the task finds for the same budget on a CPU device.
 On a GPU the engine also measures each layer's peak on the device (allocator rounding,
 kernel workspaces) and keeps the larger figure: leave some headroom there.
 
@@ -354,7 +354,7 @@ def plan_for_engines(
     **options: Any,
 ) -> PlanReports:
     """:func:`plan` for engines built with ``engine_options`` whose trials are added with
-    ``task_options`` (``Engine.add_task``'s): their ``device_memory``, ``prefetch``,
+    ``task_options`` (``TaskLoop``'s): their ``device_memory``, ``prefetch``,
     ``max_layers_per_shard``, ``precision`` and ``seed`` (when set). Where the engines
     may run on a GPU (``"auto"`` or a ``cuda`` device), each report notes that the engine
     measures there too.
@@ -362,7 +362,7 @@ def plan_for_engines(
     Args:
         make_task, configs, num_samples: as :func:`plan`'s.
         engine_options: the engines' options.
-        task_options: the trials' ``Engine.add_task`` options.
+        task_options: the trials' ``TaskLoop`` options.
         options: more :func:`plan` options (``timeout_s``, ``meta`` ...), or overrides.
     """
     defaults: dict[str, Any] = {
@@ -646,7 +646,7 @@ def _build(
 
 
 def _sample(task: ModelTask, name: str) -> Any:
-    """The inputs of the first batch of ``train_data`` (what ``Engine.add_task`` probes)."""
+    """The inputs of the first batch of ``train_data`` (what a task's loop is cut on)."""
     try:
         batch = next(iter(task.train_data))
     except StopIteration:
@@ -664,7 +664,7 @@ def _check_trainable(name: str, model: nn.Module) -> None:
 
 
 def _cpu_costs(task: ModelTask, name: str, precision: str | None) -> list[LayerCost]:
-    """Exactly what ``Engine.add_task`` measures on a CPU device."""
+    """Exactly what a task's loop measures when it is cut on a CPU device."""
     model = task.model
     assert isinstance(model, nn.Module)
     layers = model_layers(model, name)

@@ -1,18 +1,12 @@
 """A task's program (tune_hydra.core.program): op sequences written as strings, and the
-engine's runner really walking it."""
+walk that gives them from a run's facts."""
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Generator
-from typing import Any
 
 import pytest
-import torch
-from torch import nn
 
-import tune_hydra as th
-from tests.conftest import make_task, mlp
 from tune_hydra.core.ops import Op, OpKind, parse_schedule
 from tune_hydra.core.program import (
     Mark,
@@ -236,71 +230,3 @@ def test_the_walk_asks_and_marks_in_order() -> None:
         grouped, {Mark.ITERATION: [0], Mark.GROUPED: [1], Mark.BATCH: [0], Mark.FETCHED: [0]}
     )
     assert got == "ITERATION BATCH GROUPED b:L0[0:2] FETCHED NO_DATA"
-
-
-# -- the runner walks the program -------------------------------------------------------
-
-
-def _rng_free(seed: int = 0) -> nn.Sequential:
-    """No Dropout: visits may run whole accumulation groups."""
-    torch.manual_seed(seed)
-    return nn.Sequential(
-        nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 4)
-    ).double()
-
-
-def _engine_ops(
-    task: th.ModelTask, iterations: int, **options: Any
-) -> tuple[Program, list[Op], list[Op]]:
-    """Train ``task`` alone; its program, the ops its runner produced and the trace's."""
-    with th.Engine(devices=["cpu"], max_layers_per_shard=2) as engine:
-        engine.add_task("a", task, seed=0, **options)
-        runner = engine.runner("a")
-        produced: list[Op] = []
-        advance = runner.advance
-
-        def recording() -> Op | None:
-            op = advance()
-            if op is not None:
-                produced.append(op)
-            return op
-
-        runner.advance = recording  # type: ignore[method-assign]
-        engine.train("a", iterations).result(timeout=120)
-        events = sorted(
-            (e for e in engine.trace.events if e.task == "a" and e.is_compute),
-            key=lambda e: e.start,
-        )
-    traced = [Op(e.task, OpKind(e.op), e.shard, e.iteration, e.batch) for e in events]
-    return runner.program, produced, traced
-
-
-@pytest.mark.parametrize(
-    ("options", "facts"),
-    [
-        ({}, {}),
-        ({"max_grad_norm": 0.5}, {"clip": True}),
-        ({"max_grad_norm": 0.5}, {"clip": True, "eval_batches": 0}),
-        ({"accumulate_steps": 2}, {}),
-        ({"accumulate_steps": 2}, {"eval_batches": 0}),
-        ({"accumulate_steps": 3, "max_grad_norm": 0.5}, {"clip": True}),
-        ({"iteration_batches": 3}, {}),
-    ],
-)
-@pytest.mark.parametrize("rng_free", [True, False])
-def test_the_runner_runs_the_programs_sequence(
-    options: dict[str, Any], facts: dict[str, Any], rng_free: bool
-) -> None:
-    """Every op the runner produces, and the trace's compute ops, are the program's
-    sequence for the task's facts (5 batches; 2 eval batches unless none)."""
-    script = Script(5, iterations=3, **{"eval_batches": 2, "grouped": rng_free, **facts})
-    task = make_task(_rng_free() if rng_free else mlp(), "adam", eval_data=script.eval_batches > 0)
-    program, produced, traced = _engine_ops(task, 3, **options)
-    assert program.shards >= 3
-    want = program.schedule(script)
-    assert shown(produced) == shown(want)
-    assert shown(traced) == shown([dataclasses.replace(op, count=1) for op in want])
-    if rng_free and "accumulate_steps" in options:
-        assert any(op.count > 1 for op in want)
-    if script.clip and not script.eval_batches:
-        assert any(op.kind is OpKind.STEP for op in want)

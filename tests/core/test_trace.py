@@ -503,6 +503,7 @@ def test_an_engines_bounded_trace_holds_its_window_with_whole_run_figures() -> N
 
     from tune_hydra.engine import Engine
     from tune_hydra.engine.task import ModelTask
+    from tune_hydra.frontends.task_loop import TaskLoop
 
     def task() -> ModelTask:
         torch.manual_seed(0)
@@ -515,9 +516,8 @@ def test_an_engines_bounded_trace_holds_its_window_with_whole_run_figures() -> N
         with Engine(
             devices=["cpu", "cpu"], max_layers_per_shard=1, copy_on_cpu=True, trace_window=window
         ) as engine:
-            for name in ("a", "b"):
-                engine.add_task(name, task(), seed=0)
-            futures = [engine.train(name, iterations=3) for name in ("a", "b")]
+            loops = [TaskLoop(name, task(), engine, seed=0) for name in ("a", "b")]
+            futures = [loop.start(3) for loop in loops]
             for f in futures:
                 f.result(timeout=120)
             runs[window] = (engine.trace, engine.summary())

@@ -1,10 +1,16 @@
-"""The Engine API the Tune front end uses: iterations, checkpoints, cancel, remove."""
+"""The Engine API a task's loop trains on: iterations, resume states, cancel, remove.
+
+Each task is a :class:`~tune_hydra.frontends.task_loop.TaskLoop` (a ``th.shard`` loop on
+the engine); its iterations run on a thread of its own (``start``) or the caller's.
+"""
 
 from __future__ import annotations
 
+import concurrent.futures
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from typing import Any
 
@@ -22,6 +28,17 @@ from tests.conftest import (
 )
 from tune_hydra.engine import Engine
 from tune_hydra.engine.runtime.kept import kept_bytes
+from tune_hydra.exceptions import InvalidTaskError, TaskFailedError
+from tune_hydra.frontends.task_loop import TaskLoop
+
+
+def _cancelled(future: concurrent.futures.Future[Any]) -> bool:
+    """Whether a loop's ``start`` future ended with its task's cancellation: the op in
+    flight cancelled, or the next one refused as the task's was."""
+    err = future.exception(timeout=120)
+    if isinstance(err, TaskFailedError):
+        return "cancelled" in str(err)
+    return isinstance(err, concurrent.futures.CancelledError)
 
 
 @pytest.mark.parametrize("recompute", [True, False])
@@ -29,17 +46,20 @@ def test_resume_from_state_equals_straight_run(recompute: bool) -> None:
     straight = make_task(mlp(), "adamw")
     resumed = plain_copy(straight)
     with Engine(["cpu"], 24_000, recompute=recompute) as eng:
-        eng.add_task("s", straight, seed=4, max_grad_norm=0.5)
-        want = eng.train("s", 4).result(timeout=120)
+        loop = TaskLoop("s", straight, eng, seed=4, max_grad_norm=0.5)
+        want = loop.start(4).result(timeout=120)
+        loop.close()  # the model back on the CPU, unsharded
     with Engine(["cpu"], 24_000, recompute=recompute) as eng:
-        eng.add_task("r", resumed, seed=4, max_grad_norm=0.5)
-        first = eng.train("r", 2).result(timeout=120)
-        state = eng.get_state("r")
+        loop = TaskLoop("r", resumed, eng, seed=4, max_grad_norm=0.5)
+        first = loop.start(2).result(timeout=120)
+        state = loop.state()
     fresh = plain_copy(straight)  # an untrained model, as a restarted trial would build
     with Engine(["cpu"], 24_000, recompute=recompute) as eng:
-        eng.add_task("r2", fresh, seed=123, max_grad_norm=0.5)  # the stream comes from the state
-        eng.set_state("r2", state)
-        second = eng.train("r2", 2).result(timeout=120)
+        # the stream comes from the state
+        loop = TaskLoop("r2", fresh, eng, seed=123, max_grad_norm=0.5)
+        loop.load_state(state)
+        second = loop.start(2).result(timeout=120)
+        loop.close()
     assert_same_history(first + second, want)
     assert [r["iteration"] for r in second] == [3, 4]
     assert_same_model(fresh.model, straight.model)
@@ -60,17 +80,19 @@ def test_resume_mid_epoch_with_iteration_batches() -> None:
 
     straight, resumed = make(mlp()), make(mlp())
     with Engine(["cpu"], 24_000) as eng:
-        eng.add_task("s", straight, seed=1, iteration_batches=2)
-        want = eng.train("s", 5).result(timeout=120)  # 10 batches = 2 epochs
-        eng.add_task("r", resumed, seed=1, iteration_batches=2)
-        first = eng.train("r", 2).result(timeout=120)  # stops after batch 4 of epoch 0
-        state = eng.get_state("r")
-        eng.remove_task("r")
+        s = TaskLoop("s", straight, eng, seed=1, iteration_batches=2)
+        want = s.start(5).result(timeout=120)  # 10 batches = 2 epochs
+        r = TaskLoop("r", resumed, eng, seed=1, iteration_batches=2)
+        first = r.start(2).result(timeout=120)  # stops after batch 4 of epoch 0
+        state = r.state()
+        r.close()
+        s.close()
     again = make(mlp(seed=99))
     with Engine(["cpu"], 24_000) as eng:
-        eng.add_task("r", again, seed=1, iteration_batches=2)
-        eng.set_state("r", state)
-        rest = eng.train("r", 3).result(timeout=120)
+        r = TaskLoop("r", again, eng, seed=1, iteration_batches=2)
+        r.load_state(state)
+        rest = r.start(3).result(timeout=120)
+        r.close()
     assert_same_history(first + rest, want)
     assert [r["batches"] for r in want] == [2, 2, 2, 2, 2]
     assert [r["epoch"] for r in want] == [0, 0, 1, 1, 1]  # epoch ends show at the next fetch
@@ -79,48 +101,80 @@ def test_resume_mid_epoch_with_iteration_batches() -> None:
 
 def test_iterations_resolve_one_future_each() -> None:
     with Engine(["cpu", "cpu"], 24_000) as eng:
-        eng.add_task("a", make_task(mlp(), "sgd"), seed=0)
-        eng.add_task("b", make_task(mlp(seed=2), "sgd"), seed=0)
-        fa, fb = eng.train("a"), eng.train("b", 2)
+        a = TaskLoop("a", make_task(mlp(), "sgd"), eng, seed=0)
+        b = TaskLoop("b", make_task(mlp(seed=2), "sgd"), eng, seed=0)
+        a.cut()  # registered now: the engine takes its remaining work
+        fa, fb = a.start(), b.start(2)
         eng.set_remaining("a", 3)
         assert len(fa.result(timeout=60)) == 1 and len(fb.result(timeout=60)) == 2
-        assert eng.train("a").result(timeout=60)[0]["iteration"] == 2
+        assert a.start().result(timeout=60)[0]["iteration"] == 2
         summary = eng.summary()
         assert set(summary["devices"]) == {"cpu#0", "cpu#1"}
-        assert summary["tasks"]["a"]["iterations"] == 2
+        # The engine counts a loop's ops (one a train batch, one per shard an eval batch).
+        per_iteration = a.ops_per_iteration()
+        assert per_iteration is not None
+        assert summary["tasks"]["a"]["iterations"] == 2 * per_iteration
 
 
 def test_cancel_and_remove_leave_the_others_alone() -> None:
     other = make_task(mlp(seed=3), "adam", n=40)
     ref = plain_copy(other)
     with Engine(["cpu"], 24_000) as eng:
-        eng.add_task("stop", make_task(mlp(), "sgd", n=200), seed=0)
-        eng.add_task("other", other, seed=0)
-        doomed = eng.train("stop", 5)
-        keep = eng.train("other", 1)
+        stop = TaskLoop("stop", make_task(mlp(), "sgd", n=200), eng, seed=0)
+        keep = TaskLoop("other", other, eng, seed=0)
+        stop.cut()  # registered now: cancel finds it
+        keep.cut()
+        doomed = stop.start(5)
+        kept = keep.start(1)
         eng.cancel("stop")
-        eng.remove_task("stop")
+        assert _cancelled(doomed)
+        stop.close()
         assert eng.tasks() == ["other"]
-        assert len(keep.result(timeout=120)) == 1
-        assert doomed.cancelled()
+        assert len(kept.result(timeout=120)) == 1
+        keep.close()
     th.train_plain(ref, 1, seed=0)
     assert_same_model(other.model, ref.model)
 
 
-def test_get_state_while_training_is_refused() -> None:
+def test_a_loop_trains_on_one_thread_at_a_time() -> None:
+    task = make_task(mlp(), "sgd")
+    gate = threading.Event()
+    task.train_data = _Gated(task.train_data, gate)  # its first iteration waits at batch 1
     with Engine(["cpu"]) as eng:
-        eng.add_task("a", make_task(mlp(), "sgd", n=100), seed=0)
-        fut = eng.train("a", 2)
-        with pytest.raises(th.TuneHydraError, match="idle"):
-            eng.get_state("a")
-        fut.result(timeout=120)
+        loop = TaskLoop("a", task, eng, seed=0)
+        fut = loop.start(2)
+        deadline = time.monotonic() + 60
+        while loop.runner is None and time.monotonic() < deadline:
+            time.sleep(0.001)  # its first iteration cuts it: that thread is training it
+        try:
+            with pytest.raises(InvalidTaskError, match="another thread is training it"):
+                loop.train_iteration()
+        finally:
+            gate.set()
+        assert [r["iteration"] for r in fut.result(timeout=120)] == [1, 2]
+
+
+class _Gated:
+    """Re-iterable batches; the second of each pass only once ``gate`` is set."""
+
+    def __init__(self, batches: Any, gate: threading.Event) -> None:
+        self.batches, self.gate = batches, gate
+
+    def __iter__(self) -> Any:
+        for i, batch in enumerate(self.batches):
+            if i == 1:
+                assert self.gate.wait(60), "the gate never opened"
+            yield batch
 
 
 def test_duplicate_name_rejected() -> None:
     with Engine(["cpu"]) as eng:
-        eng.add_task("a", make_task(mlp()), seed=0)
-        with pytest.raises(th.exceptions.InvalidTaskError, match="already registered"):
-            eng.add_task("a", make_task(mlp()), seed=0)
+        first = TaskLoop("a", make_task(mlp()), eng, seed=0)
+        first.cut()
+        second = TaskLoop("a", make_task(mlp()), eng, seed=0)
+        with pytest.raises(InvalidTaskError, match="already registered"):
+            second.cut()  # registering it under the name
+        assert eng.runner("a") is first.runner
 
 
 def test_engine_api_works_without_ray() -> None:
@@ -152,20 +206,23 @@ def test_a_task_removed_mid_run_leaves_the_device_within_budget() -> None:
     ref = plain_copy(other)
     stop = make_task(mlp(), "sgd", n=200)
     with Engine(["cpu"], 24_000, copy_on_cpu=True) as eng:
-        eng.add_task("stop", stop, seed=0)
-        eng.add_task("other", other, seed=0)
+        loops = {"stop": TaskLoop("stop", stop, eng, seed=0)}
+        loops["other"] = TaskLoop("other", other, eng, seed=0)
+        for loop in loops.values():
+            loop.cut()
         plans = {n: eng.plan(n) for n in ("stop", "other")}
-        stores = [s.store for s in eng.runner("stop").shards]
-        eng.train("stop", 1).result(timeout=120)  # its shards have been on the device
-        doomed = eng.train("stop", 5)
-        keep = eng.train("other", 2)
+        stores = [s.store for s in loops["stop"].runner.shards]
+        loops["stop"].start(1).result(timeout=120)  # its shards have been on the device
+        doomed = loops["stop"].start(5)
+        keep = loops["other"].start(2)
         eng.cancel("stop")
-        eng.remove_task("stop")
+        assert _cancelled(doomed)
+        loops["stop"].close()
         assert not any(s.copied for s in stores) and all(s.retired for s in stores)
         keep.result(timeout=120)
-        state = eng.get_state("other")  # offloads "other" the same way
+        state = loops["other"].state()  # brings "other"'s states home the same way
+        loops["other"].close()
         trace = eng.trace
-    assert doomed.cancelled()
     acts = {(n, s.index): s.activation_bytes for n, p in plans.items() for s in p.shards}
     trace.validate(state_budget=24_000, activation_bytes=acts)
     last: dict[int, str] = {}  # every shard copied in was copied out again, and traced
@@ -191,22 +248,30 @@ def test_a_task_leaving_mid_batch_releases_its_kept_graphs(how: str) -> None:
         stop.loss_fn = _fails_later(stop.loss_fn, after=30)
     with _keeping_engine(policy="round_robin") as eng:
         assert eng.keeps_graphs
-        for name, task in {"stop": stop, **others}.items():
-            eng.add_task(name, task, seed=0)
+        loops = {n: TaskLoop(n, t, eng, seed=0) for n, t in {"stop": stop, **others}.items()}
+        for loop in loops.values():
+            loop.cut()
+            assert loop.runner.keep  # its forwards keep their graphs
         plans = {n: eng.plan(n) for n in eng.tasks()}
-        doomed = eng.train("stop", 1)
-        futures = {k: eng.train(k, 2) for k in others}
+        doomed = loops["stop"].start(1)
+        futures = {k: loops[k].start(2) for k in others}
         if how != "fail":
             _until_in_batch(eng, "stop")
             (eng.cancel if how == "cancel" else eng.remove_task)("stop")
+        concurrent.futures.wait(futures.values(), timeout=120)
+        assert all(f.done() for f in futures.values()), (
+            f"the tasks that stay were never admitted: {eng.workers[0].reserved} reserved"
+        )
         for fut in futures.values():
-            fut.result(timeout=120)
+            fut.result()
         assert eng.workers[0].reserved == {}
         if how != "remove":
             assert eng.kept_on("stop") is None
-            assert eng.runner("stop").stage.outputs == {}
+            assert not loops["stop"].runner.keeps_batch  # its batch's graphs dropped
+        for k in others:
+            loops[k].close()
         trace = eng.trace
-    assert doomed.cancelled() or doomed.exception() is not None
+    assert doomed.exception(timeout=120) is not None
     acts = {(n, s.index): s.activation_bytes for n, p in plans.items() for s in p.shards}
     kept = {n: kept_bytes(p) for n, p in plans.items()}
     budget = shards_3(False)["device_memory"]
@@ -263,11 +328,13 @@ def test_a_leaked_kept_graph_reservation_is_reported_not_waited_for(
 
     monkeypatch.setattr(KeptGraphs, "end", leaky_end)
     with _keeping_engine() as eng:
-        eng.add_task("stop", make_task(mlp(), "sgd", n=400), seed=0)
-        eng.add_task("other", make_task(mlp(seed=1), "adam", n=12), seed=0)
-        eng.train("stop", 1)
+        stop = TaskLoop("stop", make_task(mlp(), "sgd", n=400), eng, seed=0)
+        other = TaskLoop("other", make_task(mlp(seed=1), "adam", n=12), eng, seed=0)
+        stop.cut()
+        other.cut()
+        doomed = stop.start(1)
         _until_in_batch(eng, "stop")
         eng.cancel("stop")
-        other = eng.train("other", 2)
         with pytest.raises(th.exceptions.ScheduleError, match="no batch in flight"):
-            other.result(timeout=60)
+            other.start(2).result(timeout=60)
+        assert _cancelled(doomed)

@@ -12,6 +12,7 @@ import tune_hydra as th
 from tests.conftest import OPTIMIZERS, assert_same_model, batches, make_task, mlp, plain_copy
 from tune_hydra import exceptions as ex
 from tune_hydra.engine import parse_bytes, resolve_devices
+from tune_hydra.frontends.task_loop import TaskLoop
 
 
 def _task(**kw: object) -> th.ModelTask:
@@ -344,22 +345,18 @@ def test_a_bad_seed() -> None:
         th.train_models({"a": _task()}, devices=["cpu"], seed="7")
     with th.Engine(devices=["cpu"]) as engine:
         with pytest.raises(ex.InvalidOptionError, match=r"task 'b': seed=1.5"):
-            engine.add_task("b", _task(), seed=1.5)  # type: ignore[arg-type]
+            TaskLoop("b", _task(), engine, seed=1.5)  # type: ignore[arg-type]
         assert engine.tasks() == []
         import numpy as np
 
-        engine.add_task("c", _task(), seed=np.int64(3))  # type: ignore[arg-type]
-        assert engine.task_options("c").seed == 3
+        loop = TaskLoop("c", _task(), engine, seed=np.int64(3))  # type: ignore[arg-type]
+        assert loop.seed == 3
 
 
 def test_max_grad_norm_given_as_a_string() -> None:
+    # (a TaskLoop given one: test_bad_task_options_on_a_task_loop)
     with pytest.raises(ex.InvalidOptionError, match=r"max_grad_norm='1.0'.*float\('1.0'\)"):
         th.train_models({"a": _task()}, devices=["cpu"], max_grad_norm="1.0")
-    with (
-        th.Engine(devices=["cpu"]) as engine,
-        pytest.raises(ex.InvalidOptionError, match="task 'a': max_grad_norm"),
-    ):
-        engine.add_task("a", _task(), max_grad_norm="1.0")  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("bad", [-1, 0, "3", 2.0])
@@ -387,13 +384,14 @@ def test_a_model_with_nothing_to_train(frozen: bool) -> None:
         {"accumulate_steps": 0},
         {"accumulate_steps": 1.5},
         {"iteration_batches": 0},
+        {"max_grad_norm": "1.0"},
     ],
 )
-def test_bad_task_options_on_add_task(kw: dict[str, Any]) -> None:
+def test_bad_task_options_on_a_task_loop(kw: dict[str, Any]) -> None:
     option, value = next(iter(kw.items()))
     with th.Engine(devices=["cpu"]) as engine:
         with pytest.raises(ex.InvalidOptionError) as info:
-            engine.add_task("a", _task(), **kw)
+            TaskLoop("a", _task(), engine, **kw)
         assert info.value.option == option and info.value.value == value
         assert str(info.value).startswith(f"task 'a': {option}={value!r} is not valid")
         assert engine.tasks() == []

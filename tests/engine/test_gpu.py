@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
 import tune_hydra as th
 from tests.conftest import assert_same_history, assert_same_model, make_task, mlp, plain_copy
+from tune_hydra.frontends.task_loop import TaskLoop
 
 pytestmark = pytest.mark.gpu
 
@@ -94,10 +97,11 @@ def _activation_heavy_tasks() -> dict[str, th.ModelTask]:
     return tasks
 
 
-def test_cuda_waiting_activations_are_parked_within_budget() -> None:
-    """Activation-heavy tasks taking turns on one GPU: the preempted tasks' boundary
-    tensors go to pinned host memory when they would not fit; peak memory stays within
-    the budget and float64 training equals plain training on the GPU exactly."""
+def test_cuda_waiting_activations_stay_within_budget() -> None:
+    """Activation-heavy tasks taking turns on one GPU: a waiting task's boundary tensors
+    wait in host memory (its loop's home, never parked from the device: a task's loop
+    leaves none there between its ops); peak memory stays within the budget and float64
+    training equals plain training on the GPU exactly."""
     tasks = _activation_heavy_tasks()
     refs = {k: plain_copy(t) for k, t in tasks.items()}
     budget = 24 * 2**20  # 2 MiB per boundary tensor: 4 tasks' would not fit beside a shard
@@ -109,8 +113,8 @@ def test_cuda_waiting_activations_are_parked_within_budget() -> None:
     )
     peak = torch.cuda.max_memory_allocated() - base
     assert peak <= budget, (peak, budget)
-    assert h.summary["devices"]["cuda:0"]["parked_bytes"] > 0
-    assert any(e.op == "carry_out" for e in h.trace.events)
+    assert h.summary["devices"]["cuda:0"]["parked_bytes"] == 0
+    assert not any(e.op == "carry_out" for e in h.trace.events)
     for k, t in tasks.items():
         want = th.train_plain(refs[k], 2, seed=0, device="cuda:0")
         refs[k].model.cpu()
@@ -141,15 +145,33 @@ def test_cuda_inplace_layers_and_saved_inputs_parity() -> None:
     assert_same_model(task.model, ref.model)
 
 
-def test_cuda_keeping_graphs_over_budget_is_refused() -> None:
-    """recompute=False on a GPU keeps every shard's activations until their backward;
-    a plan whose kept activations exceed device_memory is refused with the fix."""
-    task = make_task(mlp(width=256), "adam")
+def test_cuda_keeping_graphs_over_budget_recomputes_instead(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """recompute=False on a GPU keeps every shard's activations until their backward; a
+    task whose kept activations would exceed device_memory recomputes its forwards in
+    backward instead (logged, with the figures), and float64 training equals plain
+    training on the GPU exactly."""
+    task = _activation_heavy_tasks()["t0"]  # a layer fits 8 MiB; its 12 kept do not
+    ref = plain_copy(task)
+    budget = 8 * 2**20
     with (
-        th.Engine(devices=["cuda:0"], device_memory=400_000, recompute=False) as engine,
-        pytest.raises(th.exceptions.InvalidTaskError, match="recompute=True"),
+        caplog.at_level(logging.INFO, logger="tune_hydra.engine.runtime.loop"),
+        th.Engine(
+            devices=["cuda:0"], device_memory=budget, recompute=False, max_layers_per_shard=2
+        ) as engine,
     ):
-        engine.add_task("a", task, seed=0)
+        loop = TaskLoop("a", task, engine, seed=0)
+        loop.cut()
+        assert engine.plan("a").kept_peak_bytes() > budget
+        assert not loop.runner.keep
+        got = loop.start(1).result(timeout=300)
+        loop.close()
+    assert "recomputes its forwards in backward" in caplog.text
+    want = th.train_plain(ref, 1, seed=0, device="cuda:0")
+    ref.model.cpu()
+    assert_same_history(got, want)
+    assert_same_model(task.model, ref.model)
 
 
 def test_cuda_kept_graphs_of_several_tasks_stay_within_budget() -> None:
@@ -159,8 +181,10 @@ def test_cuda_kept_graphs_of_several_tasks_stay_within_budget() -> None:
     tasks = _activation_heavy_tasks()
     refs = {k: plain_copy(t) for k, t in tasks.items()}
     with th.Engine(devices=["cuda:0"], recompute=False, max_layers_per_shard=2) as engine:
-        engine.add_task("probe", plain_copy(tasks["t0"]))
+        probe = TaskLoop("probe", plain_copy(tasks["t0"]), engine, seed=0)
+        probe.cut()
         budget = int(1.6 * engine.plan("probe").kept_peak_bytes())
+        probe.close()
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()

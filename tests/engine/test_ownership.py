@@ -1,6 +1,9 @@
 """A model belongs to one task of an engine: a model (or part of one) shared by two live
-tasks is refused at registration with a SharedModelError, and the first task trains
-exactly as plain training would. Weights tied within one model stay allowed."""
+tasks is refused with a SharedModelError, and the first task trains exactly as plain
+training would. Weights tied within one model stay allowed.
+
+A task's loop (TaskLoop) refuses a whole model another loop trains when it is built, and
+a model sharing some of its tensors with another task's when it is cut (registered)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import tune_hydra as th
 from tests.conftest import OPTIMIZERS, assert_same_model, batches, make_task, mlp, plain_copy
 from tune_hydra.engine import Engine
 from tune_hydra.exceptions import InvalidTaskError, SharedModelError, TrainingError
+from tune_hydra.frontends.task_loop import TaskLoop
 
 
 def _task(model: nn.Module, opt: str = "adam") -> th.ModelTask:
@@ -24,7 +28,8 @@ def _task(model: nn.Module, opt: str = "adam") -> th.ModelTask:
 
 def test_module_level_model_in_two_tasks() -> None:
     """The mistake that is safe in plain Tune (a process per trial): a factory handing out
-    one module-level model. The first task trains it exactly; the second is refused."""
+    one module-level model. The task that claims it first trains it exactly; the other
+    is refused."""
     model = mlp(seed=3)  # stands for `MODEL = Net()` at module level
 
     def make_task_from_config(config: dict[str, float]) -> th.ModelTask:
@@ -36,26 +41,30 @@ def test_module_level_model_in_two_tasks() -> None:
             eval_data=batches(2, seed=7),
         )
 
-    first, second = make_task_from_config({"lr": 0.05}), make_task_from_config({"lr": 0.1})
-    ref = plain_copy(first)
+    tasks = {"t1": make_task_from_config({"lr": 0.05}), "t2": make_task_from_config({"lr": 0.1})}
+    refs = {name: plain_copy(task) for name, task in tasks.items()}
     with pytest.raises(TrainingError) as info:
-        th.train_models({"t1": first, "t2": second}, devices=["cpu"], epochs=2, seed=0)
+        th.train_models(tasks, devices=["cpu"], epochs=2, seed=0)
     err = info.value
-    assert set(err.errors) == {"t2"} and err.history["t2"] == []
-    refused = err.errors["t2"]
+    # Each task's loop is built on a thread of its own: either may claim the model first.
+    (refused_name,) = err.errors
+    (owner,) = set(tasks) - {refused_name}
+    assert err.history[refused_name] == []
+    refused = err.errors[refused_name]
     assert isinstance(refused, SharedModelError) and isinstance(refused, InvalidTaskError)
     assert isinstance(refused, ValueError)
-    assert refused.task == "t2" and refused.owner == "t1"
+    assert refused.task == refused_name and refused.owner == owner
     shared = dict(refused.tensors)
     assert set(shared) == set(model.state_dict())  # every parameter and buffer, by name
     assert all(mine == theirs for mine, theirs in refused.tensors)
     text = str(refused)
-    assert "task 't2'" in text and "task 't1'" in text and "'0.weight'" in text
+    assert f"task {refused_name!r}" in text and f"task {owner!r}" in text
+    assert "'0.weight'" in text
     assert "make_task(config)" in text and "module-level" in text
-    # the first task is untouched by the refused one: bit for bit its plain training
-    want = th.train_plain(ref, 2, seed=0)
-    assert [r["loss"] for r in err.history["t1"]] == [r["loss"] for r in want]
-    assert_same_model(first.model, ref.model, atol=0.0)
+    # the owner is untouched by the refused one: bit for bit its plain training
+    want = th.train_plain(refs[owner], 2, seed=0)
+    assert [r["loss"] for r in err.history[owner]] == [r["loss"] for r in want]
+    assert_same_model(model, refs[owner].model, atol=0.0)
 
 
 def test_two_tasks_sharing_one_submodule() -> None:
@@ -64,14 +73,17 @@ def test_two_tasks_sharing_one_submodule() -> None:
     a = nn.Sequential(nn.Linear(8, 16, **f64), block, nn.Linear(16, 4, **f64))
     b = nn.Sequential(nn.Linear(8, 16, **f64), nn.ReLU(), block, nn.Linear(16, 4, **f64))
     with Engine(devices=["cpu"]) as engine:
-        engine.add_task("a", _task(a), seed=0)
+        first = TaskLoop("a", _task(a), engine, seed=0)
+        first.cut()
+        second = TaskLoop("b", _task(b), engine, seed=0)  # b itself is no other loop's
         with pytest.raises(SharedModelError) as info:
-            engine.add_task("b", _task(b), seed=0)
+            second.cut()  # registering it claims its tensors
         assert engine.tasks() == ["a"]
     err = info.value
     # qualified names in each model: the block is child 2 of b and child 1 of a
     assert err.tensors == [("2.0.weight", "1.0.weight"), ("2.0.bias", "1.0.bias")]
-    assert "with task 'a'" in str(err) and "'2.0.weight' ('1.0.weight' there)" in str(err)
+    assert err.task == "b" and err.owner == "a"
+    assert "with 'a'" in str(err) and "'2.0.weight' ('1.0.weight' there)" in str(err)
 
 
 def test_a_shared_buffer_is_refused() -> None:
@@ -82,10 +94,17 @@ def test_a_shared_buffer_is_refused() -> None:
     def net(middle: nn.Module) -> nn.Sequential:
         return nn.Sequential(nn.Linear(8, 16), middle, nn.Linear(16, 4)).double()
 
+    # Held until the engine closes: a loop whose model is collected leaves its engine.
+    loops: list[TaskLoop] = []
+
+    def cut(engine: Engine, name: str, model: nn.Module) -> None:
+        loops.append(TaskLoop(name, _task(model), engine, seed=0))
+        loops[-1].cut()
+
     with Engine(devices=["cpu"]) as engine:
-        engine.add_task("a", _task(net(norm)), seed=0)
+        cut(engine, "a", net(norm))
         with pytest.raises(SharedModelError) as info:
-            engine.add_task("b", _task(net(norm)), seed=0)
+            cut(engine, "b", net(norm))
         assert ("1.running_mean", "1.running_mean") in info.value.tensors
         assert ("1.num_batches_tracked", "1.num_batches_tracked") in info.value.tensors
 
@@ -99,14 +118,15 @@ def test_a_shared_buffer_is_refused() -> None:
 
     offset = torch.zeros(16, dtype=torch.float64)
     with Engine(devices=["cpu"]) as engine:
-        engine.add_task("a", _task(net(Shift(offset))), seed=0)
+        cut(engine, "a", net(Shift(offset)))
         with pytest.raises(SharedModelError) as info:
-            engine.add_task("b", _task(net(Shift(offset))), seed=0)
+            cut(engine, "b", net(Shift(offset)))
         assert info.value.tensors == [("1.offset", "1.offset")]
         # a view of it is the same memory
         with pytest.raises(SharedModelError):
-            engine.add_task("c", _task(net(Shift(offset.view(1, 16)))), seed=0)
-        engine.add_task("d", _task(net(Shift(offset.clone()))), seed=0)  # a copy is fine
+            cut(engine, "c", net(Shift(offset.view(1, 16))))
+        cut(engine, "d", net(Shift(offset.clone())))  # a copy is fine
+        assert engine.tasks() == ["a", "d"]
 
 
 def test_shared_storage_is_refused_while_the_owner_is_on_a_device() -> None:
@@ -115,25 +135,27 @@ def test_shared_storage_is_refused_while_the_owner_is_on_a_device() -> None:
     own memory is the shard's host buffer)."""
     task = make_task(mlp(), "adam")
     originals = {n: p.data for n, p in task.model.named_parameters()}
+    # Before training: a sharded model's named_parameters() brings its states home.
+    names = {id(p): n for n, p in task.model.named_parameters()}
     with Engine(devices=["cpu"], copy_on_cpu=True, device_memory=24_000) as engine:
-        assert engine.add_task("a", task, seed=0) >= 3
-        engine.train("a", 1).result(timeout=120)
-        runner = engine.runner("a")
-        promoted = [s for s in runner.shards if s.store.copied and s.params]
+        loop = TaskLoop("a", task, engine, seed=0)
+        assert len(loop.cut()) >= 3
+        loop.train_iteration()
+        promoted = [s.store for s in loop.runner.shards if s.store.copied and s.store.params]
         assert promoted, "no shard stayed on its device after training"
-        names = {id(p): n for n, p in task.model.named_parameters()}
         name = names[id(promoted[0].params[0])]
         assert promoted[0].params[0].data_ptr() != originals[name].data_ptr()
 
         other = mlp(seed=5)
         module, attr = name.rsplit(".", 1)
         setattr(other.get_submodule(module), attr, nn.Parameter(originals[name]))
+        refused = TaskLoop("b", make_task(other, "adam"), engine, seed=0)
         with pytest.raises(SharedModelError) as info:
-            engine.add_task("b", make_task(other, "adam"), seed=0)
+            refused.cut()
         assert info.value.tensors == [(name, name)]
         # a model of its own next to it trains
-        engine.add_task("c", make_task(mlp(seed=6), "adam"), seed=0)
-        assert len(engine.train("c", 1).result(timeout=120)) == 1
+        own = TaskLoop("c", make_task(mlp(seed=6), "adam"), engine, seed=0)
+        assert len(own.start(1).result(timeout=120)) == 1
 
 
 def test_weights_tied_within_one_model_still_train() -> None:
@@ -152,21 +174,21 @@ def test_weights_tied_within_one_model_still_train() -> None:
     assert task.model[0].weight is task.model[2].weight
 
 
-def test_ownership_is_released_by_remove_task_and_kept_by_set_state() -> None:
+def test_ownership_is_released_by_close_and_kept_by_load_state() -> None:
     model = mlp(seed=2)
     with Engine(devices=["cpu"], device_memory=24_000) as engine:
-        engine.add_task("a", make_task(model, "sgd"), seed=0)
-        engine.train("a", 1).result(timeout=120)
-        state = engine.get_state("a")
-        engine.set_state("a", state)  # a new runner: still the owner
+        a = TaskLoop("a", make_task(model, "sgd"), engine, seed=0)
+        a.train_iteration()
+        a.load_state(a.state())  # restored in place: still the owner
         with pytest.raises(SharedModelError) as info:
-            engine.add_task("b", make_task(model, "sgd"), seed=0)
+            TaskLoop("b", make_task(model, "sgd"), engine, seed=0)
         assert info.value.owner == "a"
-        engine.remove_task("a")
-        assert engine.add_task("b", make_task(model, "sgd"), seed=0) >= 3
-        assert len(engine.train("b", 1).result(timeout=120)) == 1
+        a.close()
+        b = TaskLoop("b", make_task(model, "sgd"), engine, seed=0)
+        assert len(b.cut()) >= 3
+        assert len(b.start(1).result(timeout=120)) == 1
         with pytest.raises(SharedModelError) as info:  # now b owns it
-            engine.add_task("a", make_task(model, "sgd"), seed=0)
+            TaskLoop("a", make_task(model, "sgd"), engine, seed=0)
         assert info.value.owner == "b" and info.value.task == "a"
 
 
@@ -175,7 +197,10 @@ def test_the_same_task_under_two_names() -> None:
     ref = plain_copy(task)
     with pytest.raises(TrainingError) as info:
         th.train_models({"a": task, "b": task}, devices=["cpu"], epochs=1, seed=0)
-    assert isinstance(info.value.errors["b"], SharedModelError)
+    # Each task's loop is built on a thread of its own: either name may claim it first.
+    (refused,) = info.value.errors.values()
+    assert isinstance(refused, SharedModelError)
+    assert {refused.task, refused.owner} == {"a", "b"}
     th.train_plain(ref, 1, seed=0)
     assert_same_model(task.model, ref.model, atol=0.0)
 
@@ -186,24 +211,33 @@ def test_models_of_their_own_are_not_confused() -> None:
     template = mlp(seed=4)
     with Engine(devices=["cpu"]) as engine:
         for round_ in range(3):
-            for i in range(4):
-                engine.add_task(f"r{round_}t{i}", make_task(copy.deepcopy(template)), seed=i)
-            for i in range(4):
-                engine.remove_task(f"r{round_}t{i}")
+            loops = [
+                TaskLoop(f"r{round_}t{i}", make_task(copy.deepcopy(template)), engine, seed=i)
+                for i in range(4)
+            ]
+            for loop in loops:
+                loop.cut()
+            assert engine.tasks() == [loop.name for loop in loops]
+            for loop in loops:
+                loop.close()
         assert engine.tasks() == []
 
 
 def test_concurrent_registrations_of_one_model() -> None:
-    """Two add_task calls at once with one model (the engine actor registers trials
-    concurrently): the model is claimed before the probe, so exactly one wins."""
+    """Two loops built at once with one model (the engine actor builds trials' loops
+    concurrently): the model is claimed as a loop is built, before its cut's probe, so
+    exactly one wins."""
     model = mlp(seed=8)
     start = threading.Barrier(4)
     outcomes: dict[str, object] = {}
+    loops: list[TaskLoop] = []  # the winner's, held until the engine closes
 
     def add(engine: Engine, name: str) -> None:
         start.wait()
         try:
-            outcomes[name] = engine.add_task(name, make_task(model), seed=0)
+            loop = TaskLoop(name, make_task(model), engine, seed=0)
+            loops.append(loop)
+            outcomes[name] = loop.cut()
         except SharedModelError as err:
             outcomes[name] = err
 
@@ -213,7 +247,7 @@ def test_concurrent_registrations_of_one_model() -> None:
             t.start()
         for t in threads:
             t.join(60)
-        winners = [n for n, o in outcomes.items() if isinstance(o, int)]
+        winners = [n for n, o in outcomes.items() if isinstance(o, list)]
         assert len(outcomes) == 4 and len(winners) == 1, outcomes
         assert engine.tasks() == winners
         assert all(o.owner in winners for o in outcomes.values() if isinstance(o, SharedModelError))

@@ -15,6 +15,7 @@ from tests.conftest import (
     plain_copy,
     shards_3,
 )
+from tune_hydra.frontends.task_loop import TaskLoop
 
 
 @pytest.mark.parametrize("opt", ["sgd", "adam", "adamw"])
@@ -184,13 +185,17 @@ def test_parameter_free_shards() -> None:
     task = make_task(mlp(), "adam")
     ref = plain_copy(task)
     with th.Engine(devices="cpu", max_layers_per_shard=1, copy_on_cpu=True) as engine:
-        engine.add_task("a", task, seed=5)
-        runner = engine.runner("a")
-        assert any(s.optimizer is None for s in runner.shards)
-        first = engine.train("a", 1).result(timeout=120)
-        state = engine.get_state("a")
-        engine.set_state("a", state)
-        second = engine.train("a", 1).result(timeout=120)
+        loop = TaskLoop("a", task, engine, seed=5)
+        loop.cut()
+        assert any(s.optimizer is None for s in loop.runner.shards)
+        first = loop.start(1).result(timeout=120)
+        state = loop.state()
+        loop.close()
+        # restored into a new loop (a new runner) of the same task
+        again = TaskLoop("a", task, engine, seed=5)
+        again.load_state(state)
+        second = again.start(1).result(timeout=120)
+        again.close()
     want = th.train_plain(ref, 2, seed=5)
     assert_same_history(first + second, want)
     assert_same_model(task.model, ref.model)
@@ -223,9 +228,10 @@ def test_layers_that_write_their_input_in_place(recompute: bool, cut: int | None
     with th.Engine(
         devices="cpu", max_layers_per_shard=cut, recompute=recompute, copy_on_cpu=True
     ) as engine:
-        engine.add_task("a", task, seed=2)
-        runner = engine.runner("a")
-        got = engine.train("a", 2).result(timeout=120)
+        loop = TaskLoop("a", task, engine, seed=2)
+        got = loop.start(2).result(timeout=120)
+        runner = loop.runner
+        loop.close()
     want = th.train_plain(ref, 2, seed=2)
     assert_same_history(got, want)
     assert_same_model(task.model, ref.model)
@@ -233,7 +239,7 @@ def test_layers_that_write_their_input_in_place(recompute: bool, cut: int | None
     for shard in runner.shards:
         first = shard.module[0]
         writes = isinstance(first, inplace) and shard.index > 0  # shard 0 starts with Linear
-        assert shard.mutates_input is writes, (shard.index, first)
+        assert shard.writes_input is writes, (shard.index, first)
 
 
 def test_shards_that_do_not_write_their_input_never_clone_it(
@@ -241,15 +247,18 @@ def test_shards_that_do_not_write_their_input_never_clone_it(
 ) -> None:
     """The probe tells which shards write their input, so the others take it as is from
     their first visit on (no input-sized copy beyond the plan)."""
-    from tune_hydra.engine.runtime import boundary, stage
+    from tune_hydra.engine.runtime import loop, loop_chain
 
     clones: list[int] = []
+    real = loop.clone_tensors
 
     def counting(obj: object) -> object:
         clones.append(1)
-        return boundary.clone(obj)
+        return real(obj)
 
-    monkeypatch.setattr(stage, "clone", counting)
+    # where a loop's forwards, backwards and train-batch chains copy a shard's input
+    monkeypatch.setattr(loop, "clone_tensors", counting)
+    monkeypatch.setattr(loop_chain, "clone_tensors", counting)
     task = make_task(mlp(), "adam")
     ref = plain_copy(task)
     h = th.train_models(

@@ -4,24 +4,17 @@ from __future__ import annotations
 
 import math
 
-import torch
-from torch import nn
-
-import tune_hydra as th
-from tune_hydra.engine import Engine
-from tune_hydra.engine.records import TaskRecord, batches_per_iter
+from tune_hydra.engine.dispatch.scripted import ScriptedRunner
+from tune_hydra.engine.records import TaskRecord
+from tune_hydra.options import TrainOptions
 
 
 def _record(granted: int = 2) -> TaskRecord:
-    """A record of a 4-shard task on 5 batches (its runner built by the engine)."""
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 1))
-    data = [(torch.randn(2, 4), torch.randn(2, 1)) for _ in range(5)]
-    task = th.ModelTask(model, nn.MSELoss(), lambda p: torch.optim.SGD(p, lr=0.1), data)
-    with Engine(devices="cpu", max_layers_per_shard=1) as engine:
-        engine.add_task("a", task, seed=0)
-        runner, options, plan = engine.runner("a"), engine.task_options("a"), engine.plan("a")
-    rec = TaskRecord("a", task, plan, options, 0, runner)
-    rec.batches_per_iter = batches_per_iter(task, options)
+    """A record of a 4-shard task whose batch is 2 * 4 - 1 ops (a scripted runner: F0 F1 F2
+    L3 B2 B1 B0), on 5 batches an iteration."""
+    runner = ScriptedRunner("a", "F0[0] F1[0] F2[0] L3[0] B2[0] B1[0] B0[0]")
+    rec = TaskRecord("a", runner.plan, TrainOptions(), 0, runner)
+    rec.batches_per_iter = 5.0  # an epoch of 5 batches
     runner.grant(granted)
     return rec
 

@@ -34,6 +34,7 @@ from tune_hydra.frontends.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
+from tune_hydra.frontends.task_loop import TaskLoop
 
 
 # ------------------------------------------------------------- helpers (also used by Ray tests)
@@ -142,22 +143,23 @@ def test_round_trip_is_exact(tmp_path: Path) -> None:
 
 
 def test_engine_state_round_trip_resumes_exactly(tmp_path: Path) -> None:
-    """A real engine's state loads with weights_only=True and resumes bit for bit."""
+    """A task loop's real state loads with weights_only=True and resumes bit for bit."""
     engines = [Engine(devices="cpu", device_memory=24_000) for _ in range(2)]
     try:
-        a, b = engines
-        a.add_task("t", make_task(mlp(), "adam"), seed=5)
-        b.add_task("t", make_task(mlp(seed=9), "adam"), seed=5)  # other weights, same shape
-        a.train("t", 2).result(timeout=120)
-        state = dict(a.get_state("t"))
+        a = TaskLoop("t", make_task(mlp(), "adam"), engines[0], seed=5)
+        b = TaskLoop("t", make_task(mlp(seed=9), "adam"), engines[1], seed=5)  # other weights
+        a.start(2).result(timeout=120)
+        state = a.state()
         model = state.pop("model")
-        write_checkpoint(tmp_path, model, state, shards=[["x"]] * len(a.plan("t").shards))
+        write_checkpoint(tmp_path, model, state, shards=a.cut())
         got_model, got_state, manifest = read_checkpoint(tmp_path)
         assert manifest["num_shards"] == state["num_shards"] >= 3
-        b.set_state("t", {**got_state, "model": got_model})
-        a.train("t", 1).result(timeout=120)
-        b.train("t", 1).result(timeout=120)
-        _assert_same(b.get_state("t"), a.get_state("t"))
+        b.load_state({**got_state, "model": got_model})
+        a.start(1).result(timeout=120)
+        b.start(1).result(timeout=120)
+        _assert_same(b.state(), a.state())
+        a.close()
+        b.close()
     finally:
         for eng in engines:
             eng.close()
@@ -511,8 +513,8 @@ def _sgd_task(seed: int, lr: float) -> Any:
     )
 
 
-def _lrs(engine: Engine, name: str) -> set[float]:
-    return {g["lr"] for g in engine.get_state(name)["optimizer"]["param_groups"]}
+def _lrs(loop: TaskLoop) -> set[float]:
+    return {g["lr"] for g in loop.state()["optimizer"]["param_groups"]}
 
 
 def test_a_trial_restores_exactly_and_keeps_a_mutated_configs_hyperparameters(
@@ -522,66 +524,69 @@ def test_a_trial_restores_exactly_and_keeps_a_mutated_configs_hyperparameters(
     bit; the same config keeps the checkpoint's hyperparameters, another (a PBT exploit)
     keeps the moments but takes its own lr; a model cut another way restores too."""
     with Engine("cpu", device_memory=24_000) as two, Engine("cpu") as one:
-        two.add_task("a", _sgd_task(0, 0.05), seed=3)
-        two.train("a", 1).result(timeout=120)
-        manifest = ck.save_trial(
-            ck.EngineTask(two, "a"), tmp_path, trial_id="trial-a", config={"lr": 0.05}
-        )
+        a = TaskLoop("a", _sgd_task(0, 0.05), two, seed=3)
+        a.start(1).result(timeout=120)
+        manifest = ck.save_trial(a, tmp_path, trial_id="trial-a", config={"lr": 0.05})
         assert manifest["trial_id"] == "trial-a" and manifest["iteration"] == 1
         assert manifest["config_digest"] == config_digest({"lr": 0.05})
-        assert manifest["num_shards"] == len(two.plan("a")) >= 2
-        two.train("a", 1).result(timeout=120)
-        want = two.get_state("a")
+        assert manifest["num_shards"] == len(a.cut()) >= 2
+        assert manifest["shards"] == a.cut()
+        a.start(1).result(timeout=120)
+        want = a.state()
 
-        one.add_task("b", _sgd_task(9, 0.05), seed=3)  # other weights: the checkpoint's win
-        assert len(one.plan("b")) == 1
-        ck.restore_trial(ck.EngineTask(one, "b"), tmp_path, trial_id="b", config={"lr": 0.05})
-        one.train("b", 1).result(timeout=120)
-        got = one.get_state("b")
+        b = TaskLoop("b", _sgd_task(9, 0.05), one, seed=3)  # other weights: the checkpoint's win
+        assert len(b.cut()) == 1
+        ck.restore_trial(b, tmp_path, trial_id="b", config={"lr": 0.05})
+        b.start(1).result(timeout=120)
+        got = b.state()
         for k, v in want["model"].items():
             torch.testing.assert_close(got["model"][k], v, rtol=0, atol=0)
-        assert _lrs(one, "b") == {0.05}
+        assert _lrs(b) == {0.05}
 
-        one.add_task("c", _sgd_task(9, 0.2), seed=3)
-        ck.restore_trial(
-            ck.EngineTask(one, "c"), tmp_path, trial_id="c", config={"lr": 0.2}
-        )  # exploit
+        c = TaskLoop("c", _sgd_task(9, 0.2), one, seed=3)
+        ck.restore_trial(c, tmp_path, trial_id="c", config={"lr": 0.2})  # exploit
         saved = torch.load(tmp_path / STATE_FILE, weights_only=True)["optimizer"]["state"]
-        restored = one.get_state("c")["optimizer"]["state"]
-        assert _lrs(one, "c") == {0.2} and sorted(restored) == sorted(saved)
+        restored = c.state()["optimizer"]["state"]
+        assert _lrs(c) == {0.2} and sorted(restored) == sorted(saved)
         for k, v in saved.items():
             assert torch.equal(restored[k]["momentum_buffer"], v["momentum_buffer"])
+        for loop in (a, b, c):
+            loop.close()
 
 
 def test_a_checkpoint_of_another_task_is_refused_and_nothing_loads(tmp_path: Path) -> None:
     with Engine("cpu") as engine:
-        engine.add_task("a", _sgd_task(0, 0.1))
-        engine.train("a", 1).result(timeout=120)
-        ck.save_trial(ck.EngineTask(engine, "a"), tmp_path, trial_id="a", config={})
+        a = TaskLoop("a", _sgd_task(0, 0.1), engine)
+        a.start(1).result(timeout=120)
+        ck.save_trial(a, tmp_path, trial_id="a", config={})
         import tune_hydra as th
 
         wide = th.ModelTask(
             mlp(width=32), nn.CrossEntropyLoss(), lambda p: torch.optim.SGD(p, lr=0.1),
             make_task(mlp()).train_data,
         )  # fmt: skip
-        engine.add_task("w", wide)
-        before = engine.get_state("w")
+        w = TaskLoop("w", wide, engine)
+        w.cut()
+        before = w.state()
         with pytest.raises(CheckpointError, match="does not fit trial w's task") as info:
-            ck.restore_trial(ck.EngineTask(engine, "w"), tmp_path, trial_id="w", config={})
+            ck.restore_trial(w, tmp_path, trial_id="w", config={})
         assert info.value.file == STATE_FILE
-        after = engine.get_state("w")
+        after = w.state()
         assert after["iteration"] == 0
         assert all(torch.equal(after["model"][k], v) for k, v in before["model"].items())
+        a.close()
+        w.close()
 
 
 def test_both_front_ends_write_the_same_model_file(tmp_path: Path) -> None:
     """The model file of a trial's checkpoint (HydraExecutor) and the one th.optimize
     saves hold the same state_dict, loadable into the user's own model."""
     with Engine("cpu") as engine:
-        engine.add_task("a", _sgd_task(0, 0.1))
-        engine.train("a", 1).result(timeout=120)
-        ck.save_trial(ck.EngineTask(engine, "a"), tmp_path / "ckpt", trial_id="a", config={})
-        model_state = engine.get_state("a")["model"]
+        loop = TaskLoop("a", _sgd_task(0, 0.1), engine)
+        loop.start(1).result(timeout=120)
+        ck.save_trial(loop, tmp_path / "ckpt", trial_id="a", config={})
+        model_state = loop.state()["model"]
+        loop.close()
     path = ck.save_model(tmp_path / "trial_0", model_state)
     assert path == tmp_path / "trial_0" / MODEL_FILE and _listing(path.parent) == [MODEL_FILE]
     for file in (path, tmp_path / "ckpt" / MODEL_FILE):

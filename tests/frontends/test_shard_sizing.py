@@ -28,6 +28,7 @@ from tune_hydra.exceptions import (
     ShardTooLargeError,
     format_bytes_up,
 )
+from tune_hydra.frontends.task_loop import TaskLoop
 from tune_hydra.planning import PlanReports
 
 
@@ -148,20 +149,23 @@ def test_a_loop_at_min_device_memory_cuts_and_one_byte_less_raises(prefetch: boo
 
 
 def test_a_task_factory_gets_min_device_memory_too() -> None:
-    # Engine.add_task (what th.run / HydraExecutor's engines do for each trial)
+    # A task's TaskLoop, cut on its first batch (what th.run / HydraExecutor's engines do
+    # for each trial)
     def make_task(config: Any) -> th.ModelTask:
         return th.ModelTask(mlp(), nn.CrossEntropyLoss(), torch.optim.Adam, batches(2))
 
     with engine(2_000) as eng, pytest.raises(ShardTooLargeError) as info:
-        eng.add_task("t", make_task({}))
+        TaskLoop("t", make_task({}), eng, seed=0).cut()
     smallest = info.value.min_device_memory
     assert smallest is not None and "give device_memory >=" in str(info.value)
     (report,) = th.plan(make_task, {})
     assert report.min_device_memory == smallest
     with engine(smallest) as eng:
-        assert eng.add_task("t", make_task({})) >= 2
+        loop = TaskLoop("t", make_task({}), eng, seed=0)
+        assert len(loop.cut()) >= 2
+        loop.close()
     with engine(smallest - 1) as eng, pytest.raises(ShardTooLargeError) as again:
-        eng.add_task("t", make_task({}))
+        TaskLoop("t", make_task({}), eng, seed=0).cut()
     assert again.value.min_device_memory == smallest
 
 

@@ -1,5 +1,6 @@
 """TaskLoop: a ModelTask trained as a th.shard loop equals train_plain on a deepcopy
-(float64: exact), and resumes exactly from its state (or from an engine task's).
+(float64: exact), and resumes exactly from its state (or from one of the older per-shard
+layout).
 
 Sharded runs use 2 emulated copying devices under a budget that cuts mlp() into >= 3
 shards; torch runs on one intra-op thread (see tests/frontends/test_shard.py).
@@ -17,6 +18,7 @@ from torch import nn
 
 import tune_hydra as th
 from tests.conftest import OPTIMIZERS, assert_same, make_task, mlp, plain_copy
+from tests.engine.runtime.test_resume import per_shard_state
 from tune_hydra.exceptions import EmptyDataError, ResumeStateError
 from tune_hydra.frontends.task_loop import TaskLoop
 
@@ -192,38 +194,6 @@ def test_resumed_mid_epoch_and_mid_group_equals_training_on(per_iteration: int, 
     assert_same(resumed.model, straight.model)
 
 
-def test_an_engine_tasks_state_resumes_as_a_task_loop() -> None:
-    # The layout is the engine's (tune_hydra.engine.runtime.resume): a checkpoint of a
-    # task the engine trained goes on as a TaskLoop.
-    first = make_task(mlp(), "adam")
-    first.lr_scheduler = _step_lr
-    second, ref = plain_copy(first), plain_copy(first)
-    second.lr_scheduler = ref.lr_scheduler = _step_lr
-    with th.Engine(devices=["cpu"], device_memory=24_000) as engine:
-        engine.add_task("a", first, seed=3)
-        engine.train("a", 1).result(timeout=120)
-        state = engine.get_state("a")
-    _train(second, 1, state=state)
-    th.train_plain(ref, 2, seed=3)
-    assert_same(second.model, ref.model)
-
-
-def _per_shard(engine: th.Engine, name: str) -> dict[str, Any]:
-    """Task ``name``'s state in the per-shard layout older tune_hydra versions wrote (one
-    optimizer state_dict and one gradient list per shard)."""
-    engine.get_state(name)  # offloads every shard
-    state = engine.get_state(name)
-    del state["optimizer"], state["param_grads"]
-    shards = engine.runner(name).shards  # type: ignore[attr-defined]
-    state["optimizers"] = [
-        None if s.optimizer is None else copy.deepcopy(s.optimizer.state_dict()) for s in shards
-    ]
-    state["grads"] = [
-        [None if p.grad is None else p.grad.clone() for p in s.params] for s in shards
-    ]
-    return state
-
-
 @pytest.mark.parametrize("opt", ["sgd", "adamw"])
 def test_an_older_per_shard_state_resumes_under_any_cut_given_its_own(opt: str) -> None:
     # Saved mid-epoch and mid-group (gradients per shard travel with it), cut into >= 3
@@ -235,11 +205,12 @@ def test_an_older_per_shard_state_resumes_under_any_cut_given_its_own(opt: str) 
     _train(straight, 3, **options)
     for saved_under, loop_under in ((24_000, None), (None, None), (None, 24_000)):
         task, resumed = plain_copy(base), plain_copy(base)
-        with th.Engine(devices=["cpu"], device_memory=saved_under) as engine:
-            engine.add_task("a", task, seed=3, **options)
-            engine.train("a", 2).result(timeout=120)
-            state = _per_shard(engine, "a")
-            cut = [list(spec.layer_names) for spec in engine.plan("a").shards]
+        with _engine(device_memory=saved_under) as engine:
+            loop = TaskLoop("a", task, engine, seed=3, **options)
+            loop.start(2).result(timeout=120)
+            state = per_shard_state(loop)
+            cut = loop.cut()
+            loop.close()
         assert "optimizer" not in state and len(state["optimizers"]) == len(cut)
         given = cut if saved_under != loop_under else None
         with _engine(device_memory=loop_under) as engine:
@@ -253,10 +224,12 @@ def test_an_older_per_shard_state_resumes_under_any_cut_given_its_own(opt: str) 
 
 def test_a_per_shard_state_without_its_cut_loads_only_under_the_same_one() -> None:
     task = make_task(mlp(), "sgd")
-    with th.Engine(devices=["cpu"], device_memory=24_000) as engine:
-        engine.add_task("a", task, seed=3)
-        engine.train("a", 1).result(timeout=120)
-        state = _per_shard(engine, "a")
+    with _engine(device_memory=24_000) as engine:
+        loop = TaskLoop("a", task, engine, seed=3)
+        loop.train_iteration()
+        state = per_shard_state(loop)
+        loop.close()
+    assert state["num_shards"] >= 3
     with _engine(device_memory=None) as engine:  # one shard
         loop = TaskLoop("a", make_task(mlp(seed=5), "sgd"), engine, seed=3)
         before = loop.state()

@@ -218,7 +218,7 @@ def test_engine_parity_exact(kind: str, recompute: bool) -> None:
                 assert g["accuracy"] == w["accuracy"]
         assert_exact(task.model, refs[name].model)
         assert len({e.shard for e in h.trace.events if e.task == name}) == 3
-    assert len({e.device for e in h.trace.events if e.op in "FLBSE"}) == 2
+    assert len({e.device for e in h.trace.events if e.op in "FLBE"}) == 2
 
 
 def test_a_model_output_without_loss_fails_its_task_alone() -> None:

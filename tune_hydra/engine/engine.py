@@ -1,7 +1,8 @@
 """The engine: tasks, device workers and the dispatcher that multiplexes their shards.
 
-:class:`Engine` is thread-safe and Ray-free. ``train_models`` drives it for a fixed number
-of epochs; the Ray Tune front end drives it one iteration per trial step.
+:class:`Engine` is thread-safe and Ray-free. Its tasks are runners (the
+``th.shard`` loops of users and of :class:`~tune_hydra.frontends.task_loop.TaskLoop` s,
+which issue their ops from their own threads; scripted runners in dispatch tests).
 
 ``Engine`` is the public facade: it builds the devices' workers and two owners, and its
 methods delegate to them. :class:`~tune_hydra.engine.registration.registry.TaskRegistry` admits the
@@ -33,13 +34,12 @@ from tune_hydra.engine.dispatch.workers import DeviceWorker, default_clock
 from tune_hydra.engine.protocol import Runner
 from tune_hydra.engine.records import TaskRecord
 from tune_hydra.engine.registration.partition import ShardPlan
-from tune_hydra.engine.registration.registry import TaskRegistry, task_runner
+from tune_hydra.engine.registration.registry import TaskRegistry
 from tune_hydra.engine.runtime.kept import KeptGraphs
 from tune_hydra.engine.storage.disk import SpillFolder
 from tune_hydra.engine.storage.host import HostMemory
-from tune_hydra.engine.task import ModelTask
 from tune_hydra.engine.units import device_budget, resolve_devices
-from tune_hydra.exceptions import InvalidOptionError, InvalidTaskError, TuneHydraError
+from tune_hydra.exceptions import InvalidOptionError, InvalidTaskError
 from tune_hydra.options import (
     DEFAULT_TRACE_WINDOW,
     EngineOptions,
@@ -49,7 +49,7 @@ from tune_hydra.options import (
 
 
 class Engine:
-    """Trains many :class:`~tune_hydra.ModelTask` s at once, shard by shard, on shared devices.
+    """Runs the shard ops of many tasks at once, shard by shard, on shared devices.
 
     Args:
         devices: ``"auto"``, ``"cpu"``, or a list such as ``["cuda:0", "cuda:1"]``;
@@ -116,12 +116,12 @@ class Engine:
         >>> from torch import nn
         >>> import tune_hydra as th
         >>> from tune_hydra.engine import Engine
+        >>> from tune_hydra.frontends.task_loop import TaskLoop
         >>> task = th.ModelTask(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)), nn.MSELoss(),
         ...                     lambda p: torch.optim.SGD(p, lr=0.1),
         ...                     [(torch.randn(2, 4), torch.randn(2, 1))])
         >>> with Engine(devices="cpu") as engine:
-        ...     shards = engine.add_task("a", task, seed=0)
-        ...     results = engine.train("a", iterations=2).result(timeout=60)
+        ...     results = TaskLoop("a", task, engine, seed=0).start(2).result(timeout=60)
         >>> [r["iteration"] for r in results]
         [1, 2]
     """
@@ -173,15 +173,7 @@ class Engine:
         self.workers = _start_workers(self.devices, labels, options, self.trace, self.clock)
         kept = KeptGraphs(not self.recompute and any(w.copy for w in self.workers))
         self._cv = threading.Condition(threading.RLock())  # the engine's one lock
-        self._registry = TaskRegistry(
-            self._cv,
-            options,
-            self.devices,
-            device_budget(self.devices[0], options.device_bytes),
-            self.recompute,
-            self.host,
-            kept,
-        )
+        self._registry = TaskRegistry(self._cv, options, self.recompute, self.host, kept)
         # Engine(batch_shared=True): its counts (passes, ops run in them) for the figures.
         self.batcher = SharedBatcher() if options.batch_shared else None
         self._dispatcher = Dispatcher(
@@ -225,49 +217,11 @@ class Engine:
 
     # -- tasks ------------------------------------------------------------------------------
 
-    def add_task(
-        self,
-        name: str,
-        task: ModelTask,
-        *,
-        seed: int | None = None,
-        max_grad_norm: float | None = None,
-        accumulate_steps: int = 1,
-        precision: str | None = None,
-        iteration_batches: int | None = None,
-    ) -> int:
-        """Partition ``task``'s model and register it; returns the number of shards.
-
-        A task's model must be its own: parameters or buffers that another task of this
-        engine trains (until that task is removed) are refused, since the two would train
-        one set of weights. Weights tied within the model are fine.
-
-        Raises:
-            SharedModelError: the model shares tensors with another registered task.
-            ShardTooLargeError: a layer does not fit ``device_memory``.
-            InvalidOptionError: a bad option (``seed``, ``max_grad_norm``,
-                ``accumulate_steps``, ``precision``, ``iteration_batches``).
-            InvalidModelError: the model is not sequential, or has nothing to train.
-            InvalidOptimizerError: the optimizer factory does not build an optimizer.
-            DataMismatchError: a layer fails on the first batch of ``train_data``.
-            InvalidTaskError: an empty ``train_data``, a name in use, or another bad input.
-        """
-        return self._registry.add_task(
-            name,
-            task,
-            seed=seed,
-            max_grad_norm=max_grad_norm,
-            accumulate_steps=accumulate_steps,
-            precision=precision,
-            iteration_batches=iteration_batches,
-        )
-
     def add_runner(self, name: str, runner: Runner, *, options: TrainOptions | None = None) -> int:
         """Register a task whose operations come from ``runner`` (any
-        :class:`~tune_hydra.engine.protocol.Runner`, such as a
-        :class:`~tune_hydra.engine.dispatch.scripted.ScriptedRunner`) instead of a ``ModelTask``;
-        returns its number of shards. It is then trained, cancelled and removed like a
-        task of :meth:`add_task` (checkpoints, :meth:`get_state`, are ``add_task``'s).
+        :class:`~tune_hydra.engine.protocol.Runner`: a ``th.shard`` loop's, or a
+        :class:`~tune_hydra.engine.dispatch.scripted.ScriptedRunner`); returns its number of
+        shards. It is then trained (:meth:`train`), cancelled and removed by name.
 
         Args:
             name: the task's name (the ``task`` of the runner's ops).
@@ -289,8 +243,7 @@ class Engine:
     # -- read-only views of a task (for callers and tests; none changes anything) ---------
 
     def runner(self, name: str) -> Runner:
-        """Task ``name``'s runner (a :class:`~tune_hydra.engine.runtime.runner.TaskRunner` for a
-        task of :meth:`add_task`; a new one after :meth:`set_state`)."""
+        """Task ``name``'s runner."""
         with self._cv:
             return self._entry(name).runner
 
@@ -413,31 +366,6 @@ class Engine:
                 return
             self._dispatcher.retire(entry)
             self._registry.remove(name)
-
-    def get_state(self, name: str) -> dict[str, Any]:
-        """A checkpoint of a task between iterations: everything needed to resume exactly."""
-        with self._cv:
-            entry = self._entry(name)
-            runner = task_runner(entry, "get_state")
-            if entry.assigned is not None or runner.granted:
-                raise TuneHydraError(
-                    f"task {name!r} is training; get_state() needs it idle "
-                    f"(wait for its train() future)"
-                )
-            self._dispatcher.offload(entry)
-            return runner.get_state()
-
-    def set_state(self, name: str, state: dict[str, Any]) -> None:
-        """Restore a task from :meth:`get_state` (rebuilds its runner; clears errors)."""
-        with self._cv:
-            entry = self._entry(name)
-            old = task_runner(entry, "set_state")
-            if entry.assigned is not None:
-                raise TuneHydraError(f"task {name!r} is training; cancel it first")
-            self._dispatcher.offload(entry, leave=True)
-            runner = self._registry.restored(entry, old, state)
-            self._dispatcher.reset(entry)  # the old runner's futures, batch and carry
-            entry.restart(runner)
 
     def acquire(
         self,

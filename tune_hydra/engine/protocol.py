@@ -3,10 +3,11 @@
 The dispatcher (``Engine``: filling devices, building candidates, advancing tasks, the
 kept-graph reservations and the remaining-work estimates) reads a task only through
 these members, so anything that implements them can be multiplexed:
-:class:`~tune_hydra.engine.runtime.runner.TaskRunner` walks a ``ModelTask``'s program and
-computes each op; :class:`~tune_hydra.engine.dispatch.scripted.ScriptedRunner` plays ops written
-as strings, for tests of the dispatcher's decisions. Register a runner with
-``Engine.add_runner(name, runner)`` (``Engine.add_task`` builds a ``TaskRunner``).
+:class:`~tune_hydra.engine.runtime.loop.LoopRunner` runs the ops a ``th.shard`` loop (a
+user's, or a ``TaskLoop``'s) issues from its thread;
+:class:`~tune_hydra.engine.dispatch.scripted.ScriptedRunner` plays ops written as strings,
+for tests of the dispatcher's decisions. Register a runner with
+``Engine.add_runner(name, runner)``.
 """
 
 from __future__ import annotations
@@ -161,8 +162,8 @@ def check_runner(name: str, runner: object) -> None:
         raise InvalidTaskError(
             f"runner {name!r} ({type(runner).__name__}) is not a tune_hydra Runner: it has "
             f"no {', '.join(missing)}; pass an object implementing "
-            f"tune_hydra.engine.protocol.Runner (such as a ScriptedRunner), or register a "
-            f"ModelTask with add_task"
+            f"tune_hydra.engine.protocol.Runner (such as a ScriptedRunner), or train a "
+            f"ModelTask as a TaskLoop"
         )
 
 

@@ -11,7 +11,6 @@ from tune_hydra.core.policies.base import Candidate
 from tune_hydra.core.program import BATCH_KINDS
 from tune_hydra.engine.protocol import Runner
 from tune_hydra.engine.registration.partition import ShardPlan
-from tune_hydra.engine.task import ModelTask
 from tune_hydra.options import TrainOptions
 
 if TYPE_CHECKING:
@@ -34,13 +33,9 @@ class TaskRecord:
     """The engine's record of one task: its runner, where it runs, its futures, and the
     online estimates of its remaining work (and of its work to its trial's next
     milestone) that the policy sees.
-
-    ``task`` is ``None`` for a runner registered with ``Engine.add_runner`` (no
-    ``ModelTask`` behind it).
     """
 
     name: str
-    task: ModelTask | None
     plan: ShardPlan
     options: TrainOptions
     order: int
@@ -97,10 +92,6 @@ class TaskRecord:
         self.milestone_at = None if iterations is None else self.runner.iteration + iterations
         self.candidate = None
 
-    def restart(self, runner: Runner) -> None:
-        """Take a restored ``runner`` (``Engine.set_state``): no error, not cancelled."""
-        self.runner, self.error, self.cancelled = runner, None, False
-
     def remaining_s(self, default_op_s: float = 1.0) -> float:
         """Estimated seconds of work left; ops not measured yet count as the task's mean
         measured op, or ``default_op_s`` (the engine-wide mean) before the first."""
@@ -125,13 +116,3 @@ class TaskRecord:
 
 
 _BATCH_KINDS = frozenset(kind.value for kind in BATCH_KINDS)  # as ``record`` gets them
-
-
-def batches_per_iter(task: ModelTask, options: TrainOptions) -> float:
-    """Batches one iteration of the task runs (an epoch, unless ``iteration_batches``)."""
-    if options.iteration_batches is not None:
-        return float(options.iteration_batches)
-    try:
-        return float(len(task.train_data))  # type: ignore[arg-type]
-    except TypeError:  # an iterable without a length: estimates count iterations
-        return 1.0

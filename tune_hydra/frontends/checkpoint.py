@@ -201,7 +201,7 @@ def write_checkpoint(
     Args:
         path: the checkpoint directory (created if missing).
         model_state: the model's ``state_dict``.
-        state: the rest of the resume state (engine ``get_state()`` without ``"model"``):
+        state: the rest of the resume state (``TaskLoop.state()`` without ``"model"``):
             tensors and plain containers only, so that it loads with ``weights_only=True``.
             Its ``iteration``, ``epoch`` and ``num_shards`` go into the manifest.
         trial_id: the Tune trial id, for the manifest.
@@ -652,17 +652,16 @@ def read_checkpoint(
 
 
 # -------------------------------------------------------------------- a trial's checkpoint
-# What a front end saves and restores: a trial (a TaskLoop, or a task of an engine) into
-# and out of the files above. The state dict is the engine's
-# (``tune_hydra.engine.runtime.resume``); which of its entries go where, and what a restore
-# under another config or another cut needs, is decided here alone.
+# What a front end saves and restores: a trial (a TaskLoop) into and out of the files
+# above. The state dict's layout is ``tune_hydra.engine.runtime.resume``'s; which of its
+# entries go where, and what a restore under another config or another cut needs, is
+# decided here alone.
 _LEGACY_OPTIMIZERS = "optimizers"  # the engine's older per-shard optimizer layout
 
 
 class Resumable(Protocol):
-    """What :func:`save_trial` and :func:`restore_trial` need of a trial: a
-    :class:`~tune_hydra.frontends.task_loop.TaskLoop`, or a task of an engine
-    (:class:`EngineTask`)."""
+    """What :func:`save_trial` and :func:`restore_trial` need of a trial (a
+    :class:`~tune_hydra.frontends.task_loop.TaskLoop`)."""
 
     def state(self) -> dict[str, Any]:
         """Everything needed to resume exactly (``tune_hydra.engine.runtime.resume``)."""
@@ -678,32 +677,6 @@ class Resumable(Protocol):
         ...
 
 
-class EngineTask:
-    """Task ``name`` of ``engine`` (``Engine.add_task``) as a :class:`Resumable`."""
-
-    def __init__(self, engine: Any, name: str) -> None:
-        self.engine = engine
-        self.name = name
-
-    def state(self) -> dict[str, Any]:
-        return dict(self.engine.get_state(self.name))
-
-    def load_state(self, state: Mapping[str, Any], cut: list[list[str]] | None = None) -> None:
-        own = self.cut()
-        if _LEGACY_OPTIMIZERS in state and cut is not None and own is not None and cut != own:
-            raise _LegacyCutError(_plan_diff(cut, own))
-        self.engine.set_state(self.name, state)
-
-    def cut(self) -> list[list[str]] | None:
-        plan_of = getattr(self.engine, "plan", None)  # test engines may not have one
-        return plan_layers(plan_of(self.name)) if callable(plan_of) else None
-
-
-class _LegacyCutError(Exception):
-    """An engine task cannot take a per-shard state of another cut (its runner keeps
-    optimizer state per shard of its own cut)."""
-
-
 def save_trial(
     trial: Resumable,
     path: str | os.PathLike[str],
@@ -716,7 +689,7 @@ def save_trial(
     the config itself.
 
     Args:
-        trial: the trial (a ``TaskLoop``, or ``EngineTask(engine, name)``).
+        trial: the trial (a ``TaskLoop``).
         path: the checkpoint directory.
         trial_id: the trial's id, for the manifest.
         config: the trial's config (only its digest is stored).
@@ -746,14 +719,12 @@ def restore_trial(
     Written under another config (a PBT exploit), the optimizers keep the new config's
     hyperparameters (:func:`merge_hyperparameters`). Made with the model cut another way
     (another ``device_memory`` or device count), it restores exactly: the state keeps
-    optimizer state per parameter. A checkpoint of the engine's older per-shard layout
-    restores into a ``TaskLoop`` under any cut (its manifest names the cut it was made
-    with), into an engine's task under that cut only.
+    optimizer state per parameter. A checkpoint of the older per-shard layout restores
+    under any cut too (its manifest names the cut it was made with).
 
     Raises:
-        CheckpointError: the checkpoint fails verification, does not fit the trial's
-            task, or is of the older layout under a cut the trial cannot take; nothing
-            of it was loaded.
+        CheckpointError: the checkpoint fails verification or does not fit the trial's
+            task; nothing of it was loaded.
     """
     model, state, manifest = read_checkpoint(path)  # CheckpointError: nothing loaded
     saved_plan, plan = manifest.get("shards"), trial.cut()
@@ -771,14 +742,6 @@ def restore_trial(
 
     try:
         trial.load_state(state, cut=saved_plan)  # checks the state against the task first
-    except _LegacyCutError as err:
-        raise CheckpointError(
-            str(path), STATE_FILE,
-            f"keeps optimizer state per shard (an older tune_hydra wrote it), and trial "
-            f"{trial_id}'s model is now cut another way ({err})",
-            "Restore it once with the device_memory of the run that wrote it and save "
-            "a new checkpoint: those restore under any device_memory",
-        ) from None  # fmt: skip
     except ResumeStateError as err:
         raise CheckpointError(
             str(path), STATE_FILE, f"does not fit trial {trial_id}'s task: {err.detail}",

@@ -53,7 +53,7 @@ from tune_hydra.exceptions import (
     ResumeStateError,
     SharedModelError,
 )
-from tune_hydra.options import check_seed
+from tune_hydra.options import check_seed, check_task_options
 
 if TYPE_CHECKING:
     from tune_hydra.engine.engine import Engine
@@ -109,13 +109,22 @@ class TaskLoop:
         self.name = name
         self.task = task
         self.engine = engine
-        task_seed = check_seed(task.seed, option="ModelTask.seed", where=f"task {name!r}")
-        seed = task_seed if task_seed is not None else check_seed(seed, where=f"task {name!r}")
+        where = f"task {name!r}"
+        task_seed = check_seed(task.seed, option="ModelTask.seed", where=where)
+        options = check_task_options(
+            seed=seed,
+            max_grad_norm=max_grad_norm,
+            accumulate_steps=accumulate_steps,
+            precision=precision,
+            iteration_batches=iteration_batches,
+            where=where,
+        )
+        seed = task_seed if task_seed is not None else options["seed"]
         self.seed = torch.initial_seed() if seed is None else seed
-        self.accumulate_steps = accumulate_steps
-        self.max_grad_norm = max_grad_norm
-        self.precision = precision
-        self.iteration_batches = iteration_batches
+        self.accumulate_steps: int = options["accumulate_steps"]
+        self.max_grad_norm: float | None = options["max_grad_norm"]
+        self.precision: str | None = options["precision"]
+        self.iteration_batches: int | None = options["iteration_batches"]
         self.generator = torch.Generator().manual_seed(self.seed)
         self.iteration = 0  # iterations finished
         self.epoch = 0  # epochs finished
@@ -134,7 +143,7 @@ class TaskLoop:
         check_trainable(name, model)
         self._probed: tuple[Any, str] | None = None  # the first batch's inputs, described
         model.train()  # plain training's model.train(): a model given in eval mode trains
-        params = [p for p in model.parameters() if p.requires_grad]
+        params = list(model.parameters())  # as train_plain: frozen ones too (unfreezing)
         with use_generator(self.generator):
             optimizer = build_optimizer(task.optimizer, params, name, "the model's parameters")
             try:
@@ -478,9 +487,11 @@ class TaskLoop:
             self.name, resume.state_problem(state) or resume.position_problem(self.task, state)
         )
         if "optimizers" in state:
-            state = self._from_per_shard(state, cut)
-        resume.refuse(self.name, resume._model_problem(self.model, state), fits=True)
-        sd = _optimizer_state(self.name, self.model, self.optimizer, state.get("optimizer"))
+            state = _from_per_shard(self, state, cut)
+        resume.refuse(self.name, resume.model_problem(self.model, state), fits=True)
+        sd = resume.optimizer_state_dict(
+            self.name, self.model, self.optimizer, state.get("optimizer")
+        )
         saved_sched = state.get("lr_scheduler")
         if (saved_sched is None) != (self.scheduler is None):
             raise ResumeStateError(
@@ -514,56 +525,6 @@ class TaskLoop:
         self._epoch_rng = state["epoch_rng"].clone()
         self._replay = (self._epoch_rng, self.batch_in_epoch) if self.batch_in_epoch else None
 
-    def _from_per_shard(
-        self, state: Mapping[str, Any], cut: list[list[str]] | None
-    ) -> dict[str, Any]:
-        """A state of the older per-shard layout in this one: which parameters each
-        shard's optimizer held is worked out from the cut it was saved with, as the
-        runner of that version assigned them (a tied parameter to its first user)."""
-        own = self.cut()
-        saved = own if cut is None else [list(names) for names in cut]
-        loop = self.runner
-        layers: dict[str, nn.Module] = {}
-        for spec, shard in zip(loop.plan.shards, loop.shards, strict=True):
-            layers.update(zip(spec.layer_names, shard.module, strict=True))
-        unknown = [n for names in saved for n in names if n not in layers]
-        if unknown:
-            raise ResumeStateError(
-                self.name,
-                f"the resume state keeps optimizer state per shard (an older tune_hydra wrote "
-                f"it) of a cut naming layers this model does not have "
-                f"({', '.join(map(repr, unknown[:4]))}): restore it into the model it was "
-                f"made with",
-            )
-        from tune_hydra.engine.registration.shared import SharedParams
-
-        parts = [nn.Sequential(*(layers[n] for n in names)) for names in saved]
-        shared = SharedParams(parts)
-        names = resume.param_names(self.model)
-        held: list[list[str]] = []
-        graded: list[list[str]] = []
-        for i, part in enumerate(parts):
-            params = shared.steps(i, part)
-            graded.append([names[id(p)] for p in params])
-            # The optimizer's own order of them (a factory may group them).
-            opt = (
-                build_optimizer(self.task.optimizer, params, self.name, "a shard")
-                if params
-                else None
-            )
-            held.append(
-                [] if opt is None else [names[id(p)] for g in opt.param_groups for p in g["params"]]
-            )
-        try:
-            return resume.from_per_shard(state, held, graded)
-        except ValueError as err:
-            how = "" if cut is not None else "; give the cut it was saved with (its manifest's)"
-            raise ResumeStateError(
-                self.name,
-                f"the resume state keeps optimizer state per shard (an older tune_hydra wrote "
-                f"it), which does not fit this model's parameters under its cut: {err}{how}",
-            ) from None
-
     def close(self) -> None:
         """Leave the engine (``th.unshard``): the model keeps its trained weights, on the
         CPU, as the task's plain model."""
@@ -588,51 +549,48 @@ def _check_not_sharded(name: str, model: nn.Module) -> None:
     raise SharedModelError(name, owner, shared or [("<the whole model>",) * 2])
 
 
-def _optimizer_state(
-    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Any
+def _from_per_shard(
+    loop: TaskLoop, state: Mapping[str, Any], cut: list[list[str]] | None
 ) -> dict[str, Any]:
-    """Task ``name``'s ``optimizer``'s ``state_dict`` (torch's layout) from a state's
-    per-parameter one (``model``: its parameters' names)."""
-    if not isinstance(saved, Mapping):
-        raise ResumeStateError(
-            name,
-            "the resume state holds no optimizer state (no 'optimizer' entry): restore "
-            "from a state a task or engine made",
-        )
-    names = resume.param_names(model)
-    hyper_of: dict[str, dict[str, Any]] = {}
-    for group in saved.get("param_groups") or []:
-        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
-        for key in group["params"]:
-            hyper_of[key] = hyper
-    saved_state = saved.get("state") or {}
-    groups: list[dict[str, Any]] = []
-    out_state: dict[int, Any] = {}
-    index = 0
-    for group in optimizer.param_groups:
-        keys = [names[id(p)] for p in group["params"]]
-        missing = [k for k in keys if k not in hyper_of]
-        if missing:
-            raise ResumeStateError(
-                name,
-                f"the resume state has no optimizer entry for {len(missing)} "
-                f"parameter(s) of the model ({', '.join(map(repr, missing[:4]))}): it was "
-                f"made for another model. Restore it into the model it was made with",
-            )
-        hyper = copy.deepcopy(hyper_of[keys[0]]) if keys else {}
-        ids = list(range(index, index + len(keys)))
-        groups.append({**group, **hyper, "params": ids})
-        for i, key in zip(ids, keys, strict=True):
-            if key in saved_state:
-                out_state[i] = resume._copy_tensors(saved_state[key])
-        index += len(keys)
-    known = {names[id(p)] for g in optimizer.param_groups for p in g["params"]}
-    unknown = sorted((set(hyper_of) | set(saved_state)) - known)
+    """A state of the older per-shard layout in this one: which parameters each
+    shard's optimizer held is worked out from the cut it was saved with, as the
+    runner of that version assigned them (a tied parameter to its first user)."""
+    own = loop.cut()
+    saved = own if cut is None else [list(names) for names in cut]
+    runner = loop.runner
+    layers: dict[str, nn.Module] = {}
+    for spec, shard in zip(runner.plan.shards, runner.shards, strict=True):
+        layers.update(zip(spec.layer_names, shard.module, strict=True))
+    unknown = [n for names in saved for n in names if n not in layers]
     if unknown:
         raise ResumeStateError(
-            name,
-            f"the resume state holds optimizer state for {len(unknown)} parameter(s) the "
-            f"model does not have ({', '.join(map(repr, unknown[:4]))}): restore it into "
-            f"the model it was made with",
+            loop.name,
+            f"the resume state keeps optimizer state per shard (an older tune_hydra wrote "
+            f"it) of a cut naming layers this model does not have "
+            f"({', '.join(map(repr, unknown[:4]))}): restore it into the model it was "
+            f"made with",
         )
-    return {"state": out_state, "param_groups": groups}
+    from tune_hydra.engine.registration.shared import SharedParams
+
+    parts = [nn.Sequential(*(layers[n] for n in names)) for names in saved]
+    shared = SharedParams(parts)
+    names = resume.param_names(loop.model)
+    held: list[list[str]] = []
+    graded: list[list[str]] = []
+    for i, part in enumerate(parts):
+        params = shared.steps(i, part)
+        graded.append([names[id(p)] for p in params])
+        # The optimizer's own order of them (a factory may group them).
+        opt = build_optimizer(loop.task.optimizer, params, loop.name, "a shard") if params else None
+        held.append(
+            [] if opt is None else [names[id(p)] for g in opt.param_groups for p in g["params"]]
+        )
+    try:
+        return resume.from_per_shard(state, held, graded)
+    except ValueError as err:
+        how = "" if cut is not None else "; give the cut it was saved with (its manifest's)"
+        raise ResumeStateError(
+            loop.name,
+            f"the resume state keeps optimizer state per shard (an older tune_hydra wrote "
+            f"it), which does not fit this model's parameters under its cut: {err}{how}",
+        ) from None

@@ -7,6 +7,7 @@ from types import SimpleNamespace as NS
 from typing import Any
 
 from tune_hydra.engine.dispatch.anticipate import CAP_S, Anticipation
+from tune_hydra.engine.dispatch.scripted import ScriptedRunner
 
 
 def _loop(name: str = "a", comes_back: bool = True) -> Any:
@@ -31,8 +32,13 @@ def test_a_device_waits_for_a_loop_between_its_ops_and_for_no_other_task() -> No
     assert holds.holder(w, 0.001) is None and holds.timeout(0.05, now=0.001) == 0.05
 
 
-def test_no_wait_for_a_task_runner_a_ready_loop_a_busy_or_a_host_device() -> None:
+def test_no_wait_for_a_scripted_runner_a_ready_loop_a_busy_or_a_host_device() -> None:
     holds = Anticipation()
+    # A runner whose next op no thread of its own issues (a ScriptedRunner's comes from
+    # its script as the op before ends): nothing to wait for.
+    scripted = _loop("s")
+    scripted.runner = ScriptedRunner("s", "L0[0]")
+    assert not holds.after_op(scripted, _device(0), now=0.0)
     assert not holds.after_op(_loop(comes_back=False), _device(0), now=0.0)
     ready = _loop()
     ready.runner.current = object()  # its next op is ready already

@@ -17,7 +17,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from tune_hydra.engine.dispatch.batched import BatchedShard, why_not_batchable
 from tune_hydra.engine.registration.factory import use_generator
-from tune_hydra.engine.runtime.boundary import backward, detach, grads_of
+from tune_hydra.engine.runtime.boundary import backward
 from tune_hydra.engine.storage.frozen import canonical_name
 from tune_hydra.exceptions import NotBatchableError
 
@@ -25,6 +25,24 @@ peft = pytest.importorskip("peft", reason="peft is not installed: pip install 't
 transformers = pytest.importorskip("transformers", reason="transformers is not installed")
 
 from tune_hydra.models import peft_layers  # noqa: E402
+
+
+def detach(obj: Any, requires_grad: bool) -> Any:
+    """``obj``'s tensors detached (floating ones needing grad with ``requires_grad``)."""
+    return tree_map(
+        lambda t: (
+            t.detach().requires_grad_(requires_grad and t.is_floating_point())
+            if isinstance(t, torch.Tensor)
+            else t
+        ),
+        obj,
+    )
+
+
+def grads_of(inputs: Any) -> Any:
+    """The gradients of ``inputs``' tensors (``None`` where none)."""
+    return tree_map(lambda t: t.grad if isinstance(t, torch.Tensor) else None, inputs)
+
 
 VOCAB = 40
 TOL = 1e-12
@@ -332,11 +350,14 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def test_engine_batch_shared_trains_as_each_alone(
     kind: str, saved: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """4 LoRA trials on 2 emulated copying devices with batch_shared=True: the engine ran
-    batched passes, and each trial's losses and adapters equal it trained alone in plain
-    PyTorch within 1e-12 relative (float64)."""
+    """4 LoRA trials on 2 emulated copying devices with batch_shared=True, trained as
+    TaskLoops (each on its thread; th.optimize's runtime): each batch's chain of ops
+    (F.., L, B..) batches on the shared base, the engine ran batched passes, and each
+    trial's losses and adapters equal it trained alone in plain PyTorch within 1e-12
+    relative (float64)."""
     import tune_hydra as th
     from tune_hydra.engine import Engine
+    from tune_hydra.frontends.task_loop import TaskLoop
 
     tasks = {f"t{i}": lora_task(kind, saved[kind], i) for i in range(4)}
     refs = {
@@ -344,10 +365,11 @@ def test_engine_batch_shared_trains_as_each_alone(
         for k, t in tasks.items()
     }
     with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
-        for name, task in tasks.items():
-            eng.add_task(name, task, seed=3)
-        futures = {name: eng.train(name, 2) for name in tasks}
+        loops = {name: TaskLoop(name, task, eng, seed=3) for name, task in tasks.items()}
+        futures = {name: loop.start(2) for name, loop in loops.items()}
         results = {name: f.result(timeout=600) for name, f in futures.items()}
+        for loop in loops.values():  # the last steps (left pending: no eval data) applied
+            loop.close()
         assert eng.batcher is not None
         passes, ops = eng.batcher.passes, eng.batcher.batched_ops
     assert passes > 0 and ops > passes  # batched passes ran, of 2 trials' ops or more
@@ -375,54 +397,6 @@ def test_engine_batch_shared_trains_as_each_alone(
         )
 
 
-def test_task_loops_batch_shared_train_as_each_alone(saved: dict[str, Path]) -> None:
-    """The same 4 LoRA tasks trained as TaskLoops (th.optimize's runtime), each in its
-    thread: each batch's chain of ops (F.., L, B..) batches on the shared base as the
-    tasks' did, and each task equals it trained alone in plain PyTorch within 1e-12
-    relative (float64)."""
-    import threading
-
-    import tune_hydra as th
-    from tune_hydra.engine import Engine
-    from tune_hydra.frontends.task_loop import TaskLoop
-
-    tasks = {f"t{i}": lora_task("llama", saved["llama"], i) for i in range(4)}
-    refs = {
-        k: th.ModelTask(copy.deepcopy(t.model), None, t.optimizer, t.train_data)
-        for k, t in tasks.items()
-    }
-    results: dict[str, list[dict[str, Any]]] = {}
-    with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
-
-        def train(name: str) -> None:
-            loop = TaskLoop(name, tasks[name], eng, seed=3)
-            results[name] = [loop.train_iteration() for _ in range(2)]
-            loop.close()
-
-        threads = [threading.Thread(target=train, args=(n,)) for n in tasks]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(timeout=600)
-        assert eng.batcher is not None
-        passes, ops = eng.batcher.passes, eng.batcher.batched_ops
-    assert set(results) == set(tasks)
-    assert passes > 0 and ops > passes  # batched passes ran, of 2 tasks' ops or more
-    for name, task in tasks.items():
-        threads_before = torch.get_num_threads()
-        torch.set_num_threads(max(1, threads_before // 2))  # as an emulated device runs it
-        try:
-            want = th.train_plain(refs[name], 2, seed=3)
-        finally:
-            torch.set_num_threads(threads_before)
-        for got, w in zip(results[name], want, strict=True):
-            assert abs(got["loss"] - w["loss"]) / abs(w["loss"]) <= TOL, name
-        mine = dict(task.model.named_parameters())
-        for n, p in refs[name].model.named_parameters():
-            if p.requires_grad:
-                assert rel(mine[n].detach(), p.detach()) <= TOL, n
-
-
 def test_engine_batch_shared_needs_recompute() -> None:
     from tune_hydra.engine import Engine
     from tune_hydra.exceptions import InvalidOptionError
@@ -437,6 +411,7 @@ def test_engine_group_not_batchable_runs_each_alone(tmp_path: Path) -> None:
     bit as each trained alone (no batched pass)."""
     import tune_hydra as th
     from tune_hydra.engine import Engine
+    from tune_hydra.frontends.task_loop import TaskLoop
 
     torch.manual_seed(0)
     transformers.AutoModelForCausalLM.from_config(config("gpt2", 0.1)).save_pretrained(tmp_path)
@@ -446,10 +421,11 @@ def test_engine_group_not_batchable_runs_each_alone(tmp_path: Path) -> None:
         for k, t in tasks.items()
     }
     with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
-        for name, task in tasks.items():
-            eng.add_task(name, task, seed=3)
-        futures = {name: eng.train(name, 1) for name in tasks}
+        loops = {name: TaskLoop(name, task, eng, seed=3) for name, task in tasks.items()}
+        futures = {name: loop.start(1) for name, loop in loops.items()}
         results = {name: f.result(timeout=600) for name, f in futures.items()}
+        for loop in loops.values():  # the last steps (left pending: no eval data) applied
+            loop.close()
         assert eng.batcher is not None and eng.batcher.passes == 0
     for name, task in tasks.items():
         threads = torch.get_num_threads()
@@ -471,22 +447,33 @@ class AdapterBoom(RuntimeError):
 def test_engine_one_trial_failing_leaves_the_others_exact(
     saved: dict[str, Path], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """4 LoRA trials batched on 2 emulated copying devices; trial t1's adapter raises
-    from its 3rd forward on (inside a batched pass): t1 fails alone with its own error,
-    the other 3 train as each alone in plain PyTorch, and batched passes did run."""
+    """4 LoRA trials batched on 2 emulated copying devices; trial t1's adapter breaks at
+    its first forward inside a batched pass from its 3rd forward on (and once a pass ran),
+    and raises from then on: t1 fails alone with its own error, the other 3 train as each
+    alone in plain PyTorch, and batched passes did run."""
+    import threading
+
     import tune_hydra as th
     from tune_hydra.engine import Engine
     from tune_hydra.engine.dispatch import batched
+    from tune_hydra.frontends.task_loop import TaskLoop
 
     raised: list[BaseException] = []
     real_op = batched._batched_op
+    in_pass = threading.local()  # on the device's thread, while it runs a batched pass
+    passed = [0]  # the passes that succeeded
 
     def watched(todo: Any, device: torch.device) -> Any:
+        in_pass.on = True
         try:
-            return real_op(todo, device)
+            errors = real_op(todo, device)
         except Exception as err:
             raised.append(err)
             raise
+        finally:
+            in_pass.on = False
+        passed[0] += 1
+        return errors
 
     monkeypatch.setattr(batched, "_batched_op", watched)
 
@@ -496,21 +483,30 @@ def test_engine_one_trial_failing_leaves_the_others_exact(
         for k, t in tasks.items()
     }
     calls = [0]
+    broken = [False]
 
     def boom(module: nn.Module, args: Any, out: Any) -> None:
         calls[0] += 1
-        if calls[0] >= 3:
+        # Broken in a pass (a loop's op runs alone when no other loop's is ready beside
+        # it; and after one, which the loops' timing does not promise later), then for
+        # good: t1's op fails alone too, after the pass.
+        in_a_pass = getattr(in_pass, "on", False)
+        broken[0] = broken[0] or (calls[0] >= 3 and in_a_pass and passed[0] > 0)
+        if broken[0]:
             raise AdapterBoom(f"t1's adapter failed at call {calls[0]}")
 
-    lora_a = next(m for n, m in tasks["t1"].model.named_modules() if n.endswith("lora_A.default"))
+    # The last block's adapter: its shard's ops batch (the first shard holds the
+    # embedding, tied to the head: its ops run alone).
+    lora_a = [m for n, m in tasks["t1"].model.named_modules() if n.endswith("lora_A.default")][-1]
     lora_a.register_forward_hook(boom)
     with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
-        for name, task in tasks.items():
-            eng.add_task(name, task, seed=3)
-        futures = {name: eng.train(name, 2) for name in tasks}
+        loops = {name: TaskLoop(name, task, eng, seed=3) for name, task in tasks.items()}
+        futures = {name: loop.start(2) for name, loop in loops.items()}
         with pytest.raises(Exception, match="t1's adapter failed at call") as failed:
             futures["t1"].result(timeout=600)
         results = {n: f.result(timeout=600) for n, f in futures.items() if n != "t1"}
+        for name in results:  # the last steps (left pending: no eval data) applied
+            loops[name].close()
         assert eng.batcher is not None and eng.batcher.passes > 0
     chain = [failed.value, failed.value.__cause__]
     assert any(isinstance(e, AdapterBoom) for e in chain), chain
@@ -531,10 +527,12 @@ def test_engine_one_trial_failing_leaves_the_others_exact(
 
 
 def test_engine_one_shard_models_grouped_train_as_each_alone(saved: dict[str, Path]) -> None:
-    """Models of one shard: their LAST ops (fetch, loss, backward) are grouped in one
-    assignment, and each task fetches its own batch and trains bit for bit as alone."""
+    """Models of one shard: their LAST ops (forward, loss and backward in one) may be
+    grouped in one assignment, and each task trains on its own batches bit for bit as
+    alone."""
     import tune_hydra as th
     from tune_hydra.engine import Engine
+    from tune_hydra.frontends.task_loop import TaskLoop
 
     tasks = {f"t{i}": lora_task("gpt2", saved["gpt2"], i) for i in range(3)}
     refs = {
@@ -542,10 +540,11 @@ def test_engine_one_shard_models_grouped_train_as_each_alone(saved: dict[str, Pa
         for k, t in tasks.items()
     }
     with Engine(["cpu"], copy_on_cpu=True, max_layers_per_shard=100, batch_shared=True) as eng:
-        for name, task in tasks.items():
-            eng.add_task(name, task, seed=3)
-        futures = {name: eng.train(name, 1) for name in tasks}
+        loops = {name: TaskLoop(name, task, eng, seed=3) for name, task in tasks.items()}
+        futures = {name: loop.start(1) for name, loop in loops.items()}
         results = {name: f.result(timeout=600) for name, f in futures.items()}
+        for loop in loops.values():  # the last steps (left pending: no eval data) applied
+            loop.close()
     for name, task in tasks.items():
         want = th.train_plain(refs[name], 1, seed=3)
         assert [r["batches"] for r in results[name]] == [3]

@@ -26,6 +26,7 @@ from tune_hydra.exceptions import (
     LeaseTimeoutError,
     UnknownDeviceError,
 )
+from tune_hydra.frontends.task_loop import TaskLoop
 
 
 def _model(seed: int = 0, width: int = 16) -> nn.Sequential:
@@ -59,6 +60,23 @@ def _sgd(params: Any) -> torch.optim.Optimizer:
 
 def _task(model: nn.Module, data: list[Any] | None = None) -> th.ModelTask:
     return th.ModelTask(model, nn.CrossEntropyLoss(), _sgd, data or _data())
+
+
+def _register(
+    engine: Engine, name: str, model: nn.Module, data: list[Any] | None = None
+) -> TaskLoop:
+    """A TaskLoop of ``model``, cut now: registered, its shards leasable, nothing trained.
+    The caller keeps ``model`` referenced: a loop whose model is collected leaves the
+    engine."""
+    loop = TaskLoop(name, _task(model, data), engine, seed=0)
+    loop.cut()
+    return loop
+
+
+def _layers(model: nn.Module, spec: Any) -> nn.Sequential:
+    """The layers of shard ``spec`` as a plain ``Sequential`` (a slice of the sharded model
+    would be a sharded model of its own class)."""
+    return nn.Sequential(*list(model.children())[spec.start : spec.stop])
 
 
 def _in_thread(fn: Callable[[], Any], timeout: float = 120.0) -> Any:
@@ -102,7 +120,7 @@ def _user_step(
     for spec in shards:
         with engine.acquire("a", spec.index, device_of(spec.index, False), timeout=30) as lease:
             inp = h.detach().to(lease.device).requires_grad_(spec.index > 0)
-            out = model[spec.start : spec.stop](inp)
+            out = _layers(model, spec)(inp)
         saved.append((inp, out))
         h = out
     loss = nn.functional.cross_entropy(h, y.to(h.device))
@@ -131,11 +149,11 @@ def test_a_user_loop_paging_shards_trains_exactly_as_plain_pytorch(
     ref = copy.deepcopy(model)
     data = _data()
     with Engine(devices=devices, copy_on_cpu=copy_on_cpu, max_layers_per_shard=2) as engine:
-        n = engine.add_task("a", _task(model, data), seed=0)
-        assert n >= 3
+        loop = _register(engine, "a", model, data)
+        assert len(engine.plan("a").shards) >= 3
         workers = len(engine.workers)
 
-        def loop() -> list[float]:
+        def user() -> list[float]:
             # Forward and backward on alternate devices: each lease takes the state over.
             return [
                 _user_step(engine, model, x, y, lambda k, back: (k + back) % workers)
@@ -143,11 +161,11 @@ def test_a_user_loop_paging_shards_trains_exactly_as_plain_pytorch(
                 for x, y in data
             ]
 
-        losses = _in_thread(loop)
+        losses = _in_thread(user)
         if copy_on_cpu:  # states were copied in, and out as another device took them
             ops = {e.op for e in engine.trace.events if e.task == "a"}
             assert {"copy_in", "copy_out"} <= ops
-        engine.remove_task("a")  # the model's tensors back home
+        loop.close()  # the model's tensors back home
 
     def plain() -> list[float]:
         opt = _sgd(ref.parameters())
@@ -176,14 +194,14 @@ def test_a_user_loop_on_a_gpu_trains_as_plain_pytorch_on_it() -> None:
     ref = copy.deepcopy(model).to(cuda)
     data = _data()
     with Engine(devices=["cuda:0"], max_layers_per_shard=1, device_memory="64MiB") as engine:
-        engine.add_task("a", _task(model, data), seed=0)
+        loop = _register(engine, "a", model, data)
 
-        def loop() -> list[float]:
+        def user() -> list[float]:
             return [_user_step(engine, model, x, y, lambda k, back: 0) for x, y in data]
 
-        losses = _in_thread(loop)
+        losses = _in_thread(user)
         assert {"copy_in", "copy_out"} <= {e.op for e in engine.trace.events}
-        engine.remove_task("a")
+        loop.close()
 
     def plain() -> list[float]:
         opt = _sgd(ref.parameters())
@@ -202,8 +220,9 @@ def test_a_user_loop_on_a_gpu_trains_as_plain_pytorch_on_it() -> None:
 
 
 def test_the_ledger_counts_a_leased_state_and_keeps_it_resident_after_release() -> None:
+    model = _model()
     with Engine(devices=["cpu"], copy_on_cpu=True, max_layers_per_shard=2) as engine:
-        engine.add_task("a", _task(_model()), seed=0)
+        _register(engine, "a", model)
         specs = engine.plan("a").shards
         (w,) = engine.workers
         assert w.ledger.usage().state == 0 and w.leases() == []
@@ -231,7 +250,8 @@ def _tight_engine() -> tuple[Engine, int]:
     """A copying device whose budget holds one of the task's shards at a time."""
     probe = Engine(devices=["cpu"], copy_on_cpu=True, prefetch=False, max_layers_per_shard=2)
     with probe:
-        probe.add_task("a", _task(_model()), seed=0)
+        model = _model()
+        _register(probe, "a", model)
         specs = probe.plan("a").shards
     budget = max(s.state_bytes + s.activation_bytes for s in specs)
     engine = Engine(
@@ -246,8 +266,9 @@ def _tight_engine() -> tuple[Engine, int]:
 
 def test_a_lease_that_does_not_fit_waits_for_room_then_times_out() -> None:
     engine, budget = _tight_engine()
+    model = _model()
     with engine:
-        engine.add_task("a", _task(_model()), seed=0)
+        _register(engine, "a", model)
         specs = engine.plan("a").shards
         # The two largest states: both at once would be over the budget.
         big, other = sorted(specs, key=lambda s: s.state_bytes)[-1:-3:-1]
@@ -285,12 +306,12 @@ def test_a_lease_that_must_not_wait_takes_the_room_there_is_or_none() -> None:
     # room_now takes the room that evicting unheld states makes, and otherwise returns
     # None at once, leaving everything as it was.
     engine, budget = _tight_engine()
+    model = _model()
     with engine:
-        engine.add_task("a", _task(_model()), seed=0)
+        runner = _register(engine, "a", model).runner
         specs = engine.plan("a").shards
         big, other = sorted(specs, key=lambda s: s.state_bytes)[-1:-3:-1]
         (w,) = engine.workers
-        runner = engine.runner("a")
         first = engine.acquire("a", big.index, 0)
         assert w.lease(runner.store_of(other.index), room_now=True) is None
         assert w.leases() == [first]
@@ -304,8 +325,9 @@ def test_a_lease_that_must_not_wait_takes_the_room_there_is_or_none() -> None:
 
 
 def test_one_lease_per_shard_at_a_time() -> None:
+    model = _model()
     with Engine(devices=["cpu"], copy_on_cpu=True) as engine:
-        engine.add_task("a", _task(_model()), seed=0)
+        _register(engine, "a", model)
         with (
             engine.acquire("a", 0, 0),
             pytest.raises(LeaseTimeoutError, match="another lease held it"),
@@ -320,9 +342,9 @@ def test_training_waits_for_a_leased_shard_and_leasing_refuses_a_training_task()
     model = _model()
     ref = copy.deepcopy(model)
     with Engine(devices=["cpu"], copy_on_cpu=True, max_layers_per_shard=2) as engine:
-        engine.add_task("a", _task(model, data), seed=0)
+        loop = _register(engine, "a", model, data)
         lease = engine.acquire("a", 0, 0)
-        fut = engine.train("a", 1)
+        fut = loop.start(1)
         time.sleep(0.5)
         assert not fut.done()  # its first op waits for the lease on shard 0
         with pytest.raises(LeaseConflictError, match="being trained by the engine"):
@@ -331,7 +353,7 @@ def test_training_waits_for_a_leased_shard_and_leasing_refuses_a_training_task()
         (result,) = fut.result(timeout=60)
         with engine.acquire("a", 1, 0):  # idle again: leasable
             pass
-        engine.remove_task("a")
+        loop.close()
     # The lease changed nothing: the engine's training is plain training.
     want = th.train_plain(th.ModelTask(ref, nn.CrossEntropyLoss(), _sgd, data), 1, seed=0)
     assert result["loss"] == want[0]["loss"]
@@ -340,8 +362,10 @@ def test_training_waits_for_a_leased_shard_and_leasing_refuses_a_training_task()
 
 
 def test_bad_input_and_use_after_the_end_are_clear_errors() -> None:
+    model, other = _model(), _model(seed=1)
     with Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2) as engine:
-        n = engine.add_task("a", _task(_model()), seed=0)
+        loop = _register(engine, "a", model)
+        n = len(engine.plan("a").shards)
         with pytest.raises(InvalidTaskError, match="no task named 'b'"):
             engine.acquire("b", 0, 0)
         for shard in (n, -1, "0", True):
@@ -368,13 +392,13 @@ def test_bad_input_and_use_after_the_end_are_clear_errors() -> None:
                 use()
         # The task leaving the engine takes the state back: the lease is revoked.
         held = engine.acquire("a", 1, 0)
-        engine.remove_task("a")
+        loop.close()
         assert not held.active
         with pytest.raises(LeaseEndedError, match="revoked"):
             held.check()
         held.release()  # ended already: a no-op
         assert engine.workers[0].leases() == []
-        engine.add_task("b", _task(_model(seed=1)), seed=0)
+        _register(engine, "b", other)
     with pytest.raises(LeaseEndedError, match="closed"):
         engine.acquire("b", 0, 0)
 
@@ -382,10 +406,10 @@ def test_bad_input_and_use_after_the_end_are_clear_errors() -> None:
 def test_an_eval_under_a_lease_drops_the_unchanged_device_copy() -> None:
     model = _model()
     with Engine(devices=["cpu"], copy_on_cpu=True, max_layers_per_shard=2) as engine:
-        engine.add_task("a", _task(model), seed=0)
+        _register(engine, "a", model)
         specs = engine.plan("a").shards
         assert specs[2].layer_names == ("4", "5")  # ReLU, Linear: no buffers
-        layers = model[specs[2].start : specs[2].stop]
+        layers = _layers(model, specs[2])
         x = torch.randn(3, 16, dtype=torch.float64)
         for evaluated in (True, False):
             with engine.acquire("a", 2, 0) as lease:
@@ -409,24 +433,25 @@ def _host_scenario(tmp_path: Path, leased: bool) -> tuple[bool, int]:
     number of spills."""
     a_model, b_model = _model(seed=0), _model(seed=1)
     with Engine(devices=["cpu"], max_layers_per_shard=2) as probe:
-        probe.add_task("a", _task(copy.deepcopy(a_model)), seed=0)
+        probed = copy.deepcopy(a_model)
+        _register(probe, "a", probed)
         specs = probe.plan("a").shards
     host = sum(s.state_bytes for s in specs) + max(s.state_bytes for s in specs)
     with Engine(
         devices=["cpu"], max_layers_per_shard=2, host_memory=host, spill_dir=str(tmp_path)
     ) as engine:
-        engine.add_task("a", _task(a_model), seed=0)
-        engine.add_task("b", _task(b_model), seed=0)
+        a = _register(engine, "a", a_model)
+        b = _register(engine, "b", b_model)
         lease = engine.acquire("a", 0, 0) if leased else None
-        layers = a_model[specs[0].start : specs[0].stop]
+        layers = _layers(a_model, specs[0])
         before = [t.data_ptr() for t in layers.state_dict().values()]
-        engine.train("b", 2).result(timeout=120)
+        b.start(2).result(timeout=120)
         kept = [t.data_ptr() for t in layers.state_dict().values()] == before
         if lease is not None:  # still usable: compute with it
             with lease, torch.no_grad():
                 layers.eval()(torch.randn(2, 8, dtype=torch.float64).to(lease.device))
         spills = engine.summary()["host"]["spills"]
-        engine.remove_task("a")
+        a.close()
     return kept, spills
 
 

@@ -20,6 +20,7 @@ from tune_hydra.engine import Engine
 from tune_hydra.engine.registration.factory import call_factory, private_rng, start_factory
 from tune_hydra.engine.runtime.rng import CPU_RNG_LOCK
 from tune_hydra.exceptions import TaskFactoryError, TaskFactoryTimeoutError
+from tune_hydra.frontends.task_loop import TaskLoop
 
 
 def _draws(seed: int | None = 3) -> list[torch.Tensor]:
@@ -126,7 +127,7 @@ def test_cancelled_start_drops_a_late_result() -> None:
 
 class _SlowData:
     """Re-iterable batches that take ``delay`` seconds each to load; those after the first
-    (the engine reads that one at registration) only once ``gate`` (if given) is set."""
+    (the task's loop is cut on that one) only once ``gate`` (if given) is set."""
 
     def __init__(
         self, batches: list[Any], delay: float, gate: threading.Event | None = None
@@ -175,8 +176,7 @@ def _slow_factory_run(hold_lock: bool, wait_s: float = 60.0) -> tuple[float, flo
                 assert release.wait(120), "never released"
             return _task(2)
 
-        engine.add_task("a", _task(1, gate=started))
-        pending = engine.train("a", 8)
+        pending = TaskLoop("a", _task(1, gate=started), engine).start(8)
         future = start_factory(slow, None, what="slow")
         deadline = time.monotonic() + wait_s  # a bound on a wait, not the assertion
         while time.monotonic() < deadline and not pending.done():
@@ -186,8 +186,7 @@ def _slow_factory_run(hold_lock: bool, wait_s: float = 60.0) -> tuple[float, flo
             time.sleep(0.01)
         released = engine.clock()
         release.set()
-        engine.add_task("b", future.result(timeout=120))
-        engine.train("b", 1).result(timeout=120)
+        TaskLoop("b", future.result(timeout=120), engine).start(1).result(timeout=120)
         pending.result(timeout=120)
         events = [e for e in engine.trace.events if e.task == "a" and e.op not in COPY_OPS]
     return began[0], released, events
@@ -195,8 +194,9 @@ def _slow_factory_run(hold_lock: bool, wait_s: float = 60.0) -> tuple[float, flo
 
 def test_a_slow_factory_does_not_hold_up_training() -> None:
     """A factory held in its call while another task trains: that task's ops go on (the
-    trace has them between the factory's start and its release). Holding the RNG lock, as
-    before, stops them: none until the factory returns."""
+    trace has them between the factory's start and its release). (Holding the CPU RNG
+    lock, as factories once did, no longer stops them either: a task's loop draws from
+    generators of its own.)"""
     began, released, events = _slow_factory_run(hold_lock=False)
     during = [e for e in events if began < e.start and e.end < released]
     assert len(during) >= _WANT_OPS, f"task a ran {len(during)} ops while the factory ran"

@@ -22,6 +22,7 @@ from tune_hydra.exceptions import (
     MetricError,
     TrainingError,
 )
+from tune_hydra.frontends.task_loop import TaskLoop
 
 # 2 emulated devices that really copy shard state; a budget that cuts mlp() in >= 3.
 DEVICES: dict[str, Any] = {
@@ -194,11 +195,16 @@ def test_lr_schedulers_equal_plain_training(schedule: Callable[..., Any]) -> Non
 def test_the_schedule_really_changes_the_learning_rate() -> None:
     t = task(0, step_lr)
     with Engine(**DEVICES) as eng:
-        eng.add_task("a", t, **OPTIONS)
-        eng.train("a", 1).result(timeout=120)
-        runner = eng.runner("a")
-        lrs = {s.optimizer.param_groups[0]["lr"] for s in runner.shards if s.optimizer}
-        steps = {s.scheduler.last_epoch for s in runner.shards if s.scheduler is not None}
+        loop = TaskLoop("a", t, eng, **OPTIONS)
+        loop.start(1).result(timeout=120)
+        assert loop.scheduler is not None
+        steps = {loop.scheduler.last_epoch}
+        lrs = {g["lr"] for g in loop.optimizer.param_groups}
+        # each shard's optimizer steps with the user's hyperparameters of its step
+        shards = [s for s in loop.runner.shards if s.optimizer is not None]
+        assert len(shards) >= 3 and {s.steps for s in shards} == steps
+        lrs |= {s.optimizer.param_groups[0]["lr"] for s in shards}
+        loop.close()
     # 5 batches in groups of 2: 3 steps, StepLR(step_size=2, gamma=0.5) halves once
     assert steps == {3} and lrs == {0.01}
 
@@ -210,19 +216,21 @@ def test_resume_mid_epoch_with_a_scheduler_equals_straight_training(
     options = {**OPTIONS, "iteration_batches": 3}
     straight = task(0, schedule, METRICS)
     with Engine(**DEVICES) as eng:
-        eng.add_task("t", straight, **options)
-        want = eng.train("t", 3).result(timeout=120)
+        loop = TaskLoop("t", straight, eng, **options)
+        want = loop.start(3).result(timeout=120)
+        loop.close()
     results: list[dict[str, Any]] = []
     state: dict[str, Any] | None = None
     for i, (cut, iterations) in enumerate([({"device_memory": 24_000}, 1), ({}, 2)]):
         t = task(0 if i == 0 else 99, schedule, METRICS)
         with Engine(["cpu", "cpu"], copy_on_cpu=True, **cut) as eng:
-            eng.add_task("t", t, **options)
+            loop = TaskLoop("t", t, eng, **options)
             if state is not None:
-                eng.set_state("t", state)
-            results += eng.train("t", iterations).result(timeout=120)
-            state = eng.get_state("t")
-            shards = len(eng.plan("t"))
+                loop.load_state(state)
+            results += loop.start(iterations).result(timeout=120)
+            state = loop.state()
+            shards = len(loop.cut())
+            loop.close()
         assert (shards >= 3) if i == 0 else (shards == 1)
     assert state is not None and "lr_scheduler" in state
     assert state["lr_scheduler"]["last_epoch"] > 0
@@ -234,12 +242,15 @@ def test_resume_mid_epoch_with_a_scheduler_equals_straight_training(
 
 def test_a_state_without_scheduler_is_refused_by_a_task_with_one() -> None:
     with Engine("cpu") as eng:
-        eng.add_task("t", task(0), seed=0)
-        eng.train("t", 1).result(timeout=120)
-        state = eng.get_state("t")
-    with Engine("cpu") as eng, pytest.raises(InvalidTaskError, match="lr_scheduler"):
-        eng.add_task("t", task(0, step_lr), seed=0)
-        eng.set_state("t", state)
+        loop = TaskLoop("t", task(0), eng, seed=0)
+        loop.start(1).result(timeout=120)
+        state = loop.state()
+        loop.close()
+    with Engine("cpu") as eng:
+        loop = TaskLoop("t", task(0, step_lr), eng, seed=0)
+        with pytest.raises(InvalidTaskError, match="lr_scheduler"):
+            loop.load_state(state)
+        loop.close()
 
 
 # -- bad inputs ----------------------------------------------------------------------------
@@ -349,18 +360,21 @@ def test_scheduler_state_survives_a_checkpoint_file(
     options = {**OPTIONS, "iteration_batches": 3}
     straight = task(0, schedule)
     with Engine(**DEVICES) as eng:
-        eng.add_task("t", straight, **options)
-        eng.train("t", 2).result(timeout=120)
+        loop = TaskLoop("t", straight, eng, **options)
+        loop.start(2).result(timeout=120)
+        loop.close()
     with Engine(**DEVICES) as eng:
-        eng.add_task("t", task(0, schedule), **options)
-        eng.train("t", 1).result(timeout=120)
-        state = eng.get_state("t")
+        loop = TaskLoop("t", task(0, schedule), eng, **options)
+        loop.start(1).result(timeout=120)
+        state = loop.state()
+        loop.close()
     write_checkpoint(tmp_path, state["model"], {k: v for k, v in state.items() if k != "model"})
     model_state, rest, _ = read_checkpoint(tmp_path)
     loaded = {**rest, "model": model_state}
     resumed = task(5, schedule)
     with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2) as eng:
-        eng.add_task("t", resumed, **options)
-        eng.set_state("t", loaded)
-        eng.train("t", 1).result(timeout=120)
+        loop = TaskLoop("t", resumed, eng, **options)
+        loop.load_state(loaded)
+        loop.start(1).result(timeout=120)
+        loop.close()
     assert_params_equal(resumed.model, straight.model)

@@ -1,77 +1,85 @@
-"""The stepper's deferred, globally clipped steps equal one clipped optimizer step."""
+"""A task's optimizer steps (``TaskLoop``: accumulation over batches, clipping by the
+global norm over every shard, the epoch's partial last group, a scheduler's step per
+optimizer step) equal plain PyTorch's exactly: float64, ``torch.equal``, the model cut
+into >= 3 shards on 2 emulated copying devices. A shard's step is applied at its next op;
+these check what the steps compute, not when."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
+from collections.abc import Iterator
 from typing import Any
 
+import pytest
 import torch
-from torch import nn
 
-from tune_hydra.engine.runtime.optim import Stepper
-
-
-def _shard(index: int, layer: nn.Linear) -> Any:
-    params = list(layer.parameters())
-    return SimpleNamespace(
-        index=index,
-        params=params,
-        optimizer=torch.optim.SGD(params, lr=0.5),
-        scheduler=None,
-        zeroes=None,  # shares no parameter with another shard
-        first_uses=[],
-        last_uses=[],
-    )
+import tune_hydra as th
+from tests.conftest import assert_same, make_task, mlp, plain_copy
+from tune_hydra.frontends.task_loop import TaskLoop
 
 
-def _grads(layers: list[nn.Linear], seed: int) -> None:
-    torch.manual_seed(seed)
-    for layer in layers:
-        for p in layer.parameters():
-            g = torch.randn_like(p) * 10
-            p.grad = g if p.grad is None else p.grad + g
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    """torch on one intra-op thread: the engine gives each emulated device a share of the
+    threads, and a gradient norm's float64 sum split differently rounds differently."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
-def test_clipped_steps_wait_for_the_global_norm_and_equal_one_clipped_step() -> None:
-    torch.manual_seed(0)
-    layers = [nn.Linear(3, 4).double(), nn.Linear(4, 2).double()]
-    ref = [nn.Linear(3, 4).double(), nn.Linear(4, 2).double()]
-    for a, b in zip(ref, layers, strict=True):
-        a.load_state_dict(b.state_dict())
-    shards = [_shard(i, layer) for i, layer in enumerate(layers)]
-    stepper = Stepper(2, accumulate_steps=2, max_grad_norm=1.0)
-
-    for batch in (0, 1):  # one accumulation group; backward runs last shard first
-        _grads(layers, batch)
-        stepper.after_backward(shards[1], batch)
-        assert not stepper.pending(1)
-        stepper.after_backward(shards[0], batch)
-    # The group is over: shard 0 stepped at once, shard 1 waits for its next visit.
-    assert not stepper.pending(0) and stepper.pending(1)
-    stepper.step_pending(shards[1])
-    assert not stepper.pending(1)
-
-    params = [p for layer in ref for p in layer.parameters()]
-    _grads(ref, 0)
-    _grads(ref, 1)
-    torch.nn.utils.clip_grad_norm_(params, 1.0)
-    torch.optim.SGD(params, lr=0.5).step()
-    for a, b in zip(ref, layers, strict=True):
-        for pa, pb in zip(a.parameters(), b.parameters(), strict=True):
-            assert torch.equal(pa, pb)
+def _train(task: th.ModelTask, epochs: int, **options: Any) -> tuple[list[Any], dict[str, Any]]:
+    """``epochs`` of ``task`` as a loop cut into >= 3 shards; its results and its state."""
+    engine = th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, device_memory=24_000)
+    with engine:
+        loop = TaskLoop("a", task, engine, seed=3, **options)
+        history = [loop.train_iteration() for _ in range(epochs)]
+        state = loop.state()
+        loop.close()
+    assert state["num_shards"] >= 3
+    return history, state
 
 
-def test_a_partial_group_at_the_end_of_the_epoch_still_steps() -> None:
-    layer = nn.Linear(2, 2).double()
-    shard = _shard(0, layer)
-    stepper = Stepper(1, accumulate_steps=4, max_grad_norm=None)
-    _grads([layer], 0)
-    stepper.after_backward(shard, 0)
-    assert not stepper.pending(0)
-    stepper.end_epoch(4)  # a full last group: nothing left to step
-    assert not stepper.pending(0)
-    stepper.end_epoch(1)
-    assert stepper.pending(0)
-    before = layer.weight.detach().clone()
-    stepper.step_pending(shard)
-    assert not stepper.pending(0) and not torch.equal(before, layer.weight)
+def _losses(history: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    return [(h["loss"], h["val_loss"]) for h in history]
+
+
+@pytest.mark.parametrize("opt", ["sgd", "adamw"])
+def test_clipping_by_the_global_norm_over_all_shards_equals_clip_grad_norm(opt: str) -> None:
+    # Groups of 2 over 5 batches, each group's gradients clipped to a total norm of 0.05
+    # over every shard's parameters (each shard holds a part of them).
+    task = make_task(mlp(), opt)
+    ref, unclipped = plain_copy(task), plain_copy(task)
+    history, _ = _train(task, 2, accumulate_steps=2, max_grad_norm=0.05)
+    want = th.train_plain(ref, 2, seed=3, accumulate_steps=2, max_grad_norm=0.05)
+    assert _losses(history) == _losses(want)
+    assert_same(task.model, ref.model)
+    # the norm really was clipped: without clipping the model is another
+    th.train_plain(unclipped, 2, seed=3, accumulate_steps=2)
+    sa, sb = ref.model.state_dict(), unclipped.model.state_dict()
+    assert not torch.equal(sa["0.weight"], sb["0.weight"])
+
+
+def _halving(opt: torch.optim.Optimizer) -> Any:
+    return torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+
+
+@pytest.mark.parametrize("max_grad_norm", [None, 0.5])
+@pytest.mark.parametrize(("batches", "steps_per_epoch"), [(4, 1), (5, 2)])
+def test_accumulated_groups_and_a_partial_last_group_step_as_plain_training(
+    batches: int, steps_per_epoch: int, max_grad_norm: float | None
+) -> None:
+    # Groups of 4: 4 batches an epoch make one full group; 5 make one and a partial group
+    # of 1, which steps at the epoch's end (clipped, and the scheduler steps with it).
+    task = make_task(mlp(), "adam", n=batches)
+    task.lr_scheduler = _halving
+    ref = plain_copy(task)
+    ref.lr_scheduler = _halving
+    options: dict[str, Any] = {"accumulate_steps": 4, "max_grad_norm": max_grad_norm}
+    history, state = _train(task, 3, **options)
+    want = th.train_plain(ref, 3, seed=3, **options)
+    assert _losses(history) == _losses(want)
+    assert_same(task.model, ref.model)
+    steps = 3 * steps_per_epoch
+    assert {float(s["step"]) for s in state["optimizer"]["state"].values()} == {steps}
+    assert state["lr_scheduler"]["last_epoch"] == steps
+    assert {g["lr"] for g in state["optimizer"]["param_groups"]} == {1e-2 * 0.5**steps}

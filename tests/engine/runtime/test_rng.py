@@ -10,16 +10,16 @@ import tune_hydra as th
 from tests.conftest import make_task, mlp
 from tune_hydra.engine import Engine
 from tune_hydra.engine.runtime import rng
+from tune_hydra.frontends.task_loop import TaskLoop
 
 
-def test_stream_starts_where_manual_seed_starts_it() -> None:
-    state = rng.seeded_state(7)
-    torch.manual_seed(7)
-    assert torch.equal(state.cpu, torch.get_rng_state())
+def _seeded(seed: int) -> rng.RngState:
+    """A stream where ``torch.manual_seed(seed)`` starts the CPU generator."""
+    return rng.RngState(torch.Generator().manual_seed(seed).get_state())
 
 
 def test_task_stream_advances_and_replays() -> None:
-    stream = rng.seeded_state(1)
+    stream = _seeded(1)
     outside = torch.get_rng_state()
     with rng.task_stream(stream, torch.device("cpu"), 1) as scope:
         first = torch.rand(3)
@@ -35,7 +35,7 @@ def test_task_stream_advances_and_replays() -> None:
 
 
 def test_cpu_false_neither_touches_the_generator_nor_takes_the_lock() -> None:
-    stream = rng.seeded_state(2)
+    stream = _seeded(2)
     before = torch.get_rng_state()
     held, release = threading.Event(), threading.Event()
 
@@ -59,12 +59,14 @@ def test_cpu_false_neither_touches_the_generator_nor_takes_the_lock() -> None:
 
 def test_shards_learn_whether_they_draw() -> None:
     with Engine(["cpu"], 24_000) as eng:
-        eng.add_task("a", make_task(mlp()), seed=0)
-        eng.train("a").result(timeout=60)
-        shards = eng.runner("a").shards
+        loop = TaskLoop("a", make_task(mlp()), eng, seed=0)
+        loop.start().result(timeout=60)
+        shards = loop.runner.shards
         has_dropout = [
             any(isinstance(m, torch.nn.Dropout) for m in s.module.modules()) for s in shards
         ]
-        assert [s.cpu_rng for s in shards] == has_dropout
+        # What each shard's ops drew, training and evaluating (dropout draws only in train)
+        assert [s.draws.get(True) for s in shards] == has_dropout
+        assert [s.draws.get(False) for s in shards] == [False] * len(shards)
         assert any(has_dropout) and not all(has_dropout)
     assert th.ModelTask is not None

@@ -25,6 +25,7 @@ from tune_hydra.exceptions import (
     SharedModelError,
     TrainingError,
 )
+from tune_hydra.frontends.task_loop import TaskLoop
 
 SEED = 3
 BASE = (8 * 32 + 32 + 2 * (32 * 32 + 32)) * 8  # float64 bytes of the frozen layers
@@ -89,11 +90,28 @@ def frozen_ptrs(m: nn.Module, *, writable: bool = False) -> dict[str, int]:
     return {n: ptr(p) for n, p in m.named_parameters() if not p.requires_grad}
 
 
-def train(eng: Engine, tasks: dict[str, th.ModelTask], epochs: int = 2) -> dict[str, Any]:
-    for name, task in tasks.items():
-        eng.add_task(name, task, seed=SEED)
-    futures = {name: eng.train(name, epochs) for name in tasks}
+def add(eng: Engine, tasks: dict[str, th.ModelTask]) -> dict[str, TaskLoop]:
+    """A TaskLoop of each task, cut (registered, its frozen tensors in the pool) one after
+    another in order: a trial is cut where an earlier one sharing its base was. Keep them
+    referenced: a loop whose model is collected leaves the engine."""
+    loops = {name: TaskLoop(name, task, eng, seed=SEED) for name, task in tasks.items()}
+    for loop in loops.values():
+        loop.cut()
+    return loops
+
+
+def run(loops: dict[str, TaskLoop], epochs: int) -> dict[str, Any]:
+    """Train every loop ``epochs`` iterations at once; their results."""
+    futures = {name: loop.start(epochs) for name, loop in loops.items()}
     return {name: f.result(timeout=120) for name, f in futures.items()}
+
+
+def train(
+    eng: Engine, tasks: dict[str, th.ModelTask], epochs: int = 2
+) -> tuple[dict[str, Any], dict[str, TaskLoop]]:
+    """:func:`add` then :func:`run`: the results and the loops."""
+    loops = add(eng, tasks)
+    return run(loops, epochs), loops
 
 
 def assert_alone(results: list[dict[str, Any]], task: th.ModelTask, ref: th.ModelTask) -> None:
@@ -133,8 +151,7 @@ def test_three_trials_hold_one_base_and_train_as_alone(disk: bool, tmp_path: Pat
     refs = {k: alone(t) for k, t in tasks.items()}
     own = {k: frozen_ptrs(t.model) for k, t in tasks.items()}
     with engine(tmp_path if disk else None) as eng:
-        for name, task in tasks.items():
-            eng.add_task(name, task, seed=SEED)
+        loops = add(eng, tasks)
         pool = eng._registry.frozen
         entries = pool.entries()
         assert len(entries) == 6 and all(e.users == 3 for e in entries)
@@ -145,8 +162,7 @@ def test_three_trials_hold_one_base_and_train_as_alone(disk: bool, tmp_path: Pat
             held = eng.summary()["host"]["held_bytes"]
             frozen = {k: v for k, v in eng.host.ledger.states.items() if isinstance(k, tuple)}
             assert sum(frozen.values()) == BASE and held >= BASE
-        futures = {name: eng.train(name, 2) for name in tasks}
-        results = {name: f.result(timeout=120) for name, f in futures.items()}
+        results = run(loops, 2)
     for name, task in tasks.items():
         assert_alone(results[name], task, refs[name])
     # Left the engine: each model holds its own tensors again (the user may change them).
@@ -190,7 +206,7 @@ def test_the_base_spills_once_under_a_host_budget_below_base_and_adapters(
         host_memory=budget,
         spill_dir=tmp_path,
     ) as eng:
-        results = train(eng, tasks, epochs=2)
+        results, _ = train(eng, tasks, epochs=2)
         assert len(eng._registry.frozen.entries()) == 12
         host = eng.summary()["host"]
         trace = eng.trace
@@ -211,9 +227,8 @@ def test_the_device_ledger_counts_a_shared_tensor_once_per_device() -> None:
     budget = 8448 + 6000  # one shard 1 and its activations (4608 bytes)
     for share in (True, False):
         with engine(share_frozen=share) as eng:
-            for i in range(3):
-                eng.add_task(f"t{i}", trial(i), seed=SEED)
-            stores = [eng._registry.tasks[f"t{i}"].runner.store_of(1) for i in range(3)]
+            loops = add(eng, {f"t{i}": trial(i) for i in range(3)})
+            stores = [loops[f"t{i}"].runner.store_of(1) for i in range(3)]
             assert [s.state_bytes for s in stores] == [8448] * 3
             ledger: DeviceLedger[Any, Any] = DeviceLedger(budget)
             if share:
@@ -225,7 +240,7 @@ def test_the_device_ledger_counts_a_shared_tensor_once_per_device() -> None:
                 assert ledger.victims(stores[:1], depth=2) == [stores[1]]
             else:
                 assert state_of(stores) == 3 * 8448 and ledger.need(stores[:2])
-        head = [eng._registry.tasks[f"t{i}"].runner.store_of(3) for i in range(3)]
+        head = [loops[f"t{i}"].runner.store_of(3) for i in range(3)]
         assert state_of(head) == sum(s.state_bytes for s in head)  # trainable: not shared
 
 
@@ -236,7 +251,7 @@ def test_trials_sharing_a_base_under_a_device_budget_are_exact(tmp_path: Path) -
     tasks = {f"t{i}": trial(i, opt=["adam", "sgd", "adamw"][i]) for i in range(3)}
     refs = {k: alone(t) for k, t in tasks.items()}
     with engine(device_memory=24000) as eng:
-        results = train(eng, tasks, epochs=2)
+        results, _ = train(eng, tasks, epochs=2)
         trace = eng.trace
     trace.validate(state_budget=24000)
     for name, task in tasks.items():
@@ -247,8 +262,8 @@ def test_host_ledger_counts_the_base_once(tmp_path: Path) -> None:
     held = {}
     for share in (True, False):
         with engine(tmp_path, share_frozen=share) as eng:
-            for i in range(4):
-                eng.add_task(f"t{i}", trial(i), seed=SEED)
+            loops = add(eng, {f"t{i}": trial(i) for i in range(4)})
+            assert list(loops) == eng.tasks()
             held[share] = eng.summary()["host"]["held_bytes"]
             ledger_keys = [k for k in eng.host.ledger.states if isinstance(k, tuple)]
             assert len(ledger_keys) == (6 if share else 0)
@@ -259,8 +274,7 @@ def test_a_base_with_one_tensor_different_keeps_its_own_copy_of_it() -> None:
     tasks = {"a": trial(0), "b": trial(1), "odd": trial(2, change="2.weight")}
     refs = {k: alone(t) for k, t in tasks.items()}
     with engine() as eng:
-        for name, task in tasks.items():
-            eng.add_task(name, task, seed=SEED)
+        loops = add(eng, tasks)
         users = sorted((e.name, e.users) for e in eng._registry.frozen.entries())
         assert users == [
             ("0.bias", 3),
@@ -273,8 +287,7 @@ def test_a_base_with_one_tensor_different_keeps_its_own_copy_of_it() -> None:
         ]
         a, odd = frozen_ptrs(tasks["a"].model), frozen_ptrs(tasks["odd"].model)
         assert a["2.weight"] != odd["2.weight"] and a["2.bias"] == odd["2.bias"]
-        futures = {name: eng.train(name, 2) for name in tasks}
-        results = {name: f.result(timeout=120) for name, f in futures.items()}
+        results = run(loops, 2)
     for name, task in tasks.items():
         assert_alone(results[name], task, refs[name])
 
@@ -288,10 +301,10 @@ def test_a_task_leaving_drops_its_references() -> None:
     tasks = {f"t{i}": trial(i) for i in range(3)}
     refs = {k: alone(t) for k, t in tasks.items()}
     with engine() as eng:
-        first = train(eng, tasks, epochs=1)
+        first, loops = train(eng, tasks, epochs=1)
         pool = eng._registry.frozen
         held = {e.name: address(e.host) for e in pool.entries()}
-        eng.remove_task("t0")
+        loops.pop("t0").close()
         assert all(e.users == 2 for e in pool.entries())
         # No copy of the base for a finished trial: its model reads the pool's tensors.
         assert addresses(tasks["t0"].model) == held
@@ -302,11 +315,10 @@ def test_a_task_leaving_drops_its_references() -> None:
         assert addresses(tasks["t0"].model)["0.weight"] != held["0.weight"]
         assert not torch.equal(tasks["t0"].model[0].weight, tasks["t1"].model[0].weight)
         # The others go on as alone, on the pool's tensors as they were (never copied).
-        more = {n: eng.train(n, 1) for n in ("t1", "t2")}
-        results = {n: first[n] + f.result(timeout=120) for n, f in more.items()}
+        results = {n: first[n] + r for n, r in run(loops, 1).items()}
         assert {e.name: address(e.host) for e in pool.entries()} == held
-        eng.remove_task("t1")
-        eng.remove_task("t2")
+        loops.pop("t1").close()
+        loops.pop("t2").close()
         assert not pool.entries()
     for name in ("t1", "t2"):
         assert_alone(results[name], tasks[name], refs[name])
@@ -320,9 +332,9 @@ def test_a_finished_trials_base_is_untouched_when_the_pool_spills_it(tmp_path: P
     tasks = {f"t{i}": trial(i) for i in range(3)}
     refs = {k: alone(t) for k, t in tasks.items()}
     with engine(tmp_path) as eng:
-        first = train(eng, tasks, epochs=1)
+        first, loops = train(eng, tasks, epochs=1)
         pool = eng._registry.frozen
-        eng.remove_task("t0")
+        loops.pop("t0").close()
         mine = addresses(tasks["t0"].model)
         values = {n: p.detach().clone() for n, p in tasks["t0"].model.named_parameters()}
         # A device copy held while the pool spills (as a resident store holds one; which
@@ -342,8 +354,7 @@ def test_a_finished_trials_base_is_untouched_when_the_pool_spills_it(tmp_path: P
         assert held.devices[key][0] is copy and torch.equal(copy, before)
         pool.off_device(held, key)
         assert addresses(tasks["t0"].model) == mine
-        more = {n: eng.train(n, 1) for n in ("t1", "t2")}
-        results = {n: first[n] + f.result(timeout=120) for n, f in more.items()}
+        results = {n: first[n] + r for n, r in run(loops, 1).items()}
     for n, p in tasks["t0"].model.named_parameters():
         assert torch.equal(p, values[n]), n
     for name in ("t1", "t2"):
@@ -362,9 +373,11 @@ def test_trainable_tensors_shared_between_tasks_stay_refused() -> None:
     a, b = trial(0), trial(1)
     b.model[6] = a.model[6]  # one trainable head in two trials
     with engine() as eng:
-        eng.add_task("a", a, seed=SEED)
+        loops = add(eng, {"a": a})
+        loop = TaskLoop("b", b, eng, seed=SEED)
         with pytest.raises(SharedModelError):
-            eng.add_task("b", b, seed=SEED)
+            loop.cut()  # its registration claims the head
+        assert list(loops) == eng.tasks() == ["a"]
 
 
 # -- a task that writes a shared frozen tensor fails alone ---------------------------------
@@ -401,9 +414,7 @@ def test_a_task_that_changes_a_shared_frozen_tensor_fails_alone(action: str) -> 
     bad.model[0].register_forward_pre_hook(OnBatch(action, marker))
     good = {k: alone(t) for k, t in tasks.items() if k != "t1"}
     with engine() as eng:
-        for name, task in tasks.items():
-            eng.add_task(name, task, seed=SEED)
-        futures = {name: eng.train(name, 2) for name in tasks}
+        futures = {name: loop.start(2) for name, loop in add(eng, tasks).items()}
         results = {}
         for name, f in futures.items():
             if name == "t1":
@@ -442,7 +453,7 @@ def test_a_frozen_tensor_no_other_task_uses_may_change_as_in_plain_training(
     refs = {"solo": alone(solo), "other": alone(other)}
     # Recomputing a forward would run the hook's write twice (plain training runs it once).
     with engine(recompute=action == "unfreeze") as eng:
-        results = train(eng, {"solo": solo, "other": other})
+        results, _ = train(eng, {"solo": solo, "other": other})
         left = sorted((e.name, e.users) for e in eng._registry.frozen.entries())
     # Its 0.weight left the pool; the other task's is still there.
     assert left.count(("0.weight", 1)) == 1 and ("0.bias", 2) in left
@@ -460,10 +471,9 @@ def test_share_frozen_is_a_checked_engine_option() -> None:
     with pytest.raises(InvalidOptionError, match="share_frozen"):
         EngineOptions(share_frozen="no")  # type: ignore[arg-type]
     with Engine("cpu", share_frozen=False) as eng:
-        eng.add_task("a", trial(0), seed=SEED)
-        eng.add_task("b", trial(1), seed=SEED)
+        loops = add(eng, {"a": trial(0), "b": trial(1)})
         assert not eng._registry.frozen.entries()
-        a, b = (frozen_ptrs(eng._registry.tasks[k].task.model) for k in "ab")  # type: ignore[union-attr]
+        a, b = (frozen_ptrs(loops[k].model) for k in "ab")
         assert all(a[n] != b[n] for n in a)
 
 
@@ -471,20 +481,19 @@ def test_one_device_copy_per_device_while_any_user_is_resident() -> None:
     """Two tasks' shard 0 on one device holder: the shared frozen tensors are copied
     there by the first, reused by the second, and freed when the last one leaves."""
     with engine() as eng:
-        for name in "ab":
-            eng.add_task(name, trial("ab".index(name)), seed=SEED)
-        a, b = (eng._registry.tasks[k].runner.store_of(0) for k in "ab")
+        loops = add(eng, {name: trial("ab".index(name)) for name in "ab"})
+        a, b = (loops[k].runner.store_of(0) for k in "ab")
         frozen = (8 * 32 + 32) * 8  # layer 0's weight and bias, in shard 0
         own = a.nbytes()
         holder, other = object(), object()
         cpu = torch.device("cpu")
         assert a.promote(cpu, owner=holder) == own + frozen
         assert b.promote(cpu, owner=holder) == own  # b's own state only
-        wa, wb = (eng._registry.tasks[k].task.model[0].weight for k in "ab")  # type: ignore[union-attr]
+        wa, wb = (loops[k].model[0].weight for k in "ab")
         assert address(wa) == address(wb) != address(eng._registry.frozen.entries()[0].host)
         c = trial(2)  # another holder of the same device type gets its own copy
-        eng.add_task("c", c, seed=SEED)
-        sc = eng._registry.tasks["c"].runner.store_of(0)
+        loops.update(add(eng, {"c": c}))
+        sc = loops["c"].runner.store_of(0)
         assert sc.promote(cpu, owner=other) == own + frozen
         assert address(c.model[0].weight) != address(wa)
         a.demote()
@@ -500,13 +509,22 @@ def test_a_task_restored_from_its_state_shares_again_and_stays_exact() -> None:
     tasks = {f"t{i}": trial(i) for i in range(2)}
     refs = {k: alone(t) for k, t in tasks.items()}
     with engine() as eng:
-        first = train(eng, tasks, epochs=1)
-        state = eng.get_state("t0")
-        eng.set_state("t0", state)  # a new runner: its frozen tensors join the pool again
-        entries = eng._registry.frozen.entries()
-        assert len(entries) == 6 and all(e.users == 2 for e in entries)
-        futures = {name: eng.train(name, 1) for name in tasks}
-        second = {name: f.result(timeout=120) for name, f in futures.items()}
+        first, loops = train(eng, tasks, epochs=1)
+        pool = eng._registry.frozen
+        state = loops["t0"].state()
+        # Loaded into the registered loop: the frozen tensors are written with their own
+        # values (load_state_dict writes every tensor), and stay shared.
+        loops["t0"].load_state(state)
+        assert len(pool.entries()) == 6 and all(e.users == 2 for e in pool.entries())
+        # Restored as a trial is (a new task, then the state): it joins the pool again.
+        loops.pop("t0").close()
+        assert all(e.users == 1 for e in pool.entries())
+        tasks["t0"] = trial(0)
+        loops["t0"] = TaskLoop("t0", tasks["t0"], eng, seed=SEED)
+        loops["t0"].load_state(state)
+        loops["t0"].cut()
+        assert len(pool.entries()) == 6 and all(e.users == 2 for e in pool.entries())
+        second = run(loops, 1)
     for name, task in tasks.items():
         assert_alone(first[name] + second[name], task, refs[name])
 
@@ -594,13 +612,14 @@ def test_trials_sharing_a_base_are_cut_where_the_first_was_if_it_fits() -> None:
     own = {}
     for name, r in RANKS.items():  # each alone on the engine: its own cut
         with Engine(["cpu", "cpu"], device_memory=budget, copy_on_cpu=True) as eng:
-            eng.add_task(name, lora_task(r, 0), seed=SEED)
+            loops = add(eng, {name: lora_task(r, 0)})
             own[name] = spans(eng.plan(name))
+            assert list(loops) == eng.tasks()
     assert own["a"] == [(0, 3), (3, 6)] and own["b"] != own["a"] != own["c"]
     tasks = {name: lora_task(r, i) for i, (name, r) in enumerate(RANKS.items())}
     refs = {k: alone(t) for k, t in tasks.items()}
     with Engine(["cpu", "cpu"], device_memory=budget, copy_on_cpu=True, policy="lrtf") as eng:
-        results = train(eng, tasks)
+        results, _ = train(eng, tasks)
         cuts = {name: spans(eng.plan(name)) for name in tasks}
         users = {len(e.tasks) for e in eng._registry.frozen.entries()}
     # b, of a smaller rank, is cut as a (shard k of both holds the same base layers);
@@ -609,8 +628,8 @@ def test_trials_sharing_a_base_are_cut_where_the_first_was_if_it_fits() -> None:
     for name, task in tasks.items():
         assert_alone(results[name], task, refs[name])
     with Engine(["cpu", "cpu"], device_memory=budget, copy_on_cpu=True, share_frozen=False) as eng:
-        for name in "ab":
-            eng.add_task(name, lora_task(RANKS[name], 0), seed=SEED)
+        loops = add(eng, {name: lora_task(RANKS[name], 0) for name in "ab"})
+        assert list(loops) == eng.tasks() == ["a", "b"]
         assert spans(eng.plan("b")) == own["b"]  # nothing shared, nothing aligned
 
 
@@ -627,10 +646,9 @@ def test_a_shard_whose_shared_base_is_on_the_device_is_offered_as_such() -> None
     offers = {}
     for share in (True, False):
         with engine(share_frozen=share) as eng:
-            for name in "ab":
-                eng.add_task(name, trial("ab".index(name)), seed=SEED)
+            loops = add(eng, {name: trial("ab".index(name)) for name in "ab"})
             w0, w1 = eng.workers
-            a, b = (eng._registry.tasks[k] for k in "ab")
+            a, b = (eng._registry.tasks[k] for k in loops)
             a.runner.store_of(0).promote(w0.device, owner=w0)
             op = Op("b", OpKind.FORWARD, 0)
             offers[share] = [eng._dispatcher._offer(b, op, w, 1.0) for w in (w0, w1)]

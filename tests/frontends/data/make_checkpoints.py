@@ -1,7 +1,7 @@
 """Writes ``checkpoints/``: trial checkpoints as earlier tune_hydra versions wrote them,
 kept so that every later version is tested to restore them (tests/frontends/
-test_old_checkpoints.py). Written once, by tune_hydra as of ba6d1dd (factories trained by
-the engine's ``TaskRunner``), and not to be rewritten by a later version:
+test_old_checkpoints.py). Written once, by the engine's ``TaskRunner`` of ba6d1dd (which
+trained factories then), and not to be rewritten by a later version:
 
 - ``v2_by_name``: format 2 (file digests), optimizer state by parameter name, as
   ``HydraExecutor``'s trials saved it;
@@ -12,7 +12,13 @@ Each holds ``mlp()`` (tests/conftest.py) trained by Adam for 2 iterations of 3 b
 2 batches per step (seed 3): saved inside an epoch and inside an accumulation group,
 cut into shards by ``device_memory=24_000`` on 2 emulated copying CPU devices.
 
-    PYTHONPATH=. python tests/frontends/data/make_checkpoints.py
+It calls that runtime (``Engine.add_task``, ``get_state``, ``runner``, ``plan`` and
+``checkpoint.EngineTask``), which later versions no longer have, so it runs only in a tree
+of 22f1c69 (the commit that added it; its ``TaskRunner`` is ba6d1dd's), where it writes
+these folders byte for byte again; no test runs it:
+
+    mkdir /tmp/th-22f1c69 && git archive 22f1c69 | tar -x -C /tmp/th-22f1c69
+    cd /tmp/th-22f1c69 && PYTHONPATH=. python tests/frontends/data/make_checkpoints.py
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ CONFIG = {"lr": 0.01}
 
 
 def main() -> None:
+    if not hasattr(ck, "EngineTask"):  # a later tune_hydra: it would only delete the folders
+        raise SystemExit(f"run it in a tree of 22f1c69, not this one:\n{__doc__}")
     shutil.rmtree(HERE, ignore_errors=True)
     HERE.mkdir()
     with th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, device_memory=24_000) as engine:

@@ -15,6 +15,7 @@ import tune_hydra as th
 from tests.frontends.ray import tune_tasks
 from tune_hydra.engine import Engine
 from tune_hydra.frontends.ray import HydraExecutor
+from tune_hydra.frontends.task_loop import TaskLoop
 
 pytestmark = pytest.mark.integration
 
@@ -30,9 +31,9 @@ def _straight(config: dict[str, Any], iterations: int) -> dict[str, torch.Tensor
     """The model after ``iterations`` uninterrupted epochs, trained in this process."""
     eng = Engine(devices="cpu", device_memory=BUDGET)
     try:
-        eng.add_task("ref", tune_tasks.make_task({**config, "marker": None}), seed=SEED)
-        eng.train("ref", iterations).result(timeout=120)
-        return eng.get_state("ref")["model"]
+        loop = TaskLoop("ref", tune_tasks.make_task({**config, "marker": None}), eng, seed=SEED)
+        loop.start(iterations).result(timeout=120)
+        return loop.state()["model"]
     finally:
         eng.close()
 

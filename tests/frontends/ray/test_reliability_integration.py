@@ -285,6 +285,7 @@ def test_a_module_level_model_trains_one_trial_and_refuses_the_others(
     import torch
 
     from tune_hydra.engine import Engine
+    from tune_hydra.frontends.task_loop import TaskLoop
 
     with HydraExecutor(devices="cpu", seed=3) as ex:
         analysis = th.run(
@@ -305,9 +306,9 @@ def test_a_module_level_model_trains_one_trial_and_refuses_the_others(
         assert "SharedModelError" in error or "ReusedModelError" in error
         assert "build the model inside make_task(config)" in error
     with Engine(devices="cpu") as eng:  # the first trial, trained alone
-        eng.add_task("ref", tune_tasks.make_task(done[0].config), seed=3)
-        eng.train("ref", 2).result(timeout=120)
-        want = eng.get_state("ref")["model"]
+        loop = TaskLoop("ref", tune_tasks.make_task(done[0].config), eng, seed=3)
+        loop.start(2).result(timeout=120)
+        want = loop.state()["model"]
     got = torch.load(Path(done[0].checkpoint.path) / "model.pt", weights_only=True)
     assert all(torch.equal(got[k], want[k]) for k in want)
 

@@ -16,6 +16,7 @@ from tests.frontends.ray import tune_tasks
 from tune_hydra.engine import Engine
 from tune_hydra.frontends.checkpoint import META_FILE, MODEL_FILE
 from tune_hydra.frontends.ray import HydraExecutor
+from tune_hydra.frontends.task_loop import TaskLoop
 
 pytestmark = pytest.mark.integration
 
@@ -27,9 +28,9 @@ AFTER = None  # no budget: 1 shard
 def _straight(config: dict[str, Any], device_memory: str | None) -> dict[str, torch.Tensor]:
     """The model after 4 uninterrupted epochs, trained in this process."""
     with Engine(devices="cpu", device_memory=device_memory) as eng:
-        eng.add_task("ref", tune_tasks.make_task(config), seed=SEED)
-        eng.train("ref", 4).result(timeout=120)
-        return eng.get_state("ref")["model"]
+        loop = TaskLoop("ref", tune_tasks.make_task(config), eng, seed=SEED)
+        loop.start(4).result(timeout=120)
+        return loop.state()["model"]
 
 
 def _tuner_parts(ex: HydraExecutor, storage: str) -> dict[str, Any]:

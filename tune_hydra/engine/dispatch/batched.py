@@ -486,7 +486,7 @@ class BatchedShard:
         trainable parameters and input leaves; None where a tensor is not reached)
         instead of accumulating them in ``.grad``: nothing changes until the caller,
         once the whole pass succeeded, adds them
-        (:func:`~tune_hydra.engine.runtime.stage.accumulate_grad`)."""
+        (:func:`~tune_hydra.engine.runtime.boundary.accumulate_grad`)."""
         outs, gs = BatchedShard._roots(run, grad_outputs)
         if not outs or not wrt:
             return [None] * len(wrt)
@@ -628,10 +628,9 @@ class SharedBatcher:
     over the concatenation): the group stays together for the backward that follows.
 
     A group forms in two ways, both under the engine's lock: as an op is assigned, the
-    matching ops ready then go along (:meth:`open`: task factories, whose next ops are
-    ready together as a group ends); and a matching op that becomes ready while the
-    group waits in its device's queue joins it while no device is idle (:meth:`join`:
-    ``th.shard`` loops, whose user threads ask for their ops one by one). A group
+    matching ops ready then go along (:meth:`open`); and a matching op that becomes
+    ready while the group waits in its device's queue joins it while no device is idle
+    (:meth:`join`: loops' threads ask for their ops one by one). A group
     closes as it starts. Its other stores are counted as queued on the device
     (``Assignment.along``), so a device budget holds: an op joins only if its state
     fits there beside what is queued and leased (``DeviceWorker.fits``), and is leased
@@ -640,8 +639,8 @@ class SharedBatcher:
     Works for every runner that implements the batch steps (``batch_key``, ``op_lock``,
     ``open_op``, ``run_op``, ``close_op``, ``op_start``, ``take_forward``,
     ``take_backward``, ``scratch_buffers``; optionally ``op_scope``). Limits (each op
-    outside them runs alone, as without batching): recompute mode only; one micro-batch
-    per op (no grouped visits); no autocast; no disk tier. Groups hold at most the live
+    outside them runs alone, as without batching): recompute mode only; no autocast; no
+    disk tier. Groups hold at most the live
     tasks per device. A group that turns out not batchable on the device
     (:func:`why_not_batchable`) runs its ops one after another in the one assignment,
     and so does one whose batched pass raised (it changed no task's state): only the

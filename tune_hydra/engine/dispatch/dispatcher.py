@@ -15,7 +15,7 @@ each, under the engine's one lock (``Engine._cv``):
   records' dispatch fields (``assigned``, ``candidate``, ``ready_since`` ...).
 
 The registry never calls the dispatcher, and neither module imports the other; the few
-operations that need both (``remove_task``, ``set_state``, ``close``) are sequenced by
+operations that need both (``remove_task``, ``close``) are sequenced by
 ``Engine`` under the lock.
 """
 
@@ -126,9 +126,7 @@ class Dispatcher:
                     # A copy: raising it adds the caller's frames to its traceback.
                     _frameless(entry.error)
                     if entry.error is not None
-                    else TaskFailedError(
-                        entry.name, "it was cancelled; remove it, or restore it with set_state()"
-                    )
+                    else TaskFailedError(entry.name, "it was cancelled; remove it")
                 )
                 return fut
             entry.pending.append(PendingIterations(fut, iterations))
@@ -161,11 +159,6 @@ class Dispatcher:
             self.policy.forget(entry.name)
             self._waits.forget(entry.name)
 
-    def reset(self, entry: TaskRecord) -> None:
-        """Before ``entry`` gets a restored runner: its futures, batch and carry are gone."""
-        self.cancel_futures(entry)
-        self.note_carry(entry, None)
-
     def stop(self) -> bool:
         """Cancel every task and end the dispatch thread (the workers go on); False if it
         was stopped already."""
@@ -192,9 +185,8 @@ class Dispatcher:
 
     def offload(self, entry: TaskRecord, leave: bool = False, load: bool = True) -> None:
         """Bring the task's states home from the devices (for good: a prefetch in a queue
-        leaves them there). ``leave``: the task leaves the engine (or its runner is
-        replaced): its states are the user's again, and with ``load`` those on disk come
-        back into host memory."""
+        leaves them there). ``leave``: the task leaves the engine: its states are the
+        user's again, and with ``load`` those on disk come back into host memory."""
         runner = entry.runner
         if leave:
             self.host.unregister(runner.stores)

@@ -180,8 +180,9 @@ class Lease:
         >>> task = th.ModelTask(nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 1)),
         ...                     nn.MSELoss(), lambda p: torch.optim.SGD(p, lr=0.1),
         ...                     [(torch.randn(2, 4), torch.randn(2, 1))])
+        >>> from tune_hydra.frontends.task_loop import TaskLoop
         >>> with th.Engine(devices="cpu") as engine:
-        ...     _ = engine.add_task("a", task, seed=0)
+        ...     _ = TaskLoop("a", task, engine, seed=0).cut()
         ...     with engine.acquire("a", 0, 0) as lease:
         ...         y = task.model[0](torch.randn(2, 4).to(lease.device))
         ...     lease.active

@@ -245,20 +245,6 @@ def _detach_grad(obj: Any) -> Any:
     return tree_map(f, obj)
 
 
-def probe_activations(
-    layers: list[tuple[str, nn.Module]],
-    sample: Any,
-    autocast_dtype: torch.dtype | None = None,
-) -> list[int]:
-    """Activation bytes per layer for one batch, measured on the CPU.
-
-    Runs each layer forward with grad on and counts the distinct tensors autograd saves for
-    backward (parameters excluded) plus the layer's output. The model's buffers and the
-    global RNG are restored afterwards.
-    """
-    return [act for act, _, _ in _probe(layers, sample, autocast_dtype)]
-
-
 def _probe(
     layers: list[tuple[str, nn.Module]],
     sample: Any,
@@ -553,7 +539,7 @@ def plan_shards(
             kept=kept,
         )
     except ShardTooLargeError as err:
-        # Every path that cuts (Engine.add_task, a th.shard loop's first forward, th.plan)
+        # Every path that cuts (a th.shard loop's first forward, th.plan)
         # comes through here: the error tells the budget to give, not just the first layer
         # over this one (which users otherwise find by bisecting with failing runs).
         smallest = min_device_memory(costs, prefetch=prefetch)

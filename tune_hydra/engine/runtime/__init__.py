@@ -1,3 +1,3 @@
-"""Runtime: a task's shard operations as they run. :class:`~.loop.LoopRunner` runs a user's
-own loop (``th.shard``), :class:`~.runner.TaskRunner` a ``ModelTask``'s training; both run a
-shard op through :mod:`.stage`, with the same boundary crossing, autocast and RNG streams."""
+"""Runtime: a task's shard operations as they run. :class:`~.loop.LoopRunner` runs a
+``th.shard`` loop (a user's own, or a ``TaskLoop``'s), with the boundary crossing, autocast,
+compilation and random streams of its ops."""

@@ -2,15 +2,14 @@
 
 A layer that fails on a batch unlike the one the model was probed with, or a loss that
 is not a scalar tensor, is the data's or the loss function's fault rather than the
-model's. :class:`BatchChecks` runs a shard's first layers and the loss function and turns
-such failures into :class:`~tune_hydra.exceptions.DataMismatchError` or
+model's. These functions turn such failures of a ``TaskLoop``'s batches into
+:class:`~tune_hydra.exceptions.DataMismatchError` or
 :class:`~tune_hydra.exceptions.InvalidLossError`, naming the batch and epoch.
 """
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.utils._pytree import tree_flatten
@@ -20,83 +19,8 @@ from tune_hydra.engine.task import ModelTask, describe, mismatch_hint
 from tune_hydra.exceptions import (
     DataMismatchError,
     InvalidLossError,
-    NonFiniteLossError,
     TuneHydraError,
 )
-
-if TYPE_CHECKING:
-    from tune_hydra.engine.runtime.data import DataCursor
-    from tune_hydra.engine.runtime.runner import ShardRuntime
-
-
-class BatchChecks:
-    """One task's checks of its batches and losses, and the errors that name them.
-
-    Args:
-        name: the task's name, for the errors.
-        task: the task (its loss is computed by ``task.compute_loss``).
-        layer_names: the names of the first shard's layers, in order.
-        data: the task's data cursor (the epoch that errors name).
-    """
-
-    def __init__(
-        self, name: str, task: ModelTask, layer_names: tuple[str, ...], data: DataCursor
-    ) -> None:
-        self.name = name
-        self._task = task
-        self._layer_names = layer_names
-        self._data = data
-        # The signature and description of the batch probed at add_task (which the model
-        # took; see note_probe): a later batch that fails unlike it is a data mismatch.
-        self.probed: tuple[Any, str] | None = None
-
-    def note_probe(self, inputs: Any) -> None:
-        """Remember the structure, dtypes and shapes of the inputs the model was probed
-        with (not the tensors: a batch can be large)."""
-        self.probed = (batch_signature(inputs), describe(inputs))
-
-    def where(self, batch: int, train: bool) -> str:
-        """Which batch of which data, in words."""
-        if train:
-            return f"batch {batch} of epoch {self._data.epoch} of train_data"
-        return f"batch {batch} of eval_data (after epoch {self._data.epoch})"
-
-    def call(self, shard: ShardRuntime, arg: Any, batch: int, *, train: bool) -> Any:
-        """``shard.module(arg)``; a failure on a batch unlike the probed one, or of
-        another dtype than the layer, becomes a :class:`DataMismatchError`."""
-        try:
-            return shard.module(arg)
-        except Exception as err:
-            mismatch = self._data_mismatch(shard, arg, err, self.where(batch, train))
-            if mismatch is None:
-                raise
-            raise mismatch from err
-
-    def _data_mismatch(
-        self, shard: ShardRuntime, arg: Any, err: BaseException, where: str
-    ) -> DataMismatchError | None:
-        """The error to raise for ``err`` from the first shard's forward on ``arg``, when
-        the data can be told to be at fault; ``None`` otherwise (it is raised as is)."""
-        if shard.index != 0:
-            return None
-        layers = list(zip(self._layer_names, shard.module, strict=True))
-        return data_mismatch(self.name, layers, arg, err, where, self.probed)
-
-    def loss(self, out: Any, target: Any, batch: int, *, train: bool) -> torch.Tensor:
-        """The task's loss (``loss_fn(out, target)``), checked (see :func:`checked_loss`)."""
-        return checked_loss(self.name, self._task, out, target, self.where(batch, train), train)
-
-    def finite(self, value: float, batch: int) -> None:
-        """Raise :class:`NonFiniteLossError` for a training loss that is NaN or infinite."""
-        if not math.isfinite(value):
-            raise NonFiniteLossError(self.name, self._data.epoch, batch, value)
-
-    def backward_error(
-        self, err: BaseException, out: Any, target: Any, batch: int
-    ) -> DataMismatchError | None:
-        """The error to raise for ``err`` from the loss's backward when the targets do
-        not fit the output; ``None`` otherwise (it is raised as is)."""
-        return backward_mismatch(self.name, err, out, target, self.where(batch, True))
 
 
 def data_mismatch(

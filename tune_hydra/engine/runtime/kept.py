@@ -53,11 +53,14 @@ class KeptGraphs:
         self.active = active
         self._max_state = 0  # the largest shard state of any task seen (room to keep)
 
-    def check(self, name: str, plan: ShardPlan) -> None:
-        """Refuse a task whose one batch would not fit ``device_memory`` on its own."""
+    def check(self, name: str, plan: ShardPlan, *, keeps: bool = True) -> None:
+        """Count a task's largest shard state (the room batches in flight leave for the
+        states resident beside them: every task's, those of tasks that recompute too);
+        refuse a task that ``keeps`` graphs whose one batch would not fit
+        ``device_memory`` on its own."""
         if not self.active:
             return
-        if plan.budget is not None and plan.kept_peak_bytes() > plan.budget:
+        if keeps and plan.budget is not None and plan.kept_peak_bytes() > plan.budget:
             raise InvalidTaskError(
                 f"task {name!r}: recompute=False keeps all {len(plan)} shards' activations "
                 f"on the device until their backward: {format_bytes(plan.kept_peak_bytes())} "

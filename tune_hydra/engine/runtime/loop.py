@@ -96,13 +96,13 @@ from tune_hydra.engine.registration.partition import (
 )
 from tune_hydra.engine.registration.shared import SharedParams
 from tune_hydra.engine.runtime import amp, loop_home, rng
+from tune_hydra.engine.runtime.boundary import OpStart, accumulate_grad
 from tune_hydra.engine.runtime.boundary import backward as backward_from
 from tune_hydra.engine.runtime.compiled import Compiler, ShardCompiler, recompile
 from tune_hydra.engine.runtime.loop_optim import LoopOptimizer, optimizer_like
 from tune_hydra.engine.runtime.loop_pattern import OpPattern
 from tune_hydra.engine.runtime.loop_random import Entry, LoopRandom
 from tune_hydra.engine.runtime.loop_sizing import LoopSizing
-from tune_hydra.engine.runtime.stage import OpStart, accumulate_grad
 from tune_hydra.engine.storage import LinkedStore, ShardStore, Store
 from tune_hydra.engine.task import OwnedTensors, owned_tensors
 from tune_hydra.engine.units import device_budget
@@ -121,6 +121,7 @@ if TYPE_CHECKING:
     from tune_hydra.engine.engine import Engine
 
 log = logging.getLogger(__name__)
+_TRAIN = (OpKind.FORWARD, OpKind.LAST, OpKind.BACKWARD)  # ops of a training batch
 _LOCAL = threading.local()  # .depth > 0: this thread computes inside an op (or a probe)
 _NAMES = itertools.count()
 
@@ -363,6 +364,8 @@ class LoopRunner:
             self.current = op
             return op
         if self._running:  # the current op (chain) completed: its one iteration ends
+            if not self._result[0] and self.current is not None and self.current.kind in _TRAIN:
+                self.graph.drop()  # a failed batch's graphs: no backward will come for them
             self._running = False
             self.current = None
             self._iteration += 1
@@ -509,13 +512,7 @@ class LoopRunner:
         return self.graph.keeps()
 
     def owned_tensors(self) -> OwnedTensors:
-        model = self._model()
-        if model is None:  # garbage-collected, its loop on its way out: it trains nothing
-            return OwnedTensors()
-        host: list[tuple[Any, torch.Tensor]] = []
-        for s in self.shards:
-            host.extend(s.store.host_tensors())
-        return owned_tensors(model, host)
+        return _owned(self._model(), self.shards)
 
     # -- ops, from the user's thread ----------------------------------------------------
 
@@ -713,6 +710,17 @@ class LoopRunner:
             error,
             exc_info=error,
         )
+
+
+def _owned(model: nn.Module | None, shards: list[LoopShard]) -> OwnedTensors:
+    """What a loop trains (``Runner.owned_tensors``): its model's tensors, read from the
+    stores' host copies where a shard is on a device."""
+    if model is None:  # garbage-collected, its loop on its way out: it trains nothing
+        return OwnedTensors()
+    host: list[tuple[Any, torch.Tensor]] = []
+    for s in shards:
+        host.extend(s.store.host_tensors())
+    return owned_tensors(model, host)
 
 
 class LoopGraph:

@@ -1,39 +1,38 @@
-"""A task's exact resume point: what :meth:`TaskRunner.get_state` captures between
-iterations and :meth:`TaskRunner.set_state` loads into a fresh runner.
+"""A task's exact resume point: the layout of ``TaskLoop.state()`` (what a checkpoint's
+``hydra_state.pt`` holds), checked before it is loaded.
 
-Besides the weights it holds the optimizers' state, any accumulated gradients, the task's
-RNG streams and where in the epoch it stopped (with the epoch's starting RNG, so the data
-order is replayed and the batches already seen are skipped): training resumed from it
-equals training that never stopped.
+Besides the weights it holds the optimizer's state, any accumulated gradients, the task's
+random stream and where in the epoch it stopped (with the epoch's starting stream, so the
+data order is replayed and the batches already seen are skipped): training resumed from
+it equals training that never stopped.
 
-The state does not depend on how the model is cut. Every torch optimizer keeps its state
-per parameter (momentum buffers, Adam's moments and step counters), so the engine's
-per-shard optimizers are stored as one state keyed by each parameter's *qualified name*
-(``model.named_parameters()``; a tied tensor under its first name), and gradients
-likewise. :func:`restore` rebuilds every shard's optimizer state for the parameters the
-runner's own plan puts in that shard, so a state made under one ``device_memory`` (or
-device count) restores exactly under another. The layout:
+The state does not depend on how the model is cut: the optimizer's state is keyed by each
+parameter's *qualified name* (``model.named_parameters()``; a tied tensor under its first
+name), gradients likewise, so a state made under one ``device_memory`` (or device count)
+restores exactly under another. The layout:
 
+- ``"model"``: the model's ``state_dict``;
 - ``"optimizer"``: ``{"state": {name: that parameter's optimizer state},
   "param_groups": [{hyperparameters..., "params": [name, ...]}, ...]}`` -- torch's own
-  ``state_dict`` layout with names instead of integer ids; the groups of every shard's
-  optimizer, in shard order;
+  ``state_dict`` layout with names instead of integer ids (:func:`optimizer_state_dict`
+  turns it back);
 - ``"param_grads"``: ``{name: gradient}`` for the parameters that hold one (gradients
   accumulated in the middle of an accumulation group);
+- ``"rng"`` (``{"cpu": state, "cuda": state or None}``), ``"epoch_rng"``, ``"seed"``,
+  ``"iteration"``, ``"epoch"``, ``"batch_in_epoch"``;
 - ``"num_shards"``: how many shards the model was cut into (informational);
-- ``"lr_scheduler"`` (with a task ``lr_scheduler``): one scheduler's ``state_dict``.
-  Every shard's scheduler follows the same schedule (same factory, same number of steps),
-  so their states are equal; the one stored is loaded into every shard's scheduler,
-  whatever the cut.
+- ``"lr_scheduler"`` (with a task ``lr_scheduler``): its ``state_dict``.
 
-States written before this layout (``"optimizers"``: one ``state_dict`` per shard, and
-``"grads"``: one list per shard) still load into a runner cut into as many shards.
+States written by older versions (``"optimizers"``: one ``state_dict`` per shard, and
+``"grads"``: one list per shard) are turned into this layout by :func:`from_per_shard`,
+given which parameters each shard held.
 
 Example:
     >>> import torch
     >>> from torch import nn
     >>> import tune_hydra as th
     >>> from tune_hydra.engine import Engine
+    >>> from tune_hydra.frontends.task_loop import TaskLoop
     >>> def task():
     ...     torch.manual_seed(0)
     ...     model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1)).double()
@@ -42,13 +41,13 @@ Example:
     ...     return th.ModelTask(model, nn.MSELoss(), lambda p: torch.optim.Adam(p, lr=0.1),
     ...                         data)
     >>> with Engine("cpu", max_layers_per_shard=1) as three, Engine("cpu") as one:
-    ...     three.add_task("a", task(), seed=0), one.add_task("a", task(), seed=0)
-    ...     _ = three.train("a", 1).result(timeout=60)
-    ...     state = three.get_state("a")
-    ...     one.set_state("a", state)  # cut into 3 shards, restored into 1
-    ...     sorted(state["optimizer"]["state"]) == sorted(one.get_state("a")["optimizer"]["state"])
-    (3, 1)
-    True
+    ...     a, b = TaskLoop("a", task(), three, seed=0), TaskLoop("a", task(), one, seed=0)
+    ...     _ = a.train_iteration()
+    ...     state = a.state()
+    ...     b.load_state(state)  # cut into 3 shards, restored into 1
+    ...     names = sorted(b.state()["optimizer"]["state"])
+    ...     len(a.cut()), len(b.cut()), names == sorted(state["optimizer"]["state"])
+    (3, 1, True)
 """
 
 from __future__ import annotations
@@ -60,116 +59,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
-from tune_hydra.engine.runtime import rng
 from tune_hydra.exceptions import ResumeStateError
 
 if TYPE_CHECKING:
-    from tune_hydra.engine.runtime.runner import ShardRuntime, TaskRunner
     from tune_hydra.engine.task import ModelTask
-
-# Per-parameter keys of torch's param_groups, never hyperparameters of a group.
-_NOT_HYPER = ("params", "param_names")
-
-
-def capture(runner: TaskRunner) -> dict[str, Any]:
-    """Everything needed to resume ``runner`` exactly (tensors cloned, on the host side
-    of the shard stores: the engine calls this between iterations).
-
-    Args:
-        runner: the task's runner, idle (between iterations).
-
-    Returns:
-        The resume state, in the per-parameter layout described in the module docstring.
-    """
-    model = runner.task.model
-    assert isinstance(model, nn.Module)
-    names = param_names(model)
-    state: dict[str, Any] = {}
-    groups: list[dict[str, Any]] = []
-    for s in runner.shards:
-        if s.optimizer is None:
-            continue
-        sd = s.optimizer.state_dict()
-        for live, saved in zip(s.optimizer.param_groups, sd["param_groups"], strict=True):
-            keys = [names[id(p)] for p in live["params"]]
-            hyper = {k: copy.deepcopy(v) for k, v in saved.items() if k not in _NOT_HYPER}
-            groups.append({**hyper, "params": keys})
-            for key, index in zip(keys, saved["params"], strict=True):
-                if index in sd["state"]:
-                    state[key] = copy.deepcopy(sd["state"][index])
-    return {
-        "model": {k: v.detach().clone() for k, v in model.state_dict().items()},
-        "optimizer": {"state": state, "param_groups": groups},
-        "param_grads": {
-            names[id(p)]: p.grad.detach().clone()
-            for s in runner.shards
-            for p in s.params
-            if p.grad is not None
-        },
-        "rng": {"cpu": runner.rng.cpu.clone(), "cuda": _clone(runner.rng.cuda)},
-        "epoch_rng": runner.data.epoch_rng(),
-        "seed": runner.options.seed,
-        "iteration": runner.iteration,
-        "epoch": runner.data.epoch,
-        "batch_in_epoch": runner.data.batch_in_epoch,
-        "num_shards": len(runner.shards),
-        **_scheduler_state(runner),
-    }
-
-
-def restore(runner: TaskRunner, state: dict[str, Any]) -> None:
-    """Load :func:`capture`'s output into a fresh ``runner``, whatever plan it was
-    captured under (a state of the older per-shard layout needs the same shard count).
-
-    Args:
-        runner: a runner built for the task, not trained since.
-        state: what :func:`capture` returned (possibly through a checkpoint file).
-
-    Raises:
-        ResumeStateError: the state does not fit the runner's model (parameters it does
-            not have, or lacks), or is of the older per-shard layout and the model is now
-            cut into another number of shards.
-    """
-    model = runner.task.model
-    assert isinstance(model, nn.Module)
-    # Everything is checked before anything is loaded: a damaged or tampered state must
-    # not leave the model half restored, nor fail later inside training.
-    refuse(runner.name, state_problem(state) or position_problem(runner.task, state))
-    if "optimizers" in state:  # the per-shard layout of older checkpoints
-        _check_legacy(runner, state)
-        refuse(runner.name, _model_problem(model, state), fits=True)
-        model.load_state_dict(state["model"])
-        _restore_per_shard(runner, state)
-    else:
-        names = param_names(model)
-        optimizer = state.get("optimizer")
-        if not isinstance(optimizer, Mapping):
-            raise ResumeStateError(
-                runner.name,
-                "the resume state holds no optimizer state (no 'optimizer' entry): it is not "
-                "what Engine.get_state() returned. Restore from an engine state or a "
-                "tune_hydra checkpoint",
-            )
-        shard_states = rebuild_optimizer_states(runner, optimizer, names)
-        refuse(runner.name, _model_problem(model, state), fits=True)
-        model.load_state_dict(state["model"])
-        for s, sd in zip(runner.shards, shard_states, strict=True):
-            if s.optimizer is not None and sd is not None:
-                s.optimizer.load_state_dict(sd)
-        grads = state.get("param_grads") or {}
-        for s in runner.shards:
-            for p in s.params:
-                g = grads.get(names[id(p)])
-                p.grad = None if g is None else g.to(p.device, copy=True)
-    _restore_schedulers(runner, state)
-    # With max_grad_norm: the norms of the last backward, which a partial accumulation
-    # group at the end of an epoch clips with once the next iteration starts. The
-    # gradients have not changed since, so they are those of the restored gradients.
-    runner.stepper.remeasure(runner.shards)
-    stream = rng.RngState(state["rng"]["cpu"].clone(), _clone(state["rng"]["cuda"]))
-    runner.resume_at(state["iteration"], stream)
-    runner.data.resume_at(state["epoch"], state["batch_in_epoch"], state["epoch_rng"])
-
 
 _CUDA_RNG_BYTES = 16  # a CUDA generator's state: philox seed and offset, 8 bytes each
 
@@ -271,7 +164,7 @@ def position_problem(task: ModelTask, state: Mapping[str, Any]) -> tuple[str, st
     return None
 
 
-def _model_problem(model: nn.Module, state: Mapping[str, Any]) -> tuple[str, str] | None:
+def model_problem(model: nn.Module, state: Mapping[str, Any]) -> tuple[str, str] | None:
     """Model tensors or gradients of the state that do not fit ``model`` (names, shapes),
     or None: ``load_state_dict`` would copy the tensors that fit before it complains."""
     saved = state["model"]
@@ -295,47 +188,71 @@ def _model_problem(model: nn.Module, state: Mapping[str, Any]) -> tuple[str, str
     return None
 
 
+def optimizer_state_dict(
+    name: str, model: nn.Module, optimizer: torch.optim.Optimizer, saved: Any
+) -> dict[str, Any]:
+    """Task ``name``'s ``optimizer``'s ``state_dict`` (torch's layout) from a state's
+    per-parameter one (``model``: its parameters' names)."""
+    if not isinstance(saved, Mapping):
+        raise ResumeStateError(
+            name,
+            "the resume state holds no optimizer state (no 'optimizer' entry): restore "
+            "from a state a task or engine made",
+        )
+    names = param_names(model)
+    hyper_of: dict[str, dict[str, Any]] = {}
+    for group in saved.get("param_groups") or []:
+        hyper = {k: v for k, v in group.items() if k not in ("params", "param_names")}
+        for key in group["params"]:
+            hyper_of[key] = hyper
+    saved_state = saved.get("state") or {}
+    groups: list[dict[str, Any]] = []
+    out_state: dict[int, Any] = {}
+    index = 0
+    for group in optimizer.param_groups:
+        keys = [names[id(p)] for p in group["params"]]
+        missing = [k for k in keys if k not in hyper_of]
+        if missing:
+            raise ResumeStateError(
+                name,
+                f"the resume state has no optimizer entry for {len(missing)} "
+                f"parameter(s) of the model ({', '.join(map(repr, missing[:4]))}): it was "
+                f"made for another model. Restore it into the model it was made with",
+            )
+        for k in keys[1:]:  # one group now: the saved values must agree
+            if not _same(hyper_of[k], hyper_of[keys[0]]):
+                raise ResumeStateError(
+                    name,
+                    f"parameters {keys[0]!r} and {k!r} are in one parameter group of the "
+                    f"optimizer now, but had different hyperparameters when the state was "
+                    f"saved ({_diff(hyper_of[keys[0]], hyper_of[k])}). Build the optimizer "
+                    f"so that parameters with different hyperparameters are in different "
+                    f"groups, as when the state was made",
+                )
+        hyper = copy.deepcopy(hyper_of[keys[0]]) if keys else {}
+        ids = list(range(index, index + len(keys)))
+        groups.append({**group, **hyper, "params": ids})
+        for i, key in zip(ids, keys, strict=True):
+            if key in saved_state:
+                out_state[i] = _copy_tensors(saved_state[key])
+        index += len(keys)
+    known = {names[id(p)] for g in optimizer.param_groups for p in g["params"]}
+    unknown = sorted((set(hyper_of) | set(saved_state)) - known)
+    if unknown:
+        raise ResumeStateError(
+            name,
+            f"the resume state holds optimizer state for {len(unknown)} parameter(s) the "
+            f"model does not have ({', '.join(map(repr, unknown[:4]))}): restore it into "
+            f"the model it was made with",
+        )
+    return {"state": out_state, "param_groups": groups}
+
+
 def _described(value: Any) -> str:
     if isinstance(value, torch.Tensor):
         return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
     text = repr(value)
     return text if len(text) <= 60 else f"a {type(value).__name__}"
-
-
-def _scheduler_state(runner: TaskRunner) -> dict[str, Any]:
-    """``{"lr_scheduler": state_dict}`` of the first shard's scheduler ({} without one)."""
-    for s in runner.shards:
-        if s.scheduler is not None:
-            return {"lr_scheduler": copy.deepcopy(s.scheduler.state_dict())}
-    return {}
-
-
-def _restore_schedulers(runner: TaskRunner, state: Mapping[str, Any]) -> None:
-    """Load the stored scheduler state into every shard's scheduler.
-
-    Raises:
-        ResumeStateError: the task has an ``lr_scheduler`` and the state none, or the
-            other way round.
-    """
-    saved = state.get("lr_scheduler")
-    schedulers = [s.scheduler for s in runner.shards if s.scheduler is not None]
-    if saved is None and schedulers:
-        raise ResumeStateError(
-            runner.name,
-            "the task has an lr_scheduler but the resume state holds no scheduler state (it "
-            "was saved by a task without one); restore it into a task built the same way, "
-            "or start the schedule afresh by dropping lr_scheduler",
-        )
-    if saved is not None and not schedulers and runner.task.lr_scheduler is None:
-        raise ResumeStateError(
-            runner.name,
-            "the resume state holds lr_scheduler state but the task has no lr_scheduler; "
-            "give the task the lr_scheduler it was trained with",
-        )
-    if saved is None:
-        return
-    for scheduler in schedulers:
-        scheduler.load_state_dict(copy.deepcopy(saved))
 
 
 def param_names(model: nn.Module) -> dict[int, str]:
@@ -351,122 +268,6 @@ def param_names(model: nn.Module) -> dict[int, str]:
         ['0.weight']
     """
     return {id(p): name for name, p in model.named_parameters()}
-
-
-def rebuild_optimizer_states(
-    runner: TaskRunner, optimizer: Mapping[str, Any], names: dict[int, str] | None = None
-) -> list[dict[str, Any] | None]:
-    """Each shard's ``optimizer.state_dict()``, rebuilt from a per-parameter optimizer
-    state (:func:`capture`'s ``"optimizer"``) for the parameters the runner's plan puts in
-    that shard, in the order of the shard optimizer's own ``param_groups``.
-
-    Tensors are copied: the optimizers update their state in place, and the same state
-    may be restored into several runners.
-
-    Args:
-        runner: the runner whose shards' optimizers the states are for.
-        optimizer: ``{"state": {name: ...}, "param_groups": [{..., "params": [name,
-            ...]}]}``.
-        names: :func:`param_names` of the runner's model (computed when omitted).
-
-    Returns:
-        One ``state_dict`` per shard, ``None`` for a shard without an optimizer (no
-        parameters), ready for ``Optimizer.load_state_dict``.
-
-    Raises:
-        ResumeStateError: the state names parameters the model does not have, lacks some
-            of the model's, or gives parameters that the task's optimizer factory puts in
-            one group different hyperparameters.
-    """
-    model = runner.task.model
-    assert isinstance(model, nn.Module)
-    names = param_names(model) if names is None else names
-    saved_state = optimizer.get("state") or {}
-    hyper_of: dict[str, dict[str, Any]] = {}
-    for group in optimizer.get("param_groups") or []:
-        hyper = {k: v for k, v in group.items() if k not in _NOT_HYPER}
-        for key in group["params"]:
-            hyper_of[key] = hyper
-    live = {names[id(p)] for s in runner.shards if s.optimizer is not None for p in s.params}
-    unknown = sorted((set(hyper_of) | set(saved_state)) - live)
-    if unknown:
-        raise ResumeStateError(
-            runner.name,
-            f"the resume state holds optimizer state for {len(unknown)} parameter(s) the "
-            f"model does not have ({_listed(unknown)}). Restore it into the model it was made "
-            f"with: make_task must build the same architecture for this config",
-        )
-    return [
-        None if s.optimizer is None else _shard_state(runner, s, names, hyper_of, saved_state)
-        for s in runner.shards
-    ]
-
-
-def _shard_state(
-    runner: TaskRunner,
-    shard: ShardRuntime,
-    names: dict[int, str],
-    hyper_of: dict[str, dict[str, Any]],
-    saved_state: Mapping[str, Any],
-) -> dict[str, Any]:
-    """One shard optimizer's ``state_dict`` from the per-parameter state."""
-    assert shard.optimizer is not None
-    groups: list[dict[str, Any]] = []
-    state: dict[int, Any] = {}
-    index = 0
-    for group in shard.optimizer.param_groups:
-        keys = [names[id(p)] for p in group["params"]]
-        missing = [k for k in keys if k not in hyper_of]
-        if missing:
-            raise ResumeStateError(
-                runner.name,
-                f"the resume state has no optimizer entry for {len(missing)} parameter(s) "
-                f"of the model ({_listed(missing)}): it was made for another model. Restore "
-                f"it into the model it was made with",
-            )
-        if keys:
-            hyper = hyper_of[keys[0]]
-            for k in keys[1:]:
-                if not _same(hyper_of[k], hyper):
-                    raise ResumeStateError(
-                        runner.name,
-                        f"parameters {keys[0]!r} and {k!r} are in one parameter group of "
-                        f"shard {shard.index}'s optimizer now, but had different "
-                        f"hyperparameters when the state was saved ({_diff(hyper, hyper_of[k])})"
-                        f". Restore with the device_memory the state was made with, or build "
-                        f"the optimizer so that parameters with different hyperparameters are "
-                        f"in different groups",
-                    )
-            hyper = copy.deepcopy(hyper)
-        else:  # an empty group: nothing saved can describe it; keep its own values
-            hyper = copy.deepcopy({k: v for k, v in group.items() if k not in _NOT_HYPER})
-        ids = list(range(index, index + len(keys)))
-        groups.append({**hyper, "params": ids})
-        for i, k in zip(ids, keys, strict=True):
-            if k in saved_state:
-                state[i] = _copy_tensors(saved_state[k])
-        index += len(keys)
-    return {"state": state, "param_groups": groups}
-
-
-def _check_legacy(runner: TaskRunner, state: Mapping[str, Any]) -> None:
-    if state.get("num_shards") != len(runner.shards):
-        raise ResumeStateError(
-            runner.name,
-            f"the state was saved by an older tune_hydra, which kept optimizer state per "
-            f"shard, with the model cut into {state.get('num_shards')} shard(s); it is now "
-            f"cut into {len(runner.shards)}. Restore it once with the device_memory it was "
-            f"made with and save again: newer states restore under any device_memory",
-        )
-
-
-def _restore_per_shard(runner: TaskRunner, state: Mapping[str, Any]) -> None:
-    """The older layout: one optimizer ``state_dict`` and one gradient list per shard."""
-    for s, sd, grads in zip(runner.shards, state["optimizers"], state["grads"], strict=True):
-        if s.optimizer is not None:
-            s.optimizer.load_state_dict(_copy_tensors(sd))
-        for p, g in zip(s.params, grads, strict=True):
-            p.grad = None if g is None else g.to(p.device, copy=True)
 
 
 def from_per_shard(
@@ -571,7 +372,3 @@ def _diff(a: Mapping[str, Any], b: Mapping[str, Any]) -> str:
 def _listed(keys: list[str]) -> str:
     shown = ", ".join(repr(k) for k in keys[:4])
     return shown + (f" and {len(keys) - 4} more" if len(keys) > 4 else "")
-
-
-def _clone(t: torch.Tensor | None) -> torch.Tensor | None:
-    return None if t is None else t.clone()

@@ -27,12 +27,6 @@ class RngState:
     cuda: torch.Tensor | None = None
 
 
-def seeded_state(seed: int) -> RngState:
-    """The state ``torch.manual_seed(seed)`` leaves the CPU generator in (CUDA is filled in
-    lazily, the first time the task runs on a GPU)."""
-    return RngState(torch.Generator().manual_seed(seed).get_state())
-
-
 def _cuda_seeded(seed: int, device: torch.device) -> torch.Tensor:
     return torch.Generator(device=device).manual_seed(seed).get_state()
 

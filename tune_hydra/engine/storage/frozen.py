@@ -30,9 +30,9 @@ owned by its task registry) keeps one host copy of each, for all tasks:
   where the entry's device copy already is reads it back all the same). A task leaving while
   its entry is on disk gets a RAM copy (a write into the shared mapping would reach
   the file).
-- **Every kind of task**: a ``ModelTask`` at ``add_task``, and a runner that trains a
-  model of its own (a ``th.shard`` loop: ``LoopRunner.frozen_model``) at ``add_runner``,
-  once its loop is cut; one pool for both. A ``th.shard`` model's ``load_state_dict``
+- **Every loop**: a runner that trains a model of its own (a ``th.shard`` loop, a
+  ``TaskLoop``'s too: ``LoopRunner.frozen_model``) joins at ``add_runner``, once its loop
+  is cut. A ``th.shard`` model's ``load_state_dict``
   (resuming a trial) writes only its own copy: a shared tensor given other values leaves
   the pool for that loop first (:meth:`FrozenSlots.own`), one given its own values
   stays shared (:meth:`FrozenSlots.rewritten`). Other writes by the user's thread into

@@ -142,7 +142,7 @@ class HydraExecutor:
             trials run at once on a GPU (see ``tune_hydra.engine.Engine``).
         iteration_batches: None: one Tune iteration is one epoch; N: N batches.
         seed, max_grad_norm, accumulate_steps, precision: per-task engine options
-            (``Engine.add_task``), the same for every trial.
+            (``TaskLoop``'s), the same for every trial.
         slots_per_node: concurrent trials per node when tune_hydra starts Ray itself
             (``ray.init(resources={slot_resource: slots_per_node})``). On an existing cluster,
             start each node with ``--resources='{"hydra_slot": N}'``.
@@ -228,7 +228,7 @@ class HydraExecutor:
         # Every option is judged here by the one validator of tune_hydra.options that the
         # other front ends use (torch-free: nothing of the engine is imported into the
         # driver), rather than in every trial later.
-        # Every trial's Engine.add_task options, as given (the engine resolves the seed).
+        # Every trial's TaskLoop options, as given (the loop resolves the seed).
         task_options: dict[str, Any] = {
             "seed": seed,
             "max_grad_norm": max_grad_norm,
