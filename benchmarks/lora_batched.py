@@ -98,7 +98,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from torch.utils._pytree import tree_map
 
     from tune_hydra.engine.dispatch.batched import BatchedShard
-    from tune_hydra.engine.runtime.boundary import backward, detach
+    from tune_hydra.engine.runtime.boundary import backward
+
+    def detach(obj: Any, requires_grad: bool) -> Any:  # a shard's input, a leaf
+        return tree_map(
+            lambda t: (
+                t.detach().requires_grad_(requires_grad and t.is_floating_point())
+                if isinstance(t, torch.Tensor)
+                else t
+            ),
+            obj,
+        )
 
     shards, inputs = build(args)
     batched = BatchedShard(shards)
