@@ -3,8 +3,8 @@
 It also numbers them: an op's ``batch`` is how many training forwards of shard 0 came
 before it.
 
-A user-driven loop has no program the engine could read ahead (a ``ModelTask``'s
-runner has one): its ops come as the user's code calls the model, steps and syncs. What
+A loop (a user's, or a ``TaskLoop``'s) has no program the engine could read ahead: its
+ops come as its code calls the model, steps and syncs. What
 followed each op last time is what the engine reads as the loop's next ops (the
 :class:`~tune_hydra.engine.protocol.Runner`'s ``next_shard``, ``ops_until`` and
 ``ops_per_batch``): which shard to prefetch, and how far off a shard's next op is.
