@@ -43,6 +43,8 @@ class History(dict[str, list[dict[str, Any]]]):
     summary: dict[str, Any]
     plans: dict[str, ShardPlan]
     kept_graphs: bool = False  # batches' graphs were kept on devices that copy
+    # The tasks whose loops kept them (a loop whose kept batch would not fit recomputes).
+    keeping: frozenset[str] = frozenset()
 
     def validate(self, tolerance: float = 0.0) -> None:
         """Check the run's schedule from its trace: every task's operations one after
@@ -55,7 +57,11 @@ class History(dict[str, list[dict[str, Any]]]):
         """
         budgets = {p.budget for p in self.plans.values() if p.budget is not None}
         acts = {(n, s.index): s.activation_bytes for n, p in self.plans.items() for s in p.shards}
-        kept = {n: kept_bytes(p) for n, p in self.plans.items()} if self.kept_graphs else None
+        kept = (
+            {n: kept_bytes(p) for n, p in self.plans.items() if n in self.keeping}
+            if self.kept_graphs
+            else None
+        )
         self.trace.validate(
             tolerance,
             state_budget=min(budgets) if budgets else None,
@@ -220,6 +226,7 @@ def train_models(
         history.summary = engine.summary()
         history.trace = engine.trace
         history.kept_graphs = engine.keeps_graphs
+        history.keeping = frozenset(t.name for t in cut if t.loop.runner.keep)
         for t in trainers:
             t.close()  # its model back on the CPU, in RAM (read back from the disk tier)
             history[t.name] = t.history
