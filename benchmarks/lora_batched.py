@@ -34,11 +34,13 @@ Run: ``python benchmarks/lora_batched.py`` (``--tiny`` for the tests; ``--hidden
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from typing import Any
 
@@ -174,6 +176,7 @@ def engine_run(args: argparse.Namespace, batched: bool) -> dict[str, Any]:
     from tune_hydra.frontends.task_loop import TaskLoop
 
     tasks = []
+    together = _Start(args.trials)
     for i in range(args.trials):
         base = transformers.LlamaForCausalLM.from_pretrained(args.folder, dtype=torch.float32)
         torch.manual_seed(i)
@@ -191,7 +194,8 @@ def engine_run(args: argparse.Namespace, batched: bool) -> dict[str, Any]:
             data.append({"input_ids": ids, "labels": ids.clone()})
         lr = [1e-3, 3e-3, 1e-2, 3e-4][i % 4]
         model = peft.get_peft_model(base, cfg)
-        tasks.append(th.ModelTask(model, None, lambda p, lr=lr: torch.optim.AdamW(p, lr=lr), data))
+        train: Any = _Together(data, together) if args.tiny and not args.loops else data
+        tasks.append(th.ModelTask(model, None, lambda p, lr=lr: torch.optim.AdamW(p, lr=lr), train))
     with Engine(
         ["cpu", "cpu"],
         copy_on_cpu=True,
@@ -209,6 +213,7 @@ def engine_run(args: argparse.Namespace, batched: bool) -> dict[str, Any]:
             for loop in loops:
                 loop.cut()
             t0 = time.perf_counter()
+            together.armed = True
             futures = [loop.start(1) for loop in loops]
             for f in futures:
                 f.result(timeout=3600)
@@ -225,6 +230,35 @@ def engine_run(args: argparse.Namespace, batched: bool) -> dict[str, Any]:
         "passes": passes,
         "batched_ops": ops,
     }
+
+
+class _Start:
+    """``--tiny`` (the tests, often on a loaded machine): the trials' batches start
+    together, so that their ops on the shared base are ready at once and the engine's
+    batching is exercised whatever else the machine runs (left to chance, a loaded run
+    sometimes had no batched pass). Armed after the cuts (each probes its first batch)."""
+
+    def __init__(self, trials: int) -> None:
+        self.barrier = threading.Barrier(trials)
+        self.armed = False
+
+
+class _Together:
+    """A trial's batches, each yielded once every trial asks for its own (``_Start``)."""
+
+    def __init__(self, data: list[Any], start: _Start) -> None:
+        self.data, self.start = data, start
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Any:
+        for batch in self.data:
+            if self.start.armed:
+                # One trial failed (the barrier broke): the others go on alone.
+                with contextlib.suppress(threading.BrokenBarrierError):
+                    self.start.barrier.wait(timeout=30)
+            yield batch
 
 
 def _run_loops(eng: Any, tasks: list[Any]) -> float:
