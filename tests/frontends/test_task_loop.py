@@ -383,3 +383,39 @@ def test_dict_batches_and_a_model_another_loop_trains_are_refused() -> None:
             TaskLoop("second", _plain_task(model), engine, seed=0)
         assert info.value.owner == "first" and info.value.task == "second"
         assert ("3.running_mean", "3.running_mean") in info.value.tensors
+
+
+def test_three_loops_racing_for_one_module_level_model_leave_it_to_one() -> None:
+    """Three threads build a loop over one model at the same moment (a module-level
+    ``MODEL`` every factory call returns): one trains it, the others get a
+    ``SharedModelError``, and the winner's model is left its own (before, a loser could
+    write its state into the model between the check and the class swap)."""
+    import threading
+
+    from tune_hydra.engine import Engine
+    from tune_hydra.exceptions import SharedModelError
+
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 1))
+    data = [(torch.randn(2, 4), torch.randn(2, 1))]
+    got: dict[int, Any] = {}
+    with Engine("cpu") as eng:
+        start = threading.Barrier(3)
+
+        def build(i: int) -> None:
+            start.wait()
+            task = th.ModelTask(model, nn.MSELoss(), lambda p: torch.optim.SGD(p, lr=0.1), data)
+            try:
+                got[i] = TaskLoop(f"t{i}", task, eng, seed=0)
+            except SharedModelError as err:
+                got[i] = err
+
+        threads = [threading.Thread(target=build, args=(i,)) for i in range(3)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        loops = [v for v in got.values() if isinstance(v, TaskLoop)]
+        assert len(loops) == 1 and len(got) == 3, got
+        assert loops[0].train_iteration()["batches"] == 1
+        loops[0].close()
+    assert type(model) is nn.Sequential  # the user's class back

@@ -90,6 +90,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 _LOCK = threading.Lock()
+_SWAP = threading.Lock()  # a model's class swap (taken before _LOCK, never after)
 _ENGINE: Engine | None = None
 _CONFIG: dict[str, Any] = {}
 
@@ -383,12 +384,18 @@ def shard(
     isolate_library_state()  # loops in threads: a Trainer's Accelerate state per thread
     state = _State(model, optimizer, engine)
     state.name = name
+    with _SWAP:  # two threads sharding one model (a module-level model): one wins
+        if isinstance(model, _ShardedModule):
+            raise AlreadyShardedError(
+                f"this {type(model).__name__} was given to th.shard already (by another "
+                f"thread, just now); call th.shard once per model"
+            )
+        cls = type(model)
+        model.__dict__["_th_shard"] = state
+        model.__class__ = _sharded_class(cls, _ShardedModule)
     if scope is not None:
         scope.states.append(state)
         state.on_loop = scope.on_loop
-    cls = type(model)
-    model.__dict__["_th_shard"] = state
-    model.__class__ = _sharded_class(cls, _ShardedModule)
     if optimizer is not None:
         _install_optimizer(state, optimizer)
     else:

@@ -341,6 +341,27 @@ def lora_task(kind: str, folder: Path, i: int) -> Any:
     return th.ModelTask(model, None, lambda p: torch.optim.AdamW(p, lr=lr), data)
 
 
+class _Together:
+    """A trial's batches, each yielded once every trial asks for its own (a trial that
+    failed breaks the barrier after a few seconds: the others go on alone)."""
+
+    def __init__(self, data: list[Any], barrier: Any) -> None:
+        self.data, self.barrier = data, barrier
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __iter__(self) -> Iterator[Any]:
+        import threading
+
+        for item in self.data:
+            try:
+                self.barrier.wait(timeout=5)
+            except threading.BrokenBarrierError:
+                self.barrier.abort()  # broken for good: nobody waits again
+            yield item
+
+
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     scale = b.abs().max().item()
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
@@ -499,6 +520,12 @@ def test_engine_one_trial_failing_leaves_the_others_exact(
     # embedding, tied to the head: its ops run alone).
     lora_a = [m for n, m in tasks["t1"].model.named_modules() if n.endswith("lora_A.default")][-1]
     lora_a.register_forward_hook(boom)
+    # The trials' batches start together, so that their ops on the shared base are ready
+    # at once whatever else the machine runs (left to chance under CI's load, no pass
+    # held t1's op once); t1 failing, the others go on without it.
+    together = threading.Barrier(len(tasks))
+    for task in tasks.values():
+        task.train_data = _Together(task.train_data, together)
     with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
         loops = {name: TaskLoop(name, task, eng, seed=3) for name, task in tasks.items()}
         futures = {name: loop.start(2) for name, loop in loops.items()}
