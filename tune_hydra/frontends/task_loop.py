@@ -305,6 +305,7 @@ class TaskLoop:
                             f"least one (inputs, targets) pair"
                         )
                     x, _ = split_batch(batch, self.name)
+                    check_keyword_batch(self.name, self.task.model, x)  # type: ignore[arg-type]
                     args, kwargs = ((), dict(x)) if isinstance(x, Mapping) else ((x,), {})
                     with self._autocast():  # as the first forward cuts it
                         loop = cut_now(self.model, args, kwargs)

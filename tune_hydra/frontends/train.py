@@ -1,8 +1,10 @@
 """``train_models``: many ``ModelTask`` s trained at once on one engine, in one call.
 
 Each task is trained by a :class:`~tune_hydra.frontends.task_loop.TaskLoop` (a
-``th.shard`` loop) in a thread of its own; the engine multiplexes their shard ops over
-its devices, and tells the policy each task's work left (its epochs, in ops).
+``th.shard`` loop): cut one after another first (as an engine registers tasks: frozen
+tensors shared, cuts aligned, refusals reported), then each trained in a thread of its
+own; the engine multiplexes their shard ops over its devices, told each task's work left
+(its epochs, in ops).
 """
 
 from __future__ import annotations
@@ -213,6 +215,8 @@ def train_models(
         trainers = [
             _Trainer(name, task, engine, epochs, task_options) for name, task in tasks.items()
         ]
+        for t in trainers:
+            t.prepare()
         threads = [
             threading.Thread(target=t.run, name=f"hydra-train-{t.name}", daemon=True)
             for t in trainers
@@ -258,33 +262,37 @@ class _Trainer:
         self.error: BaseException | None = None
         self._per_epoch: float | None = None  # its ops in one epoch, once cut
 
-    def run(self) -> None:
-        from tune_hydra.frontends.shard import engine_scope
+    def prepare(self) -> None:
+        """Build and cut the task's loop (on the caller's thread, the tasks one after
+        another, as an engine registers them: a task cut after another shares its frozen
+        tensors and aligns its cut with it); a task refused here keeps its error."""
         from tune_hydra.frontends.task_loop import TaskLoop
 
-        when = "when added"
         try:
             if not isinstance(self.task, ModelTask):
                 raise InvalidTaskError(
                     f"tasks[{self.name!r}] must be a tune_hydra.ModelTask, not "
                     f"{type(self.task).__name__}"
                 )
-            with engine_scope(self.engine) as scope:
-                scope.on_loop = self._cut
-                self.loop = TaskLoop(self.name, self.task, self.engine, **self.options)
-                when = ""
-                for done in range(1, self.epochs + 1):
-                    self.history.append(self.loop.train_iteration())
-                    self._announce(done)
-        except Exception as err:  # one task's failure is reported, not fatal
-            self.error = _as_task_error(self.name, err, when)
-        if self.loop is not None:
-            self.history = list(self.loop.history)
-
-    def _cut(self, runner: Any) -> None:
-        """``EngineScope.on_loop``: the loop was cut; the policy learns its work."""
+            self.loop = TaskLoop(self.name, self.task, self.engine, **self.options)
+            self.loop.cut()
+        except Exception as err:  # one task's refusal is reported, not fatal
+            self.error = _as_task_error(self.name, err, "when added")
+            return
         self._per_epoch = self.loop.ops_per_iteration()
-        self._announce(0)
+        self._announce(0)  # the policy learns its work
+
+    def run(self) -> None:
+        """Train every epoch (on a thread of its own)."""
+        if self.error is not None:
+            return
+        try:
+            for done in range(1, self.epochs + 1):
+                self.history.append(self.loop.train_iteration())
+                self._announce(done)
+        except Exception as err:  # one task's failure is reported, not fatal
+            self.error = _as_task_error(self.name, err, "")
+        self.history = list(self.loop.history)
 
     def _announce(self, done: int) -> None:
         if self._per_epoch is not None:
