@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch import nn
 
 import tune_hydra as th
 from tests.conftest import (
@@ -279,6 +280,44 @@ def test_a_task_leaving_mid_batch_releases_its_kept_graphs(how: str) -> None:
     for k, t in others.items():
         th.train_plain(refs[k], 2, seed=0)
         assert_same_model(t.model, refs[k].model)
+
+
+def test_a_recomputing_loop_waits_for_room_beside_kept_graphs() -> None:
+    """recompute=False on a copying device: a loop whose batch would not fit kept
+    recomputes, and its ops are admitted beside the other loop's kept batch, not queued
+    ahead of that batch's next op waiting for room only that batch frees (which failed
+    as "nothing ahead of it will free room"). Both train as plain PyTorch."""
+
+    def task(batch: int, n: int) -> th.ModelTask:
+        torch.manual_seed(0)
+        net = nn.Sequential(*[m for _ in range(4) for m in (nn.Linear(32, 32), nn.ReLU())])
+        g = torch.Generator().manual_seed(1)
+        data = [
+            (torch.randn(batch, 32, generator=g), torch.randn(batch, 32, generator=g))
+            for _ in range(n)
+        ]
+        opt = lambda p: torch.optim.SGD(p, lr=0.1)  # noqa: E731
+        return th.ModelTask(
+            net.double(), nn.MSELoss(), opt, [(x.double(), y.double()) for x, y in data]
+        )
+
+    tasks = {"keep": task(64, 40), "big": task(256, 8)}
+    refs = {k: plain_copy(t) for k, t in tasks.items()}
+    # 300 kB: a 64-row batch's kept graphs (262 kB) fit, a 256-row batch's (1 MB) do
+    # not; one shard's recompute of the 256-row batch (262 kB) fits only on its own.
+    with Engine(["cpu"], 300_000, copy_on_cpu=True, recompute=False, max_layers_per_shard=2) as eng:
+        loops = {n: TaskLoop(n, t, eng, seed=0) for n, t in tasks.items()}
+        for loop in loops.values():
+            loop.cut()
+        assert loops["keep"].runner.keep and not loops["big"].runner.keep
+        futures = [loop.start(1) for loop in loops.values()]
+        for fut in futures:
+            fut.result(timeout=120)
+        for loop in loops.values():
+            loop.close()
+    for k, t in tasks.items():
+        th.train_plain(refs[k], 1, seed=0)
+        assert_same_model(t.model, refs[k].model, atol=0.0)
 
 
 def _keeping_engine(**kw: Any) -> Engine:

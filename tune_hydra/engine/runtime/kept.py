@@ -20,10 +20,11 @@ views of kept outputs: parking them would free nothing), so they are not tracked
 carries.
 
 A task registered with ``TrainOptions(recompute=True)`` keeps nothing and reserves
-nothing. A runner whose batch goes on while it has no op ready (a user-driven loop, whose
-next op is the user's next call: ``tune_hydra.engine.runtime.loop``) says so with a
-``keeps_batch`` property (optional; ``False`` when absent): its reservation holds until
-that is false after one of its ops.
+nothing; its ops, like eval ops, are admitted beside the reservations. A runner whose
+batch goes on while it has no op ready (a user-driven loop, whose next op is the user's
+next call: ``tune_hydra.engine.runtime.loop``) says so with a ``keeps_batch`` property
+(optional; ``False`` when absent): its reservation holds until that is false after one
+of its ops.
 """
 
 from __future__ import annotations
@@ -74,12 +75,15 @@ class KeptGraphs:
         another device, or it would not fit beside the batches in flight on ``w``."""
         if entry.kept_on is not None:
             return entry.kept_on is not w
-        if not self.active or not w.copy or entry.options.recompute:
+        if not self.active or not w.copy:
             return False
-        if starts_batch(op):
-            need = kept_bytes(entry.plan)
-        elif op.kind is OpKind.EVAL:
+        if entry.options.recompute or op.kind is OpKind.EVAL:
+            # Outside any reservation: its activations beside the batches in flight (a
+            # recomputing task's op, queued ahead of a kept batch's next op, would
+            # otherwise wait for room that only that batch frees).
             need = entry.plan.shards[op.shard].activation_bytes
+        elif starts_batch(op):
+            need = kept_bytes(entry.plan)
         else:
             need = 0
         return not w.admits(need, w.depth * self._max_state)
