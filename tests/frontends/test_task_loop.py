@@ -139,6 +139,43 @@ def test_a_hugging_face_model_with_its_own_loss_equals_plain() -> None:
     assert task.model.lm_head.weight is task.model.transformer.wte.weight
 
 
+@pytest.mark.parametrize("recompute", [True, False])
+def test_clipping_gpt2_with_prefetch_equals_plain(recompute: bool) -> None:
+    """max_grad_norm clips each shard where its gradients are (a step op per shard, the
+    scaling with its step): exact as clip_grad_norm_. GPT-2's embedding is tied to its
+    head (the first and the last shard), and with prefetch a shard using it is evicted
+    while the other computes with it: the shared part stays (it went home mid-op)."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.GPT2Config(
+        n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0
+    )
+    g = torch.Generator().manual_seed(3)
+    data = []
+    for _ in range(4):
+        ids = torch.randint(0, 64, (4, 12), generator=g)
+        data.append({"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids})
+    budget = 1_500_000 if recompute else 3_000_000
+    for attempt in range(3):  # the eviction's timing varies: more than one interleaving
+        torch.manual_seed(attempt)
+        model = transformers.GPT2LMHeadModel(cfg).to(torch.float64)
+        task = th.ModelTask(model, None, OPTIMIZERS["adamw"], data, eval_data=data[:1])
+        ref = plain_copy(task)
+        with th.Engine(
+            devices=["cpu"],
+            device_memory=budget,
+            copy_on_cpu=True,
+            prefetch=True,
+            recompute=recompute,
+            max_layers_per_shard=3,
+        ) as engine:
+            loop = TaskLoop("a", task, engine, seed=0, max_grad_norm=0.05)
+            history = [loop.train_iteration() for _ in range(2)]
+            assert loop.state()["num_shards"] >= 2  # the embedding and the head apart
+            loop.close()
+        _same_history(history, th.train_plain(ref, 2, seed=0, max_grad_norm=0.05))
+        assert_same(task.model, ref.model)
+
+
 def test_a_shuffling_dataloader_and_dropout_draw_from_the_tasks_seed() -> None:
     from torch.utils.data import DataLoader, TensorDataset
 

@@ -362,7 +362,11 @@ class TaskLoop:
 
     def _step(self) -> None:
         if self.max_grad_norm is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            runner = self.runner
+            if runner is None:  # not cut yet (resumed at the end of a group)
+                torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.max_grad_norm)
+            else:  # on the shards' devices, not the whole state in host memory
+                runner.clip_grad_norm(self.max_grad_norm)
         self.optimizer.step()
         if self.scheduler is not None:
             self.scheduler.step()

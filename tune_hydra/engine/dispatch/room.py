@@ -444,7 +444,10 @@ class DeviceRoom:
             # A device copy that changed nothing is dropped (0 bytes moved): its stay here
             # still ends with a copy_out event (the trace's replay frees it there).
             held = store.copied and store.owner is self._owner
-            moved = store.demote(self._copy_stream, only_owner=self._owner)
+            with self._lock:  # a part shared with a shard here stays (tied weights)
+                others = [*self.ledger.resident.values(), *self._granted.values()]
+                keep = {id(p) for s in others if s is not store for p in s.parts()}
+            moved = store.demote(self._copy_stream, only_owner=self._owner, keep=keep)
             if moved:
                 store.synchronize()
             t1 = self._clock()

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from tune_hydra.core.ops import Op, OpKind
+from tune_hydra.core.ops import Op
 from tune_hydra.core.program import in_batch, starts_batch
 from tune_hydra.engine.registration.partition import ShardPlan
 from tune_hydra.exceptions import InvalidTaskError, ScheduleError, format_bytes
@@ -77,15 +77,14 @@ class KeptGraphs:
             return entry.kept_on is not w
         if not self.active or not w.copy:
             return False
-        if entry.options.recompute or op.kind is OpKind.EVAL:
-            # Outside any reservation: its activations beside the batches in flight (a
-            # recomputing task's op, queued ahead of a kept batch's next op, would
-            # otherwise wait for room that only that batch frees).
-            need = entry.plan.shards[op.shard].activation_bytes
-        elif starts_batch(op):
+        if starts_batch(op) and not entry.options.recompute:
             need = kept_bytes(entry.plan)
         else:
-            need = 0
+            # Outside any reservation (an eval or step op, a recomputing task's op): its
+            # activations, as the device's room counts them, beside the batches in
+            # flight. Queued ahead of a kept batch's next op, it would otherwise wait for
+            # room that only that batch frees.
+            need = entry.plan.shards[op.shard].activation_bytes
         return not w.admits(need, w.depth * self._max_state)
 
     def begin(self, entry: TaskRecord, op: Op, w: DeviceWorker) -> None:

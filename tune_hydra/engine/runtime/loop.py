@@ -597,6 +597,16 @@ class LoopRunner:
         self.optim.step(self.sync)
         self._home.leave()
 
+    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, the
+        gradients left on their devices (see :meth:`LoopOptimizer.clip_grad_norm`)."""
+        total = self.optim.clip_grad_norm(self.model, max_norm, self.run)
+        if total is None:  # a parameter outside the shards: at home
+            self.sync()
+            self.touched()
+            total = torch.nn.utils.clip_grad_norm_(nn.Module.parameters(self.model), max_norm)
+        return total
+
     def zero_grad(self, set_to_none: bool = True, *, optimizer: bool = False) -> None:
         """Record ``zero_grad`` for every shard: of every parameter (the model's), or with
         ``optimizer`` of the user's optimizer's parameters only (as its ``zero_grad()``)."""

@@ -9,6 +9,12 @@ shard's state back to the user's optimizer (:meth:`LoopOptimizer.hand_back`).
 
 Bringing the states home (the loop's ``sync``) runs ops, which the loop does: the methods
 that need it take it as ``sync``.
+
+Clipping (:meth:`LoopOptimizer.clip_grad_norm`) leaves every gradient where it is: each
+shard's gradient norms are computed by an op on its device, the total norm from them as
+``torch.nn.utils.clip_grad_norm_`` computes it (the same per-tensor norms, stacked in its
+order), and the scaling is recorded per shard like a step (before it). Bringing every
+state home instead would hold a whole task's state in host memory at once.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
+from torch.utils._foreach_utils import _has_foreach_support
 
+from tune_hydra.core.ops import OpKind
 from tune_hydra.engine.runtime.compiled import GATE as COMPILE_GATE
 from tune_hydra.exceptions import OptimizerMismatchError, UnsupportedCallError
 
@@ -68,6 +76,52 @@ class LoopOptimizer:
         for s in self._shards:
             if s.optimizer is not None:
                 s.pending.append(("step", [groups[i] for i in s.group_map]))
+
+    def clip_grad_norm(
+        self,
+        model: nn.Module,
+        max_norm: float,
+        run: Callable[[OpKind, int, Callable[[torch.device], Any]], Any],
+    ) -> torch.Tensor | None:
+        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` (2-norm) with
+        the gradients left on their devices: each shard's norms by a step op of its own
+        (``run``: the loop's; one op per shard, as a sync has), the scaling recorded
+        with its pending work.
+
+        Returns:
+            The total norm, as ``clip_grad_norm_`` returns it; ``None`` if a parameter of
+            ``model`` is in no shard (the caller clips at home instead).
+        """
+        owner: dict[int, LoopShard] = {}
+        for s in self._shards:  # a shared parameter's gradient is whole in its first shard
+            for p in s.module.parameters():
+                owner.setdefault(id(p), s)
+        # The model's order; torch's own named_parameters, not a sharded model's (a sync).
+        params = [p for _, p in nn.Module.named_parameters(model)]
+        if any(id(p) not in owner for p in params):
+            return None
+        mine: dict[int, list[nn.Parameter]] = {s.index: [] for s in self._shards}
+        for p in params:
+            mine[owner[id(p)].index].append(p)
+        norms: dict[int, torch.Tensor] = {}
+        for index, ps in mine.items():
+            norms.update(run(OpKind.STEP, index, lambda _dev, ps=ps: _grad_norms(ps)))
+        # As torch's _get_total_norm: grouped by dtype (one device in plain training), in
+        # order of first appearance, stacked on the first one's device.
+        groups: dict[torch.dtype, list[torch.Tensor]] = {}
+        for p in params:
+            if id(p) in norms:
+                groups.setdefault(norms[id(p)].dtype, []).append(norms[id(p)])
+        ordered = [n for ns in groups.values() for n in ns]
+        if not ordered:
+            return torch.tensor(0.0)
+        first = ordered[0].device
+        total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in ordered]), 2.0)
+        _settle(total)  # the shards' ops read it on their devices' streams
+        for index, ps in mine.items():
+            if ps:
+                self._shards[index].pending.append(("clip", (ps, max_norm, total)))
+        return total
 
     def zero_grad(self, set_to_none: bool, optimizer: bool, sync: Callable[[], None]) -> None:
         """Record ``zero_grad`` for every shard (applied at its next op, or by sync): of
@@ -161,7 +215,10 @@ class LoopOptimizer:
             # Taken off first: a step that raises is raised once (at this op), not again
             # at every later one, and one applied is never applied twice.
             what, arg = pending.pop(0)
-            if what == "zero":
+            if what == "clip":
+                params, max_norm, total = arg
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            elif what == "zero":
                 set_to_none, params = arg
                 for p in params:
                     if p.grad is None:
@@ -221,6 +278,33 @@ class LoopOptimizer:
                     k: v.clone() if disk and isinstance(v, torch.Tensor) else v
                     for k, v in st.items()
                 }
+
+
+def _grad_norms(params: list[nn.Parameter]) -> dict[int, torch.Tensor]:
+    """The 2-norm of each of ``params``' gradients (by id; those without one left out),
+    each computed as ``clip_grad_norm_`` computes it (``torch._foreach_norm`` where torch
+    has it for the device and dtype)."""
+    grads = [(p, p.grad) for p in params if p.grad is not None]
+    groups: dict[tuple[torch.device, torch.dtype], list[tuple[nn.Parameter, torch.Tensor]]] = {}
+    for p, g in grads:
+        groups.setdefault((g.device, g.dtype), []).append((p, g))
+    norms: dict[int, torch.Tensor] = {}
+    for (device, _), pairs in groups.items():
+        tensors = [g for _, g in pairs]
+        if _has_foreach_support(tensors, device):
+            found = list(torch._foreach_norm(tensors, 2.0))
+        else:
+            found = [torch.linalg.vector_norm(g, 2.0) for g in tensors]
+        norms.update({id(p): n for (p, _), n in zip(pairs, found, strict=True)})
+        _settle(found[0])  # computed on the op's stream, read on the user's thread
+    return norms
+
+
+def _settle(t: torch.Tensor) -> None:
+    """Wait for the current stream of ``t``'s device, a GPU's (its result is read on
+    another stream next)."""
+    if t.device.type == "cuda":
+        torch.cuda.current_stream(t.device).synchronize()
 
 
 def optimizer_like(

@@ -16,7 +16,7 @@ deadlock.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import Any
 
 import torch
@@ -150,13 +150,19 @@ class LinkedStore:
                 moved += s.try_promote(device, stream, copy=copy, owner=owner) or 0
             return moved
 
-    def demote(self, stream: Any = None, *, only_owner: object = None) -> int:
+    def demote(
+        self, stream: Any = None, *, only_owner: object = None, keep: Container[int] = ()
+    ) -> int:
+        """Demote its own store and its shared parts, but those in ``keep`` (ids of parts
+        another state on the device lists: a shard using one may be computing right now,
+        and the part stays while it is there)."""
         with self.own.lock:
             moved = self.own.demote(stream, only_owner=only_owner)
             for s in self.shared:
                 # Without an owner to check, the caller wants the state home for good
                 # (the task leaves or is checkpointed): the shared part too.
-                moved += s.demote(stream, only_owner=only_owner)
+                if id(s) not in keep:
+                    moved += s.demote(stream, only_owner=only_owner)
             return moved
 
     def retire(self, *, load: bool = False) -> int:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Container
 from typing import Any
 
 import torch
@@ -353,7 +354,9 @@ class ShardStore:
         self.moved_total += moved
         return moved
 
-    def demote(self, stream: Any = None, *, only_owner: object = None) -> int:
+    def demote(
+        self, stream: Any = None, *, only_owner: object = None, keep: Container[int] = ()
+    ) -> int:
         """Copy the shard's state back into its host buffers; returns the bytes moved (0
         when the visit changed nothing: the device copy is dropped, the host buffers or
         the disk tier's file keep the values).
@@ -363,8 +366,12 @@ class ShardStore:
             only_owner: demote only if this owner still holds the state (a worker evicting
                 its copy must not demote one another worker took meanwhile and may be
                 computing with).
+            keep: ids of stores that stay (see ``LinkedStore.demote``): nothing happens
+                if this one is among them.
         """
         with self.lock:
+            if id(self) in keep:
+                return 0
             if only_owner is not None and self._residency.owner is not only_owner:
                 return 0
             return self._demote(stream)
