@@ -691,21 +691,20 @@ class LoopRunner:
         if self.closed:
             return
         error: Exception | None = None
-        try:
-            self.sync()
-        except Exception as err:
-            error = err
+        if not (self._home.now or in_op()):
+            error = loop_home.apply_pending(self.shards, self.run)
         self._home.leave()
         self.closed = True
         if self._compiler is not None:  # the user's modules (blocks) called eagerly again
             self.compile(None)
         try:
-            self.optim.hand_back()
-        finally:
-            try:
-                self.engine.remove_task(self.name, runner=self)
-            except Exception:
-                log.warning("loop %r did not leave its engine", self.name, exc_info=True)
+            # Its states come home as the user's memory, out of the engine's host budget
+            # (a sync would hold the whole task within it), read back from disk.
+            self.engine.remove_task(self.name, runner=self)
+        except Exception:
+            log.warning("loop %r did not leave its engine", self.name, exc_info=True)
+            loop_home.bring_home(self.shards, self.engine.workers)
+        self.optim.hand_back()
         if error is None:
             return
         # TaskFailedError: the engine failed or cancelled the loop (closed before), which

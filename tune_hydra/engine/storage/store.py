@@ -366,12 +366,10 @@ class ShardStore:
             only_owner: demote only if this owner still holds the state (a worker evicting
                 its copy must not demote one another worker took meanwhile and may be
                 computing with).
-            keep: ids of stores that stay (see ``LinkedStore.demote``): nothing happens
-                if this one is among them.
+            keep: for ``LinkedStore.demote``'s signature (its shared parts that stay); a
+                store demoted itself goes.
         """
         with self.lock:
-            if id(self) in keep:
-                return 0
             if only_owner is not None and self._residency.owner is not only_owner:
                 return 0
             return self._demote(stream)
