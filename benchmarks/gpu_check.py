@@ -389,9 +389,7 @@ class Check:
             "tokens_s": tokens_per_s(h, self.tokens),
             "shards": h["m0"][0]["num_shards"],
             "trace_memory": memory_replay(h, budget),
-            # Other tasks' waiting activations count too (parked to host when needed).
             "peak_over_budget": self._peak() / budget if self.gpu else None,
-            "parked_bytes": sum(d["parked_bytes"] for d in h.summary["devices"].values()),
         }
 
     def multitask(self) -> None:
@@ -830,8 +828,7 @@ def table(r: dict[str, Any], errors: dict[str, str]) -> str:
         (
             "multi-task peak / budget",
             _fmt(mt_on.get("peak_over_budget")),
-            f"goal <= 1.0; {_fmt((mt_on.get('parked_bytes') or 0) / 2**20)} MiB of "
-            f"activations parked",
+            "goal <= 1.0",
         ),
         (
             "multi-task util, prefetch off",

@@ -18,11 +18,6 @@ class Shard:
     activation_bytes: int
 
 
-@dataclass(frozen=True)
-class Left:
-    nbytes: int
-
-
 def _shard(task: str, state: int, act: int, index: int = 0) -> Shard:
     return Shard((task, index), state, act)
 
@@ -31,7 +26,7 @@ def _shard(task: str, state: int, act: int, index: int = 0) -> Shard:
 
 
 def test_an_idle_device_always_admits() -> None:
-    ledger: DeviceLedger[Shard, Left] = DeviceLedger(100)
+    ledger: DeviceLedger[Shard] = DeviceLedger(100)
     assert ledger.admits(500, 500, [])  # nothing reserved, nothing queued: each plan fits
     ledger.reserve("a", 10)
     assert not ledger.admits(50, 50, [])  # 10 + 50 + 50 > 100
@@ -40,11 +35,11 @@ def test_an_idle_device_always_admits() -> None:
     busy = [_shard("b", 30, 20)]
     assert not ledger.admits(50, 40, busy)  # the queued op's 20 of activations
     assert ledger.admits(40, 40, busy)
-    assert DeviceLedger[Shard, Left](None).admits(10**12, 10**12, busy)
+    assert DeviceLedger[Shard](None).admits(10**12, 10**12, busy)
 
 
 def test_activations_inside_a_reservation_are_not_counted_twice() -> None:
-    ledger: DeviceLedger[Shard, Left] = DeviceLedger(100)
+    ledger: DeviceLedger[Shard] = DeviceLedger(100)
     ledger.reserve("a", 60)
     queued = [_shard("a", 10, 50)]
     assert ledger.admits(0, 40, queued)  # 60 reserved + 40 room; a's 50 are inside
@@ -52,22 +47,8 @@ def test_activations_inside_a_reservation_are_not_counted_twice() -> None:
     assert ledger.need([_shard("b", 10, 50)]) == 20  # 10 + 50 + 60 reserved
 
 
-def test_need_counts_other_tasks_carries_only_when_asked() -> None:
-    ledger: DeviceLedger[Shard, Left] = DeviceLedger(100)
-    ledger.set_carry("other", Left(30))
-    ledger.set_carry("a", Left(50))  # a's own: its op's input, part of its activations
-    a, b = _shard("a", 40, 20), _shard("b", 30, 10)
-    assert ledger.need([a]) is None and ledger.need([a], carries=True) is None  # 60, 90
-    assert ledger.need([a, b]) is None  # 70 + a's 20
-    assert ledger.need([a, b], carries=True) == 60  # 70 + b's 10 + 30 + 50
-    ledger.set_carry("other", None)
-    assert ledger.need([a, b], carries=True) == 30
-    ledger.reserve("a", 5)  # a's boundary tensors are now inside its batch's reservation
-    assert ledger.need([a, b], carries=True) is None  # 70 + b's 10 + 5
-
-
 def test_eviction_is_least_recently_used_first_by_count_then_bytes() -> None:
-    ledger: DeviceLedger[Shard, Left] = DeviceLedger(None)
+    ledger: DeviceLedger[Shard] = DeviceLedger(None)
     a, b, c, d = (_shard(t, 10, 1) for t in "abcd")
     for s in (a, b, c):
         ledger.hold(s)
@@ -84,12 +65,10 @@ def test_eviction_is_least_recently_used_first_by_count_then_bytes() -> None:
     incoming = _shard("in", 30, 20)
     # 3 states fit the depth, but 110 + 20 do not fit the budget; without old, 90 do.
     assert ledger.victims([incoming], depth=3) == [old]
-    ledger.set_carry("w", Left(15))  # one that could not be parked counts too
-    assert ledger.victims([incoming], depth=3) == [old, new]
 
 
-def test_usage_settle_and_park_order() -> None:
-    ledger: DeviceLedger[Shard, Left] = DeviceLedger(100)
+def test_usage_and_totals() -> None:
+    ledger: DeviceLedger[Shard] = DeviceLedger(100)
     a, b = _shard("a", 30, 10), _shard("b", 20, 25)
     ledger.hold(a, measured=32)
     ledger.hold(b, measured=21)
@@ -97,20 +76,10 @@ def test_usage_settle_and_park_order() -> None:
     ledger.release(a)
     ledger.hold(a, measured=31)
     assert ledger.peak_resident_bytes == 53  # the peak stays
-    ledger.set_carry("x", Left(40))
-    ledger.set_carry("b", Left(7))
     used = ledger.usage(b)
-    assert (used.state, used.activations, used.kept, used.carried) == (50, 25, 0, 40)
-    assert used.total == 115
-    assert ledger.settle_over([b], None) == 15  # b's own 7 are its op's input
-    assert ledger.settle_over([], None) == -3  # 50 + 47 waiting
-    assert [t for t, _ in ledger.park_order("b", {"x"})] == ["x"]
-    ledger.set_carry("y", Left(50))
-    assert [t for t, _ in ledger.park_order(None, {"y"})] == ["x", "b", "y"]
-    ledger.note_parked("x", 40)
-    ledger.note_parked("x", 2)
+    assert (used.state, used.activations, used.kept) == (50, 25, 0)
+    assert used.total == 75
     ledger.note_spilled("a", 30)
-    assert ledger.parked_bytes == 42 and ledger.parked_by_task == {"x": 42}
     assert ledger.spilled_by_task == {"a": 30}
 
 
@@ -155,30 +124,10 @@ def test_a_replay_within_budget_passes() -> None:
     trace.validate(state_budget=100, activation_bytes=ACTS)
 
 
-def _with_carry(park: bool) -> Trace:
-    events = [
-        _ev("a", 0, "copy_in", 0.0, 0.5, bytes_moved=20),
-        _ev("a", 0, "F", 0.5, 1.0, carry_bytes=40),  # left for a's next op
-        _ev("b", 0, "copy_in", 1.9, 1.95, bytes_moved=50),
-        _ev("b", 0, "F", 2.0, 3.0),  # 70 + 20 + a's 40 waiting
-        _ev("a", 1, "F", 3.0, 4.0),  # a's own: its input, not counted beside it
-    ]
-    if park:
-        events.append(_ev("a", 1, "carry_out", 1.5, 1.8, bytes_moved=40))
-    return Trace.from_events(events)
-
-
-def test_a_replay_counts_other_tasks_carries_until_parked_or_taken() -> None:
-    with pytest.raises(ScheduleError, match="40 bytes other tasks' ops left waiting"):
-        _with_carry(park=False).validate(state_budget=120, activation_bytes=ACTS)
-    _with_carry(park=False).validate(state_budget=130, activation_bytes=ACTS)
-    _with_carry(park=True).validate(state_budget=90, activation_bytes=ACTS)
-
-
 def _kept_batch() -> list[TraceEvent]:
     return [
         _ev("a", 0, "copy_in", 0.0, 0.5, bytes_moved=10),
-        _ev("a", 0, "F", 1.0, 2.0, carry_bytes=30),  # inside the reservation
+        _ev("a", 0, "F", 1.0, 2.0),
         _ev("a", 1, "L", 2.0, 3.0),
         _ev("a", 0, "B", 3.0, 4.0),  # the batch ends here
     ]

@@ -99,9 +99,9 @@ def _activation_heavy_tasks() -> dict[str, th.ModelTask]:
 
 def test_cuda_waiting_activations_stay_within_budget() -> None:
     """Activation-heavy tasks taking turns on one GPU: a waiting task's boundary tensors
-    wait in host memory (its loop's home, never parked from the device: a task's loop
-    leaves none there between its ops); peak memory stays within the budget and float64
-    training equals plain training on the GPU exactly."""
+    wait in host memory (its loop's home: a task's loop leaves none on the device between
+    its ops); peak memory stays within the budget and float64 training equals plain
+    training on the GPU exactly."""
     tasks = _activation_heavy_tasks()
     refs = {k: plain_copy(t) for k, t in tasks.items()}
     budget = 24 * 2**20  # 2 MiB per boundary tensor: 4 tasks' would not fit beside a shard
@@ -113,8 +113,6 @@ def test_cuda_waiting_activations_stay_within_budget() -> None:
     )
     peak = torch.cuda.max_memory_allocated() - base
     assert peak <= budget, (peak, budget)
-    assert h.summary["devices"]["cuda:0"]["parked_bytes"] == 0
-    assert not any(e.op == "carry_out" for e in h.trace.events)
     for k, t in tasks.items():
         want = th.train_plain(refs[k], 2, seed=0, device="cuda:0")
         refs[k].model.cpu()

@@ -6,10 +6,7 @@ A :class:`DeviceLedger` holds a device's budget and what occupies the device:
   (a part several shards share, listed by their ``shared_parts``, counted once: see
   :func:`state_of`);
 - reservations for the kept graphs of batches in flight (``recompute=False``): a batch's
-  activations and boundary tensors are inside its reservation, not counted again;
-- boundary tensors (carries) that tasks left waiting for their next op. A task's own
-  carries are its next op's input, part of that op's activations: they never count
-  beside the op itself.
+  activations and boundary tensors are inside its reservation, not counted again.
 
 The running and queued ops are not stored here: the worker's queue owns them (the
 dispatcher changes it under its own lock), so the questions that involve them take the
@@ -19,25 +16,22 @@ The rules, shared by :class:`~tune_hydra.engine.dispatch.room.DeviceRoom` at run
 :meth:`~tune_hydra.core.trace.Trace.validate` when it replays a trace:
 
 - while a shard's op runs, the device holds the shard states, the op's activations
-  (none if its task has a reservation here), every reservation and the carries of the
-  other tasks (those without a reservation);
+  (none if its task has a reservation here) and every reservation;
 - a task may start a batch (or run an op outside one) only beside the reservations, the
   activations of the ops queued here and room for shard states, except on an idle device,
   which always admits (each plan fits the budget on its own);
 - to make room, resident states are evicted least recently used first, until the device
   holds at most ``depth`` of them and what must stay fits.
 
-It also counts what the device sends to host memory (shard state spilled by its
-evictions, boundary tensors it parked; with CUDA both go to pinned buffers), per task and
-in total. These are totals of bytes moved, not what the host holds now: a state one
-device spilled may be taken back by another. What host memory holds now, and its budget,
-is the engine's :class:`~tune_hydra.core.host.HostLedger`.
+It also counts the shard state the device's evictions send to host memory (with CUDA, to
+pinned buffers), per task. These are totals of bytes moved, not what the host holds now:
+a state one device spilled may be taken back by another. What host memory holds now, and
+its budget, is the engine's :class:`~tune_hydra.core.host.HostLedger`.
 
 Design note: the ledger is plain data with no lock and no threads of its own. A device's
 room reads and changes it only while holding the room's lock (the one that guarded the
 same fields before the ledger existed); the trace replay is single-threaded. It knows shards
-through :class:`Footprint` (``ShardStore`` is one) and carries through :class:`Waiting`,
-so it imports no torch.
+through :class:`Footprint` (``ShardStore`` is one), so it imports no torch.
 
 Example:
     >>> from dataclasses import dataclass
@@ -98,17 +92,7 @@ def state_of(shards: Iterable[Footprint]) -> int:
     return total + sum(parts.values())
 
 
-class Waiting(Protocol):
-    """What the ledger reads of boundary tensors a task left waiting on the device."""
-
-    @property
-    def nbytes(self) -> int:
-        """Their size on the device."""
-        ...
-
-
 S = TypeVar("S", bound=Footprint)
-C = TypeVar("C", bound=Waiting)
 
 
 @dataclass(frozen=True)
@@ -119,22 +103,20 @@ class Usage:
         state: shard states.
         activations: the running op's activations (0 inside its task's reservation).
         kept: reservations for batches' kept graphs.
-        carried: boundary tensors other tasks left waiting (outside reservations).
     """
 
     state: int
     activations: int
     kept: int
-    carried: int
 
     @property
     def total(self) -> int:
         """All of them."""
-        return self.state + self.activations + self.kept + self.carried
+        return self.state + self.activations + self.kept
 
 
-class DeviceLedger(Generic[S, C]):
-    """The memory of one device: budget, resident states, reservations, carries.
+class DeviceLedger(Generic[S]):
+    """The memory of one device: budget, resident states, reservations.
 
     Args:
         budget: device bytes for all of it (``None``: no limit).
@@ -150,11 +132,8 @@ class DeviceLedger(Generic[S, C]):
         # A batched pass -> the activations of the ops run along with its own (held from
         # the first one queued along to its end; tune_hydra.engine.dispatch.batched).
         self.along: dict[object, int] = {}
-        self.carries: dict[str, C] = {}  # task -> what it left waiting for its next op
         self.peak_resident_bytes = 0  # measured shard state held at once, at most
-        # Host side: bytes sent to host memory from this device (totals, see the module).
-        self.parked_bytes = 0
-        self.parked_by_task: dict[str, int] = {}
+        # Host side: shard state sent to host memory from this device (totals, see the module).
         self.spilled_by_task: dict[str, int] = {}
 
     # -- what occupies the device --------------------------------------------------------
@@ -199,42 +178,27 @@ class DeviceLedger(Generic[S, C]):
         else:
             self.along[key] = nbytes
 
-    def set_carry(self, task: str, carry: C | None) -> None:
-        """Record (or, with ``None``, forget) what ``task`` left waiting here."""
-        if carry is None:
-            self.carries.pop(task, None)
-        else:
-            self.carries[task] = carry
-
-    def drop_carry(self, task: str, carry: C) -> None:
-        """Forget ``carry`` if it is still what ``task`` left here (parked meanwhile, it
-        may have been replaced by a newer one)."""
-        if self.carries.get(task) is carry:
-            del self.carries[task]
-
     # -- questions ------------------------------------------------------------------------
 
     def usage(self, running: S | None = None) -> Usage:
         """What the device holds now while ``running``'s op runs (``None``: none runs)."""
         state = state_of(self.resident.values())
         if running is None:
-            return self._usage(state, None, 0, carries=True)
-        return self._usage(state, running.name[0], running.activation_bytes, carries=True)
+            return self._usage(state, None, 0)
+        return self._usage(state, running.name[0], running.activation_bytes)
 
-    def peak(self, shards: Iterable[S], carries: bool) -> int:
+    def peak(self, shards: Iterable[S]) -> int:
         """The most bytes beside shard state while one of ``shards`` runs: its activations
-        (unless inside its task's reservation), every reservation and, with ``carries``,
-        the other tasks' waiting boundary tensors."""
-        return max(self._usage(0, s.name[0], s.activation_bytes, carries).total for s in shards)
+        (unless inside its task's reservation) and every reservation."""
+        return max(self._usage(0, s.name[0], s.activation_bytes).total for s in shards)
 
-    def need(self, keep: Sequence[S], carries: bool = False, extra: int = 0) -> int | None:
-        """Bytes over budget if ``keep`` were resident while each of them runs (plus the
-        boundary tensors other tasks left waiting, with ``carries``, and ``extra`` bytes);
-        None if they fit."""
+    def need(self, keep: Sequence[S], extra: int = 0) -> int | None:
+        """Bytes over budget if ``keep`` were resident while each of them runs (plus
+        ``extra`` bytes); None if they fit."""
         if self.budget is None:
             return None
         unique = {id(s): s for s in keep}.values()
-        need = state_of(unique) + self.peak(unique, carries) + extra
+        need = state_of(unique) + self.peak(unique) + extra
         return None if need <= self.budget else need - self.budget
 
     def admits(self, nbytes: int, room: int, queued: Sequence[S]) -> bool:
@@ -247,37 +211,12 @@ class DeviceLedger(Generic[S, C]):
         held += sum(s.activation_bytes for s in queued if s.name[0] not in self.reserved)
         return (not held and not queued) or held + nbytes + room <= self.budget
 
-    def settle_over(self, queued: Sequence[S], incoming: S | None) -> int:
-        """Bytes over budget when the next of ``queued`` runs, beside every state that
-        will be here by then (resident, ``incoming`` or queued) and the waiting carries;
-        0 or less if it fits. Without a budget, 0."""
-        if self.budget is None:
-            return 0
-        stores = dict(self.resident)
-        for s in [incoming, *queued]:
-            if s is not None:
-                stores[id(s)] = s
-        state = state_of(stores.values())
-        if not queued:
-            return self._usage(state, None, 0, carries=True).total - self.budget
-        nxt = queued[0]
-        used = self._usage(state, nxt.name[0], nxt.activation_bytes, carries=True)
-        return used.total - self.budget
-
-    def park_order(self, running: str | None, queued: set[str]) -> list[tuple[str, C]]:
-        """The carries to park, in order: never ``running``'s (its op's input), those of
-        tasks ``queued`` here last, largest first."""
-        return sorted(
-            ((t, c) for t, c in self.carries.items() if t != running),
-            key=lambda tc: (tc[0] in queued, -tc[1].nbytes),
-        )
-
     def victims(self, keep: Sequence[S], depth: int) -> list[S]:
         """Resident states to evict, least recently used first, so that ``keep`` (the ops
         that run before, then the incoming shard) is resident with at most ``depth``
-        states here and, with what could not be parked, within the budget."""
+        states here and within the budget."""
         keep_ids = {id(s) for s in keep}
-        beside = self.peak(keep, carries=True)
+        beside = self.peak(keep)
         others = [s for k, s in self.resident.items() if k not in keep_ids]
         staying = {id(s): s for s in [*keep, *others]}
         count = len(keep_ids | set(self.resident))
@@ -300,28 +239,17 @@ class DeviceLedger(Generic[S, C]):
         """Count ``nbytes`` of ``task``'s shard state copied from here to host memory."""
         self.spilled_by_task[task] = self.spilled_by_task.get(task, 0) + nbytes
 
-    def note_parked(self, task: str, nbytes: int) -> None:
-        """Count ``nbytes`` of ``task``'s boundary tensors parked from here in host memory."""
-        self.parked_bytes += nbytes
-        self.parked_by_task[task] = self.parked_by_task.get(task, 0) + nbytes
-
     # -- internals ------------------------------------------------------------------------
 
-    def _usage(self, state: int, task: str | None, activations: int, carries: bool) -> Usage:
+    def _usage(self, state: int, task: str | None, activations: int) -> Usage:
         """``state`` bytes of shard state plus what sits beside it while an op of ``task``
         with ``activations`` runs (``task=None``: no op)."""
         reserved = self.reserved
-        carried = 0
-        if carries:
-            carried = sum(
-                c.nbytes for t, c in self.carries.items() if t != task and t not in reserved
-            )
         return Usage(
             state,
             0 if task is not None and task in reserved else activations,
             sum(reserved.values()) + sum(self.along.values()),
-            carried,
         )
 
 
-__all__ = ["DeviceLedger", "Footprint", "Usage", "Waiting", "state_of"]
+__all__ = ["DeviceLedger", "Footprint", "Usage", "state_of"]

@@ -35,9 +35,8 @@ from tune_hydra.exceptions import InvalidOptionError, ScheduleError
 
 COMPUTE_OPS = frozenset({"F", "L", "B", "S", "E"})
 """Operations that occupy a device's compute stream."""
-COPY_OPS = frozenset({"copy_in", "copy_out", "carry_out"})
-"""Spill traffic; runs on a copy stream and may overlap compute. ``carry_out`` parks a
-waiting task's boundary tensors (the input of its next op on ``shard``) in host memory."""
+COPY_OPS = frozenset({"copy_in", "copy_out"})
+"""Spill traffic; runs on a copy stream and may overlap compute."""
 DISK_OPS = frozenset({"to_disk", "from_disk"})
 """Disk tier traffic (device label ``"disk"``): a shard state written to or read from its
 spill file. ``disk_wait`` (on a device's label) is the time an op waited for a read."""
@@ -58,14 +57,12 @@ class TraceEvent:
         task: the task's name.
         shard: shard index.
         op: ``"F"``, ``"L"``, ``"B"``, ``"S"``, ``"E"`` (compute) or ``"copy_in"`` /
-            ``"copy_out"`` / ``"carry_out"`` (spill traffic, see ``COPY_OPS``).
+            ``"copy_out"`` (spill traffic, see ``COPY_OPS``).
         start: seconds since the engine started.
         end: seconds since the engine started.
         bytes_moved: host<->device bytes this operation copied.
         iteration: the task's iteration.
         batch: batch index in the epoch (-1 where not applicable).
-        carry_bytes: for a compute operation on a device that copies, the bytes of
-            boundary tensors it left there for the task's next operation.
         ahead: for a ``copy_in``, whether the copy thread made it ahead of its op, while
             another op held the device: a prefetch of a task's next shard, or the copy
             of an op queued behind another one (the copies double buffering hides
@@ -85,7 +82,6 @@ class TraceEvent:
     bytes_moved: int = 0
     iteration: int = 0
     batch: int = -1
-    carry_bytes: int = 0
     ahead: bool = False
     along: bool = False
 
@@ -125,7 +121,7 @@ class _DeviceSum:
 
 _CHUNK = 4096
 """The most events a bounded trace folds at once."""
-_FREE, _DONE, _RUN, _HOLD = range(4)  # steps of the memory replay
+_FREE, _RUN, _HOLD = range(3)  # steps of the memory replay
 _NO_PEAK: tuple[int, list[TraceEvent]] = (0, [])
 
 
@@ -163,10 +159,7 @@ class _Folded:
         self.host_peak_rows: list[TraceEvent] = []
         self.resident: dict[tuple[str, int], tuple[str, int, TraceEvent]] = {}
         self.state_held: dict[str, int] = {}
-        self.state_peak: dict[str, tuple[int, list[TraceEvent]]] = {}  # states alone
-        self.carries: dict[str, tuple[str, int, TraceEvent]] = {}
-        self.carried: dict[str, int] = {}
-        self.usage_peak: dict[str, tuple[int, list[TraceEvent]]] = {}  # with carries
+        self.state_peak: dict[str, tuple[int, list[TraceEvent]]] = {}
 
     def copy(self) -> _Folded:
         """A snapshot (containers copied; events are immutable)."""
@@ -183,9 +176,6 @@ class _Folded:
             "resident",
             "state_held",
             "state_peak",
-            "carries",
-            "carried",
-            "usage_peak",
         ):
             setattr(out, name, dict(getattr(self, name)))
         return out
@@ -259,56 +249,31 @@ class _Folded:
             self.overlap = (latest.end - e.start, what, name, latest, e)
 
     def _fold_memory(self, chunk: Sequence[TraceEvent]) -> None:
-        """Replay the shard states' copies and the waiting boundary tensors (the parts of
-        :func:`_check_memory` that need no budget, activations or kept graphs), keeping
-        each device's peak at the steps where that replay compares with the budget."""
+        """Replay the shard states' copies (the part of :func:`_check_memory` that needs
+        no budget, activations or kept graphs), keeping each device's peak at the steps
+        where that replay compares with the budget."""
         steps: list[tuple[float, int, int, TraceEvent, int]] = []
         add = steps.append
         for i, e in enumerate(chunk):
             op = e.op
             if op in COMPUTE_OPS:
-                if e.carry_bytes:  # else its end changes nothing here
-                    add((e.end, 0, i, e, _DONE))
                 add((e.start, 1, i, e, _RUN))
             elif op == "copy_in":
                 add((e.start, 1, i, e, _HOLD))
-            elif op in ("copy_out", "carry_out"):
+            elif op == "copy_out":
                 add((e.end, 0, i, e, _FREE))
         steps.sort()  # (time, frees first, order added): the index is unique
-        resident, held_of, carries, carried = (
-            self.resident,
-            self.state_held,
-            self.carries,
-            self.carried,
-        )
-        state_peak, usage_peak = self.state_peak, self.usage_peak
+        resident, held_of, state_peak = self.resident, self.state_held, self.state_peak
         for _, _, _, e, what in steps:
             if what == _FREE:
-                if e.op == "carry_out":
-                    carry = carries.get(e.task)
-                    if carry is not None and carry[0] == e.device:
-                        del carries[e.task]
-                        carried[carry[0]] -= carry[1]
-                else:
-                    key = (e.task, e.shard)
-                    here = resident.get(key)
-                    if here is not None and here[0] == e.device:
-                        del resident[key]
-                        held_of[e.device] -= here[1]
-                continue
-            if what == _DONE:
-                carry = carries.pop(e.task, None)
-                if carry is not None:
-                    carried[carry[0]] -= carry[1]
-                carries[e.task] = (e.device, e.carry_bytes, e)
-                carried[e.device] = carried.get(e.device, 0) + e.carry_bytes
+                key = (e.task, e.shard)
+                here = resident.get(key)
+                if here is not None and here[0] == e.device:
+                    del resident[key]
+                    held_of[e.device] -= here[1]
                 continue
             device = e.device
-            if what == _RUN:
-                carry = carries.pop(e.task, None)
-                if carry is not None:
-                    carried[carry[0]] -= carry[1]
-            else:
+            if what == _HOLD:
                 key = (e.task, e.shard)
                 old = resident.pop(key, None)
                 if old is not None:  # a shard is on one device at a time
@@ -317,16 +282,11 @@ class _Folded:
                 held_of[device] = held_of.get(device, 0) + e.bytes_moved
             states = held_of.get(device, 0)
             if states > state_peak.get(device, _NO_PEAK)[0]:
-                state_peak[device] = (states, self._rows_on(e, carries=False))
-            usage = states + carried.get(device, 0)
-            if usage > usage_peak.get(device, _NO_PEAK)[0]:
-                usage_peak[device] = (usage, self._rows_on(e, carries=True))
+                state_peak[device] = (states, self._rows_on(e))
 
-    def _rows_on(self, e: TraceEvent, carries: bool) -> list[TraceEvent]:
+    def _rows_on(self, e: TraceEvent) -> list[TraceEvent]:
         """The events behind what ``e``'s device holds (for a message)."""
         rows = [x[2] for x in self.resident.values() if x[0] == e.device]
-        if carries:
-            rows += [x[2] for x in self.carries.values() if x[0] == e.device]
         return sorted({id(x): x for x in [*rows, e]}.values(), key=lambda x: x.start)
 
 
@@ -539,9 +499,6 @@ class Trace:
             activation_bytes: with ``state_budget``, each ``(task, shard)``'s activation
                 bytes (``ShardSpec.activation_bytes``): while an op computes, the state
                 held on its device plus the op's activations must fit the budget.
-                Boundary tensors ops left waiting (``carry_bytes``) count from the op's
-                end until their task's next op starts (it takes them to its device, as
-                part of its activations) or a ``carry_out`` parks them.
             kept_bytes: with ``state_budget``, for tasks that kept their forward graphs
                 (``recompute=False`` on a device that copies), the bytes one batch holds:
                 counted on the device of its first forward from that op's start to the end
@@ -554,8 +511,7 @@ class Trace:
 
             The replay feeds the events to one
             :class:`~tune_hydra.core.ledger.DeviceLedger` per device, the same arithmetic
-            the device workers keep the budget with (a task's waiting boundary tensors
-            inside its batch's reservation are not counted again).
+            the device workers keep the budget with.
 
         Events no longer kept (a trace past its ``window``, see :attr:`dropped`) were
         checked as they were folded, against figures that need no argument, so that the
@@ -566,16 +522,15 @@ class Trace:
         overlap is kept and compared with ``tolerance`` here); the host account replayed
         over the whole run (its peak compared with ``host_budget``; the kept events
         replay from the account's value when the window starts); for ``state_budget``,
-        the replay of the dropped events' copies and waiting boundary tensors (their
-        peak per device, at the steps where this replay compares, is compared with the
-        budget: states and waiting tensors, or states alone with ``kept_bytes``), and the
-        kept events replay from the states and waiting tensors each device held when the
-        window starts. The folded replay steps in time order within each chunk, so at the
-        cuts between chunks it may take two steps in the order they were added (a tiny
-        ``window`` folds one event at a time). Not re-checked for dropped events: the
-        running ops' activations and the kept graphs (``activation_bytes``,
-        ``kept_bytes`` are only given here); a batch whose first forward was dropped is
-        not reserved in the replay of the kept events.
+        the replay of the dropped events' copies (their peak per device, at the steps
+        where this replay compares, is compared with the budget), and the kept events
+        replay from the states each device held when the window starts. The folded
+        replay steps in time order within each chunk, so at the cuts between chunks it
+        may take two steps in the order they were added (a tiny ``window`` folds one
+        event at a time). Not re-checked for dropped events: the running ops'
+        activations and the kept graphs (``activation_bytes``, ``kept_bytes`` are only
+        given here); a batch whose first forward was dropped is not reserved in the
+        replay of the kept events.
 
         Raises:
             ScheduleError: an event ends before it starts, two compute operations overlap on
@@ -605,14 +560,11 @@ class Trace:
         _check_sequential(alone, lambda e: e.device, "device", tolerance, folded.latest_device)
         _check_sequential(compute, lambda e: e.task, "task", tolerance, folded.latest_task)
         if state_budget is not None:
-            # Waiting boundary tensors count in full unless batches kept their graphs.
-            peaks = folded.state_peak if kept_bytes else folded.usage_peak
-            for device, (peak, rows) in peaks.items():
+            for device, (peak, rows) in folded.state_peak.items():
                 limit = state_budget if isinstance(state_budget, int) else state_budget.get(device)
                 if limit is not None and peak > limit:
-                    what = "shard state" if kept_bytes else "shard state and waiting tensors"
                     raise ScheduleError(
-                        f"device {device!r} holds {peak} bytes of {what}, over its "
+                        f"device {device!r} holds {peak} bytes of shard state, over its "
                         f"budget of {limit} bytes{kept}:\n" + _rows(rows)
                     )
             _check_memory(events, state_budget, activation_bytes or {}, kept_bytes or {}, folded)
@@ -723,14 +675,6 @@ class _Held:
     event: TraceEvent
 
 
-@dataclass(frozen=True, slots=True)
-class _Left:
-    """Boundary tensors an op left waiting on its device."""
-
-    nbytes: int
-    event: TraceEvent
-
-
 def _check_memory(
     events: list[TraceEvent],
     budget: int | Mapping[str, int],
@@ -740,12 +684,12 @@ def _check_memory(
 ) -> None:
     """Replay ``events`` through one :class:`DeviceLedger` per device (the workers'
     arithmetic) and raise at the first allocation that leaves a device over budget;
-    ``folded``: start from the states and waiting boundary tensors it left on devices."""
-    # Replay in time order; at equal times frees (end of a copy_out or carry_out, end of
-    # an op or a batch) come before allocations (start of a copy_in, an op, a batch).
+    ``folded``: start from the states it left on devices."""
+    # Replay in time order; at equal times frees (end of a copy_out, end of an op or a
+    # batch) come before allocations (start of a copy_in, an op, a batch).
     steps = []
     for i, e in enumerate(events):
-        if e.op in ("copy_out", "carry_out"):
+        if e.op == "copy_out":
             steps.append((e.end, 0, i, e, "free"))
         elif e.op == "copy_in":
             steps.append((e.start, 1, i, e, "hold"))
@@ -756,11 +700,11 @@ def _check_memory(
         steps.append((end, 0, len(events) + j, e, "unreserve"))
         steps.append((start, 1, -j, e, "reserve"))  # before its first op starts
     steps.sort(key=lambda step: step[:3])
-    ledgers: dict[str, DeviceLedger[_Held, _Left]] = {}
+    ledgers: dict[str, DeviceLedger[_Held]] = {}
     where: dict[tuple[str, int], tuple[str, _Held]] = {}  # each state's device
     running: dict[str, _Held] = {}
 
-    def ledger_of(device: str) -> DeviceLedger[_Held, _Left]:
+    def ledger_of(device: str) -> DeviceLedger[_Held]:
         ledger = ledgers.get(device)
         if ledger is None:
             limit = budget if isinstance(budget, int) else budget.get(device)
@@ -771,8 +715,6 @@ def _check_memory(
         for name, (device, nbytes, event) in folded.resident.items():
             where[name] = (device, _Held(name, nbytes, 0, event))
             ledger_of(device).hold(where[name][1])
-        for task, (device, nbytes, event) in folded.carries.items():
-            ledger_of(device).set_carry(task, _Left(nbytes, event))
     for _, _, _, e, what in steps:
         key = (e.task, e.shard)
         ledger = ledger_of(e.device)
@@ -780,17 +722,13 @@ def _check_memory(
             ledger.reserve(e.task, None)
             continue
         if what == "free":
-            if e.op == "carry_out":
-                ledger.set_carry(e.task, None)
-            elif key in where and where[key][0] == e.device:
+            if key in where and where[key][0] == e.device:
                 ledger.release(where.pop(key)[1])
             continue
         if what == "done":
             op = running.get(e.device)
             if op is not None and op.event is e:
                 del running[e.device]
-            if e.carry_bytes:
-                ledger.set_carry(e.task, _Left(e.carry_bytes, e))
             continue
         if what == "reserve":
             ledger.reserve(e.task, kept[e.task])
@@ -801,8 +739,6 @@ def _check_memory(
                 running[e.device] = _Held(op.name, 0, both, op.event)
             else:
                 running[e.device] = _Held(key, 0, acts.get(key, 0), e)
-            for other in ledgers.values():  # its input moves to the op: its activations
-                other.set_carry(e.task, None)
         else:
             if key in where:  # a shard is on one device at a time
                 old, held = where[key]
@@ -816,7 +752,6 @@ def _check_memory(
                 [
                     *(x.event for x in ledger.resident.values()),
                     *([op.event] if op is not None else []),
-                    *(x.event for x in ledger.carries.values()),
                 ],
                 key=lambda x: x.start,
             )
@@ -828,7 +763,6 @@ def _check_memory(
                     else ""
                 )
                 + (f" + {used.kept} bytes of batches' kept graphs" if used.kept else "")
-                + (f" + {used.carried} bytes other tasks' ops left waiting" if used.carried else "")
                 + f"), over its budget of {ledger.budget} bytes, at {e.start:.6f} s:\n"
                 + _rows(rows)
             )
@@ -934,7 +868,6 @@ def save_trace(trace: Trace | Iterable[TraceEvent], path: str | Path) -> Path:
                     "batch": e.batch,
                     "iteration": e.iteration,
                     "bytes": e.bytes_moved,
-                    "carry_bytes": e.carry_bytes,
                     "device": e.device,
                 },
             }

@@ -417,7 +417,6 @@ class Engine:
         for w in self.workers:
             out["devices"][w.label] = {
                 "peak_resident_bytes": w.peak_resident_bytes,
-                "parked_bytes": w.parked_bytes,
                 "busy_s": w.busy_s,
                 "utilization": w.busy_s / wall if wall > 0 else 0.0,
             }

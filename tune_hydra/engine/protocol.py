@@ -44,8 +44,6 @@ RUNNER_MEMBERS = (
     "store_of",
     "next_shard",
     "ops_until",
-    "carry_bytes",
-    "carry_parker",
     "drop_batch",
     "owned_tensors",
 )
@@ -55,8 +53,7 @@ class Runner(Protocol):
     """One task's operations, as the engine's dispatcher drives them.
 
     The engine calls every member under its lock, except :meth:`execute` (on a device
-    worker's run thread, with the op's shard state resident on ``device``) and the
-    parker :meth:`carry_parker` returns (on a worker's threads, while the task waits).
+    worker's run thread, with the op's shard state resident on ``device``).
 
     Attributes:
         current: the task's ready op (the one it runs next), or ``None`` while it waits
@@ -134,13 +131,6 @@ class Runner(Protocol):
 
     def ops_until(self, op: Op | None, shard: int) -> int:
         """How many ops from ``op`` until one visits ``shard`` (disk read-ahead order)."""
-
-    def carry_bytes(self, device: torch.device) -> int:
-        """Bytes of boundary tensors left on ``device`` for the next op (0 if parked)."""
-
-    def carry_parker(self) -> Callable[[torch.device, Any], int]:
-        """A function that parks the boundary tensors waiting now in host memory and
-        returns the bytes moved (0 once the next op has run, or while one runs)."""
 
     def drop_batch(self) -> None:
         """Let go of the batch in progress (the task failed or was cancelled)."""

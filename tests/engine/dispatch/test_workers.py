@@ -3,18 +3,16 @@ that do not fit skipped."""
 
 from __future__ import annotations
 
-import logging
 import threading
 import time
 from collections.abc import Callable
 
-import pytest
 import torch
 from torch import nn
 
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.core.trace import Trace
-from tune_hydra.engine.dispatch.workers import Assignment, Carry, DeviceWorker, default_clock
+from tune_hydra.engine.dispatch.workers import Assignment, DeviceWorker, default_clock
 from tune_hydra.engine.storage import ShardStore
 
 CPU = torch.device("cpu")
@@ -24,21 +22,6 @@ def _store(name: str, state: int, act: int) -> ShardStore:
     layer = nn.Linear(4, 4)
     opt = torch.optim.SGD(layer.parameters(), lr=0.1)
     return ShardStore([layer], opt, name=(name, 0), footprint=(state, act))
-
-
-def _carry(
-    nbytes: int, parked: list[str] | None = None, name: str = "", busy: bool = False
-) -> Carry:
-    """A waiting task's boundary tensors; parking them logs ``name`` (0 bytes if busy)."""
-
-    def park(device: torch.device, stream: object) -> int:
-        if busy:
-            return 0
-        if parked is not None:
-            parked.append(name)
-        return nbytes
-
-    return Carry(nbytes, 1, park)
 
 
 def _wait_until(condition: Callable[[], bool], timeout: float = 5.0) -> None:
@@ -123,109 +106,6 @@ def test_no_second_slot_without_copies() -> None:
         for w in workers.values():
             w.close()
             w.join(5.0)
-
-
-def test_other_tasks_waiting_activations_count_for_optional_copies_only() -> None:
-    """Boundary tensors other tasks left on the device occupy it: a prefetch or a second
-    queued op that fits only without them is not taken; the op that must run is."""
-    w = _worker(budget=100)
-    log: list[str] = []
-    release = threading.Event()
-    running, nxt = _store("running", state=30, act=10), _store("next", state=20, act=10)
-    try:
-        w.carries = {"waiting": _carry(45), "running": _carry(99)}  # running: its op's input
-        assert w.fits(running)
-        w.submit(_assignment(w, running, lambda dev: release.wait(10), log))
-        assert not w.fits(nxt)  # 30 + 20 + 10 + 45 > 100
-        w.prefetch(nxt, "next", 0, 0)
-        _wait_until(lambda: w.holds(running))
-        time.sleep(0.2)
-        assert w.holds(running) and not w.holds(nxt)
-        w.carries = {"waiting": _carry(35)}
-        assert w.fits(nxt)
-    finally:
-        release.set()
-        w.close()
-        w.join(5.0)
-
-
-def test_a_needed_copy_parks_waiting_activations_largest_first() -> None:
-    """The op that must run parks other tasks' waiting boundary tensors in host memory,
-    largest first and only as many as needed; one whose task is running elsewhere (busy)
-    is skipped, and the op still runs rather than wait for it."""
-    w = _worker(budget=100)
-    log: list[str] = []
-    parked: list[str] = []
-    running = _store("running", state=40, act=20)  # 60 of 100
-    try:
-        w.carries = {
-            "small": _carry(10, parked, "small"),
-            "large": _carry(30, parked, "large"),
-            "busy": _carry(25, parked, "busy", busy=True),
-            "medium": _carry(20, parked, "medium"),
-        }
-        # 60 + 85 waiting: 45 over. "large" (30) and then "medium" (20) are enough, after
-        # "busy" (25) declined.
-        w.submit(_assignment(w, running, lambda dev: log.append("run"), log))
-        _wait_until(lambda: "done running" in log)
-        assert log == ["run", "done running"]
-        assert parked == ["large", "medium"]
-        assert set(w.carries) == {"small", "busy"}
-        assert w.parked_bytes == 50
-        outs = [(e.task, e.shard, e.bytes_moved) for e in w.trace.events if e.op == "carry_out"]
-        assert outs == [("large", 1, 30), ("medium", 1, 20)]
-    finally:
-        w.close()
-        w.join(5.0)
-
-
-def test_an_op_that_ends_over_budget_parks_waiting_activations() -> None:
-    """Boundary tensors that arrived while an op ran (other devices' tasks, the op's own
-    output) are parked when the op ends if they no longer fit beside the resident shards;
-    the task that runs next keeps its own."""
-    w = _worker(budget=100)
-    log: list[str] = []
-    parked: list[str] = []
-    first = _store("first", state=30, act=10)
-    try:
-        w.submit(_assignment(w, first, lambda dev: log.append("run"), log))
-        _wait_until(lambda: "done first" in log)
-        assert w.carries == {} and parked == []
-        w.carries = {"a": _carry(50, parked, "a"), "b": _carry(15, parked, "b")}
-        w.settle()  # 30 resident + 65 waiting fit
-        assert parked == []
-        w.carries["c"] = _carry(20, parked, "c")
-        w.settle()  # 30 + 85 > 100: parking "a" (the largest) is enough
-        assert parked == ["a"] and set(w.carries) == {"b", "c"}
-    finally:
-        w.close()
-        w.join(5.0)
-
-
-def test_a_failed_park_is_logged_and_the_tensors_stay(caplog: pytest.LogCaptureFixture) -> None:
-    """A park that raises (e.g. no pinned memory left) is not fatal: the tensors stay where
-    they are, the next candidate is parked instead, and the failure is logged."""
-    w = _worker(budget=100)
-    log: list[str] = []
-    parked: list[str] = []
-
-    def broken(device: torch.device, stream: object) -> int:
-        raise RuntimeError("no pinned memory left")
-
-    running = _store("running", state=40, act=20)
-    try:
-        w.carries = {"broken": Carry(60, 1, broken), "ok": _carry(30, parked, "ok")}
-        with caplog.at_level(logging.WARNING, logger="tune_hydra.engine.dispatch.workers"):
-            w.submit(_assignment(w, running, lambda dev: log.append("run"), log))
-            _wait_until(lambda: "done running" in log)
-        assert parked == ["ok"] and set(w.carries) == {"broken"}
-        assert isinstance(w.last_park_error, RuntimeError)
-        (record,) = [r for r in caplog.records if "parking" in r.getMessage()]
-        assert record.levelno == logging.WARNING
-        assert "'broken'" in record.getMessage() and "no pinned memory left" in record.getMessage()
-    finally:
-        w.close()
-        w.join(5.0)
 
 
 # -- leases: the copy thread's path, shared with callers' leases ---------------------------

@@ -230,7 +230,7 @@ def test_the_device_ledger_counts_a_shared_tensor_once_per_device() -> None:
             loops = add(eng, {f"t{i}": trial(i) for i in range(3)})
             stores = [loops[f"t{i}"].runner.store_of(1) for i in range(3)]
             assert [s.state_bytes for s in stores] == [8448] * 3
-            ledger: DeviceLedger[Any, Any] = DeviceLedger(budget)
+            ledger: DeviceLedger[Any] = DeviceLedger(budget)
             if share:
                 assert state_of(stores) == 8448 and ledger.need(stores) is None
                 for s in stores:

@@ -652,10 +652,8 @@ class SharedBatcher:
         self.batched_ops = 0  # ops run inside a batched pass (the lead's included)
         self.passes = 0  # batched passes run
         self._open: list[_Group] = []  # queued groups not started (under the engine's lock)
-        # Per extra task of a group run now: an error of its own, and the bytes of the
-        # boundary tensors its op left on the device.
+        # Per extra task of a group run now: an error of its own.
         self._errors: dict[str, BaseException] = {}
-        self._left: dict[str, int] = {}
 
     @staticmethod
     def _key(e: Any, o: Any) -> frozenset[int] | None:
@@ -781,12 +779,10 @@ class SharedBatcher:
                 except BaseException as err:  # a shared frozen tensor it changed: its own
                     self._errors.setdefault(e.name, err)
                 lease.release()
-                if w.copy:
-                    self._left[e.name] = e.runner.carry_bytes(device)
                 w.trace.add(
                     TraceEvent(
                         w.label, o.task, o.shard, o.kind.value, t0, w.clock(), lease.moved,
-                        o.iteration, o.batch, self._left.get(e.name, 0), along=True,
+                        o.iteration, o.batch, along=True,
                     )
                 )  # fmt: skip
 
@@ -797,15 +793,9 @@ class SharedBatcher:
         op of this thread is the one running (waiting hung the device)."""
         w = g.w
         store = e.runner.store_of(o.shard)
-        carries = [(x, x.carries.get(e.name)) for x in dispatcher.workers] if w.copy else []
-        if w.copy:  # its boundary tensors go with its op: not counted where they wait
-            dispatcher.note_carry(e, None)
         lease = w.lease(store, ahead_of=g.a, blocking=False, room_now=True)
         if lease is not None:
             return lease
-        for x, carry in carries:
-            if carry is not None:
-                x.set_carry(e.name, carry)
         with dispatcher.locked():
             g.members.remove((e, o))
             g.a.along.remove(store)
@@ -839,7 +829,6 @@ class SharedBatcher:
                 one = Assignment(o, e.runner.store_of(o.shard), run=a.run, done=a.done)
                 one.duration = a.duration / len(g.members)
                 failed = err or self._errors.pop(e.name, None)
-                one.left = 0 if failed else self._left.pop(e.name, 0)
                 dispatcher.done_along(e, one, failed)
             lead_done(a, err or self._errors.pop(entry.name, None))
 

@@ -9,10 +9,10 @@ each, under the engine's one lock (``Engine._cv``):
   ``name -> TaskRecord`` map.
 - :class:`Dispatcher` (here) runs *the tasks' lives on the devices*: the grants and their
   futures, every dispatch decision (offer -> choose -> validate, ``core/dispatch.py``),
-  the completion of each op (estimates, the next op, failures, cancellation), where
-  boundary tensors wait, the kept-graph reservations' lifetime, the disk tier's outlook,
-  and bringing a task's states home. It reads the registry's map and writes only the
-  records' dispatch fields (``assigned``, ``candidate``, ``ready_since`` ...).
+  the completion of each op (estimates, the next op, failures, cancellation), the
+  kept-graph reservations' lifetime, the disk tier's outlook, and bringing a task's
+  states home. It reads the registry's map and writes only the records' dispatch fields
+  (``assigned``, ``candidate``, ``ready_since`` ...).
 
 The registry never calls the dispatcher, and neither module imports the other; the few
 operations that need both (``remove_task``, ``close``) are sequenced by
@@ -34,7 +34,7 @@ from tune_hydra.core.dispatch import decide, offer
 from tune_hydra.core.ops import Op
 from tune_hydra.core.policies import BasePolicy, Candidate
 from tune_hydra.engine.dispatch.anticipate import Anticipation
-from tune_hydra.engine.dispatch.workers import _POLL_S, Assignment, Carry, DeviceWorker
+from tune_hydra.engine.dispatch.workers import _POLL_S, Assignment, DeviceWorker
 from tune_hydra.engine.records import PendingIterations, TaskRecord
 from tune_hydra.engine.runtime.kept import KeptGraphs
 from tune_hydra.engine.storage import Store
@@ -155,7 +155,6 @@ class Dispatcher:
             while entry.assigned is not None and not self._closed:
                 self._cv.wait(_POLL_S)
             self.offload(entry, leave=True)
-            self.note_carry(entry, None)
             self.policy.forget(entry.name)
             self._waits.forget(entry.name)
 
@@ -208,17 +207,6 @@ class Dispatcher:
             p.future.cancel()
         entry.pending.clear()
         entry.runner.revoke()
-
-    def note_carry(self, entry: TaskRecord, worker: DeviceWorker | None, size: int = 0) -> None:
-        """Where the task's boundary tensors now wait (``size`` bytes on ``worker``), for
-        the workers' budgets (nowhere, with ``worker=None``: also as its next op starts,
-        which takes them to its device)."""
-        for w in self.workers:
-            if entry.name in w.carries:
-                w.set_carry(entry.name, None)
-        op = entry.runner.current
-        if worker is not None and size and op is not None:
-            worker.set_carry(entry.name, Carry(size, op.shard, entry.runner.carry_parker()))
 
     # -- completion -----------------------------------------------------------------------
 
@@ -280,7 +268,6 @@ class Dispatcher:
                 self._advance(entry)
                 self._kept.end(entry)
                 entry.ready_since = self.clock()
-            self.note_carry(entry, worker, 0 if failed else a.left)
             wake = failed or entry.cancelled or self._closed
             if not wake and worker is not None and self._kept.active:
                 # A loop between ops: its device waits (anticipate.py), graphs kept only.
@@ -517,9 +504,6 @@ class Dispatcher:
             store,
             run=lambda dev: runner.execute(op, dev),
             done=lambda a, err: self._on_done(entry, a, err),
-            # Inside a batch's reservation its boundary tensors are counted already.
-            carry_bytes=runner.carry_bytes if w.copy and entry.kept_on is None else None,
-            start=(lambda: self.note_carry(entry, None)) if w.copy else None,
         )
         if self.batcher is not None:  # other tasks' ops on the same shared shard run with it
             self.batcher.open(self, w, entry, op, a)

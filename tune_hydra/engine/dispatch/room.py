@@ -1,13 +1,12 @@
-"""The memory room of one device: what may be resident on it now, and what to evict or
-park to make room.
+"""The memory room of one device: what may be resident on it now, and what to evict to
+make room.
 
 A :class:`DeviceRoom` belongs to one :class:`~tune_hydra.engine.dispatch.workers.DeviceWorker`
 (its threads and leases are the worker's). It owns what occupies the device and what must
 stay there: the device's :class:`~tune_hydra.core.ledger.DeviceLedger` (the arithmetic:
-resident states, reservations, carries), the leases pinning states here, the room granted
-to copies in flight and the store the copy thread is bringing in. It decides whether a
-state fits, which states to evict (least recently used first, copied back to the host)
-and which boundary tensors to park in host memory, and it holds the waits for room. The
+resident states, reservations), the leases pinning states here and the room granted to
+copies in flight. It decides whether a state fits and which states to evict (least
+recently used first, copied back to the host), and it holds the waits for room. The
 worker's queue of assigned ops is read here, never changed (the dispatcher changes it,
 under its own lock).
 
@@ -18,10 +17,10 @@ Design note (locks), in the order they may be taken:
   device's own eviction of it never both free the room; the worker's prefetch holds it
   until the state is counted here. ``_lock`` (and the lease claims' condition) are taken
   under it.
-- ``_lock``: guards the ledger, the pins, the grants and the incoming store. A leaf:
-  nothing is taken and nothing waits under it (parks, copies and lease revocations run
-  outside it). :meth:`DeviceRoom.make_room` checks and grants room under one hold of it,
-  so that two threads (the copy thread, a caller's lease) never take the same room.
+- ``_lock``: guards the ledger, the pins and the grants. A leaf: nothing is taken and
+  nothing waits under it (copies and lease revocations run outside it).
+  :meth:`DeviceRoom.make_room` checks and grants room under one hold of it, so that two
+  threads (the copy thread, a caller's lease) never take the same room.
 - ``_op_done``: a condition with its own lock, never held with ``_lock``. A copy or a
   lease waiting for room waits on it (waking every ``_POLL_S`` to notice a close); each
   op's end (:meth:`DeviceRoom.op_ended`), a lease's release (:meth:`DeviceRoom.unpin`,
@@ -32,14 +31,10 @@ Design note (locks), in the order they may be taken:
 from __future__ import annotations
 
 import collections
-import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
-
-import torch
 
 from tune_hydra.core.ledger import DeviceLedger
 from tune_hydra.core.trace import Trace, TraceEvent
@@ -50,41 +45,27 @@ if TYPE_CHECKING:
     from tune_hydra.engine.dispatch.lease import Lease
     from tune_hydra.engine.dispatch.workers import Assignment
 
-log = logging.getLogger(__name__)
-
 _POLL_S = 0.2  # every blocking wait wakes up this often to notice a close
 _STUCK_S = 10.0  # a needed copy with nothing ahead of it that could free room: a bug
 
 
-@dataclass
-class Carry:
-    """Boundary tensors (activations or gradients) a waiting task left on a device."""
-
-    nbytes: int
-    shard: int  # the shard whose op will consume them (for the trace)
-    park: Callable[[torch.device, Any], int]  # to host memory; bytes moved, 0 if busy
-
-
 class DeviceRoom:
-    """What may be resident on one device now, and what to evict or park for room.
+    """What may be resident on one device now, and what to evict for room.
 
     Args:
         owner: the device's worker (the ``owner`` of the stores promoted there).
-        device: the device.
         label: the device's label (traces, errors).
-        trace: where evictions and parks are traced.
+        trace: where evictions are traced.
         clock: the engine's clock.
         assigned: the worker's queue of assigned ops (read only here).
         depth: the most shard states kept resident at once.
         budget: device bytes for everything the ledger counts (``None``: no limit).
         copy_stream: the CUDA stream of the device's copies (``None`` off CUDA).
-        compute_stream: the CUDA stream of its ops (``None`` off CUDA).
     """
 
     def __init__(
         self,
         owner: object,
-        device: torch.device,
         label: str,
         trace: Trace,
         clock: Callable[[], float],
@@ -93,57 +74,34 @@ class DeviceRoom:
         depth: int,
         budget: int | None,
         copy_stream: Any,
-        compute_stream: Any,
     ) -> None:
         self._owner = owner
-        self._device = device
         self._label = label
         self._trace = trace
         self._clock = clock
         self._assigned = assigned
         self._depth = depth
         self._copy_stream = copy_stream
-        self._compute_stream = compute_stream
         # Device bytes for shard state + the running op's activations (None: no limit).
         # Each task's plan fits its own shards; tasks of different sizes sharing a device
-        # are kept within it here, by what is resident at once. The ledger also holds the
-        # boundary tensors other tasks left here for their next op (set by the engine):
-        # they occupy the device too. Optional copies (a second queued op, a prefetch)
-        # that fit only without them are not made; for a needed copy, or when an op ends
-        # over budget, they are parked in host memory (those of running tasks cannot be,
-        # and are then ignored: their owners may be waiting for this very device). With
-        # recompute=False it holds the device memory each task's batch in flight here may
-        # hold (its forward graphs, kept until their backward; set by the engine): its
-        # ops' activations and boundary tensors are inside it.
-        self.ledger: DeviceLedger[Store, Carry] = DeviceLedger(budget)
-        self._lock = threading.Lock()  # the ledger, pins, grants, incoming (see the module)
+        # are kept within it here, by what is resident at once. With recompute=False the
+        # ledger holds the device memory each task's batch in flight here may hold (its
+        # forward graphs, kept until their backward; set by the engine): its ops'
+        # activations and boundary tensors are inside it.
+        self.ledger: DeviceLedger[Store] = DeviceLedger(budget)
+        self._lock = threading.Lock()  # the ledger, pins, grants (see the module)
         self._op_done = threading.Condition()  # waits for room are here
-        self._incoming: Store | None = None  # the store the copy thread is bringing in
         # Leases held here, by id of their store (pinned: never evicted to make room), and
         # stores granted room whose copies are in flight (from any thread).
         self._leases: dict[int, Lease] = {}
         self._granted: dict[int, Store] = {}
         self._room_waiters = 0  # threads waiting in make_room (a release notifies them)
-        self.last_park_error: Exception | None = None
         self._closing = False
 
     @property
     def budget(self) -> int | None:
         """Device bytes for everything the ledger counts (None: no limit)."""
         return self.ledger.budget
-
-    @property
-    def carries(self) -> dict[str, Carry]:
-        """Boundary tensors other tasks left waiting here, by task (the ledger's)."""
-        return self.ledger.carries
-
-    @carries.setter
-    def carries(self, value: dict[str, Carry]) -> None:
-        with self._lock:
-            for task in list(self.ledger.carries):
-                self.ledger.set_carry(task, None)
-            for task, carry in value.items():
-                self.ledger.set_carry(task, carry)
 
     @property
     def reserved(self) -> dict[str, int]:
@@ -195,12 +153,6 @@ class DeviceRoom:
         self.revoke(store)
         with self._lock:
             self.ledger.release(store)
-
-    def set_incoming(self, store: Store | None) -> None:
-        """The store the copy thread is bringing in (``None``: none); :meth:`settle`
-        counts it from its room check to its landing."""
-        with self._lock:
-            self._incoming = store
 
     def prefetch_slot(self, store: Store) -> bool:
         """Whether a prefetch of ``store`` may take a slot: not resident here, and the
@@ -260,14 +212,7 @@ class DeviceRoom:
         queued = [s for x in list(self._assigned) for s in x.stores()]
         with self._lock:
             keep = queued + [le._store for le in self._leases.values()] + [store]
-            return self.ledger.need(keep, True, extra) is None
-
-    def need(self, keep: list[Store], carries: bool = False) -> int | None:
-        """Bytes over budget if ``keep`` were resident while each of them runs (plus the
-        boundary tensors other tasks left waiting here, with ``carries``); None if they
-        fit."""
-        with self._lock:
-            return self.ledger.need(keep, carries)
+            return self.ledger.need(keep, extra) is None
 
     def reserve(self, task: str, nbytes: int | None) -> None:
         """Hold ``nbytes`` for ``task``'s batch in flight here (``None``: release it)."""
@@ -289,66 +234,6 @@ class DeviceRoom:
             queued = [s for a in list(self._assigned) for s in a.stores()]
             return self.ledger.admits(nbytes, room, queued)
 
-    def set_carry(self, task: str, carry: Carry | None) -> None:
-        """Record (or, with ``None``, forget) what ``task`` left waiting here."""
-        with self._lock:
-            self.ledger.set_carry(task, carry)
-
-    def park_carries(
-        self, over: int, running: str | None, queued: set[str], stream: Any = None
-    ) -> int:
-        """Park waiting tasks' boundary tensors in host memory until ``over`` bytes are
-        freed: never those of the task about to run here (``running``: its op's input),
-        those of other tasks queued here last, largest first; returns the bytes freed.
-        On CUDA the copies run on ``stream`` and are complete on return."""
-        freed = 0
-        with self._lock:
-            waiting = self.ledger.park_order(running, queued)
-        for task, carry in waiting:
-            if freed >= over:
-                break
-            t0 = self._clock()
-            try:
-                moved = carry.park(self._device, stream)
-            except Exception as err:  # e.g. no pinned memory left: they stay, nothing lost
-                self.last_park_error = err
-                log.warning(
-                    "device %s: parking the boundary tensors of task %r failed (%s: %s); "
-                    "they stay on the device",
-                    self._label,
-                    task,
-                    type(err).__name__,
-                    err,
-                )
-                continue
-            if not moved:  # its task is running: its inputs are in use
-                continue
-            t1 = self._clock()  # before the room is freed: no copy may be traced starting in it
-            with self._lock:
-                self.ledger.drop_carry(task, carry)
-                self.ledger.note_parked(task, moved)
-            freed += carry.nbytes
-            self._trace.add(TraceEvent(self._label, task, carry.shard, "carry_out", t0, t1, moved))
-        return freed
-
-    def settle(self) -> None:
-        """After an op: park waiting boundary tensors if, beside the resident shards and
-        the next op's activations, they no longer fit the budget."""
-        if self.budget is None or not self.carries:
-            return
-        with self._lock:
-            queued = list(self._assigned)
-            # Resident, being copied in, or about to be: all there when the next op runs.
-            # (Copies granted room for a caller's lease count as the next op, if none is
-            # queued: its holder computes on it then.)
-            incoming = self._incoming
-            coming = [s for x in queued for s in x.stores()]
-            coming += [s for s in self._granted.values() if s is not incoming]
-            over = self.ledger.settle_over(coming, incoming)
-        nxt = queued[0].op.task if queued else None
-        if over > 0:  # between two ops of this thread: its own stream made them
-            self.park_carries(over, nxt, {x.op.task for x in queued}, self._compute_stream)
-
     def make_room(
         self,
         incoming: Store,
@@ -365,8 +250,7 @@ class DeviceRoom:
         (``wait`` and ``patient``, until ``deadline``) or give up (returns False). On
         success the room is granted to ``incoming`` (the caller calls :meth:`ungrant`
         once its copy is counted resident, or failed). ``wait=False`` is a speculative
-        copy (waiting boundary tensors count, none is parked); ``patient=False`` a needed
-        one that must not wait.
+        copy; ``patient=False`` a needed one that must not wait.
 
         Raises:
             LeaseTimeoutError: no room by ``deadline``.
@@ -383,7 +267,7 @@ class DeviceRoom:
             with self._lock:  # checked and granted at once: callers on other threads
                 beside = self._beside(incoming)
                 keep = ahead[:-1] + beside + [incoming]
-                over = self.ledger.need(keep, not wait)
+                over = self.ledger.need(keep)
                 if over is None:
                     self._granted[id(incoming)] = incoming
                     break
@@ -418,12 +302,7 @@ class DeviceRoom:
                     )
                 finally:
                     self._room_waiters -= 1
-        if wait:  # a needed copy: park waiting boundary tensors that leave it no room
-            over = self.need(keep, carries=True)
-            if over is not None:
-                tasks = {s.name[0] for s in ahead}
-                self.park_carries(over, ahead[0].name[0], tasks, self._copy_stream)
-        with self._lock:  # carries that could not be parked count, too
+        with self._lock:
             victims = self.ledger.victims(keep, self._depth)
         for s in victims:  # counted as resident until their copies are done
             self.evict(s)
@@ -483,4 +362,4 @@ class DeviceRoom:
                 extra -= 1
 
 
-__all__ = ["Carry", "DeviceRoom"]
+__all__ = ["DeviceRoom"]

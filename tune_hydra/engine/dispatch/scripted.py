@@ -98,10 +98,6 @@ class _Gate:
             self.cv.notify_all()
 
 
-def _park_nothing(device: torch.device, stream: Any = None) -> int:
-    return 0
-
-
 def _holder() -> nn.Module:
     """A module whose one buffer stands for a shard's state (a few bytes: the budgets
     count the scripted sizes, not these)."""
@@ -243,12 +239,6 @@ class ScriptedRunner:
 
     def ops_until(self, op: Op | None, shard: int) -> int:
         return self._program.ops_until(op, shard)
-
-    def carry_bytes(self, device: torch.device) -> int:
-        return 0
-
-    def carry_parker(self) -> Callable[[torch.device, Any], int]:
-        return _park_nothing
 
     def drop_batch(self) -> None:
         """Nothing is kept between a scripted batch's ops."""

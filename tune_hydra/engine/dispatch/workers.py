@@ -3,14 +3,12 @@ next assigned shard while the current one computes (double buffering).
 
 A worker holds at most two shard states resident when prefetching (the running one and
 the next), one otherwise; the least recently used other shard is demoted to make room.
-Boundary tensors other tasks left waiting on the device count against the same budget
-and are parked in host memory when they would not fit. On CUDA, copies run on a
-dedicated stream and compute waits on an event; on the CPU the same bookkeeping runs with
-plain copies (or none, when ``copy=False``).
+On CUDA, copies run on a dedicated stream and compute waits on an event; on the CPU the
+same bookkeeping runs with plain copies (or none, when ``copy=False``).
 
-What may be resident on the device now, and what to evict or park for room, is the
-device's :class:`~tune_hydra.engine.dispatch.room.DeviceRoom` (its ledger, pins, grants
-and the waits for room, with its own locking note); a worker owns the threads, the queue
+What may be resident on the device now, and what to evict for room, is the device's
+:class:`~tune_hydra.engine.dispatch.room.DeviceRoom` (its ledger, pins, grants and the
+waits for room, with its own locking note); a worker owns the threads, the queue
 of assigned ops and the leases, and asks its room.
 """
 
@@ -31,7 +29,7 @@ from tune_hydra.core.ledger import DeviceLedger
 from tune_hydra.core.ops import Op
 from tune_hydra.core.trace import Trace, TraceEvent
 from tune_hydra.engine.dispatch.lease import CLAIMS, Lease
-from tune_hydra.engine.dispatch.room import _POLL_S, Carry, DeviceRoom
+from tune_hydra.engine.dispatch.room import _POLL_S, DeviceRoom
 from tune_hydra.engine.storage import Store
 from tune_hydra.exceptions import LeaseEndedError
 
@@ -55,10 +53,6 @@ class Assignment:
     event: Any = None  # CUDA event after the promotion
     moved: int = 0
     duration: float = 0.0
-    # Bytes of boundary tensors the op leaves on the device (None: not tracked here).
-    carry_bytes: Callable[[torch.device], int] | None = None
-    left: int = 0
-    start: Callable[[], None] | None = None  # called as the op starts computing
     # The run thread leases it in place first (its state is on disk, or a caller's lease
     # on another device holds it).
     lend: bool = False
@@ -120,10 +114,9 @@ class DeviceWorker:
         cuda = device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(device) if cuda else None
         self.compute_stream = torch.cuda.Stream(device) if cuda else None
-        # What is resident, leased, coming in or waiting here, within ``budget``.
+        # What is resident, leased or coming in here, within ``budget``.
         self.room = DeviceRoom(
             self,
-            device,
             label,
             trace,
             clock,
@@ -131,7 +124,6 @@ class DeviceWorker:
             depth=self.depth,
             budget=budget,
             copy_stream=self.copy_stream,
-            compute_stream=self.compute_stream,
         )
         self._threads = [
             threading.Thread(target=self._copy_loop, name=f"hydra-copy-{label}", daemon=True),
@@ -147,7 +139,7 @@ class DeviceWorker:
     # -- the room's (see DeviceRoom) -------------------------------------------------------
 
     @property
-    def ledger(self) -> DeviceLedger[Store, Carry]:
+    def ledger(self) -> DeviceLedger[Store]:
         """The device's ledger (the room's)."""
         return self.room.ledger
 
@@ -155,15 +147,6 @@ class DeviceWorker:
     def budget(self) -> int | None:
         """Device bytes for everything the ledger counts (None: no limit)."""
         return self.room.budget
-
-    @property
-    def carries(self) -> dict[str, Carry]:
-        """Boundary tensors other tasks left waiting here, by task (the ledger's)."""
-        return self.room.carries
-
-    @carries.setter
-    def carries(self, value: dict[str, Carry]) -> None:
-        self.room.carries = value
 
     @property
     def reserved(self) -> dict[str, int]:
@@ -174,16 +157,6 @@ class DeviceWorker:
     def peak_resident_bytes(self) -> int:
         """Shard state held on the device at once, at most (measured bytes)."""
         return self.room.ledger.peak_resident_bytes
-
-    @property
-    def parked_bytes(self) -> int:
-        """Bytes of boundary tensors parked from here in host memory, in total."""
-        return self.room.ledger.parked_bytes
-
-    @property
-    def last_park_error(self) -> Exception | None:
-        """The last failure to park boundary tensors (they stayed on the device)."""
-        return self.room.last_park_error
 
     def holds(self, store: Store) -> bool:
         return self.room.holds(store)
@@ -203,20 +176,6 @@ class DeviceWorker:
     def admits(self, nbytes: int, room: int) -> bool:
         """See :meth:`DeviceRoom.admits`."""
         return self.room.admits(nbytes, room)
-
-    def set_carry(self, task: str, carry: Carry | None) -> None:
-        """See :meth:`DeviceRoom.set_carry`."""
-        self.room.set_carry(task, carry)
-
-    def park_carries(
-        self, over: int, running: str | None, queued: set[str], stream: Any = None
-    ) -> int:
-        """See :meth:`DeviceRoom.park_carries`."""
-        return self.room.park_carries(over, running, queued, stream)
-
-    def settle(self) -> None:
-        """See :meth:`DeviceRoom.settle`."""
-        self.room.settle()
 
     def evict(self, store: Store) -> None:
         """See :meth:`DeviceRoom.evict` (other devices' copy threads call it here)."""
@@ -412,9 +371,6 @@ class DeviceWorker:
             a = self._copy_q.get()
             if a is None:
                 return
-            # Counted by settle() from here on: it may run between this copy's room check
-            # and its landing, when an op leaves boundary tensors behind.
-            self.room.set_incoming(a.store)
             if isinstance(a, Prefetch):
                 try:
                     self._speculate(a)
@@ -429,8 +385,6 @@ class DeviceWorker:
                         type(err).__name__,
                         err,
                     )
-                finally:
-                    self.room.set_incoming(None)
                 continue
             try:
                 lease = self.lease(a.store, ahead_of=a)
@@ -438,8 +392,6 @@ class DeviceWorker:
                 a.lease, a.moved, a.event = lease, lease.moved, lease.event
             except BaseException as err:  # reported through the op
                 a.copy_error = err
-            finally:
-                self.room.set_incoming(None)
             assert a.ready is not None
             a.ready.set()
 
@@ -501,8 +453,6 @@ class DeviceWorker:
                     a.lease = self.lease(a.store)
                 except BaseException as e:  # e.g. the read failed: that task fails
                     err = e
-            if err is None and a.start is not None:
-                a.start()
             t0 = self.clock()
             if err is None:
                 # The store learns whether the op changes its state (else its device copy
@@ -529,8 +479,6 @@ class DeviceWorker:
             t1 = self.clock()
             self.busy_s += t1 - t0
             a.duration = t1 - t0
-            if err is None and a.carry_bytes is not None:
-                a.left = a.carry_bytes(self.device)
             op = a.op
             self.trace.add(
                 TraceEvent(
@@ -543,12 +491,10 @@ class DeviceWorker:
                     a.moved,
                     op.iteration,
                     op.batch,
-                    a.left,
                 )
             )
             try:
                 a.done(a, err)
-                self.room.settle()
             except BaseException as e:  # keep the worker alive; the engine notices
                 self.last_error = e
                 log.warning("device %s: after op %s: %r", self.label, a.op, e, exc_info=e)

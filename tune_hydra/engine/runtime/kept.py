@@ -16,8 +16,7 @@ On a device that copies (a GPU, or ``copy_on_cpu``) the engine therefore
   idle device always admits, so every task makes progress.
 
 The boundary tensors of a batch in flight are inside its reservation (the forward's are
-views of kept outputs: parking them would free nothing), so they are not tracked as
-carries.
+views of kept outputs).
 
 A task registered with ``TrainOptions(recompute=True)`` keeps nothing and reserves
 nothing; its ops, like eval ops, are admitted beside the reservations. A runner whose

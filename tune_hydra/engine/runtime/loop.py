@@ -155,10 +155,6 @@ def inside_op() -> Iterator[None]:
         _LOCAL.depth -= 1
 
 
-def _park_nothing(device: torch.device, stream: Any = None) -> int:
-    return 0  # a loop's boundary tensors live on the user's side, never on a device
-
-
 @dataclass
 class LoopShard:
     """One shard of a loop: its modules, optimizer, store, and what waits for its next op.
@@ -492,12 +488,6 @@ class LoopRunner:
 
     def ops_until(self, op: Op | None, shard: int) -> int:
         return self.pattern.ops_until(op, shard)
-
-    def carry_bytes(self, device: torch.device) -> int:
-        return 0
-
-    def carry_parker(self) -> Callable[[torch.device, Any], int]:
-        return _park_nothing
 
     def drop_batch(self) -> None:
         """Drop the graphs the batch in progress keeps on a device (the loop failed or
