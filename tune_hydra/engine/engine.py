@@ -322,7 +322,8 @@ class Engine:
             return self._dispatcher.grant(self._entry(name), iterations)
 
     def set_remaining(self, name: str, iterations: int) -> None:
-        """Tell the scheduler how many iterations this task will still be granted."""
+        """Tell the scheduler how many iterations this task will still be granted (after
+        those granted now); each grant from here on counts down from it."""
         with self._cv:
             self._entry(name).set_hint(iterations)
 

@@ -143,6 +143,19 @@ def test_set_milestone_reaches_the_policy_and_counts_down() -> None:
     assert {c.milestone_s for c in policy.seen if c.op.task == "b"} == {None}
 
 
+def test_set_remaining_counts_down_as_iterations_are_granted() -> None:
+    """A loop is granted one iteration (an op, or a chain of them) at a time: the work
+    its front end announced goes down with each grant, so the policy sees its remaining
+    work shrink between announcements (LRTF evens out the tasks' ends with it)."""
+    policy = _Recording()
+    with Engine(["cpu"], policy=policy, clock=ManualClock()) as eng:
+        eng.add_runner("a", ScriptedRunner("a", "L0[0]", durations=1.0))
+        eng.set_remaining("a", 3)  # 3 more after the ones granted
+        for _ in range(4):
+            play(eng, {"a": 1})
+    assert [c.remaining_s for c in policy.seen] == [3.0, 2.0, 1.0, 1.0]
+
+
 def test_set_milestone_refuses_bad_counts() -> None:
     with Engine(["cpu"], clock=ManualClock()) as eng:
         eng.add_runner("a", ScriptedRunner("a", "L0[0]"))
