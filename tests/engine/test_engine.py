@@ -137,6 +137,21 @@ def test_cancel_and_remove_leave_the_others_alone() -> None:
     assert_same_model(other.model, ref.model)
 
 
+def test_closing_the_engine_first_keeps_a_loops_last_step() -> None:
+    """A loop's optimizer step waits for its next op; an engine closed before the loop
+    (a ``with Engine`` block left without ``loop.close()``) lets the loop leave first,
+    so the model keeps that step: as plain training."""
+    task = make_task(mlp(), "adam", eval_data=False)  # no eval op after the last step
+    ref = plain_copy(task)
+    with Engine(["cpu"], 24_000) as eng:
+        loop = TaskLoop("a", task, eng, seed=0)
+        loop.start(1).result(timeout=60)
+    assert eng.tasks() == []
+    loop.close()  # left already: nothing more to do
+    th.train_plain(ref, 1, seed=0)
+    assert_same_model(task.model, ref.model)
+
+
 def test_a_loop_trains_on_one_thread_at_a_time() -> None:
     task = make_task(mlp(), "sgd")
     gate = threading.Event()

@@ -442,9 +442,20 @@ class Engine:
         ``load_state_dict``, ``.clone()``); their disk space is freed then. To get a
         model back in RAM, call :meth:`remove_task` first: it reads the task's model
         tensors back (``train_models`` does so for every task). Never raises for the
-        disk tier: a spill folder that cannot be removed is logged.
+        disk tier: a spill folder that cannot be removed is logged. A loop still
+        registered (a ``th.shard`` loop's runner, between its ops) leaves first, as its
+        ``close`` does: its optimizer steps still waiting for its next op are applied, so
+        its model keeps every step it took.
         """
-        if not self._dispatcher.stop():  # closed already
+        if self._dispatcher.closed:
+            return
+        with self._cv:
+            runners = [e.runner for e in self._tasks.values()]
+        for runner in runners:
+            leave = getattr(runner, "close", None)
+            if leave is not None and runner.current is None:  # not in an op right now
+                leave(raise_errors=False)  # logs what it cannot apply
+        if not self._dispatcher.stop():  # closed already (by another thread meanwhile)
             return
         for w in self.workers:
             w.close()
