@@ -153,6 +153,7 @@ def test_closing_the_engine_first_keeps_a_loops_last_step() -> None:
 
 
 def test_a_loop_trains_on_one_thread_at_a_time() -> None:
+    """Training, reading and loading its state: one thread at a time."""
     task = make_task(mlp(), "sgd")
     gate = threading.Event()
     task.train_data = _Gated(task.train_data, gate)  # its first iteration waits at batch 1
@@ -163,8 +164,9 @@ def test_a_loop_trains_on_one_thread_at_a_time() -> None:
         while loop.runner is None and time.monotonic() < deadline:
             time.sleep(0.001)  # its first iteration cuts it: that thread is training it
         try:
-            with pytest.raises(InvalidTaskError, match="another thread is training it"):
-                loop.train_iteration()
+            for call in (loop.train_iteration, loop.state, lambda: loop.load_state({})):
+                with pytest.raises(InvalidTaskError, match="another thread is training it"):
+                    call()
         finally:
             gate.set()
         assert [r["iteration"] for r in fut.result(timeout=120)] == [1, 2]

@@ -192,13 +192,24 @@ class TaskLoop:
             InvalidTaskError: another thread is training this loop.
             Exception: whatever the model, the loss or a metric raised.
         """
+        with self._alone():
+            return self._iteration()
+
+    @contextlib.contextmanager
+    def _alone(self) -> Iterator[None]:
+        """Train, or read or load the state, on one thread at a time: a state read while
+        another thread trains would mix two steps.
+
+        Raises:
+            InvalidTaskError: another thread is training the loop.
+        """
         if not self._training.acquire(blocking=False):
             raise InvalidTaskError(
                 f"task {self.name!r}: another thread is training it; wait for its "
                 f"iteration (the future of start()) first"
             )
         try:
-            return self._iteration()
+            yield
         finally:
             self._training.release()
 
@@ -435,7 +446,15 @@ class TaskLoop:
 
     def state(self) -> dict[str, Any]:
         """Everything needed to resume exactly, between iterations (tensors copied, on
-        the CPU), in :mod:`~tune_hydra.engine.runtime.resume`'s layout."""
+        the CPU), in :mod:`~tune_hydra.engine.runtime.resume`'s layout.
+
+        Raises:
+            InvalidTaskError: another thread is training the loop.
+        """
+        with self._alone():
+            return self._state()
+
+    def _state(self) -> dict[str, Any]:
         model_state = self.model.state_dict()  # brings every shard's state home first
         names = resume.param_names(self.model)
         saved = self.optimizer.state_dict()
@@ -487,7 +506,12 @@ class TaskLoop:
             ResumeStateError: the state is damaged, of another model, of the per-shard
                 layout under an unknown cut, or its scheduler state does not match the
                 task's.
+            InvalidTaskError: another thread is training the loop.
         """
+        with self._alone():
+            self._load_state(state, cut)
+
+    def _load_state(self, state: Mapping[str, Any], cut: list[list[str]] | None) -> None:
         resume.refuse(
             self.name, resume.state_problem(state) or resume.position_problem(self.task, state)
         )
