@@ -20,6 +20,7 @@ state home instead would hold a whole task's state in host memory at once.
 from __future__ import annotations
 
 import collections
+import functools
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -105,7 +106,7 @@ class LoopOptimizer:
             mine[owner[id(p)].index].append(p)
         norms: dict[int, torch.Tensor] = {}
         for index, ps in mine.items():
-            norms.update(run(OpKind.STEP, index, lambda _dev, ps=ps: _grad_norms(ps)))
+            norms.update(run(OpKind.STEP, index, functools.partial(_grad_norms, ps)))
         # As torch's _get_total_norm: grouped by dtype (one device in plain training), in
         # order of first appearance, stacked on the first one's device.
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -280,10 +281,10 @@ class LoopOptimizer:
                 }
 
 
-def _grad_norms(params: list[nn.Parameter]) -> dict[int, torch.Tensor]:
+def _grad_norms(params: list[nn.Parameter], device: torch.device) -> dict[int, torch.Tensor]:
     """The 2-norm of each of ``params``' gradients (by id; those without one left out),
     each computed as ``clip_grad_norm_`` computes it (``torch._foreach_norm`` where torch
-    has it for the device and dtype)."""
+    has it for the device and dtype): an op's compute on ``device``."""
     grads = [(p, p.grad) for p in params if p.grad is not None]
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[nn.Parameter, torch.Tensor]]] = {}
     for p, g in grads:
