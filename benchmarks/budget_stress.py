@@ -5,15 +5,14 @@ Each round draws a configuration: 1-3 emulated CPU devices that really copy shar
 a budget of 3-6 MiB, gradient accumulation and clipping, and 2-5 MLP tasks of mixed shapes
 (state-heavy or activation-heavy; some with dropout, BatchNorm or in-place ReLUs). It
 trains them with ``train_models``, replays the trace with ``History.validate()`` (each
-device's shard state, the running op's activations and other tasks' waiting boundary
-tensors against the budget; ordering rules) and compares every task with its plain
+device's shard state and the running op's activations against the budget; ordering
+rules) and compares every task with its plain
 training bit for bit. Thread timing differs from run to run, so each round is a new
 interleaving of the copy, compute and dispatch threads.
 
 With ``--host`` each round also gets a host-memory budget and a spill folder (the disk
 tier): ``host_memory`` is drawn between 1x and (devices + 3)x the largest shard state of
-the round's tasks, plus the boundary tensors they may park at once (one batch boundary
-per task). Mostly it is in the strict range (>= (devices + 2)x, where the engine
+the round's tasks. Mostly it is in the strict range (>= (devices + 2)x, where the engine
 keeps host memory within the budget), and the trace's replay of host memory is checked
 against ``host_memory``; otherwise it is in the slack range, checked against
 ``host_memory`` + (devices + 1)x the largest shard state. The engine's own peak account
@@ -116,12 +115,10 @@ def draw(rng: random.Random, host: bool = False) -> dict[str, Any]:
 SKIPPED = "skipped"
 
 
-def largest_state(tasks: dict[str, Any], cfg: dict[str, Any]) -> tuple[int, int]:
+def largest_state(tasks: dict[str, Any], cfg: dict[str, Any]) -> int:
     """The largest shard state of ``tasks`` as the round's engine will cut them (from the
     plans of deepcopies cut, as ``train_models``' loops cut them, in an engine without a
-    host budget), and the most boundary tensors they may park in host memory at once:
-    one boundary per task (a ``batch x width`` float32 activation or gradient per
-    micro-batch of a group)."""
+    host budget)."""
     with Engine(
         ["cpu"],
         cfg["budget_mib"] * 2**20,
@@ -139,9 +136,7 @@ def largest_state(tasks: dict[str, Any], cfg: dict[str, Any]) -> tuple[int, int]
         finally:
             for loop in loops:
                 loop.close()
-    group = cfg["accumulate_steps"]
-    parked = sum(group * spec[3] * spec[1] * 4 for spec in cfg["tasks"])
-    return largest, parked
+    return largest
 
 
 def check(cfg: dict[str, Any], spill_dir: str | None = None) -> str | None:
@@ -155,11 +150,9 @@ def check(cfg: dict[str, Any], spill_dir: str | None = None) -> str | None:
     host_limit = None
     try:
         if "host_factor" in cfg:
-            # The engine's rule: (devices + 2) x the largest shard state, plus what the
-            # tasks may park at once, holds strictly; the factor scales the first part.
-            largest, parked = largest_state(tasks, cfg)
-            budget = int(cfg["host_factor"] * largest) + parked
-            host = {"host_memory": budget, "spill_dir": spill_dir}
+            # The engine's rule: (devices + 2) x the largest shard state holds strictly.
+            largest = largest_state(tasks, cfg)
+            host = {"host_memory": int(cfg["host_factor"] * largest), "spill_dir": spill_dir}
             # The documented slack: up to (devices + 1) x the largest shard state over.
             slack = 0 if cfg["host_strict"] else (cfg["devices"] + 1) * largest
             host_limit = host["host_memory"] + slack

@@ -283,7 +283,7 @@ def test_host_budget_replays_the_account_in_order() -> None:
         [
             TraceEvent("cpu", "a", 0, "F", 0.0, 1.0),
             _host("host_take", "a", 0, 60, 0.1),
-            _host("host_take", "b", -1, 30, 0.2),  # parked boundary tensors
+            _host("host_take", "b", -1, 30, 0.2),  # a frozen pool entry
             TraceEvent("disk", "a", 0, "to_disk", 0.2, 0.3, 60),
             _host("host_give", "a", 0, 60, 0.3),
             _host("host_take", "c", 1, 70, 0.3),
@@ -489,7 +489,7 @@ def test_an_engines_bounded_trace_holds_its_window_with_whole_run_figures() -> N
     (full, _), (bounded, figures) = runs[None], runs[40]
     assert full.dropped == 0 and len(bounded) <= 40 < bounded.dropped
     a, b = full.summary(), bounded.summary()
-    # The same work (which device ran what, and the parked bytes, depend on timing).
+    # The same work (which device ran what depends on timing).
     assert a["ops"] == b["ops"] and a["tasks"].keys() == b["tasks"].keys()
     assert b["events"] == b["dropped"] + len(bounded)
     # From running totals, the bounded trace's figures agree with the workers' own.

@@ -15,7 +15,7 @@ def _record(granted: int = 2) -> TaskRecord:
     runner = ScriptedRunner("a", "F0[0] F1[0] F2[0] L3[0] B2[0] B1[0] B0[0]")
     rec = TaskRecord("a", runner.plan, TrainOptions(), 0, runner)
     rec.batches_per_iter = 5.0  # an epoch of 5 batches
-    runner.grant(granted)
+    rec.granted = granted
     return rec
 
 
@@ -48,22 +48,32 @@ def test_milestone_s_counts_the_iterations_to_the_milestone_as_remaining_s_does(
     assert rec.milestone_s(0.5) is None
 
 
-def test_deliver_completes_a_grant_with_all_its_results_and_learns_the_epoch() -> None:
+def test_end_iteration_completes_a_grant_with_all_its_results_and_learns_the_epoch() -> None:
     import concurrent.futures
 
+    from tune_hydra.core.ops import Op
     from tune_hydra.engine.records import PendingIterations
 
-    rec = _record()
+    rec = _record(granted=3)
     first: concurrent.futures.Future[list[dict[str, object]]] = concurrent.futures.Future()
     second: concurrent.futures.Future[list[dict[str, object]]] = concurrent.futures.Future()
     rec.pending += [PendingIterations(first, 2), PendingIterations(second, 1)]
-    rec.deliver({"iteration": 1, "batches": 3})
+
+    def batches(n: int) -> None:  # each batch ends with its first shard's backward
+        for _ in range(n):
+            rec.op_done(Op.parse("a:F0[0]"), 0.25)
+            rec.op_done(Op.parse("a:B0[0]"), 0.25)
+
+    batches(3)
+    rec.end_iteration()
     assert not first.done() and rec.batches_per_iter == 3.0  # an epoch's batches, measured
-    rec.deliver({"iteration": 2, "batches": 0})  # none counted: the estimate stays
+    rec.end_iteration()  # none counted: the estimate stays
     assert [r["iteration"] for r in first.result(0)] == [1, 2] and rec.batches_per_iter == 3.0
     assert not second.done() and rec.pending == [PendingIterations(second, 1)]
-    rec.deliver({"iteration": 3, "batches": 3})
+    batches(3)
+    rec.end_iteration()
     assert second.result(0) == [{"iteration": 3, "batches": 3}] and rec.pending == []
+    assert rec.granted == 0 and rec.iteration == 3 and rec.device_time == 3.0
 
 
 def test_hint_and_milestone_drop_the_last_offer() -> None:
@@ -73,6 +83,6 @@ def test_hint_and_milestone_drop_the_last_offer() -> None:
     assert rec.hint == 0 and rec.candidate is None
     rec.candidate = object()  # type: ignore[assignment]
     rec.set_milestone(3)
-    assert rec.milestone_at == rec.runner.iteration + 3 and rec.candidate is None
+    assert rec.milestone_at == rec.iteration + 3 and rec.candidate is None
     rec.set_milestone(None)
     assert rec.milestone_at is None

@@ -1,11 +1,10 @@
 """Host memory accounting: one ledger per engine, asked by its host memory manager and by
 the trace's replay.
 
-A :class:`HostLedger` counts what the engine holds in host memory (RAM) now:
-
-- shard states whose tensors are in RAM (spilled there by a device, loaded there from
-  the disk tier, or a model's own tensors since it was registered), each under its key;
-- boundary tensors a waiting task parked in host memory, per task.
+A :class:`HostLedger` counts what the engine holds in host memory (RAM) now, each under
+its key: shard states whose tensors are in RAM (spilled there by a device, loaded there
+from the disk tier, or a model's own tensors since it was registered) and the frozen
+pool's entries (``tune_hydra.engine.storage.frozen``).
 
 With a budget, the engine keeps the total within it by moving the coldest shard states
 to the disk tier (see ``tune_hydra.engine.storage.host``). The ledger does the arithmetic only:
@@ -16,7 +15,7 @@ Example:
     >>> ledger.take(("a", 0), 60)
     >>> ledger.over(50)  # 60 held + 50 more is 10 over
     10
-    >>> ledger.park("b", 30)
+    >>> ledger.take(("b", 0), 30)
     >>> ledger.held, ledger.peak
     (90, 90)
     >>> ledger.give(("a", 0))
@@ -31,7 +30,7 @@ from collections.abc import Hashable
 
 
 class HostLedger:
-    """What the engine holds in host memory: shard states and parked boundary tensors.
+    """What the engine holds in host memory: shard states and frozen pool entries.
 
     Args:
         budget: host bytes for all of it (``None``: no limit).
@@ -40,7 +39,6 @@ class HostLedger:
     def __init__(self, budget: int | None) -> None:
         self.budget = budget
         self.states: dict[Hashable, int] = {}  # key -> bytes of that state in RAM
-        self.parked: dict[str, int] = {}  # task -> bytes of its parked boundary tensors
         self.held = 0
         self.peak = 0
 
@@ -57,19 +55,6 @@ class HostLedger:
     def give(self, key: Hashable) -> int:
         """Stop counting ``key``'s state; returns the bytes it held (0 if none)."""
         nbytes = self.states.pop(key, 0)
-        self.held -= nbytes
-        return nbytes
-
-    def park(self, task: str, nbytes: int) -> None:
-        """Count ``nbytes`` more of ``task``'s boundary tensors parked in host memory."""
-        self.parked[task] = self.parked.get(task, 0) + nbytes
-        self.held += nbytes
-        self.peak = max(self.peak, self.held)
-
-    def unpark(self, task: str) -> int:
-        """``task``'s parked boundary tensors went back to a device (or were dropped);
-        returns their bytes."""
-        nbytes = self.parked.pop(task, 0)
         self.held -= nbytes
         return nbytes
 

@@ -79,9 +79,3 @@ class Op:
 
 # Greedy ``task``: the last ``:`` before the kind letter separates it from the op.
 _OP_TEXT = re.compile(r"(.+):([FLBSE])(\d+)\[(-?\d+)(?::(-?\d+))?\](?:@(\d+))?")
-
-
-def parse_schedule(text: str) -> list[Op]:
-    """The ops written in ``text``, separated by whitespace or commas, e.g.
-    ``"a:F0[0] a:L1[0] a:B0[0]"``."""
-    return [Op.parse(word) for word in re.split(r"[\s,]+", text.strip()) if word]

@@ -42,7 +42,7 @@ DISK_OPS = frozenset({"to_disk", "from_disk"})
 spill file. ``disk_wait`` (on a device's label) is the time an op waited for a read."""
 HOST_OPS = frozenset({"host_take", "host_give"})
 """The engine's host memory account (device label ``"host"``, instantaneous): bytes of a
-state (``shard`` >= 0) or of parked boundary tensors (``shard`` -1) taken or given back."""
+state (``shard`` >= 0) or of a frozen pool entry (``shard`` -1) taken or given back."""
 TIER_LABELS = ("host", "disk")
 """Labels of events that are not on a device."""
 _TIER_OPS = DISK_OPS | HOST_OPS | {"disk_wait"}

@@ -425,9 +425,9 @@ class Engine:
         with self._cv:
             for name, e in self._tasks.items():
                 out["tasks"][name] = {
-                    "device_time_s": e.runner.device_time,
+                    "device_time_s": e.device_time,
                     "num_shards": len(e.plan),
-                    "iterations": e.runner.iteration,
+                    "iterations": e.iteration,
                 }
         # Engine(batch_shared=True): passes that ran several tasks' ops as one.
         out["batched_passes"] = 0 if self.batcher is None else self.batcher.passes

@@ -161,25 +161,6 @@ def _as_int(value: Any) -> int | None:
     return None if value is None else int(value)
 
 
-def plan_layers(plan: Any) -> list[list[str]] | None:
-    """The layer names of each shard of a shard plan, as the manifest records them.
-
-    Args:
-        plan: a :class:`~tune_hydra.engine.registration.partition.ShardPlan`
-            (anything with ``shards`` whose items have ``layer_names``), or None.
-
-    Returns:
-        One list of layer names per shard, in order; None if ``plan`` does not say.
-    """
-    shards = getattr(plan, "shards", None)
-    if shards is None:
-        return None
-    try:
-        return [[str(n) for n in s.layer_names] for s in shards]
-    except (AttributeError, TypeError):
-        return None
-
-
 # ------------------------------------------------------------------------------- writing
 def write_checkpoint(
     path: str | os.PathLike[str],

@@ -174,7 +174,7 @@ def test_next_shard_predicts_the_ops_that_follow() -> None:
         execute = runner.execute
 
         def logged(op: Op, device: torch.device) -> None:
-            guesses[len(ops)] = runner.next_shard(op)
+            guesses[len(ops)] = runner.order.next_shard(op)
             ops.append(op)
             execute(op, device)
 

@@ -252,12 +252,10 @@ class _Reporting(ScriptedRunner):
         op = super().advance()
         if op is not None:
             op = self.current = dataclasses.replace(op, iteration=0, batch=self.iteration)
+        elif self.iteration % self.every == 0:  # trial.report: the next step announced
+            # (the engine counts the iteration that just ended after this: one more)
+            self.engine.set_milestone(self.name, self.every + 1)
         return op
-
-    def _finish_iteration(self) -> None:
-        super()._finish_iteration()
-        if self.iteration % self.every == 0:  # trial.report: the next step announced
-            self.engine.set_milestone(self.name, self.every)
 
 
 @pytest.mark.parametrize(
@@ -307,13 +305,11 @@ class _LateLoop(ScriptedRunner):
             op = self.current = dataclasses.replace(
                 op, iteration=self.reports, batch=self.iteration
             )
-        return op
-
-    def _finish_iteration(self) -> None:
-        super()._finish_iteration()
-        if self.iteration % self.every == 0:  # trial.report, then the next step announced
+        elif self.iteration % self.every == 0:  # trial.report, then the next step announced
             self.reports += 1
-            self.engine.set_milestone(self.name, self.ahead)
+            # (the engine counts the iteration that just ended after this: one more)
+            self.engine.set_milestone(self.name, self.ahead + 1)
+        return op
 
 
 def test_milestone_a_loop_reporting_later_than_announced_is_still_served() -> None:

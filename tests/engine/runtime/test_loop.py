@@ -44,16 +44,17 @@ def test_runner_learns_the_op_pattern_of_a_batch(engine: th.Engine) -> None:
     n = len(runner.shards)
     assert n >= 3
     # Forward 0..n-1 then backward n-1..0: one op per shard each way.
-    assert runner.ops_per_batch == 2 * n
+    order = runner.order
+    assert order.ops_per_batch == 2 * n
     op = Op(runner.name, OpKind.FORWARD, 0)
-    assert runner.next_shard(op) == 1
-    assert runner.next_shard(Op(runner.name, OpKind.FORWARD, n - 1)) is None  # B(n-1) next
-    assert runner.next_shard(Op(runner.name, OpKind.BACKWARD, 1)) == 0
-    assert runner.ops_until(op, n - 1) == n - 1
-    assert runner.ops_until(Op(runner.name, OpKind.BACKWARD, n - 1), 0) == n - 1
+    assert order.next_shard(op) == 1
+    assert order.next_shard(Op(runner.name, OpKind.FORWARD, n - 1)) is None  # B(n-1) next
+    assert order.next_shard(Op(runner.name, OpKind.BACKWARD, 1)) == 0
+    assert order.ops_until(op, n - 1) == n - 1
+    assert order.ops_until(Op(runner.name, OpKind.BACKWARD, n - 1), 0) == n - 1
     # Each op was one granted iteration, all done: nothing is granted or running now.
-    assert runner.granted == 0 and runner.current is None
-    assert runner.iteration == 2 * 2 * n
+    assert runner.current is None
+    assert engine.summary()["tasks"][runner.name]["iterations"] == runner.iteration == 2 * 2 * n
     assert not in_op()
 
 

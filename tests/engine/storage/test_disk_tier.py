@@ -118,19 +118,6 @@ def state_sizes(tasks: dict[str, th.ModelTask]) -> tuple[int, int]:
     return max(states), sum(states)
 
 
-def parked(tasks: dict[str, th.ModelTask], options: dict[str, Any] | None = None) -> int:
-    """The most boundary tensors ``tasks`` may park in host memory at once: one batch
-    boundary each (rows x the widest layer, float64, per micro-batch of a group). The
-    budget holds strictly at (devices + 2) x the largest shard state plus this."""
-    group = (options or {}).get("accumulate_steps", 1)
-    total = 0
-    for task in tasks.values():
-        rows = next(iter(task.train_data))[0].shape[0]
-        width = max(m.out_features for m in task.model.modules() if isinstance(m, nn.Linear))
-        total += group * rows * width * 8
-    return total
-
-
 def run_engine(
     tasks: dict[str, th.ModelTask],
     epochs: int,
@@ -223,7 +210,7 @@ def test_float64_parity_with_the_disk_tier(
     tasks = build(PARITY_TASKS)
     refs = {name: plain_copy(task) for name, task in tasks.items()}
     largest, total = state_sizes(tasks)
-    host_memory = (devices + 2) * largest + parked(tasks, options)  # strict: no slack
+    host_memory = (devices + 2) * largest  # strict: no slack
     assert total >= 4 * host_memory, (total, host_memory)
     results, host, trace = run_engine(
         tasks,
@@ -798,10 +785,8 @@ def test_random_configurations_are_exact_and_within_the_host_budget(
     tasks = build(specs, n=rng.choice([2, 3]))
     refs = {name: plain_copy(task) for name, task in tasks.items()}
     largest, total = state_sizes(tasks)
-    # The strict range: (devices + 2) x the largest shard state, or up to 1.5x more, plus
-    # the boundary tensors the tasks may park.
+    # The strict range: (devices + 2) x the largest shard state, or up to 1.5x more.
     host_memory = math.floor((devices + 2 + rng.random() * 1.5 * (devices + 2)) * largest)
-    host_memory += parked(tasks, options)
     results, host, trace = run_engine(
         tasks, 2, ["cpu"] * devices, host_memory, disk_path, options, prefetch=prefetch
     )

@@ -27,7 +27,6 @@ from tests.engine.storage.test_disk_tier import (
     assert_plain,
     disk_folder,
     loops,
-    parked,
     stack,
     state_sizes,
 )
@@ -107,7 +106,7 @@ def test_float64_parity_with_dropped_copies(
     host_memory = None
     with _folder(tmp_path, disk) as spill:
         if disk:
-            host_memory = (devices + 2) * _largest_state(tasks) + parked(tasks, options)
+            host_memory = (devices + 2) * _largest_state(tasks)
         results, host, trace, _ = _run(tasks, devices, options, host_memory, spill)
         if disk:
             assert host_memory is not None
@@ -173,7 +172,7 @@ def test_only_visits_that_changed_a_state_write_it_back(tmp_path: Path, disk: bo
     tasks = {f"t{i}": make_task(mlp(seed=i), "adam", n=5, eval_data=True) for i in range(3)}
     refs = {name: plain_copy(task) for name, task in tasks.items()}
     with _folder(tmp_path, disk) as spill:
-        host_memory = 3 * _largest_state(tasks) + parked(tasks) if disk else None
+        host_memory = 3 * _largest_state(tasks) if disk else None
         results, host, trace, plans = _run(tasks, 1, {}, host_memory, spill, prefetch=False)
     for name, task in tasks.items():
         assert_plain(results[name], task.model, refs[name], 2, 1, {})

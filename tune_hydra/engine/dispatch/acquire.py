@@ -79,7 +79,7 @@ def acquire(
                 f"task {task!r} has {n} shard(s), numbered 0 to {n - 1}; there is no shard "
                 f"{shard!r} (see engine.plan({task!r}).shards)"
             )
-        if entry.assigned is not None or runner.granted:
+        if entry.assigned is not None or entry.granted:
             where = f" (an op of it is on device {entry.assigned.label})" if entry.assigned else ""
             raise LeaseConflictError(
                 f"task {task!r} is being trained by the engine{where}: its shards cannot be "

@@ -35,6 +35,7 @@ from tune_hydra.core.ops import Op
 from tune_hydra.core.policies import BasePolicy, Candidate
 from tune_hydra.engine.dispatch.anticipate import Anticipation
 from tune_hydra.engine.dispatch.workers import _POLL_S, Assignment, DeviceWorker
+from tune_hydra.engine.protocol import stores_of
 from tune_hydra.engine.records import PendingIterations, TaskRecord
 from tune_hydra.engine.runtime.kept import KeptGraphs
 from tune_hydra.engine.storage import Store
@@ -131,7 +132,7 @@ class Dispatcher:
                 return fut
             entry.pending.append(PendingIterations(fut, iterations))
             self._waits.came(entry, self.clock())
-            entry.runner.grant(iterations)
+            entry.granted += iterations
             # The work announced (Engine.set_remaining) comes as grants: these are part
             # of it now. A loop is granted one op at a time, so without this its estimate
             # never went down between announcements and LRTF could not even the tasks'
@@ -192,8 +193,9 @@ class Dispatcher:
         leaves them there). ``leave``: the task leaves the engine: its states are the
         user's again, and with ``load`` those on disk come back into host memory."""
         runner = entry.runner
+        stores = stores_of(runner)
         if leave:
-            self.host.unregister(runner.stores)
+            self.host.unregister(stores)
         for i in range(len(entry.plan)):
             store = runner.store_of(i)
             with store.lock:  # a prefetch may be bringing it in right now: after it
@@ -203,21 +205,31 @@ class Dispatcher:
             for w in self.workers:
                 w.release(store)
         if leave:
-            self.host.discard(runner.stores)
+            self.host.discard(stores)
 
     def cancel_futures(self, entry: TaskRecord) -> None:
-        """Cancel ``entry``'s futures and revoke its grants (its batch dropped)."""
+        """Cancel ``entry``'s futures and revoke its grants (its runner stopped, its
+        batch dropped)."""
+        entry.runner.stop()
         self._kept.end(entry, drop=True)
         for p in entry.pending:
             p.future.cancel()
         entry.pending.clear()
-        entry.runner.revoke()
+        entry.granted = 0
 
     # -- completion -----------------------------------------------------------------------
 
     def _advance(self, entry: TaskRecord) -> None:
+        """The runner's next op, after its current one completed or a grant came; an
+        iteration that ends is the engine's to count and deliver, and the next one
+        starts only while iterations are granted."""
+        runner = entry.runner
         try:
-            entry.runner.advance()
+            was = runner.current
+            if runner.advance() is None and was is not None:
+                entry.end_iteration()  # resolves the caller's wait (a loop's user thread)
+                if entry.granted > 0:
+                    runner.advance()
         except BaseException as err:  # a task's error stays with the task
             self._fail(entry, err)
 
@@ -234,6 +246,7 @@ class Dispatcher:
         # which the task's record would keep alive, and with it the task (#29).
         entry.error = _frameless(err)
         entry.runner.stop()
+        entry.granted = 0
         self._kept.end(entry, drop=True)
         for p in entry.pending:
             p.future.set_exception(err)
@@ -253,6 +266,7 @@ class Dispatcher:
             if worker is not None:
                 worker.finished(a, entry.name)
             entry.assigned = None
+            entry.op_done(a.op, a.duration)
             # A state of this task that could not be written to the disk tier while the
             # op ran fails it now, before the op can end its call: the dispatcher thread's
             # poll may come only after the task finished (its call would then succeed).
@@ -368,9 +382,10 @@ class Dispatcher:
         for i, e in enumerate(ranked):
             runner = e.runner
             op = runner.current
-            base = (i // per_slot) * runner.ops_per_batch
+            order = runner.order
+            base = (i // per_slot) * order.ops_per_batch
             for shard in range(len(e.plan)):
-                h = base + runner.ops_until(op, shard)
+                h = base + order.ops_until(op, shard)
                 for s in runner.store_of(shard).parts():
                     heat[id(s)] = min(h, heat.get(id(s), h))
         self.host.set_outlook(heat)
@@ -526,7 +541,7 @@ class Dispatcher:
         if w.depth > 1:
             # A task's next op is not ready until this one ends, so the dispatcher cannot
             # queue it yet; its shard is known, though: copy it in while this one computes.
-            nxt = runner.next_shard(op)
+            nxt = runner.order.next_shard(op)
             if nxt is not None:
                 w.prefetch(runner.store_of(nxt), op.task, nxt, op.iteration)
 

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from tune_hydra.core.ops import Op
-from tune_hydra.core.program import Program, ends_batch
+from tune_hydra.core.program import Program
 from tune_hydra.engine.registration.partition import ShardPlan, ShardSpec
 from tune_hydra.engine.storage import ShardStore, Store
 from tune_hydra.engine.task import OwnedTensors
@@ -143,7 +143,7 @@ class ScriptedRunner:
         self._durations = durations
         for op in self._ops:
             self.duration(op)  # a bad duration fails here, not in a worker
-        self.plan = ShardPlan(
+        self._plan = ShardPlan(
             tuple(ShardSpec(i, i, i + 1, (f"s{i}",), states[i], acts[i]) for i in range(n)),
             budget=None,
             prefetch=False,
@@ -153,16 +153,11 @@ class ScriptedRunner:
             ShardStore([_holder()], name=(name, i), footprint=(states[i], acts[i]))
             for i in range(n)
         ]
-        self._program = Program(name, n)
+        self.order = _Order(name, n)
         self.current: Op | None = None
-        self.on_iteration: Callable[[dict[str, Any]], None] | None = None
-        self.history: list[dict[str, Any]] = []
-        self.iteration = 0
-        self.granted = 0
-        self.device_time = 0.0
+        self.iteration = 0  # iterations finished (its ops' @iteration)
         self.executed: list[Op] = []  # every op run, in order
         self._pos = 0  # next op of the iteration's script
-        self._batches = 0  # batches of the current iteration run
         self._gate: _Gate | None = None
 
     def __repr__(self) -> str:
@@ -186,37 +181,19 @@ class ScriptedRunner:
     # -- the Runner protocol -----------------------------------------------------------
 
     @property
-    def stores(self) -> list[ShardStore]:
-        return list(self._stores)
-
-    @property
-    def ops_per_batch(self) -> int:
-        return self._program.ops_per_batch
-
-    @property
-    def batches_done(self) -> int:
-        return self._batches
+    def plan(self) -> ShardPlan:
+        return self._plan
 
     def store_of(self, shard: int) -> Store:
         return self._stores[shard]
 
-    def grant(self, iterations: int) -> None:
-        self.granted += iterations
-
-    def revoke(self) -> None:
-        self.granted = 0
-
     def stop(self) -> None:
         self.current = None
-        self.granted = 0
 
     def advance(self) -> Op | None:
-        done = self.current
-        if done is not None and ends_batch(done):
-            self._batches += done.count
-        if self._pos == len(self._ops):  # the iteration's last op completed
-            self._finish_iteration()
-        if self._pos == 0 and self.granted == 0:
+        if self.current is not None and self._pos == len(self._ops):  # its iteration ended
+            self.iteration += 1
+            self._pos = 0
             self.current = None
         else:
             self.current = dataclasses.replace(self._ops[self._pos], iteration=self.iteration)
@@ -230,31 +207,18 @@ class ScriptedRunner:
         gate = self._gate
         if gate is not None:
             gate.enter(op)
-        self.device_time += self.duration(op)
-
-    def next_shard(self, op: Op) -> int | None:
-        # No speculative prefetch: a device copies only the ops assigned to it, so what
-        # is resident when the dispatcher decides does not depend on a copy thread's pace.
-        return None
-
-    def ops_until(self, op: Op | None, shard: int) -> int:
-        return self._program.ops_until(op, shard)
-
-    def drop_batch(self) -> None:
-        """Nothing is kept between a scripted batch's ops."""
 
     def owned_tensors(self) -> OwnedTensors:
         return OwnedTensors()
 
-    def _finish_iteration(self) -> None:
-        result = {"iteration": self.iteration + 1, "batches": self._batches}
-        self.history.append(result)
-        self.iteration += 1
-        self.granted -= 1
-        self._pos = 0
-        self._batches = 0
-        if self.on_iteration is not None:
-            self.on_iteration(result)
+
+class _Order(Program):
+    """A scripted task's op order: its batch cycle's, without speculative prefetch (a
+    device copies only the ops assigned to it, so what is resident when the dispatcher
+    decides does not depend on a copy thread's pace)."""
+
+    def next_shard(self, op: Op) -> int | None:
+        return None
 
 
 @dataclass

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from tune_hydra.engine.protocol import Runner, check_runner
+from tune_hydra.engine.protocol import Runner, check_runner, stores_of
 from tune_hydra.engine.records import TaskRecord
 from tune_hydra.engine.registration.partition import ShardPlan
 from tune_hydra.engine.runtime.kept import KeptGraphs
@@ -204,10 +204,10 @@ class TaskRegistry:
         """Add ``entry`` (under the lock, its checks passed); ``prepared``: its frozen
         tensors, matched with the pool's (a runner's with a ``frozen_model``)."""
         runner = entry.runner
+        stores = stores_of(runner)
         if prepared is not None:
-            self.frozen.adopt(prepared, runner.stores)
-        self._host.register(runner.stores)
-        runner.on_iteration = entry.deliver
+            self.frozen.adopt(prepared, stores)
+        self._host.register(stores)
         self.tasks[entry.name] = entry
         self._order += 1
 

@@ -115,9 +115,8 @@ class KeptGraphs:
         w = entry.kept_on
         if w is None:
             return
-        if drop:
-            entry.runner.drop_batch()
-        elif in_batch(entry.runner.current) or getattr(entry.runner, "keeps_batch", False):
+        runner = entry.runner
+        if not drop and (in_batch(runner.current) or getattr(runner, "keeps_batch", False)):
             return
         w.reserve(entry.name, None)
         entry.kept_on = None

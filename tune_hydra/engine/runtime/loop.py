@@ -86,6 +86,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from tune_hydra.core.ops import Op, OpKind
 from tune_hydra.engine.dispatch.batched import is_lora_layer, shared_key
+from tune_hydra.engine.protocol import stores_of
 from tune_hydra.engine.registration.factory import use_generator
 from tune_hydra.engine.registration.partition import (
     LayerCost,
@@ -254,11 +255,8 @@ class LoopRunner:
         # user's thread (a CUDA node would block autograd's one thread per device).
         self.home = torch.device("cpu")
         self.current: Op | None = None
-        self.on_iteration: Callable[[dict[str, Any]], None] | None = None
-        self.history: list[dict[str, Any]] = []  # ops are not kept (one per op would grow)
-        self._iteration = 0
-        self._granted = 0
-        self._device_time = 0.0
+        self.iteration = 0  # its iterations (op chains) finished
+        self.device_time = 0.0  # seconds its ops computed (a batched pass: its share)
         # The op asked for, its compute, and the autocast state of the thread that asked.
         self._request: tuple[Op, Callable[[torch.device], Any], amp.Autocast | None] | None = None
         self._chain: list[ChainStep] = []  # the ops of run_chain still to come
@@ -304,48 +302,23 @@ class LoopRunner:
     # -- the Runner protocol ------------------------------------------------------------
 
     @property
-    def granted(self) -> int:
-        return self._granted
-
-    @property
-    def iteration(self) -> int:
-        return self._iteration
-
-    @property
-    def device_time(self) -> float:
-        return self._device_time
-
-    @property
     def plan(self) -> ShardPlan:
         return self.sizing.plan
 
     @property
+    def order(self) -> OpPattern:
+        return self.pattern
+
+    @property
     def stores(self) -> list[ShardStore]:
-        out: dict[int, ShardStore] = {}
-        for s in self.shards:
-            for one in s.store.parts():
-                out[id(one)] = one
-        return list(out.values())
-
-    @property
-    def ops_per_batch(self) -> int:
-        return self.pattern.ops_per_batch
-
-    @property
-    def batches_done(self) -> int:
-        return 0  # one op is one iteration: nothing of it is done before it ends
-
-    def grant(self, iterations: int) -> None:
-        self._granted += iterations
-
-    def revoke(self) -> None:
-        self._granted = 0
+        """Its shard stores, each once."""
+        return stores_of(self)
 
     def stop(self) -> None:
         self.current = None
-        self._granted = 0
         self._running = False
         self._chain = []
+        self.graph.drop()  # its kept graphs: no backward will come for them
 
     def advance(self) -> Op | None:
         if self._running and self._chain and self._result[0]:  # the chain's next op, now
@@ -364,12 +337,9 @@ class LoopRunner:
                 self.graph.drop()  # a failed batch's graphs: no backward will come for them
             self._running = False
             self.current = None
-            self._iteration += 1
-            self._granted -= 1
-            if self.on_iteration is not None:  # resolves the user's wait: nothing after
-                self.on_iteration({"iteration": self._iteration, "batches": 0})
-            return None
-        if self._request is None or self._granted == 0:
+            self.iteration += 1
+            return None  # the engine then resolves the user's wait: nothing after
+        if self._request is None:  # (the engine advances it only with a grant)
             self.current = None
             return None
         self.current = self._request[0]
@@ -433,7 +403,7 @@ class LoopRunner:
 
     def close_op(self, seconds: float) -> None:
         """The op ended: it computed for ``seconds`` (its share of a batched pass)."""
-        self._device_time += seconds
+        self.device_time += seconds
 
     def batch_key(self, op: Op) -> frozenset[int] | None:
         """What ``op`` may be batched on with other tasks' ops (the shared frozen
@@ -482,17 +452,6 @@ class LoopRunner:
 
     def store_of(self, shard: int) -> Store:
         return self.shards[shard].store
-
-    def next_shard(self, op: Op) -> int | None:
-        return self.pattern.next_shard(op)
-
-    def ops_until(self, op: Op | None, shard: int) -> int:
-        return self.pattern.ops_until(op, shard)
-
-    def drop_batch(self) -> None:
-        """Drop the graphs the batch in progress keeps on a device (the loop failed or
-        leaves)."""
-        self.graph.drop()
 
     @property
     def keeps_batch(self) -> bool:

@@ -1,7 +1,7 @@
 """Host memory with a budget, and the disk tier below it.
 
 With ``host_memory`` and ``spill_dir``, an engine's :class:`HostMemory` keeps what it
-holds in host memory (shard states in RAM, parked boundary tensors; its
+holds in host memory (shard states in RAM, the frozen pool's entries; its
 :class:`~tune_hydra.core.host.HostLedger` counts them) within the budget:
 
 - **Room on demand.** Before a state comes into host memory (a device evicts it, it is
@@ -30,12 +30,9 @@ assigned to a device is marked busy (:meth:`use`, before the op is handed to its
 and is never spilled: its store checks that under its own lock, after taking it.
 
 The budget holds strictly when ``host_memory`` is at least (devices + 2) times the
-largest shard state plus the boundary tensors the tasks park at once (one batch boundary
-per waiting task): every state a thread may be moving at once (one per device's copy
+largest shard state: every state a thread may be moving at once (one per device's copy
 thread and the disk thread) besides the one being made room for can then be spilled (a
 reservation whose victims are all being moved waits up to 50 ms for one to be free).
-Parked boundary tensors make room the same way, and are parked even if none can be made
-(the device needs the room more).
 With less (at least one shard state, or :class:`~tune_hydra.exceptions.HostBudgetError`),
 a reservation that finds every other state in use goes over by its own size: held host
 memory stays within ``host_memory + (devices + 1) x`` the largest shard state.
@@ -219,8 +216,7 @@ class HostMemory:
         """Count ``nbytes`` of the frozen pool under ``key`` (a new entry, or one read back
         from disk for ``store``, which is not spilled for it: the caller holds its lock),
         after making room by spilling colder states; if none can be made, ``spill()`` (a
-        new entry's: to disk right away) or over within the slack, as for parked
-        boundary tensors."""
+        new entry's: to disk right away) or over within the slack."""
         if not self.active or not nbytes:
             return
         waited = 0.0
@@ -367,44 +363,6 @@ class HostMemory:
         label = getattr(owner, "label", "host")
         task, shard = store.name
         self.trace.add(TraceEvent(label, task, shard, "disk_wait", t0, t1))
-
-    # -- parked boundary tensors ---------------------------------------------------------
-
-    def park(self, task: str, nbytes: int) -> None:
-        """Count ``nbytes`` of ``task``'s boundary tensors parked in host memory (after
-        making room for them, as for a state)."""
-        if not nbytes:
-            return
-        waited = 0.0
-        while True:
-            with self._lock:
-                # Checked and counted under one hold: another thread may take room between.
-                if self.ledger.over(nbytes) <= 0 or not self.active:
-                    self._park(task, nbytes)
-                    return
-                victims = self._victims(None, None)
-            if any(self._spill_or_fail(v) for v in victims):
-                continue
-            if not victims or waited >= _WAIT_S:
-                break  # nothing to spill: over (within the slack)
-            time.sleep(_RETRY_S)  # the victims are being moved by other threads
-            waited += _RETRY_S
-        with self._lock:
-            self.over_bytes = max(self.over_bytes, self.ledger.over(nbytes))
-            self._park(task, nbytes)
-
-    def _park(self, task: str, nbytes: int) -> None:
-        self.ledger.park(task, nbytes)
-        t = self.clock()
-        self.trace.add(TraceEvent("host", task, -1, "host_take", t, t, nbytes))
-
-    def unpark(self, task: str) -> None:
-        """``task``'s parked boundary tensors went back to a device (or were dropped)."""
-        with self._lock:
-            nbytes = self.ledger.unpark(task)
-            if nbytes:
-                t = self.clock()
-                self.trace.add(TraceEvent("host", task, -1, "host_give", t, t, nbytes))
 
     # -- figures -------------------------------------------------------------------------
 

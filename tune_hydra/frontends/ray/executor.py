@@ -115,8 +115,7 @@ class HydraExecutor:
             than its RAM holds, with the same results. None: no limit, nothing goes to
             disk. Needs ``spill_dir``; smaller than one shard's state fails that trial
             with ``HostBudgetError``. The engine may go over it by up to (devices + 1) x
-            the largest shard's state unless it is at least (devices + 2) x that plus the
-            boundary tensors waiting trials park (one batch boundary each).
+            the largest shard's state unless it is at least (devices + 2) x that.
         spill_dir: the folder, on every engine node, of the disk tier: a local NVMe disk,
             not a tmpfs (which is RAM) nor a network file system. Each engine makes its own
             scratch subfolder there and removes it when it shuts down. A folder that is

@@ -406,11 +406,6 @@ class FactoryCache:
         with self._lock:
             return self._factories.setdefault(factory_id, fn)
 
-    def cached(self, factory_id: str) -> Callable[..., Any] | None:
-        """The factory if this engine holds it already, else None (reads nothing)."""
-        with self._lock:
-            return self._factories.get(factory_id)
-
     def bind(self, factory_id: str, params: dict[str, Any]) -> Callable[..., Any]:
         """The factory with a trial's ``tune.with_parameters`` parameters: object
         references are fetched once per engine (the bound factory is kept until the

@@ -98,21 +98,6 @@ def _signature(original: Callable[..., Any]) -> inspect.Signature | None:
     return sig.replace(parameters=params)
 
 
-def is_tune_patched() -> bool:
-    """Whether ``ray.tune.run`` is currently :func:`patched_run`.
-
-    Example:
-        >>> import tune_hydra as th
-        >>> from tune_hydra.frontends.ray.patch import is_tune_patched
-        >>> with th.patch_tune():
-        ...     is_tune_patched()
-        True
-        >>> is_tune_patched()
-        False
-    """
-    return ray.tune.run is patched_run
-
-
 class TunePatch:
     """What :func:`patch_tune` returns; as a context manager it undoes that call's patch.
 
