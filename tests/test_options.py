@@ -173,9 +173,11 @@ _WHERE = re.compile(r"^(Engine|train_models|optimize|HydraExecutor|task 'a'): ")
 
 
 def _offers(front_end: str) -> set[str]:
-    """The engine, task and other options ``front_end`` takes (its signature; Engine's
-    per-task options are those of the ``TaskLoop`` that trains a task on it;
-    th.optimize's train_opts)."""
+    """The engine, task and other options ``front_end`` takes (the engine options it is
+    offered, as its **options take them, and its signature; Engine's per-task options
+    are those of the ``TaskLoop`` that trains a task on it; th.optimize's train_opts)."""
+    from tune_hydra.options import offered
+
     if front_end == "optimize":
         from tune_hydra.frontends import optuna as th_optuna
 
@@ -190,17 +192,19 @@ def _offers(front_end: str) -> set[str]:
         from tune_hydra.engine import Engine
         from tune_hydra.frontends.task_loop import TaskLoop
 
-        return set(inspect.signature(Engine).parameters) | set(
-            inspect.signature(TaskLoop.__init__).parameters
-        )
+        return {
+            *offered("Engine"),
+            *inspect.signature(Engine).parameters,
+            *inspect.signature(TaskLoop.__init__).parameters,
+        }
     if front_end == "train_models":
         from tune_hydra.frontends.train import train_models
 
-        return set(inspect.signature(train_models).parameters)
+        return {*offered("train_models"), *inspect.signature(train_models).parameters}
     pytest.importorskip("ray")
     from tune_hydra.frontends.ray.executor import HydraExecutor
 
-    return set(inspect.signature(HydraExecutor).parameters)
+    return {*offered("HydraExecutor"), *inspect.signature(HydraExecutor).parameters}
 
 
 def _call(front_end: str, options: dict[str, Any]) -> None:

@@ -503,8 +503,10 @@ iteration_batches=None, recompute=False)
 @dataclass(frozen=True)
 class EngineOptions:
     """The options of an :class:`~tune_hydra.engine.Engine`, checked: the one place where
-    every front end's engine options are judged (``Engine``, ``train_models``,
-    ``HydraExecutor``, ``th.optimize``), each by the one validator of its option.
+    every entry point's engine options are documented, defaulted and judged (``Engine``,
+    ``th.configure``, ``train_models``, ``HydraExecutor``, ``th.run``, ``th.optimize``
+    take them as keywords and build one with :func:`engine_options`), each by the one
+    validator of its option.
 
     The fields keep the values as given (a policy name stays a name: each engine makes
     its own instance); the budgets are parsed once, here, into :attr:`device_bytes` and
@@ -514,23 +516,49 @@ class EngineOptions:
     copy with ``dataclasses.replace`` (checked again).
 
     Args:
-        devices: ``"auto"``, ``"cpu"``, ``"cuda:N"`` or a list (:func:`check_devices`).
-        device_memory: per-device budget (:func:`parse_bytes`).
-        policy: a policy name or instance (:func:`check_policy`).
-        prefetch, copy_on_cpu: ``True`` / ``False``; recompute: also ``None``
-            (:func:`check_flag`).
-        max_layers_per_shard: ``None`` or an int >= 1 (:func:`check_max_layers_per_shard`).
-        host_memory, spill_dir: the host-memory budget (:func:`parse_bytes`) and the
-            folder of the disk tier below it; ``host_memory`` needs ``spill_dir``
-            (:func:`check_spill`; the folder itself is checked when the engine starts).
-        trace_window: the most trace events the engine keeps (``None``: all); older
-            ones are folded into the trace's running totals (:func:`check_trace_window`).
-        share_frozen: hold frozen tensors equal across tasks once (a LoRA search's base;
-            ``tune_hydra.engine.storage.frozen``); ``False``: every task keeps its own copy
-            (:func:`check_flag`).
-        batch_shared: run ops of several tasks on the same shared frozen shard (LoRA
-            trials over one base, task factories and ``th.shard`` loops alike) as one
-            batched pass (``tune_hydra.engine.dispatch.batched``; :func:`check_flag`).
+        devices: ``"auto"``, ``"cpu"``, or a list such as ``["cuda:0", "cuda:1"]``;
+            ``"cpu"`` may repeat (each is an emulated device with its own worker thread,
+            and torch's intra-op threads are divided among them).
+        device_memory: per-device budget (bytes, or ``"512MiB"``); ``None`` is the whole
+            device (on a GPU the plans budget 90% of it; on the CPU: no limit, one shard).
+        policy: ``"auto"`` (default: the milestone policy, which decides as LRTF until a
+            front end announces milestones with ``Engine.set_milestone``; ``train_models``
+            resolves it to LRTF), ``"lrtf"``, ``"milestone"``, ``"fifo"``,
+            ``"round_robin"`` or a ``BasePolicy``.
+        prefetch: double-buffer: promote the next assigned shard while one computes (on
+            devices that copy; a CPU device that copies nothing queues one op at a time).
+        recompute: re-run forward in backward instead of keeping activations; default
+            (``None``) ``True`` on GPUs (activations would occupy device memory) and
+            ``False`` on the CPU (where the "device" is host memory and recomputing only
+            costs time). Without it, on a device that copies, each batch's kept graphs are
+            reserved in ``device_memory`` (see ``tune_hydra.engine.runtime.kept``).
+        copy_on_cpu: really copy shard state on CPU "devices": they then run the way a
+            GPU does (spills, budgets, and ``recompute`` on by default); a test aid.
+        max_layers_per_shard: cut finer than the budget requires (an int >= 1, or None).
+        host_memory: host-memory budget for the shard states of all tasks (bytes, or
+            ``"64GiB"``); the coldest states beyond it go to files under ``spill_dir``
+            and are read back ahead of their visits, with the same results (see
+            ``tune_hydra.engine.storage.host``). ``None``: unlimited, nothing goes to
+            disk. Smaller than one shard's state fails that task with
+            ``HostBudgetError``. The engine may go over it by up to (devices + 1) x the
+            largest shard's state unless it is at least (devices + 2) x that.
+        spill_dir: an existing folder on a local disk (NVMe; not a tmpfs, which is RAM,
+            nor a network file system) for the disk tier, needed with ``host_memory``;
+            the engine works in a folder of its own there, removed when it closes (or,
+            after a crash, by the next engine started with the same ``spill_dir``).
+        trace_window: the most events the engine's trace keeps (default 200,000, 35-55
+            MiB; ``None``: all, growing with the run); older ones are folded into running
+            totals, so the trace's figures (``trace.summary()``) still cover the run.
+        share_frozen: hold frozen tensors equal across tasks (a fine-tuning search's
+            base) once in host memory (see ``tune_hydra.engine.storage.frozen``);
+            ``False``: each task keeps its own (a benchmark switch).
+        batch_shared: run the ops of several tasks on the same shared frozen shard (LoRA
+            trials over one base: task factories and ``th.shard`` loops) as one batched
+            pass on one device: the frozen layers once over their concatenated batches,
+            each task's adapters on its own rows (see ``tune_hydra.engine.dispatch.batched``;
+            off by default: within 1e-12 relative of running them alone in float64, not
+            always bitwise; recompute mode only, no autocast, no disk tier; within
+            ``device_memory``). ``Engine.summary()`` counts the batched passes.
         where: who got them, for the messages (``"Engine"``, ``"train_models"``); not
             stored.
 
@@ -595,6 +623,60 @@ class EngineOptions:
 ENGINE_OPTIONS = tuple(f.name for f in dataclasses.fields(EngineOptions) if f.init)
 #: The per-task options of ``TaskLoop`` (:func:`check_task_options`), in order.
 TASK_OPTIONS = ("seed", "max_grad_norm", "accumulate_steps", "precision", "iteration_batches")
+#: The engine options ``Engine(...)`` also takes by position, in this order.
+POSITIONAL_OPTIONS = ("devices", "device_memory", "policy")
+
+
+def offered(where: str) -> tuple[str, ...]:
+    """The engine options entry point ``where`` takes: :data:`ENGINE_OPTIONS` but those
+    :data:`NOT_OFFERED` names for it."""
+    return tuple(k for k in ENGINE_OPTIONS if k not in NOT_OFFERED.get(where, {}))
+
+
+def engine_options(
+    given: Mapping[str, Any],
+    *,
+    where: str,
+    positional: Sequence[Any] = (),
+    takes: Iterable[str] = (),
+) -> EngineOptions:
+    """An entry point's engine options (its ``**engine_options``), checked once: the
+    names (a misspelt one is named with the closest option; one this entry point does
+    not take, with the reason), then every value by :class:`EngineOptions`, whose
+    defaults are the only ones.
+
+    Args:
+        given: the engine options given by name.
+        where: the entry point (``"Engine"``, ``"train_models"``, ``"HydraExecutor"``).
+        positional: values given by position (``Engine("cpu", "1GiB")``), in the order
+            of :data:`POSITIONAL_OPTIONS`.
+        takes: the entry point's own keywords (a typo of one of them is named too).
+
+    Raises:
+        UnknownOptionError: a name that is no option of ``where``.
+        InvalidOptionError: more than three values by position, or an option given both
+            by position and by name; a bad value (and EngineOptions' other errors).
+
+    Example:
+        >>> engine_options({"prefetch": False}, where="Engine", positional=["cpu"]).devices
+        'cpu'
+    """
+    check_option_names(
+        given, [*offered(where), *takes], where=where, not_offered=NOT_OFFERED.get(where)
+    )
+    if len(positional) > len(POSITIONAL_OPTIONS):
+        raise InvalidOptionError(
+            "options",
+            tuple(positional),
+            f"give at most {', '.join(POSITIONAL_OPTIONS)} by position, the others by name",
+            where,
+        )
+    named = dict(zip(POSITIONAL_OPTIONS, positional, strict=False))
+    for key in named.keys() & given.keys():
+        raise InvalidOptionError(
+            key, given[key], "given by position and by name: give it once", where
+        )
+    return EngineOptions(**named, **given, where=where)
 
 
 def check_option_names(
@@ -690,6 +772,7 @@ __all__ = [
     "ENGINE_KEYS",
     "ENGINE_OPTIONS",
     "NOT_OFFERED",
+    "POSITIONAL_OPTIONS",
     "PRECISIONS",
     "SEED_MAX",
     "SEED_MIN",
@@ -711,5 +794,7 @@ __all__ = [
     "check_spill",
     "check_task_options",
     "check_trace_window",
+    "engine_options",
+    "offered",
     "parse_bytes",
 ]

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
-import os
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from tune_hydra.core.ops import Op
-from tune_hydra.core.policies import BasePolicy, get_policy
+from tune_hydra.core.policies import get_policy
 from tune_hydra.core.trace import Trace
 from tune_hydra.engine.dispatch.acquire import acquire as acquire_lease
 from tune_hydra.engine.dispatch.batched import SharedBatcher
@@ -41,10 +40,10 @@ from tune_hydra.engine.storage.host import HostMemory
 from tune_hydra.engine.units import device_budget, resolve_devices
 from tune_hydra.exceptions import InvalidOptionError, InvalidTaskError
 from tune_hydra.options import (
-    DEFAULT_TRACE_WINDOW,
+    POSITIONAL_OPTIONS,
     EngineOptions,
     TrainOptions,
-    check_option_names,
+    engine_options,
 )
 
 
@@ -52,45 +51,15 @@ class Engine:
     """Runs the shard ops of many tasks at once, shard by shard, on shared devices.
 
     Args:
-        devices: ``"auto"``, ``"cpu"``, or a list such as ``["cuda:0", "cuda:1"]``;
-            ``"cpu"`` may repeat (each is an emulated device with its own worker thread,
-            and torch's intra-op threads are divided among them).
-        device_memory: per-device budget (bytes, or ``"512MiB"``); ``None`` is the whole
-            device (on the CPU: no limit, one shard).
-        policy: ``"auto"`` (default: the milestone policy, which decides as LRTF until a
-            front end announces milestones with :meth:`set_milestone`), ``"lrtf"``,
-            ``"milestone"``, ``"fifo"``, ``"round_robin"`` or a ``BasePolicy``.
-        prefetch: double-buffer: promote the next assigned shard while one computes (on
-            devices that copy; a CPU device that copies nothing queues one op at a time).
-        recompute: re-run forward in backward instead of keeping activations; default
-            ``True`` on GPUs (activations would occupy device memory) and ``False`` on the
-            CPU (where the "device" is host memory and recomputing only costs time).
-            Without it, on a device that copies, each batch's kept graphs are reserved in
-            ``device_memory`` (see ``tune_hydra.engine.runtime.kept``).
-        copy_on_cpu: really copy shard state on CPU "devices": they then run the way a
-            GPU does (spills, budgets, and ``recompute`` on by default).
-        max_layers_per_shard: cut finer than the budget requires (an int >= 1, or None).
-        host_memory: host-memory budget for the shard states of all tasks (bytes, or
-            ``"64GiB"``); the coldest states beyond it go to files under ``spill_dir`` and
-            are read back ahead of their visits (see ``tune_hydra.engine.storage.host``). ``None``:
-            unlimited, nothing goes to disk.
-        spill_dir: an existing folder on a local disk (not a tmpfs) for the disk tier;
-            the engine works in a folder of its own there, removed when it closes (or, after
-            a crash, by the next engine started with the same ``spill_dir``).
-        trace_window: the most events :attr:`trace` keeps (default 200,000, 35-55 MiB;
-            ``None``: all, growing with the run); older ones are folded into running
-            totals, so the trace's figures (``trace.summary()``) still cover the whole run.
-        share_frozen: hold frozen tensors equal across tasks (a fine-tuning search's base)
-            once in host memory (see ``tune_hydra.engine.storage.frozen``); ``False``: each task
-            keeps its own.
-        batch_shared: run the ops of several tasks on the same shared frozen shard
-            (LoRA trials over one base: task factories and ``th.shard`` loops) as one
-            batched pass on one device: the frozen layers once over their concatenated
-            batches, each task's adapters on its own rows (see
-            ``tune_hydra.engine.dispatch.batched``; off by default: within 1e-12 relative of
-            running them alone in float64, not always bitwise; recompute mode only, no
-            autocast, no disk tier; within ``device_memory``). ``summary()`` counts the
-            batched passes.
+        *positional: ``devices``, ``device_memory`` and ``policy``, by position (or by
+            name among the options below).
+        **engine_options: the engine options, documented and defaulted once in
+            :class:`~tune_hydra.options.EngineOptions`: ``devices`` (``"auto"``,
+            ``"cpu"``, ``["cuda:0", "cuda:1"]``; ``"cpu"`` may repeat), ``device_memory``
+            (per device, bytes or ``"512MiB"``), ``policy``, ``prefetch``, ``recompute``,
+            ``copy_on_cpu``, ``max_layers_per_shard``, ``host_memory`` and ``spill_dir``
+            (the disk tier), ``trace_window``, ``share_frozen``, ``batch_shared``
+            (``summary()`` counts the batched passes).
         options: the same options as one checked :class:`~tune_hydra.options.EngineOptions`
             (what the front ends build where the user gives them, and hand down as it is),
             instead of the keywords above (``Engine(options=opts)``; giving both is
@@ -128,38 +97,12 @@ class Engine:
 
     def __init__(
         self,
-        devices: Any = "auto",
-        device_memory: int | str | None = None,
-        policy: str | BasePolicy = "auto",
-        *,
-        prefetch: bool = True,
-        recompute: bool | None = None,
-        copy_on_cpu: bool = False,
-        max_layers_per_shard: int | None = None,
-        host_memory: int | str | None = None,
-        spill_dir: str | os.PathLike[str] | None = None,
-        trace_window: int | None = DEFAULT_TRACE_WINDOW,
-        share_frozen: bool = True,
-        batch_shared: bool = False,
+        *positional: Any,
         options: EngineOptions | None = None,
         clock: Callable[[], float] | None = None,
-        **unknown: Any,
+        **engine_options: Any,
     ) -> None:
-        given = {
-            "devices": devices,
-            "device_memory": device_memory,
-            "policy": policy,
-            "prefetch": prefetch,
-            "recompute": recompute,
-            "copy_on_cpu": copy_on_cpu,
-            "max_layers_per_shard": max_layers_per_shard,
-            "host_memory": host_memory,
-            "spill_dir": spill_dir,
-            "trace_window": trace_window,
-            "share_frozen": share_frozen,
-            "batch_shared": batch_shared,
-        }
-        options = _engine_options(options, given, unknown)
+        options = _engine_options(options, positional, engine_options)
         self.options = options
         self.devices = resolve_devices(options.devices)
         self.policy = get_policy(options.policy)
@@ -481,29 +424,29 @@ class Engine:
         return None if self._dispatcher.closed else self._entry(name)
 
 
-def _engine_options(options: Any, given: dict[str, Any], unknown: dict[str, Any]) -> EngineOptions:
+def _engine_options(
+    options: Any, positional: tuple[Any, ...], given: dict[str, Any]
+) -> EngineOptions:
     """The engine's options: ``options`` as it is (checked when it was built), else the
-    keywords ``given``, checked; ``unknown``: keywords the engine does not take.
+    ones given by position and by name, checked (:func:`~tune_hydra.options.engine_options`).
 
     Raises:
-        UnknownOptionError: an ``unknown`` keyword (named with the closest option).
-        InvalidOptionError: ``options`` is no ``EngineOptions``, or comes with keywords.
+        UnknownOptionError: a keyword the engine does not take (named with the closest).
+        InvalidOptionError: ``options`` is no ``EngineOptions``, or comes with others.
     """
-    if unknown:  # a typo: named with the closest option, not Python's bare TypeError
-        code = Engine.__init__.__code__
-        check_option_names(unknown, code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount])
     if options is None:
-        return EngineOptions(**given, where="Engine")
+        return engine_options(
+            given, where="Engine", positional=positional, takes=("options", "clock")
+        )
     if not isinstance(options, EngineOptions):
         raise InvalidOptionError(
             "options", options, "give a tune_hydra.options.EngineOptions, or None", "Engine"
         )
-    defaults = EngineOptions().kwargs()
-    mixed = [k for k, v in given.items() if v is not defaults[k] and v != defaults[k]]
-    if mixed:
+    if positional or given:
+        mixed = [*POSITIONAL_OPTIONS[: len(positional)], *given]
         raise InvalidOptionError(
             mixed[0],
-            given[mixed[0]],
+            given[mixed[0]] if mixed[0] in given else positional[0],
             f"leave out {', '.join(mixed)} when passing options=: the EngineOptions holds "
             f"them (derive another with dataclasses.replace(options, {mixed[0]}=...))",
             "Engine",

@@ -9,17 +9,15 @@ own; the engine multiplexes their shard ops over its devices, told each task's w
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import os
 import threading
 import traceback
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
-import torch
-
-from tune_hydra.core.policies import AUTO, BasePolicy, resolve_policy
+from tune_hydra.core.policies import AUTO, resolve_policy
 from tune_hydra.core.trace import Trace
 from tune_hydra.engine.engine import Engine
 from tune_hydra.engine.registration.partition import ShardPlan
@@ -27,11 +25,9 @@ from tune_hydra.engine.runtime.kept import kept_bytes
 from tune_hydra.engine.task import ModelTask
 from tune_hydra.exceptions import InvalidTaskError, TaskFailedError, TrainingError, TuneHydraError
 from tune_hydra.options import (
-    NOT_OFFERED,
-    EngineOptions,
-    check_option_names,
     check_positive_int,
     check_task_options,
+    engine_options,
 )
 
 log = logging.getLogger(__name__)
@@ -74,23 +70,13 @@ class History(dict[str, list[dict[str, Any]]]):
 
 def train_models(
     tasks: Mapping[str, ModelTask],
-    devices: str | Sequence[str | torch.device] = "auto",
-    device_memory: int | str | None = None,
-    epochs: int = 1,
     *,
+    epochs: int = 1,
     seed: int | None = None,
     max_grad_norm: float | None = None,
     accumulate_steps: int = 1,
     precision: str | None = None,
-    policy: str | BasePolicy = AUTO,
-    prefetch: bool = True,
-    recompute: bool | None = None,
-    copy_on_cpu: bool = False,
-    max_layers_per_shard: int | None = None,
-    host_memory: int | str | None = None,
-    spill_dir: str | os.PathLike[str] | None = None,
-    batch_shared: bool = False,
-    **unknown: Any,
+    **options: Any,
 ) -> History:
     """Train many models at once, shard by shard, each exactly as plain PyTorch would.
 
@@ -101,36 +87,20 @@ def train_models(
 
     Args:
         tasks: ``{name: ModelTask}``.
-        devices: ``"auto"``, ``"cpu"``, or a list (``"cpu"`` may repeat: emulated devices).
-        device_memory: per-device budget: bytes, ``"512MiB"``, ``"8GiB"``; ``None`` = the
-            whole device.
         epochs: epochs to train every task.
         seed: each task's stream starts where ``torch.manual_seed(seed)`` would start it
             (``ModelTask.seed`` overrides; default ``torch.initial_seed()``).
         max_grad_norm: clip by the global norm over all shards, like ``clip_grad_norm_``.
         accumulate_steps: gradient accumulation over this many batches.
         precision: ``None`` / ``"fp32"`` or ``"bf16"`` (autocast).
-        policy: ``"auto"`` (the default: LRTF, since every task's budget is fixed),
-            ``"lrtf"``, ``"milestone"``, ``"fifo"``, ``"round_robin"`` or a
-            ``BasePolicy`` instance.
-        prefetch: promote the next shard while the current one computes (where shard
-            state is copied: GPUs, or ``copy_on_cpu``).
-        recompute: see :class:`~tune_hydra.engine.Engine`.
-        copy_on_cpu: really copy shard state on CPU devices (tests the spill path).
-        max_layers_per_shard: cut finer than the budget requires.
-        host_memory: host-memory budget for shard state between visits (bytes or
-            ``"8GiB"``); the state beyond it goes to ``spill_dir`` and is read back before
-            its shard runs. ``None`` = unlimited (nothing goes to disk). Results are the
-            same either way. Needs ``spill_dir``.
-        spill_dir: a folder, on a local disk (NVMe; a RAM file system such as a tmpfs is
-            refused), where the engine makes its own scratch subfolder, removed when
-            training ends. Unused without ``host_memory``.
-        batch_shared: run the ops of LoRA tasks over one base that are ready together on
-            the same shard as one batched pass (see ``tune_hydra.engine.Engine``).
-
-    The engine options are forwarded as one checked
-    :class:`~tune_hydra.options.EngineOptions` (``Engine(options=...)``); those not taken
-    here, and why, are in ``tune_hydra.options.NOT_OFFERED``.
+        **options: the engine's options, documented and defaulted once in
+            :class:`~tune_hydra.options.EngineOptions` and checked once there:
+            ``devices``, ``device_memory`` (per device: bytes, ``"512MiB"``), ``policy``
+            (``"auto"``, the default, is LRTF here: every task's budget is fixed),
+            ``prefetch``, ``recompute``, ``copy_on_cpu``, ``max_layers_per_shard``,
+            ``host_memory`` and ``spill_dir`` (the disk tier: results are the same
+            either way), ``batch_shared``. Those not taken here, and why, are in
+            ``tune_hydra.options.NOT_OFFERED``.
 
     Returns:
         A :class:`History`: ``history["a"]`` is a list with one dict per epoch holding
@@ -179,10 +149,8 @@ def train_models(
         (2, 1)
     """
     where = "train_models"
-    if unknown:  # a typo: named with the closest option, not Python's bare TypeError
-        code = train_models.__code__
-        takes = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
-        check_option_names(unknown, takes, where=where, not_offered=NOT_OFFERED[where])
+    takes = ("epochs", "seed", "max_grad_norm", "accumulate_steps", "precision")
+    checked = engine_options(options, where=where, takes=takes)
     if not isinstance(tasks, Mapping) or not tasks:
         raise InvalidTaskError("tasks must be a non-empty dict {name: ModelTask}")
     check_positive_int(epochs, "epochs", meaning="epochs to train every task", where=where)
@@ -194,24 +162,12 @@ def train_models(
         precision=precision,
         where=where,
     )
-    if isinstance(policy, str) and policy == AUTO:
-        policy = resolve_policy(AUTO, search_aware=False)  # fixed budgets: makespan first
-    engine_options = EngineOptions(
-        devices,
-        device_memory,
-        policy,
-        prefetch=prefetch,
-        recompute=recompute,
-        copy_on_cpu=copy_on_cpu,
-        max_layers_per_shard=max_layers_per_shard,
-        host_memory=host_memory,
-        spill_dir=spill_dir,
-        batch_shared=batch_shared,
-        where=where,
-    )
+    if isinstance(checked.policy, str) and checked.policy == AUTO:
+        # Fixed budgets: makespan first.
+        checked = dataclasses.replace(checked, policy=resolve_policy(AUTO, search_aware=False))
     history = History({name: [] for name in tasks})  # in the order of ``tasks``
     errors: dict[str, BaseException] = {}
-    with Engine(options=engine_options) as engine:
+    with Engine(options=checked) as engine:
         trainers = [
             _Trainer(name, task, engine, epochs, task_options) for name, task in tasks.items()
         ]

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import inspect
 import logging
-import os
 import secrets
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from tune_hydra.core.policies import AUTO, BasePolicy
+from tune_hydra.core.policies import BasePolicy
 from tune_hydra.exceptions import TuneHydraError
 from tune_hydra.frontends.ray import registry
 from tune_hydra.frontends.ray.actor import DEFAULT_ENGINE_CLASS, DEFAULT_FACTORY_TIMEOUT_S
@@ -32,13 +31,7 @@ from tune_hydra.frontends.ray.proxies import (
     slotted,
     warn_resources_dropped,
 )
-from tune_hydra.options import (
-    NOT_OFFERED,
-    EngineOptions,
-    check_factory_timeout,
-    check_option_names,
-    check_task_options,
-)
+from tune_hydra.options import check_factory_timeout, check_task_options, engine_options
 
 logger = logging.getLogger(__name__)
 
@@ -105,40 +98,21 @@ class HydraExecutor:
             results = tuner.fit()
 
     Args:
-        devices: ``"auto"`` (the node's GPUs, or its CPU with a warning), ``"cpu"``, or a
-            list such as ``["cuda:0", "cuda:1"]`` / ``["cpu", "cpu"]``; the same on each node.
-        device_memory: per-device memory budget for shards (bytes or ``"8GiB"``); None uses
-            the whole device.
-        host_memory: each engine's host-memory budget for the trials' shard state between
-            visits (bytes or ``"8GiB"``); the state beyond it is written to ``spill_dir``
-            and read back before its shard runs, so a node trains more (or larger) trials
-            than its RAM holds, with the same results. None: no limit, nothing goes to
-            disk. Needs ``spill_dir``; smaller than one shard's state fails that trial
-            with ``HostBudgetError``. The engine may go over it by up to (devices + 1) x
-            the largest shard's state unless it is at least (devices + 2) x that.
-        spill_dir: the folder, on every engine node, of the disk tier: a local NVMe disk,
-            not a tmpfs (which is RAM) nor a network file system. Each engine makes its own
-            scratch subfolder there and removes it when it shuts down. A folder that is
-            missing, not writable or on a full disk stops the engines from starting
-            (``SpillDirError``); a write that fails mid-run fails that trial
-            (``SpillDiskFullError``). Unused without ``host_memory``.
-        policy: the engines' scheduling policy: ``"auto"`` (the default), ``"lrtf"``,
-            ``"milestone"``, ``"fifo"``, ``"round_robin"`` or a policy instance. ``"auto"``
-            is chosen from the run by :meth:`scheduler` (which ``th.run`` calls): the
-            milestone policy when its scheduler stops trials early or its search
-            algorithm adapts (each trial's next rung first), LRTF for fixed budgets
-            (the shortest makespan). Engines started before that (``trainable`` first)
-            run the milestone policy, which decides as LRTF when no milestones come.
-        prefetch: copy the next shard in while the current one computes.
-        max_layers_per_shard: cut every model finer than ``device_memory`` requires: at
-            most this many layers in one shard (an int >= 1; None: as many as the budget
-            allows). :meth:`plan` shows the cut it gives.
-        batch_shared: run the ops of LoRA trials over one base that are ready together
-            on the same shard as one batched pass (see ``tune_hydra.engine.Engine``).
-        recompute: re-run each shard's forward in its backward instead of keeping its
-            graph; default ``True`` on GPUs, ``False`` on CPU devices. Without it each
-            trial's batch reserves its kept activations in ``device_memory``, so fewer
-            trials run at once on a GPU (see ``tune_hydra.engine.Engine``).
+        **options: every engine's options, documented and defaulted once in
+            :class:`~tune_hydra.options.EngineOptions`: ``devices`` (``"auto"``: the
+            node's GPUs, or its CPU with a warning; the same on each node),
+            ``device_memory`` (per device, bytes or ``"8GiB"``), ``policy``, ``prefetch``,
+            ``recompute``, ``max_layers_per_shard`` (:meth:`plan` shows the cut it
+            gives), ``batch_shared``, and the disk tier's ``host_memory`` and
+            ``spill_dir`` (a folder on every engine node: one that is missing, not
+            writable or on a full disk stops the engines from starting with
+            ``SpillDirError``; a write that fails mid-run fails that trial). ``policy="auto"``
+            (the default) is chosen from the run by :meth:`scheduler` (which ``th.run``
+            calls): the milestone policy when its scheduler stops trials early or its
+            search algorithm adapts (each trial's next rung first), LRTF for fixed
+            budgets (the shortest makespan); engines started before that (``trainable``
+            first) run the milestone policy, which decides as LRTF when no milestones
+            come.
         iteration_batches: None: one Tune iteration is one epoch; N: N batches.
         seed, max_grad_norm, accumulate_steps, precision: per-task engine options
             (``TaskLoop``'s), the same for every trial.
@@ -188,16 +162,7 @@ class HydraExecutor:
 
     def __init__(
         self,
-        devices: str | Sequence[str] = "auto",
-        device_memory: int | str | None = None,
-        policy: str | BasePolicy = AUTO,
         *,
-        host_memory: int | str | None = None,
-        spill_dir: str | os.PathLike[str] | None = None,
-        prefetch: bool = True,
-        recompute: bool | None = None,
-        max_layers_per_shard: int | None = None,
-        batch_shared: bool = False,
         iteration_batches: int | None = None,
         seed: int | None = None,
         max_grad_norm: float | None = None,
@@ -210,20 +175,19 @@ class HydraExecutor:
         factory_timeout_s: float | None = DEFAULT_FACTORY_TIMEOUT_S,
         checkpoint: str | bool | None = "every",
         _engine_class: str = DEFAULT_ENGINE_CLASS,
-        **unknown: Any,
+        **options: Any,
     ) -> None:
         from tune_hydra.frontends.ray.callback import check_checkpoint
 
         where = "HydraExecutor"
-        if unknown:  # a typo: named with the closest option, not Python's bare TypeError
-            code = HydraExecutor.__init__.__code__
-            takes = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
-            check_option_names(
-                unknown,
-                [k for k in takes if not k.startswith("_")],
-                where=where,
-                not_offered=NOT_OFFERED[where],
-            )
+        code = HydraExecutor.__init__.__code__
+        takes = code.co_varnames[1 : code.co_argcount + code.co_kwonlyargcount]
+        # What every engine actor gets (devices="auto" is resolved per node, and the
+        # spill folder is checked on each node, where the engine starts: a path on the
+        # driver need not exist there).
+        engine = engine_options(
+            options, where=where, takes=[k for k in takes if not k.startswith("_")]
+        )
         # Every option is judged here by the one validator of tune_hydra.options that the
         # other front ends use (torch-free: nothing of the engine is imported into the
         # driver), rather than in every trial later.
@@ -236,21 +200,7 @@ class HydraExecutor:
             "iteration_batches": iteration_batches,
         }
         check_task_options(**task_options, where=where)
-        # What every engine actor gets (devices="auto" is resolved per node, and the
-        # spill folder is checked on each node, where the engine starts: a path on the
-        # driver need not exist there).
-        self.engine_options = EngineOptions(
-            devices,
-            device_memory,
-            policy,
-            prefetch=prefetch,
-            recompute=recompute,
-            max_layers_per_shard=max_layers_per_shard,
-            host_memory=host_memory,
-            spill_dir=spill_dir,
-            batch_shared=batch_shared,
-            where=where,
-        )
+        self.engine_options = engine
         self.factory_timeout_s = check_factory_timeout(factory_timeout_s, where=where)
         self.iteration_batches = iteration_batches
         self.task_options = task_options
