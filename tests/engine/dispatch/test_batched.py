@@ -393,7 +393,12 @@ def test_engine_batch_shared_trains_as_each_alone(
             loop.close()
         assert eng.batcher is not None
         passes, ops = eng.batcher.passes, eng.batcher.batched_ops
+        # The head's ops (not batchable: it computes the loss) run in their group, one
+        # after another: the group stays together for the backward's batched passes
+        # (GPT-2's head is tied to its embedding: its ops run alone).
+        along = {e.op for e in eng.trace.events if e.along}
     assert passes > 0 and ops > passes  # batched passes ran, of 2 trials' ops or more
+    assert {"F", "B"} | ({"L"} if kind == "llama" else set()) <= along, along
     worst = 0.0
     for name, task in tasks.items():
         threads = torch.get_num_threads()

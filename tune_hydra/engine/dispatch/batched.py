@@ -636,15 +636,16 @@ class SharedBatcher:
     fits there beside what is queued and leased (``DeviceWorker.fits``), and is leased
     as the group starts.
 
-    Works for every runner that implements the batch steps (``batch_key``, ``op_lock``,
-    ``open_op``, ``run_op``, ``close_op``, ``op_start``, ``take_forward``,
+    Works for every runner that implements the batch steps (``batch_key``, ``batchable``,
+    ``op_lock``, ``open_op``, ``run_op``, ``close_op``, ``op_start``, ``take_forward``,
     ``take_backward``, ``scratch_buffers``; optionally ``op_scope``). Limits (each op
     outside them runs alone, as without batching): recompute mode only; no autocast; no
-    disk tier. Groups hold at most the live
-    tasks per device. A group that turns out not batchable on the device
-    (:func:`why_not_batchable`) runs its ops one after another in the one assignment,
-    and so does one whose batched pass raised (it changed no task's state): only the
-    task whose own op raises fails.
+    disk tier. Groups hold at most the live tasks per device. A group whose ops are not
+    all ``batchable`` (a model head's, a shard that writes its input), or that turns out
+    not batchable on the device (:func:`why_not_batchable`), runs its ops one after
+    another in the one assignment, and so does one whose batched pass raised (it changed
+    no task's state): only the task whose own op raises fails. The group stays together
+    all the same, so the next shard's ops are ready together again.
     """
 
     def __init__(self, max_group: int = 8) -> None:
@@ -878,7 +879,11 @@ def run_together(
                     todo.append((r, op))
             except Exception as err:  # its own (a deferred step, its data): it fails alone
                 errors[r.name] = err
-        if len(todo) > 1 and todo[0][1].kind is not OpKind.LAST:
+        if (
+            len(todo) > 1
+            and todo[0][1].kind is not OpKind.LAST
+            and all(getattr(r, "batchable", _no)(op) for r, op in todo)
+        ):
             try:
                 errors.update(_batched_op(todo, device))
             except Exception:
@@ -899,6 +904,10 @@ def run_together(
         for r in runners:
             r.close_op(spent)
     return errors
+
+
+def _no(op: Any) -> bool:
+    return False
 
 
 def _batched_op(todo: list[Any], device: torch.device) -> dict[str, BaseException]:

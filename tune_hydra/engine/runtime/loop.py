@@ -185,17 +185,13 @@ class LoopShard:
     steps: int = 0
     headless: bool | None = None  # holds no model head (batch_key), once looked up
 
-    def batch_key(self) -> frozenset[int] | None:
-        """What the shard's recomputing ops may be batched on with other tasks' ops (the
-        shared frozen tensors of its store, see
-        :func:`~tune_hydra.engine.dispatch.batched.shared_key`), or ``None``: they run
-        alone. Only a shard that does not write its input, shares no parameter with
-        another shard and holds no model head."""
-        if self.writes_input is not False or self.first_uses or self.last_uses:
-            return None
-        if self.headless is None:
-            self.headless = not any(isinstance(m, HeadStage) for m in self.module.modules())
-        if not self.headless:
+    def group_key(self) -> frozenset[int] | None:
+        """What the shard's recomputing ops may be grouped on with other tasks' ops, in
+        one assignment on one device (the shared frozen tensors of its store, see
+        :func:`~tune_hydra.engine.dispatch.batched.shared_key`; one pass where
+        :meth:`batchable`, else one after another), or ``None``: they run alone. Not a
+        shard that shares a parameter with another shard of its model."""
+        if self.first_uses or self.last_uses:
             return None
         # A forward hook on an adapted layer is this loop's own code, which a pass would
         # call for every trial's rows or not at all (the pass refuses it, and its members
@@ -209,6 +205,16 @@ class LoopShard:
             ):
                 return None
         return shared_key(self.store)
+
+    def batchable(self) -> bool:
+        """Whether a group of its ops may be one batched pass: a shard that does not
+        write its input and holds no model head (the head's ops of a group run one after
+        another: the group stays together for the shards after it)."""
+        if self.writes_input is not False:
+            return False
+        if self.headless is None:
+            self.headless = not any(isinstance(m, HeadStage) for m in self.module.modules())
+        return self.headless
 
 
 class LoopRunner:
@@ -406,23 +412,30 @@ class LoopRunner:
         self.device_time += seconds
 
     def batch_key(self, op: Op) -> frozenset[int] | None:
-        """What ``op`` may be batched on with other tasks' ops (the shared frozen
-        tensors of its shard, see :func:`~tune_hydra.engine.dispatch.batched.shared_key`), or
-        ``None``: it runs alone. Only a recomputing forward or backward without autocast
-        or compile, of a shard that does not write its input, shares no parameter with
-        another shard and holds no model head."""
+        """What ``op`` may be grouped on with other tasks' ops in one assignment (the
+        shared frozen tensors of its shard, :meth:`LoopShard.group_key`), or ``None``: it
+        runs alone. Not an op under autocast or compile."""
         req = self._request
         if req is None or req[0] is not op or req[2] is not None or self._compiler:
             return None
+        return self.shards[op.shard].group_key()
+
+    def batchable(self, op: Op) -> bool:
+        """Whether ``op`` (grouped: :meth:`batch_key`) may be computed in a batched pass:
+        a recomputing forward or backward without autocast, of a
+        :meth:`LoopShard.batchable` shard; else the group runs it on its own."""
+        req = self._request
+        if req is None or req[0] is not op:
+            return False
         fn = req[1]
         if not isinstance(fn, (ForwardOp, BackwardOp)) or fn.call.autocast is not None:
-            return None
+            return False
         if isinstance(fn, BackwardOp) and fn.inputs_only:
-            return None
-        return self.shards[op.shard].batch_key()
+            return False
+        return self.shards[op.shard].batchable()
 
     def op_start(self, op: Op, device: torch.device) -> OpStart:
-        """What ``op`` (opened, :meth:`batch_key` not None) starts from, to compute it in
+        """What ``op`` (opened, :meth:`batchable`) starts from, to compute it in
         a batched pass. Changes nothing."""
         assert self._request is not None
         fn = self._request[1]
