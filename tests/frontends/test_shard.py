@@ -225,6 +225,48 @@ def test_mlp_clip_accumulate_scheduler_eval_exact(opt: str, engine: th.Engine) -
     )
 
 
+@pytest.mark.parametrize("opt", ["sgd", "adam"])
+def test_clipping_the_model_s_parameters_leaves_the_states_where_they_are(
+    opt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``clip_grad_norm_(model.parameters(), c)`` between backward and step clips shard by
+    shard (th.shard's hook of it): the gradients stay on their devices (no step brings
+    the state home: ``LoopRunner.sync`` is never called), and the run is bit-equal to
+    plain, clipping norms included. A list of the parameters clips at home, as ever."""
+    from tune_hydra.engine.runtime.loop import LoopRunner
+
+    syncs: list[int] = []
+    sync = LoopRunner.sync
+    monkeypatch.setattr(LoopRunner, "sync", lambda self: (syncs.append(1), sync(self))[1])
+    data = batches(6)
+    counted: list[int] = []
+
+    def run(model: nn.Module, o: torch.optim.Optimizer) -> list[Any]:
+        before = len(syncs)
+        history = train(model, o, data, classify, clip=0.5, accumulate=2)
+        counted.append(len(syncs) - before)
+        return history
+
+    with th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=1) as eng:
+        model, *_ = both(mlp, opt, run, eng)
+        assert len(model.__dict__["_th_shard"].loop.shards) >= 3
+    assert counted[0] == 0, counted  # the sharded run: no sync
+
+    def listed(model: nn.Module, o: torch.optim.Optimizer) -> list[Any]:
+        history: list[Any] = []
+        for batch in data[:2]:
+            o.zero_grad()
+            classify(model, batch).backward()
+            history.append(float(torch.nn.utils.clip_grad_norm_(list(model.parameters()), 0.5)))
+            o.step()
+        return history
+
+    with th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=1) as eng:
+        before = len(syncs)
+        both(mlp, opt, listed, eng)
+        assert len(syncs) > before  # the list took the state home, and clipped it there
+
+
 @pytest.mark.parametrize("copying", [True, False])
 def test_convnet_sgd_momentum_exact(copying: bool) -> None:
     # Ray Tune's MNIST ConvNet (a traced module), on copying devices and in place.

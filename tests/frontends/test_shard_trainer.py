@@ -119,6 +119,39 @@ def test_trainer_with_its_defaults_equals_plain(tmp_path: Path, engine: th.Engin
         assert torch.equal(plain.state_dict()[k], v), k
 
 
+def test_trainer_s_clipping_leaves_the_states_where_they_are(
+    tmp_path: Path, engine: th.Engine, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trainer clips every step by default (``max_grad_norm=1.0``, through Accelerate's
+    ``clip_grad_norm_``): shard by shard, with the gradients on their devices; and it
+    counts the model's parameters every micro-batch (``floating_point_ops``), which reads
+    shapes only. So a run, clipping or not, brings the state home once (its first step,
+    where Trainer's optimizer is adopted), not at every step, and is bit-equal to plain,
+    logged gradient norms included."""
+    from tune_hydra.engine.runtime.loop import LoopRunner
+
+    syncs: list[int] = []  # the syncs that brought a state home
+    sync = LoopRunner.sync
+
+    def counted(self: LoopRunner) -> None:
+        if not self.at_home:
+            syncs.append(1)
+        sync(self)
+
+    monkeypatch.setattr(LoopRunner, "sync", counted)
+    counts = []
+    for norm in (1.0, 0.0):
+        want = fit(tmp_path / f"plain{norm}", shard=False, max_grad_norm=norm)
+        before = len(syncs)
+        got = fit(tmp_path / f"sharded{norm}", shard=True, engine=engine, max_grad_norm=norm)
+        counts.append(len(syncs) - before)
+        assert losses(got) == losses(want), norm
+        assert [h.get("grad_norm") for h in got.state.log_history] == [
+            h.get("grad_norm") for h in want.state.log_history
+        ], norm
+    assert counts[0] == counts[1] == 1, counts  # the first step's: its optimizer adopted
+
+
 def test_a_datasets_dataset_with_extra_columns_as_plain(tmp_path: Path, engine: th.Engine) -> None:
     """A Hugging Face ``datasets.Dataset`` with a column the model does not take (its
     text) under Trainer's default ``remove_unused_columns=True``: Trainer reads the

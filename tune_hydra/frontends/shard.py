@@ -56,6 +56,7 @@ import collections
 import contextlib
 import contextvars
 import copyreg
+import functools
 import inspect
 import logging
 import queue
@@ -379,6 +380,9 @@ def shard(
     from tune_hydra.engine.runtime.amp import patch_grad_scaler
 
     patch_grad_scaler()  # a GradScaler reads the shards' gradients at home
+    from tune_hydra.frontends.shard_clip import patch_clip
+
+    patch_clip()  # clip_grad_norm_(model.parameters(), c): shard by shard
     from tune_hydra.frontends.threads import isolate_library_state
 
     isolate_library_state()  # loops in threads: a Trainer's Accelerate state per thread
@@ -411,6 +415,8 @@ def shard(
 # create_optimizer) is adopted at its first step. torch's global step hooks see every
 # plain optimizer's step (a sharded optimizer's step is its class's own, unhooked): one
 # dict lookup a step for the others.
+# > 0: this thread reads only shapes (num_parameters): nothing is brought home.
+_IN_PLACE = threading.local()
 _UNOWNED: weakref.WeakValueDictionary[int, _State] = weakref.WeakValueDictionary()
 _STEP_HOOKS: list[Any] = []
 
@@ -446,10 +452,19 @@ def _adoptable(optimizer: torch.optim.Optimizer) -> _State | None:
     return state
 
 
+def sharded_parameters_code() -> Any:
+    """The code of a sharded model's ``parameters()`` generator (``shard_clip`` tells its
+    generators by it)."""
+    return _ShardedModule.parameters.__code__
+
+
 def _before_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     state = _adoptable(optimizer)
     if state is not None and state.loop is not None:
         state.loop.sync()  # this first step runs plain, on the state brought home
+        from tune_hydra.frontends.shard_clip import patch_clip
+
+        patch_clip()  # Accelerate is loaded by now if a Trainer drives the loop
 
 
 def _after_plain_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -833,10 +848,29 @@ def _sharded_class(cls: type, mixin: type) -> type:
             namespace: dict[str, Any] = {"__module__": cls.__module__}
             if mixin is _ShardedModule:
                 namespace["forward"] = _forward_like(cls)
+                count = getattr(cls, "num_parameters", None)  # a Hugging Face model's
+                if callable(count):
+                    namespace["num_parameters"] = _counted_in_place(count)
             made = type(cls.__name__, (mixin, cls), namespace)
             made.__qualname__ = cls.__qualname__
             _CLASSES[key] = made
     return made
+
+
+def _counted_in_place(count: Callable[..., int]) -> Callable[..., int]:
+    """A Hugging Face model's ``num_parameters`` that reads the shapes where the tensors
+    are: Trainer calls it every micro-batch (``floating_point_ops``), and a sync there
+    would bring the whole state home each time. The shards never change a shape."""
+
+    @functools.wraps(count)
+    def num_parameters(self: nn.Module, *args: Any, **kwargs: Any) -> int:
+        _IN_PLACE.depth = getattr(_IN_PLACE, "depth", 0) + 1
+        try:
+            return count(self, *args, **kwargs)
+        finally:
+            _IN_PLACE.depth -= 1
+
+    return num_parameters
 
 
 def _forward_like(cls: type) -> Callable[..., Any]:
@@ -1156,15 +1190,18 @@ class _ShardedModule(nn.Module):
         from tune_hydra.engine.runtime.loop import in_op
 
         state: _State | None = self.__dict__.get("_th_shard")
-        if state is None or state.loop is None or in_op():
+        if state is None or state.loop is None or in_op() or getattr(_IN_PLACE, "depth", False):
             return
         state.loop.sync()
         if write:
             state.loop.touched()
 
-    def parameters(self, recurse: bool = True) -> Any:
+    def parameters(self, recurse: bool = True) -> Iterator[nn.Parameter]:
+        # A generator, as nn.Module's: the state comes home when the first parameter is
+        # taken, so clip_grad_norm_(model.parameters(), c) may clip shard by shard
+        # instead (tune_hydra.frontends.shard_clip).
         self._th_sync(write=True)  # clip_grad_norm_ writes the gradients it gets
-        return super().parameters(recurse)
+        yield from super().parameters(recurse)
 
     def named_parameters(self, *args: Any, **kwargs: Any) -> Any:
         self._th_sync(write=True)

@@ -559,15 +559,35 @@ class LoopRunner:
         self.optim.step(self.sync)
         self._home.leave()
 
-    def clip_grad_norm(self, max_norm: float) -> torch.Tensor:
+    def clip_grad_norm(
+        self,
+        max_norm: float | None,
+        *,
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    ) -> torch.Tensor:
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, the
-        gradients left on their devices (see :meth:`LoopOptimizer.clip_grad_norm`)."""
-        total = self.optim.clip_grad_norm(self.model, max_norm, self.run)
-        if total is None:  # a parameter outside the shards: at home
+        gradients left on their devices (see :meth:`LoopOptimizer.clip_grad_norm`;
+        ``finish`` and ``max_norm=None`` there)."""
+        total = (
+            None
+            if self.at_home
+            else self.optim.clip_grad_norm(self.model, max_norm, self.run, finish)
+        )
+        if total is None:  # at home already (a GradScaler's), or a parameter outside
             self.sync()
             self.touched()
-            total = torch.nn.utils.clip_grad_norm_(nn.Module.parameters(self.model), max_norm)
+            grads = [p.grad for p in nn.Module.parameters(self.model) if p.grad is not None]
+            total = torch.nn.utils.get_total_norm(grads, 2.0)
+            total = total if finish is None else finish(total)
+            if max_norm is not None:
+                params = nn.Module.parameters(self.model)
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
+
+    @property
+    def at_home(self) -> bool:
+        """Whether every shard's state is home now, nothing pending (since a sync)."""
+        return self._home.now
 
     def zero_grad(self, set_to_none: bool = True, *, optimizer: bool = False) -> None:
         """Record ``zero_grad`` for every shard: of every parameter (the model's), or with

@@ -81,13 +81,15 @@ class LoopOptimizer:
     def clip_grad_norm(
         self,
         model: nn.Module,
-        max_norm: float,
+        max_norm: float | None,
         run: Callable[[OpKind, int, Callable[[torch.device], Any]], Any],
+        finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
     ) -> torch.Tensor | None:
         """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` (2-norm) with
         the gradients left on their devices: each shard's norms by a step op of its own
         (``run``: the loop's; one op per shard, as a sync has), the scaling recorded
-        with its pending work.
+        with its pending work. ``finish``: what the caller's clipping does to the total
+        before it scales (Accelerate's); ``max_norm`` ``None``: the norm only.
 
         Returns:
             The total norm, as ``clip_grad_norm_`` returns it; ``None`` if a parameter of
@@ -118,9 +120,11 @@ class LoopOptimizer:
             return torch.tensor(0.0)
         first = ordered[0].device
         total = torch.linalg.vector_norm(torch.stack([n.to(first) for n in ordered]), 2.0)
+        if finish is not None:
+            total = finish(total)
         _settle(total)  # the shards' ops read it on their devices' streams
         for index, ps in mine.items():
-            if ps:
+            if ps and max_norm is not None:
                 self._shards[index].pending.append(("clip", (ps, max_norm, total)))
         return total
 

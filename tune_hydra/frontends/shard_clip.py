@@ -1,0 +1,129 @@
+"""``clip_grad_norm_(model.parameters(), c)`` on a ``th.shard``-ed model, shard by shard.
+
+A sharded model's ``parameters()`` is a generator that brings every shard's state home
+when its first parameter is taken (the user's thread may read or write any of them). For
+clipping, that is a whole-model round trip per step: Hugging Face ``Trainer`` clips every
+step by default (``max_grad_norm=1.0``). So ``th.shard`` wraps
+``torch.nn.utils.clip_grad_norm_`` and, once Accelerate is loaded,
+``Accelerator.clip_grad_norm_`` (Trainer's way to it): given such a generator not started
+yet, of the whole model, they clip with the gradients left on their devices instead
+(``LoopRunner.clip_grad_norm``: one op per shard, the scaling recorded before its step),
+with the arithmetic of the function they stand for, so the step is bit-equal to plain
+PyTorch's (or Accelerate's). Anything else (a list of parameters, another norm, another
+distributed setting, a state already at home) goes to the function itself, unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+import math
+import sys
+import threading
+import types
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from tune_hydra.engine.runtime.loop import LoopRunner
+
+log = logging.getLogger(__name__)
+_LOCK = threading.Lock()
+
+
+def loop_of(parameters: Any, norm_type: Any = 2.0) -> LoopRunner | None:
+    """The loop whose gradients ``parameters`` stands for, to clip shard by shard: an
+    unstarted ``model.parameters()`` generator of a sharded model (``recurse=True``),
+    the 2-norm, the loop's state not at home; ``None`` otherwise. The generator is
+    closed (nothing is brought home)."""
+    from tune_hydra.engine.runtime.loop import in_op
+    from tune_hydra.frontends.shard import sharded_parameters_code
+
+    if (
+        type(parameters) is not types.GeneratorType
+        or parameters.gi_code is not sharded_parameters_code()
+        or inspect.getgeneratorstate(parameters) != inspect.GEN_CREATED
+    ):
+        return None
+    try:
+        two = float(norm_type) == 2.0
+    except (TypeError, ValueError):
+        return None
+    frame = parameters.gi_frame
+    if frame is None:
+        return None
+    local = frame.f_locals
+    state = local["self"].__dict__.get("_th_shard")
+    loop = None if state is None else state.loop
+    if not two or not local.get("recurse", True) or loop is None or loop.closed or in_op():
+        return None
+    if loop.at_home:  # brought home already (a GradScaler's unscale_): clipped there
+        return None
+    parameters.close()
+    return loop
+
+
+def _stacked(total: torch.Tensor) -> torch.Tensor:
+    """Accelerate's total over its one (non-distributed) group of norms."""
+    return torch.linalg.vector_norm(torch.stack([total]), 2.0)
+
+
+def patch_clip() -> None:
+    """Wrap ``torch.nn.utils.clip_grad_norm_`` and, if Accelerate is loaded,
+    ``Accelerator.clip_grad_norm_`` (idempotent; see the module docstring)."""
+    import torch.nn.utils as utils
+    import torch.nn.utils.clip_grad as clip_grad
+
+    with _LOCK:
+        original = clip_grad.clip_grad_norm_
+        if not getattr(original, "_th_patched", False):
+
+            @functools.wraps(original)
+            def clip_grad_norm_(
+                parameters: Any,
+                max_norm: float,
+                norm_type: float = 2.0,
+                error_if_nonfinite: bool = False,
+                foreach: bool | None = None,
+            ) -> torch.Tensor:
+                loop = None if error_if_nonfinite else loop_of(parameters, norm_type)
+                if loop is None:
+                    return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
+                return loop.clip_grad_norm(float(max_norm))
+
+            clip_grad_norm_._th_patched = True  # type: ignore[attr-defined]
+            clip_grad.clip_grad_norm_ = clip_grad_norm_
+            utils.clip_grad_norm_ = clip_grad_norm_
+        if "accelerate" in sys.modules:
+            _patch_accelerate()
+
+
+def _patch_accelerate() -> None:
+    import accelerate
+    from accelerate.utils import DistributedType
+
+    original = accelerate.Accelerator.clip_grad_norm_
+    if getattr(original, "_th_patched", False):
+        return
+
+    @functools.wraps(original)
+    def clip_grad_norm_(self: Any, parameters: Any, max_norm: float, norm_type: Any = 2) -> Any:
+        single = self.distributed_type == DistributedType.NO
+        loop = loop_of(parameters, norm_type) if single else None
+        if loop is None:
+            return original(self, parameters, max_norm, norm_type=norm_type)
+        self.unscale_gradients()
+        # As Accelerate computes it: its dtensor-aware path (torch.distributed available)
+        # stacks the one group's total and takes its norm again; it skips an infinite
+        # max_norm's scaling, which would multiply by 1.0.
+        finish = _stacked if torch.distributed.is_available() else None
+        clip = max_norm if not math.isinf(max_norm) else None
+        return loop.clip_grad_norm(clip, finish=finish)
+
+    clip_grad_norm_._th_patched = True  # type: ignore[attr-defined]
+    accelerate.Accelerator.clip_grad_norm_ = clip_grad_norm_
+
+
+__all__ = ["loop_of", "patch_clip"]
