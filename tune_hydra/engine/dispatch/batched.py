@@ -882,7 +882,7 @@ def run_together(
         if (
             len(todo) > 1
             and todo[0][1].kind is not OpKind.LAST
-            and all(getattr(r, "batchable", _no)(op) for r, op in todo)
+            and all(r.batchable(op) for r, op in todo)
         ):
             try:
                 errors.update(_batched_op(todo, device))
@@ -904,10 +904,6 @@ def run_together(
         for r in runners:
             r.close_op(spent)
     return errors
-
-
-def _no(op: Any) -> bool:
-    return False
 
 
 def _batched_op(todo: list[Any], device: torch.device) -> dict[str, BaseException]:
