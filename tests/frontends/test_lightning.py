@@ -150,6 +150,72 @@ def test_lightning_trainer_exact(
     assert engine.tasks() == []
 
 
+@pytest.mark.parametrize("algorithm", ["norm", "value"])
+def test_clipping_by_norm_leaves_the_states_where_they_are(
+    algorithm: str, engine: th.Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``gradient_clip_val`` clips every step through the precision plugin's
+    ``main_params(optimizer)``: by norm, shard by shard with the gradients on their
+    devices (no more syncs than a run without clipping); by value, at home (a sync per
+    step). Both equal plain Lightning's run exactly."""
+    from tune_hydra.engine.runtime.loop import LoopRunner
+
+    syncs: list[int] = []  # the syncs that brought a state home
+    sync = LoopRunner.sync
+
+    def counted(self: LoopRunner) -> None:
+        if not self.at_home:
+            syncs.append(1)
+        sync(self)
+
+    monkeypatch.setattr(LoopRunner, "sync", counted)
+    counts = []
+    for clip in (0.5, None):
+        kwargs = {"gradient_clip_val": clip, "gradient_clip_algorithm": algorithm}
+        plain = LitNet(net(), None)
+        plain_trainer = fit(plain, tmp_path / f"plain{clip}", **kwargs)
+        model = LitNet(net(), engine, "init")
+        before = len(syncs)
+        got = fit(model, tmp_path / f"sharded{clip}", strategy=th.HydraStrategy(), **kwargs)
+        counts.append(len(syncs) - before)
+        assert_same(model, got, plain, plain_trainer)
+        th.unshard(model.network)
+    steps = 8
+    assert counts[0] == counts[1] + (steps if algorithm == "value" else 0), counts
+
+
+class GroupedNet(LitNet):
+    """Two param groups, not in the network's order (biases first, without weight decay):
+    the clipping norm sums over the optimizer's order, as plain Lightning's."""
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        named = list(nn.Module.named_parameters(self.network))
+        biases = [p for n, p in named if n.endswith("bias")]
+        weights = [p for n, p in named if not n.endswith("bias")]
+        groups = [{"params": biases[::-1], "weight_decay": 0.0}, {"params": weights}]
+        return torch.optim.AdamW(groups, lr=1e-2, weight_decay=0.1)
+
+
+def test_clipping_over_param_groups_in_another_order_exact(
+    engine: th.Engine, tmp_path: Path
+) -> None:
+    plain = GroupedNet(net(), None)
+    fit(plain, tmp_path / "plain", precision="32-true", gradient_clip_val=0.05)
+    model = GroupedNet(net(), engine, "init")
+    got = fit(
+        model,
+        tmp_path / "sharded",
+        precision="32-true",
+        gradient_clip_val=0.05,
+        strategy=th.HydraStrategy(),
+    )
+    assert model.losses == plain.losses
+    for (k, a), b in zip(model.state_dict().items(), plain.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+    th.unshard(model.network)
+    assert got.optimizers[0].param_groups[0]["weight_decay"] == 0.0
+
+
 def test_hydra_strategy_without_a_sharded_network_says_what_to_do(tmp_path: Path) -> None:
     with pytest.raises(NotShardedError, match=r"th\.shard\(Net"):
         fit(LitNet(net(), None), tmp_path, strategy=th.HydraStrategy())

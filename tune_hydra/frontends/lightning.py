@@ -29,8 +29,12 @@ network needs, in the order Lightning's ``Strategy.setup`` calls it:
 - every ``optimizer.step(closure)`` (Lightning's automatic optimization) runs the closure
   (``training_step``, ``zero_grad``, ``backward``: the shards' ops), then steps the
   shards, and returns the closure's loss.
-- gradient clipping (``Trainer(gradient_clip_val=...)``, ``self.clip_gradients``) reads
-  the optimizer's parameters' gradients: the shards' state comes home first.
+- gradient clipping by norm (``Trainer(gradient_clip_val=...)``, ``self.clip_gradients``)
+  over the sharded optimizer's parameters runs shard by shard, the gradients left on
+  their devices, with ``clip_grad_norm_``'s arithmetic over the optimizer's order (see
+  :mod:`tune_hydra.frontends.shard_clip`); clipping by value, or a precision plugin with
+  parameters of its own, reads the gradients at home: the shards' state comes home
+  first.
 - a checkpoint (``fit(ckpt_path=...)``) is restored where plain Lightning restores it:
   the weights before ``setup`` (into the network at home, even one cut by an earlier fit),
   the optimizer's state after it (into the sharded optimizer).
@@ -43,6 +47,7 @@ Without this strategy a LightningModule can call ``th.shard(self.model, optimize
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -187,14 +192,23 @@ def _strategy_class() -> type[SingleDeviceStrategy]:
 
 
 def _synced(main_params: Any, strategy: Any) -> Any:
-    @functools.wraps(main_params)
-    def synced(optimizer: Any) -> Any:
-        if strategy.lightning_module is not None:
-            sync_networks(strategy.lightning_module)
-        return main_params(optimizer)
-
+    synced = functools.partial(_main_params, main_params, strategy)
     synced._th_synced = True  # type: ignore[attr-defined]
     return synced
+
+
+def _main_params(main_params: Any, strategy: Any, optimizer: Any) -> Iterator[nn.Parameter]:
+    # A generator, as Lightning's: the state comes home when the first parameter is
+    # taken, so clip_grad_norm_ over it may clip shard by shard instead (shard_clip).
+    if strategy.lightning_module is not None:
+        sync_networks(strategy.lightning_module)
+    yield from main_params(optimizer)
+
+
+def main_params_code() -> Any:
+    """The code of the parameters generator :class:`HydraStrategy` gives its precision
+    plugin (``Precision.main_params``), which ``shard_clip`` recognises."""
+    return _main_params.__code__
 
 
 def __getattr__(name: str) -> Any:

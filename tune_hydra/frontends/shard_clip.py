@@ -1,4 +1,5 @@
-"""``clip_grad_norm_(model.parameters(), c)`` on a ``th.shard``-ed model, shard by shard.
+"""``clip_grad_norm_(model.parameters(), c)`` on a ``th.shard``-ed model, shard by shard
+(and Lightning's clipping over the sharded optimizer's parameters).
 
 A sharded model's ``parameters()`` is a generator that brings every shard's state home
 when its first parameter is taken (the user's thread may read or write any of them). For
@@ -9,8 +10,11 @@ step by default (``max_grad_norm=1.0``). So ``th.shard`` wraps
 yet, of the whole model, they clip with the gradients left on their devices instead
 (``LoopRunner.clip_grad_norm``: one op per shard, the scaling recorded before its step),
 with the arithmetic of the function they stand for, so the step is bit-equal to plain
-PyTorch's (or Accelerate's). Anything else (a list of parameters, another norm, another
-distributed setting, a state already at home) goes to the function itself, unchanged.
+PyTorch's (or Accelerate's). Lightning clips through its precision plugin's
+``main_params(optimizer)``, which ``HydraStrategy`` makes such a generator too: clipped
+shard by shard, in the optimizer's order. Anything else (a list of parameters, another
+norm, another distributed setting, a state already at home) goes to the function itself,
+unchanged.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import types
 from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 if TYPE_CHECKING:
     from tune_hydra.engine.runtime.loop import LoopRunner
@@ -33,17 +38,22 @@ log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 
 
-def loop_of(parameters: Any, norm_type: Any = 2.0) -> LoopRunner | None:
-    """The loop whose gradients ``parameters`` stands for, to clip shard by shard: an
-    unstarted ``model.parameters()`` generator of a sharded model (``recurse=True``),
-    the 2-norm, the loop's state not at home; ``None`` otherwise. The generator is
-    closed (nothing is brought home)."""
+def loop_of(
+    parameters: Any, norm_type: Any = 2.0
+) -> tuple[LoopRunner, list[nn.Parameter] | None] | None:
+    """The loop whose gradients ``parameters`` stands for, to clip shard by shard, and the
+    parameters in the order clipping takes them (``None``: the model's): an unstarted
+    generator of a sharded model's ``parameters()`` (``recurse=True``) or of
+    ``HydraStrategy``'s ``main_params(optimizer)`` over the sharded optimizer's
+    parameters (all of them the sharded model's), the 2-norm, the loop's state not at
+    home; ``None`` otherwise. The generator is closed (nothing is brought home)."""
     from tune_hydra.engine.runtime.loop import in_op
+    from tune_hydra.frontends.lightning import main_params_code
     from tune_hydra.frontends.shard import sharded_parameters_code
 
     if (
         type(parameters) is not types.GeneratorType
-        or parameters.gi_code is not sharded_parameters_code()
+        or parameters.gi_code not in (sharded_parameters_code(), main_params_code())
         or inspect.getgeneratorstate(parameters) != inspect.GEN_CREATED
     ):
         return None
@@ -52,17 +62,30 @@ def loop_of(parameters: Any, norm_type: Any = 2.0) -> LoopRunner | None:
     except (TypeError, ValueError):
         return None
     frame = parameters.gi_frame
-    if frame is None:
+    if frame is None or not two or in_op():
         return None
     local = frame.f_locals
-    state = local["self"].__dict__.get("_th_shard")
-    loop = None if state is None else state.loop
-    if not two or not local.get("recurse", True) or loop is None or loop.closed or in_op():
-        return None
+    params: list[nn.Parameter] | None = None
+    if parameters.gi_code is main_params_code():
+        # Lightning's clipping: the optimizer's parameters, as its own main_params gives
+        # them (its param groups: no sync), every one the sharded model's.
+        state = getattr(local["optimizer"], "_th_shard", None)
+        loop = None if state is None else state.loop
+        if loop is None or loop.closed:
+            return None
+        params = list(local["main_params"](local["optimizer"]))
+        own = {id(p) for _, p in nn.Module.named_parameters(loop.model)}  # no sync
+        if not all(id(p) in own for p in params):
+            return None
+    else:
+        state = local["self"].__dict__.get("_th_shard")
+        loop = None if state is None else state.loop
+        if not local.get("recurse", True) or loop is None or loop.closed:
+            return None
     if loop.at_home:  # brought home already (a GradScaler's unscale_): clipped there
         return None
     parameters.close()
-    return loop
+    return loop, params
 
 
 def _stacked(total: torch.Tensor) -> torch.Tensor:
@@ -88,10 +111,11 @@ def patch_clip() -> None:
                 error_if_nonfinite: bool = False,
                 foreach: bool | None = None,
             ) -> torch.Tensor:
-                loop = None if error_if_nonfinite else loop_of(parameters, norm_type)
-                if loop is None:
+                found = None if error_if_nonfinite else loop_of(parameters, norm_type)
+                if found is None:
                     return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
-                return loop.clip_grad_norm(float(max_norm))
+                loop, params = found
+                return loop.clip_grad_norm(float(max_norm), params=params)
 
             clip_grad_norm_._th_patched = True  # type: ignore[attr-defined]
             clip_grad.clip_grad_norm_ = clip_grad_norm_
@@ -111,16 +135,17 @@ def _patch_accelerate() -> None:
     @functools.wraps(original)
     def clip_grad_norm_(self: Any, parameters: Any, max_norm: float, norm_type: Any = 2) -> Any:
         single = self.distributed_type == DistributedType.NO
-        loop = loop_of(parameters, norm_type) if single else None
-        if loop is None:
+        found = loop_of(parameters, norm_type) if single else None
+        if found is None:
             return original(self, parameters, max_norm, norm_type=norm_type)
+        loop, params = found
         self.unscale_gradients()
         # As Accelerate computes it: its dtensor-aware path (torch.distributed available)
         # stacks the one group's total and takes its norm again; it skips an infinite
         # max_norm's scaling, which would multiply by 1.0.
         finish = _stacked if torch.distributed.is_available() else None
         clip = max_norm if not math.isinf(max_norm) else None
-        return loop.clip_grad_norm(clip, finish=finish)
+        return loop.clip_grad_norm(clip, finish=finish, params=params)
 
     clip_grad_norm_._th_patched = True  # type: ignore[attr-defined]
     accelerate.Accelerator.clip_grad_norm_ = clip_grad_norm_

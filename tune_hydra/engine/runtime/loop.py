@@ -564,24 +564,25 @@ class LoopRunner:
         max_norm: float | None,
         *,
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        params: Sequence[nn.Parameter] | None = None,
     ) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)``, the
-        gradients left on their devices (see :meth:`LoopOptimizer.clip_grad_norm`;
-        ``finish`` and ``max_norm=None`` there)."""
+        """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (``params`` ``None``: the
+        model's ``parameters()``), the gradients left on their devices (see
+        :meth:`LoopOptimizer.clip_grad_norm`; ``finish`` and ``max_norm=None`` there)."""
         total = (
             None
             if self.at_home
-            else self.optim.clip_grad_norm(self.model, max_norm, self.run, finish)
+            else self.optim.clip_grad_norm(self.model, max_norm, self.run, finish, params)
         )
         if total is None:  # at home already (a GradScaler's), or a parameter outside
             self.sync()
             self.touched()
-            grads = [p.grad for p in nn.Module.parameters(self.model) if p.grad is not None]
+            given = list(nn.Module.parameters(self.model) if params is None else params)
+            grads = [p.grad for p in given if p.grad is not None]
             total = torch.nn.utils.get_total_norm(grads, 2.0)
             total = total if finish is None else finish(total)
             if max_norm is not None:
-                params = nn.Module.parameters(self.model)
-                torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+                torch.nn.utils.clip_grads_with_norm_(given, max_norm, total)
         return total
 
     @property

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import collections
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -84,9 +84,11 @@ class LoopOptimizer:
         max_norm: float | None,
         run: Callable[[OpKind, int, Callable[[torch.device], Any]], Any],
         finish: Callable[[torch.Tensor], torch.Tensor] | None = None,
+        params: Sequence[nn.Parameter] | None = None,
     ) -> torch.Tensor | None:
-        """``torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)`` (2-norm) with
-        the gradients left on their devices: each shard's norms by a step op of its own
+        """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (2-norm; ``params``
+        ``None``: ``model.parameters()``, in their order) with the gradients left on their
+        devices: each shard's norms by a step op of its own
         (``run``: the loop's; one op per shard, as a sync has), the scaling recorded
         with its pending work. ``finish``: what the caller's clipping does to the total
         before it scales (Accelerate's); ``max_norm`` ``None``: the norm only.
@@ -100,7 +102,8 @@ class LoopOptimizer:
             for p in s.module.parameters():
                 owner.setdefault(id(p), s)
         # The model's order; torch's own named_parameters, not a sharded model's (a sync).
-        params = [p for _, p in nn.Module.named_parameters(model)]
+        if params is None:
+            params = [p for _, p in nn.Module.named_parameters(model)]
         if any(id(p) not in owner for p in params):
             return None
         mine: dict[int, list[nn.Parameter]] = {s.index: [] for s in self._shards}
