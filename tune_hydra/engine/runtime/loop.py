@@ -123,6 +123,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 _TRAIN = (OpKind.FORWARD, OpKind.LAST, OpKind.BACKWARD)  # ops of a training batch
+_GRADS = (OpKind.LAST, OpKind.BACKWARD)  # ops that leave gradients
 _LOCAL = threading.local()  # .depth > 0: this thread computes inside an op (or a probe)
 _NAMES = itertools.count()
 
@@ -184,6 +185,11 @@ class LoopShard:
     # still the shard's (a step between a forward and its backward).
     steps: int = 0
     headless: bool | None = None  # holds no model head (batch_key), once looked up
+    # Ops opened so far, and the gradient norms its last backward op took (once the loop
+    # clips: LoopOptimizer.take_norms), valid while no op came after it.
+    ops: int = 0
+    norms: dict[int, torch.Tensor] | None = None
+    norms_at: int = -1
 
     def group_key(self) -> frozenset[int] | None:
         """What the shard's recomputing ops may be grouped on with other tasks' ops, in
@@ -384,6 +390,7 @@ class LoopRunner:
             and torch.get_num_threads() != self._threads
         ):
             torch.set_num_threads(self._threads)  # this (the device's) thread's count
+        self.shards[op.shard].ops += 1
         try:
             with inside_op():
                 self.optim.apply_pending(self.shards[op.shard])
@@ -404,6 +411,8 @@ class LoopRunner:
         try:
             with inside_op(), amp.entered(autocast):  # the asking thread's state
                 self._result = (True, fn(device))
+            if op.kind in _GRADS:
+                self.optim.take_norms(self.shards[op.shard])
         except BaseException as err:  # the user's code failed: raised in the user's thread
             self._result = (False, err)
 
@@ -458,6 +467,7 @@ class LoopRunner:
         fn = self._request[1]
         assert isinstance(fn, BackwardOp)
         self._result = (True, fn.take(start, grads))
+        self.optim.take_norms(self.shards[op.shard])
 
     def scratch_buffers(self, op: Op) -> contextlib.AbstractContextManager[None]:
         """Around a recompute of ``op``'s shard: its buffers as throwaway copies."""

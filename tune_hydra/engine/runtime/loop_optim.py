@@ -65,6 +65,11 @@ class LoopOptimizer:
         ]
         self._opt_zeroes: list[list[nn.Parameter]] = []
         self._note_optimizer_params()
+        # Once the loop clips (clip_grad_norm), each backward op takes its shard's
+        # gradient norms, so a clip after it needs no op of its own (a shard evicted
+        # since its backward is not copied in again for them).
+        self.clips = False
+        self._owned: list[list[nn.Parameter]] | None = None
 
     def step(self, sync: Callable[[], None]) -> None:
         """Record an optimizer step for every shard, with the hyperparameters the user's
@@ -97,10 +102,8 @@ class LoopOptimizer:
             The total norm, as ``clip_grad_norm_`` returns it; ``None`` if a parameter of
             ``model`` is in no shard (the caller clips at home instead).
         """
-        owner: dict[int, LoopShard] = {}
-        for s in self._shards:  # a shared parameter's gradient is whole in its first shard
-            for p in s.module.parameters():
-                owner.setdefault(id(p), s)
+        owned = self._owned_params()
+        owner = {id(p): s for s, ps in zip(self._shards, owned, strict=True) for p in ps}
         # The model's order; torch's own named_parameters, not a sharded model's (a sync).
         if params is None:
             params = [p for _, p in nn.Module.named_parameters(model)]
@@ -109,9 +112,14 @@ class LoopOptimizer:
         mine: dict[int, list[nn.Parameter]] = {s.index: [] for s in self._shards}
         for p in params:
             mine[owner[id(p)].index].append(p)
+        self.clips = True
         norms: dict[int, torch.Tensor] = {}
         for index, ps in mine.items():
-            norms.update(run(OpKind.STEP, index, functools.partial(_grad_norms, ps)))
+            s = self._shards[index]
+            if ps and s.norms is not None and s.norms_at == s.ops and not s.pending:
+                norms.update((id(p), s.norms[id(p)]) for p in ps if id(p) in s.norms)
+            elif ps:
+                norms.update(run(OpKind.STEP, index, functools.partial(_norms_op, ps)))
         # As torch's _get_total_norm: grouped by dtype (one device in plain training), in
         # order of first appearance, stacked on the first one's device.
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
@@ -130,6 +138,25 @@ class LoopOptimizer:
             if ps and max_norm is not None:
                 self._shards[index].pending.append(("clip", (ps, max_norm, total)))
         return total
+
+    def _owned_params(self) -> list[list[nn.Parameter]]:
+        """Each shard's parameters whose gradient it holds whole: a parameter two shards
+        share is its first shard's."""
+        if self._owned is None:
+            seen: set[int] = set()
+            self._owned = []
+            for s in self._shards:
+                ps = [p for p in s.module.parameters() if id(p) not in seen]
+                seen.update(id(p) for p in ps)
+                self._owned.append(ps)
+        return self._owned
+
+    def take_norms(self, shard: LoopShard) -> None:
+        """After a backward op of ``shard`` (its compute, on its device), once the loop
+        clips: the norms of the gradients it holds, for a clip before its next op."""
+        if self.clips:
+            shard.norms = _grad_norms(self._owned_params()[shard.index])
+            shard.norms_at = shard.ops
 
     def zero_grad(self, set_to_none: bool, optimizer: bool, sync: Callable[[], None]) -> None:
         """Record ``zero_grad`` for every shard (applied at its next op, or by sync): of
@@ -288,10 +315,11 @@ class LoopOptimizer:
                 }
 
 
-def _grad_norms(params: list[nn.Parameter], device: torch.device) -> dict[int, torch.Tensor]:
+def _grad_norms(params: list[nn.Parameter]) -> dict[int, torch.Tensor]:
     """The 2-norm of each of ``params``' gradients (by id; those without one left out),
     each computed as ``clip_grad_norm_`` computes it (``torch._foreach_norm`` where torch
-    has it for the device and dtype): an op's compute on ``device``."""
+    has it for the device and dtype; a tensor's norm does not depend on the others in
+    the list): an op's compute, on the gradients' device."""
     grads = [(p, p.grad) for p in params if p.grad is not None]
     groups: dict[tuple[torch.device, torch.dtype], list[tuple[nn.Parameter, torch.Tensor]]] = {}
     for p, g in grads:
@@ -306,6 +334,10 @@ def _grad_norms(params: list[nn.Parameter], device: torch.device) -> dict[int, t
         norms.update({id(p): n for (p, _), n in zip(pairs, found, strict=True)})
         _settle(found[0])  # computed on the op's stream, read on the user's thread
     return norms
+
+
+def _norms_op(params: list[nn.Parameter], device: torch.device) -> dict[int, torch.Tensor]:
+    return _grad_norms(params)
 
 
 def _settle(t: torch.Tensor) -> None:
