@@ -272,6 +272,43 @@ def test_clipping_the_model_s_parameters_leaves_the_states_where_they_are(
         assert len(syncs) > before  # the list took the state home, and clipped it there
 
 
+def test_clipping_by_value_clamps_each_shard_before_its_step(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``clip_grad_value_(model.parameters(), c)`` between backward and step clamps each
+    shard's gradients before its step, on its device: bit-equal to plain, nothing brought
+    home (``LoopRunner.sync`` never called), no op of its own."""
+    from tune_hydra.engine.runtime.loop import LoopRunner
+
+    syncs: list[int] = []
+    sync = LoopRunner.sync
+    monkeypatch.setattr(LoopRunner, "sync", lambda self: (syncs.append(1), sync(self))[1])
+    data = batches(6)
+    counted: list[tuple[int, int]] = []  # the sharded run's (syncs, step ops)
+
+    def run(model: nn.Module, o: torch.optim.Optimizer) -> list[Any]:
+        before = (len(syncs), len(steps()))
+        losses = []
+        for batch in data:
+            o.zero_grad()
+            loss = classify(model, batch)
+            loss.backward()
+            torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.01)
+            o.step()
+            losses.append(float(loss))
+        counted.append((len(syncs) - before[0], len(steps()) - before[1]))
+        return losses
+
+    with th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=1) as eng:
+
+        def steps() -> list[Any]:
+            return [e for e in eng.trace.events if e.op == "S"]
+
+        model, *_ = both(mlp, "adam", run, eng)
+        assert len(model.__dict__["_th_shard"].loop.shards) >= 3
+    assert counted[0] == (0, 0), counted
+
+
 @pytest.mark.parametrize("copying", [True, False])
 def test_convnet_sgd_momentum_exact(copying: bool) -> None:
     # Ray Tune's MNIST ConvNet (a traced module), on copying devices and in place.

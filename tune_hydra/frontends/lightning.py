@@ -29,12 +29,12 @@ network needs, in the order Lightning's ``Strategy.setup`` calls it:
 - every ``optimizer.step(closure)`` (Lightning's automatic optimization) runs the closure
   (``training_step``, ``zero_grad``, ``backward``: the shards' ops), then steps the
   shards, and returns the closure's loss.
-- gradient clipping by norm (``Trainer(gradient_clip_val=...)``, ``self.clip_gradients``)
-  over the sharded optimizer's parameters runs shard by shard, the gradients left on
-  their devices, with ``clip_grad_norm_``'s arithmetic over the optimizer's order (see
-  :mod:`tune_hydra.frontends.shard_clip`); clipping by value, or a precision plugin with
-  parameters of its own, reads the gradients at home: the shards' state comes home
-  first.
+- gradient clipping (``Trainer(gradient_clip_val=...)``, ``self.clip_gradients``) over
+  the sharded optimizer's parameters runs shard by shard, the gradients left on their
+  devices, with ``clip_grad_norm_``'s arithmetic over the optimizer's order, or
+  ``clip_grad_value_``'s clamp (see :mod:`tune_hydra.frontends.shard_clip`); a precision
+  plugin with parameters of its own reads the gradients at home: the shards' state
+  comes home first.
 - a checkpoint (``fit(ckpt_path=...)``) is restored where plain Lightning restores it:
   the weights before ``setup`` (into the network at home, even one cut by an earlier fit),
   the optimizer's state after it (into the sharded optimizer).

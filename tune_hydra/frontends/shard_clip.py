@@ -14,7 +14,9 @@ first clip takes them by an op per shard),
 with the arithmetic of the function they stand for, so the step is bit-equal to plain
 PyTorch's (or Accelerate's). Lightning clips through its precision plugin's
 ``main_params(optimizer)``, which ``HydraStrategy`` makes such a generator too: clipped
-shard by shard, in the optimizer's order. Anything else (a list of parameters, another
+shard by shard, in the optimizer's order. ``clip_grad_value_`` over such a generator
+clamps each shard's gradients before its step (elementwise: the same numbers). Anything
+else (a list of parameters, another
 norm, another distributed setting, a state already at home) goes to the function itself,
 unchanged.
 """
@@ -96,8 +98,8 @@ def _stacked(total: torch.Tensor) -> torch.Tensor:
 
 
 def patch_clip() -> None:
-    """Wrap ``torch.nn.utils.clip_grad_norm_`` and, if Accelerate is loaded,
-    ``Accelerator.clip_grad_norm_`` (idempotent; see the module docstring)."""
+    """Wrap ``torch.nn.utils.clip_grad_norm_``, ``clip_grad_value_`` and, if Accelerate is
+    loaded, ``Accelerator.clip_grad_norm_`` (idempotent; see the module docstring)."""
     import torch.nn.utils as utils
     import torch.nn.utils.clip_grad as clip_grad
 
@@ -122,6 +124,23 @@ def patch_clip() -> None:
             clip_grad_norm_._th_patched = True  # type: ignore[attr-defined]
             clip_grad.clip_grad_norm_ = clip_grad_norm_
             utils.clip_grad_norm_ = clip_grad_norm_
+        by_value = clip_grad.clip_grad_value_
+        if not getattr(by_value, "_th_patched", False):
+
+            @functools.wraps(by_value)
+            def clip_grad_value_(
+                parameters: Any, clip_value: float, foreach: bool | None = None
+            ) -> None:
+                found = loop_of(parameters)
+                if found is None:
+                    return by_value(parameters, clip_value, foreach)
+                loop, params = found
+                loop.clip_grad_value(float(clip_value), params=params)
+                return None
+
+            clip_grad_value_._th_patched = True  # type: ignore[attr-defined]
+            clip_grad.clip_grad_value_ = clip_grad_value_
+            utils.clip_grad_value_ = clip_grad_value_
         if "accelerate" in sys.modules:
             _patch_accelerate()
 

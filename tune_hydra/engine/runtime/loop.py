@@ -595,6 +595,18 @@ class LoopRunner:
                 torch.nn.utils.clip_grads_with_norm_(given, max_norm, total)
         return total
 
+    def clip_grad_value(
+        self, clip_value: float, *, params: Sequence[nn.Parameter] | None = None
+    ) -> None:
+        """``torch.nn.utils.clip_grad_value_(params, clip_value)`` (``params`` ``None``:
+        the model's ``parameters()``): each shard's gradients clamped before its step
+        (see :meth:`LoopOptimizer.clip_grad_value`), or at home."""
+        if self.at_home or not self.optim.clip_grad_value(self.model, clip_value, params):
+            self.sync()
+            self.touched()
+            given = list(nn.Module.parameters(self.model) if params is None else params)
+            torch.nn.utils.clip_grad.clip_grad_value_(given, clip_value)
+
     @property
     def at_home(self) -> bool:
         """Whether every shard's state is home now, nothing pending (since a sync)."""

@@ -102,16 +102,10 @@ class LoopOptimizer:
             The total norm, as ``clip_grad_norm_`` returns it; ``None`` if a parameter of
             ``model`` is in no shard (the caller clips at home instead).
         """
-        owned = self._owned_params()
-        owner = {id(p): s for s, ps in zip(self._shards, owned, strict=True) for p in ps}
-        # The model's order; torch's own named_parameters, not a sharded model's (a sync).
-        if params is None:
-            params = [p for _, p in nn.Module.named_parameters(model)]
-        if any(id(p) not in owner for p in params):
+        found = self._by_shard(model, params)
+        if found is None:
             return None
-        mine: dict[int, list[nn.Parameter]] = {s.index: [] for s in self._shards}
-        for p in params:
-            mine[owner[id(p)].index].append(p)
+        given, mine = found
         self.clips = True
         norms: dict[int, torch.Tensor] = {}
         for index, ps in mine.items():
@@ -123,7 +117,7 @@ class LoopOptimizer:
         # As torch's _get_total_norm: grouped by dtype (one device in plain training), in
         # order of first appearance, stacked on the first one's device.
         groups: dict[torch.dtype, list[torch.Tensor]] = {}
-        for p in params:
+        for p in given:
             if id(p) in norms:
                 groups.setdefault(norms[id(p)].dtype, []).append(norms[id(p)])
         ordered = [n for ns in groups.values() for n in ns]
@@ -138,6 +132,38 @@ class LoopOptimizer:
             if ps and max_norm is not None:
                 self._shards[index].pending.append(("clip", (ps, max_norm, total)))
         return total
+
+    def clip_grad_value(
+        self, model: nn.Module, clip_value: float, params: Sequence[nn.Parameter] | None
+    ) -> bool:
+        """``torch.nn.utils.clip_grad_value_(params, clip_value)`` (``None``:
+        ``model.parameters()``) recorded for each shard's next op, before its step: a
+        clamp of each gradient, the same numbers shard by shard. False (nothing recorded)
+        if a parameter is in no shard."""
+        found = self._by_shard(model, params)
+        if found is None:
+            return False
+        for index, ps in found[1].items():
+            if ps:
+                self._shards[index].pending.append(("clamp", (ps, clip_value)))
+        return True
+
+    def _by_shard(
+        self, model: nn.Module, params: Sequence[nn.Parameter] | None
+    ) -> tuple[list[nn.Parameter], dict[int, list[nn.Parameter]]] | None:
+        """``params`` (``None``: the model's, in its order) and, by shard index, those
+        whose gradient each shard holds whole, in their order; ``None`` if one is in no
+        shard."""
+        owned = self._owned_params()
+        owner = {id(p): s.index for s, ps in zip(self._shards, owned, strict=True) for p in ps}
+        # torch's own named_parameters, not a sharded model's (a sync)
+        given = [p for _, p in nn.Module.named_parameters(model)] if params is None else params
+        if any(id(p) not in owner for p in given):
+            return None
+        mine: dict[int, list[nn.Parameter]] = {s.index: [] for s in self._shards}
+        for p in given:
+            mine[owner[id(p)]].append(p)
+        return list(given), mine
 
     def _owned_params(self) -> list[list[nn.Parameter]]:
         """Each shard's parameters whose gradient it holds whole: a parameter two shards
@@ -253,6 +279,9 @@ class LoopOptimizer:
             if what == "clip":
                 params, max_norm, total = arg
                 torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+            elif what == "clamp":
+                params, clip_value = arg
+                torch.nn.utils.clip_grad.clip_grad_value_(params, clip_value)
             elif what == "zero":
                 set_to_none, params = arg
                 for p in params:
