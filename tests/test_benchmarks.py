@@ -232,3 +232,10 @@ def test_search_runs_engine_and_objective(tmp_path: Path) -> None:
         assert 0 < f["half"] <= f["last"] <= 1 and 0 < f["floor"] <= 1, f
         assert 0 <= f["arrived"] <= f["last"] and f["samples_per_s"] > 0 and f["best"] < 1, f
     assert figures["engine"]["lrtf"][0]["stopped"] == 0  # the driver stops nothing
+
+
+def test_clipping_quick() -> None:
+    pytest.importorskip("transformers")
+    out = _run("clipping.py", "--quick")
+    for text in ("Trainer, max_grad_norm=1.0", "Trainer, max_grad_norm=0", "MiB copied"):
+        assert text in out

@@ -8,17 +8,15 @@ step by default (``max_grad_norm=1.0``). So ``th.shard`` wraps
 ``torch.nn.utils.clip_grad_norm_`` and, once Accelerate is loaded,
 ``Accelerator.clip_grad_norm_`` (Trainer's way to it): given such a generator not started
 yet, of the whole model, they clip with the gradients left on their devices instead
-(``LoopRunner.clip_grad_norm``: the scaling recorded before each shard's step; the
-norms are those each shard's last backward op took, once the loop has clipped: the
-first clip takes them by an op per shard),
-with the arithmetic of the function they stand for, so the step is bit-equal to plain
-PyTorch's (or Accelerate's). Lightning clips through its precision plugin's
-``main_params(optimizer)``, which ``HydraStrategy`` makes such a generator too: clipped
-shard by shard, in the optimizer's order. ``clip_grad_value_`` over such a generator
-clamps each shard's gradients before its step (elementwise: the same numbers). Anything
-else (a list of parameters, another
-norm, another distributed setting, a state already at home) goes to the function itself,
-unchanged.
+(``LoopRunner.clip_grad_norm``: the scaling recorded before each shard's step; the norms
+are those each shard's last backward op took, once the loop has clipped: the first clip
+takes them by an op per shard), with the arithmetic of the function they stand for, so
+the step is bit-equal to plain PyTorch's (or Accelerate's). Lightning clips through its
+precision plugin's ``main_params(optimizer)``, which ``HydraStrategy`` makes such a
+generator too: clipped shard by shard, in the optimizer's order. ``clip_grad_value_``
+over such a generator clamps each shard's gradients before its step (elementwise: the
+same numbers). Anything else (a list of parameters, another norm, another distributed
+setting, a state already at home) goes to the function itself, unchanged.
 """
 
 from __future__ import annotations

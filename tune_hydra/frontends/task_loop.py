@@ -326,8 +326,9 @@ class TaskLoop:
 
     def ops_per_iteration(self) -> float | None:
         """The engine ops of one iteration once cut (a train batch is one op, an eval
-        batch one per shard, a clipped step's sync one per shard); None for data without
-        a length, or before the cut."""
+        batch one per shard, the loop's first clip one per shard: later clips take the
+        norms the backward ops took); None for data without a length, or before the
+        cut."""
         loop = self.runner
         try:
             batches = len(self.task.train_data)  # type: ignore[arg-type]
@@ -339,9 +340,8 @@ class TaskLoop:
         if self.iteration_batches is not None:
             batches = self.iteration_batches
         shards = len(loop.shards)
-        steps = math.ceil(batches / self.accumulate_steps)
-        syncs = steps * shards if self.max_grad_norm is not None else 0
-        return float(batches + evals * shards + syncs)
+        norms = shards if self.max_grad_norm is not None and not loop.optim.clips else 0
+        return float(batches + evals * shards + norms)
 
     def _next_batch(self) -> Any:
         """The epoch's next train batch, or ``_END`` when its data ended."""

@@ -367,15 +367,17 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return (a - b).abs().max().item() / (scale if scale > 0 else 1.0)
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize(
+    ("kind", "clip"), [("llama", None), ("gpt2", None), ("llama", 0.05)], ids=str
+)
 def test_engine_batch_shared_trains_as_each_alone(
-    kind: str, saved: dict[str, Path], capsys: pytest.CaptureFixture[str]
+    kind: str, clip: float | None, saved: dict[str, Path], capsys: pytest.CaptureFixture[str]
 ) -> None:
     """4 LoRA trials on 2 emulated copying devices with batch_shared=True, trained as
     TaskLoops (each on its thread; th.optimize's runtime): each batch's chain of ops
     (F.., L, B..) batches on the shared base, the engine ran batched passes, and each
     trial's losses and adapters equal it trained alone in plain PyTorch within 1e-12
-    relative (float64)."""
+    relative (float64); with clipping too (the norms a batched backward takes)."""
     import tune_hydra as th
     from tune_hydra.engine import Engine
     from tune_hydra.frontends.task_loop import TaskLoop
@@ -386,7 +388,10 @@ def test_engine_batch_shared_trains_as_each_alone(
         for k, t in tasks.items()
     }
     with Engine(["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2, batch_shared=True) as eng:
-        loops = {name: TaskLoop(name, task, eng, seed=3) for name, task in tasks.items()}
+        loops = {
+            name: TaskLoop(name, task, eng, seed=3, max_grad_norm=clip)
+            for name, task in tasks.items()
+        }
         futures = {name: loop.start(2) for name, loop in loops.items()}
         results = {name: f.result(timeout=600) for name, f in futures.items()}
         for loop in loops.values():  # the last steps (left pending: no eval data) applied
@@ -404,7 +409,7 @@ def test_engine_batch_shared_trains_as_each_alone(
         threads = torch.get_num_threads()
         torch.set_num_threads(max(1, threads // 2))  # as an emulated device of two runs it
         try:
-            want = th.train_plain(refs[name], 2, seed=3)
+            want = th.train_plain(refs[name], 2, seed=3, max_grad_norm=clip)
         finally:
             torch.set_num_threads(threads)
         for got, w in zip(results[name], want, strict=True):
