@@ -38,3 +38,21 @@ def engine() -> Iterator[object]:
     eng = th.Engine(devices=["cpu", "cpu"], copy_on_cpu=True, max_layers_per_shard=2)
     yield eng
     eng.close()
+
+
+@pytest.fixture
+def syncs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The syncs that brought a loop's state home during the test (``LoopRunner.sync``
+    calls that found it away), one item each."""
+    from tune_hydra.engine.runtime.loop import LoopRunner
+
+    found: list[int] = []
+    sync = LoopRunner.sync
+
+    def counted(self: LoopRunner) -> None:
+        if not self.at_home:
+            found.append(1)
+        sync(self)
+
+    monkeypatch.setattr(LoopRunner, "sync", counted)
+    return found

@@ -152,23 +152,12 @@ def test_lightning_trainer_exact(
 
 @pytest.mark.parametrize("algorithm", ["norm", "value"])
 def test_clipping_leaves_the_states_where_they_are(
-    algorithm: str, engine: th.Engine, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    algorithm: str, engine: th.Engine, tmp_path: Path, syncs: list[int]
 ) -> None:
     """``gradient_clip_val`` clips every step through the precision plugin's
     ``main_params(optimizer)``: by norm or by value, shard by shard with the gradients
     on their devices (no more syncs than a run without clipping), exactly as plain
     Lightning's run."""
-    from tune_hydra.engine.runtime.loop import LoopRunner
-
-    syncs: list[int] = []  # the syncs that brought a state home
-    sync = LoopRunner.sync
-
-    def counted(self: LoopRunner) -> None:
-        if not self.at_home:
-            syncs.append(1)
-        sync(self)
-
-    monkeypatch.setattr(LoopRunner, "sync", counted)
     counts = []
     for clip in (0.5, None):
         kwargs = {"gradient_clip_val": clip, "gradient_clip_algorithm": algorithm}

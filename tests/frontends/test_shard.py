@@ -227,17 +227,12 @@ def test_mlp_clip_accumulate_scheduler_eval_exact(opt: str, engine: th.Engine) -
 
 @pytest.mark.parametrize("opt", ["sgd", "adam"])
 def test_clipping_the_model_s_parameters_leaves_the_states_where_they_are(
-    opt: str, monkeypatch: pytest.MonkeyPatch
+    opt: str, syncs: list[int]
 ) -> None:
     """``clip_grad_norm_(model.parameters(), c)`` between backward and step clips shard by
     shard (th.shard's hook of it): the gradients stay on their devices (no step brings
-    the state home: ``LoopRunner.sync`` is never called), and the run is bit-equal to
+    the state home), and the run is bit-equal to
     plain, clipping norms included. A list of the parameters clips at home, as ever."""
-    from tune_hydra.engine.runtime.loop import LoopRunner
-
-    syncs: list[int] = []
-    sync = LoopRunner.sync
-    monkeypatch.setattr(LoopRunner, "sync", lambda self: (syncs.append(1), sync(self))[1])
     data = batches(6)
     counted: list[int] = []
 
@@ -273,16 +268,11 @@ def test_clipping_the_model_s_parameters_leaves_the_states_where_they_are(
 
 
 def test_clipping_by_value_clamps_each_shard_before_its_step(
-    monkeypatch: pytest.MonkeyPatch,
+    syncs: list[int],
 ) -> None:
     """``clip_grad_value_(model.parameters(), c)`` between backward and step clamps each
     shard's gradients before its step, on its device: bit-equal to plain, nothing brought
     home (``LoopRunner.sync`` never called), no op of its own."""
-    from tune_hydra.engine.runtime.loop import LoopRunner
-
-    syncs: list[int] = []
-    sync = LoopRunner.sync
-    monkeypatch.setattr(LoopRunner, "sync", lambda self: (syncs.append(1), sync(self))[1])
     data = batches(6)
     counted: list[tuple[int, int]] = []  # the sharded run's (syncs, step ops)
 
@@ -307,6 +297,36 @@ def test_clipping_by_value_clamps_each_shard_before_its_step(
         model, *_ = both(mlp, "adam", run, eng)
         assert len(model.__dict__["_th_shard"].loop.shards) >= 3
     assert counted[0] == (0, 0), counted
+
+
+def test_clipping_a_non_finite_norm_raises_as_torch(engine: th.Engine, syncs: list[int]) -> None:
+    """``clip_grad_norm_(..., error_if_nonfinite=True)`` shard by shard: a non-finite
+    total raises torch's own error before any gradient is scaled, nothing brought home;
+    a finite one clips exactly as plain."""
+    model = mlp()
+    ref = copy.deepcopy(model)
+    model = th.shard(model, engine=engine)
+    x, y = batches(1)[0]
+    for m in (model, ref):
+        torch.manual_seed(3)  # the same dropout in both
+        (classify(m, (x, y)) * float("inf")).backward()  # non-finite gradients
+    with pytest.raises(RuntimeError) as want:
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), 1.0, error_if_nonfinite=True)
+    with pytest.raises(RuntimeError) as got:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    assert str(got.value) == str(want.value) and "non-finite" in str(got.value)
+    assert syncs == []
+    for m in (model, ref):
+        m.zero_grad()
+        torch.manual_seed(4)
+        classify(m, (x, y)).backward()
+    want_total = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1, error_if_nonfinite=True)
+    total = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1, error_if_nonfinite=True)
+    assert torch.equal(total, want_total) and syncs == []
+    grads = {n: p.grad for n, p in model.named_parameters()}  # brings the state home
+    for n, p in ref.named_parameters():
+        assert torch.equal(grads[n], p.grad), n
+    th.unshard(model)
 
 
 @pytest.mark.parametrize("copying", [True, False])

@@ -120,7 +120,7 @@ def test_trainer_with_its_defaults_equals_plain(tmp_path: Path, engine: th.Engin
 
 
 def test_trainer_s_clipping_leaves_the_states_where_they_are(
-    tmp_path: Path, engine: th.Engine, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, engine: th.Engine, syncs: list[int]
 ) -> None:
     """Trainer clips every step by default (``max_grad_norm=1.0``, through Accelerate's
     ``clip_grad_norm_``): shard by shard, with the gradients on their devices; and it
@@ -128,17 +128,6 @@ def test_trainer_s_clipping_leaves_the_states_where_they_are(
     shapes only. So a run, clipping or not, brings the state home once (its first step,
     where Trainer's optimizer is adopted), not at every step, and is bit-equal to plain,
     logged gradient norms included."""
-    from tune_hydra.engine.runtime.loop import LoopRunner
-
-    syncs: list[int] = []  # the syncs that brought a state home
-    sync = LoopRunner.sync
-
-    def counted(self: LoopRunner) -> None:
-        if not self.at_home:
-            syncs.append(1)
-        sync(self)
-
-    monkeypatch.setattr(LoopRunner, "sync", counted)
     counts = []
     for norm in (1.0, 0.0):
         want = fit(tmp_path / f"plain{norm}", shard=False, max_grad_norm=norm)

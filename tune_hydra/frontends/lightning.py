@@ -47,7 +47,6 @@ Without this strategy a LightningModule can call ``th.shard(self.model, optimize
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -192,23 +191,15 @@ def _strategy_class() -> type[SingleDeviceStrategy]:
 
 
 def _synced(main_params: Any, strategy: Any) -> Any:
-    synced = functools.partial(_main_params, main_params, strategy)
+    from tune_hydra.frontends.shard_clip import optimizer_parameters
+
+    def sync() -> None:
+        if strategy.lightning_module is not None:
+            sync_networks(strategy.lightning_module)
+
+    synced = functools.partial(optimizer_parameters, main_params, sync)
     synced._th_synced = True  # type: ignore[attr-defined]
     return synced
-
-
-def _main_params(main_params: Any, strategy: Any, optimizer: Any) -> Iterator[nn.Parameter]:
-    # A generator, as Lightning's: the state comes home when the first parameter is
-    # taken, so clip_grad_norm_ over it may clip shard by shard instead (shard_clip).
-    if strategy.lightning_module is not None:
-        sync_networks(strategy.lightning_module)
-    yield from main_params(optimizer)
-
-
-def main_params_code() -> Any:
-    """The code of the parameters generator :class:`HydraStrategy` gives its precision
-    plugin (``Precision.main_params``), which ``shard_clip`` recognises."""
-    return _main_params.__code__
 
 
 def __getattr__(name: str) -> Any:

@@ -15,8 +15,9 @@ the step is bit-equal to plain PyTorch's (or Accelerate's). Lightning clips thro
 precision plugin's ``main_params(optimizer)``, which ``HydraStrategy`` makes such a
 generator too: clipped shard by shard, in the optimizer's order. ``clip_grad_value_``
 over such a generator clamps each shard's gradients before its step (elementwise: the
-same numbers). Anything else (a list of parameters, another norm, another distributed
-setting, a state already at home) goes to the function itself, unchanged.
+same numbers). Anything else (a list of parameters, another norm, an explicit
+``foreach``, another distributed setting, a state already at home) goes to the function
+itself, unchanged.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import math
 import sys
 import threading
 import types
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -40,6 +42,17 @@ log = logging.getLogger(__name__)
 _LOCK = threading.Lock()
 
 
+def optimizer_parameters(
+    main_params: Callable[[Any], Iterable[nn.Parameter]], sync: Callable[[], None], optimizer: Any
+) -> Iterator[nn.Parameter]:
+    """``main_params(optimizer)`` (Lightning's precision plugin's: the optimizer's
+    parameters), as a generator that calls ``sync`` (brings the sharded networks' state
+    home) when its first parameter is taken: clipping over it unstarted may run shard by
+    shard instead (:func:`loop_of`)."""
+    sync()
+    yield from main_params(optimizer)
+
+
 def loop_of(
     parameters: Any, norm_type: Any = 2.0
 ) -> tuple[LoopRunner, list[nn.Parameter] | None] | None:
@@ -50,12 +63,11 @@ def loop_of(
     parameters (all of them the sharded model's), the 2-norm, the loop's state not at
     home; ``None`` otherwise. The generator is closed (nothing is brought home)."""
     from tune_hydra.engine.runtime.loop import in_op
-    from tune_hydra.frontends.lightning import main_params_code
     from tune_hydra.frontends.shard import sharded_parameters_code
 
     if (
         type(parameters) is not types.GeneratorType
-        or parameters.gi_code not in (sharded_parameters_code(), main_params_code())
+        or parameters.gi_code not in (sharded_parameters_code(), _OPTIMIZER_PARAMETERS)
         or inspect.getgeneratorstate(parameters) != inspect.GEN_CREATED
     ):
         return None
@@ -68,7 +80,7 @@ def loop_of(
         return None
     local = frame.f_locals
     params: list[nn.Parameter] | None = None
-    if parameters.gi_code is main_params_code():
+    if parameters.gi_code is _OPTIMIZER_PARAMETERS:
         # Lightning's clipping: the optimizer's parameters, as its own main_params gives
         # them (its param groups: no sync), every one the sharded model's.
         state = getattr(local["optimizer"], "_th_shard", None)
@@ -88,6 +100,19 @@ def loop_of(
         return None
     parameters.close()
     return loop, params
+
+
+def _finite(norm_type: Any, total: torch.Tensor) -> torch.Tensor:
+    """``error_if_nonfinite=True``: torch's error for a non-finite total, raised before
+    any gradient is scaled."""
+    if torch.logical_or(total.isnan(), total.isinf()):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from "
+            "`parameters` is non-finite, so it cannot be clipped. To disable "
+            "this error and scale the gradients by the non-finite norm anyway, "
+            "set `error_if_nonfinite=False`"
+        )
+    return total
 
 
 def _stacked(total: torch.Tensor) -> torch.Tensor:
@@ -113,11 +138,13 @@ def patch_clip() -> None:
                 error_if_nonfinite: bool = False,
                 foreach: bool | None = None,
             ) -> torch.Tensor:
-                found = None if error_if_nonfinite else loop_of(parameters, norm_type)
+                # An explicit foreach picks torch's kernels: at home, as asked.
+                found = loop_of(parameters, norm_type) if foreach is None else None
                 if found is None:
                     return original(parameters, max_norm, norm_type, error_if_nonfinite, foreach)
                 loop, params = found
-                return loop.clip_grad_norm(float(max_norm), params=params)
+                finish = functools.partial(_finite, norm_type) if error_if_nonfinite else None
+                return loop.clip_grad_norm(float(max_norm), finish=finish, params=params)
 
             clip_grad_norm_._th_patched = True  # type: ignore[attr-defined]
             clip_grad.clip_grad_norm_ = clip_grad_norm_
@@ -129,7 +156,7 @@ def patch_clip() -> None:
             def clip_grad_value_(
                 parameters: Any, clip_value: float, foreach: bool | None = None
             ) -> None:
-                found = loop_of(parameters)
+                found = loop_of(parameters) if foreach is None else None
                 if found is None:
                     return by_value(parameters, clip_value, foreach)
                 loop, params = found
@@ -170,4 +197,6 @@ def _patch_accelerate() -> None:
     accelerate.Accelerator.clip_grad_norm_ = clip_grad_norm_
 
 
-__all__ = ["loop_of", "patch_clip"]
+_OPTIMIZER_PARAMETERS = optimizer_parameters.__code__
+
+__all__ = ["loop_of", "optimizer_parameters", "patch_clip"]
