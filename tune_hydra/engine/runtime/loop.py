@@ -579,20 +579,15 @@ class LoopRunner:
         """``torch.nn.utils.clip_grad_norm_(params, max_norm)`` (``params`` ``None``: the
         model's ``parameters()``), the gradients left on their devices (see
         :meth:`LoopOptimizer.clip_grad_norm`; ``finish`` and ``max_norm=None`` there)."""
-        total = (
-            None
-            if self.at_home
-            else self.optim.clip_grad_norm(self.model, max_norm, self.run, finish, params)
-        )
-        if total is None:  # at home already (a GradScaler's), or a parameter outside
-            self.sync()
-            self.touched()
-            given = list(nn.Module.parameters(self.model) if params is None else params)
-            grads = [p.grad for p in given if p.grad is not None]
-            total = torch.nn.utils.get_total_norm(grads, 2.0)
-            total = total if finish is None else finish(total)
-            if max_norm is not None:
-                torch.nn.utils.clip_grads_with_norm_(given, max_norm, total)
+        if not self.at_home:
+            total = self.optim.clip_grad_norm(self.model, max_norm, self.run, finish, params)
+            if total is not None:
+                return total
+        given = self._home_params(params)  # home already (a GradScaler's), or one outside
+        total = torch.nn.utils.get_total_norm([p.grad for p in given if p.grad is not None])
+        total = total if finish is None else finish(total)
+        if max_norm is not None:
+            torch.nn.utils.clip_grads_with_norm_(given, max_norm, total)
         return total
 
     def clip_grad_value(
@@ -602,10 +597,14 @@ class LoopRunner:
         the model's ``parameters()``): each shard's gradients clamped before its step
         (see :meth:`LoopOptimizer.clip_grad_value`), or at home."""
         if self.at_home or not self.optim.clip_grad_value(self.model, clip_value, params):
-            self.sync()
-            self.touched()
-            given = list(nn.Module.parameters(self.model) if params is None else params)
-            torch.nn.utils.clip_grad.clip_grad_value_(given, clip_value)
+            torch.nn.utils.clip_grad.clip_grad_value_(self._home_params(params), clip_value)
+
+    def _home_params(self, params: Sequence[nn.Parameter] | None) -> list[nn.Parameter]:
+        """The state brought home for the caller to change; ``params`` (``None``: the
+        model's)."""
+        self.sync()
+        self.touched()
+        return list(nn.Module.parameters(self.model) if params is None else params)
 
     @property
     def at_home(self) -> bool:
